@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv and install trl-scale into it. torch is installed first, pinned, so that pip never
+# resolves an unpinned torch (on a CPU machine that would pull several GB of CUDA wheels).
+# Usage: bash scripts/setup.sh [extras]   e.g. bash scripts/setup.sh test
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS="${1:-demo}"
+TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+PYTHON="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==${TORCH_VERSION}"
+.venv/bin/python -m pip install -q -e ".[${EXTRAS}]"

@@ -1,0 +1,46 @@
+import os
+
+# Nothing downloads, nothing phones home; set before transformers/trl are imported.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from trl_scale.toy import build_tiny_model  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    has_cuda = torch.cuda.is_available()
+    try:
+        import vllm  # noqa: F401
+
+        has_vllm = True
+    except ImportError:
+        has_vllm = False
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "vllm" in item.keywords and not has_vllm:
+            item.add_marker(pytest.mark.skip(reason="needs vLLM"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), family="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> str:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), family="qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model(tmp_path_factory) -> str:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-reward"), family="llama", kind="reward", seed=1)
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def tiny_model_path(request, tiny_llama, tiny_qwen2) -> str:
+    return {"llama": tiny_llama, "qwen2": tiny_qwen2}[request.param]

@@ -1,0 +1,52 @@
+"""Shared test helpers: small configs and rewards that give non-zero gradients on a random tiny model."""
+
+from __future__ import annotations
+
+import torch
+
+
+def token_parity_reward(completion_ids, **kwargs) -> list[float]:
+    """Fraction of odd token ids: varies across samples of a random model, so advantages are not all zero."""
+    return [sum(t % 2 for t in ids) / max(1, len(ids)) for ids in completion_ids]
+
+
+def cpu_args(output_dir, **overrides) -> dict:
+    """Common TrainingArguments for fast, deterministic fp32 CPU runs."""
+    args = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        logging_steps=1,
+        max_steps=3,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    args.update(overrides)
+    return args
+
+
+def step_logs(trainer, keys=("loss", "grad_norm")) -> list[dict]:
+    return [{k: entry[k] for k in keys if k in entry} for entry in trainer.state.log_history if "loss" in entry]
+
+
+def max_param_diff(model_a, model_b) -> float:
+    params_b = dict(model_b.named_parameters())
+    return max((p - params_b[n]).abs().max().item() for n, p in model_a.named_parameters())
+
+
+def assert_logs_close(got: list[dict], expected: list[dict], atol: float) -> None:
+    assert len(got) == len(expected) and len(got) > 0, (got, expected)
+    for step, (g, e) in enumerate(zip(got, expected)):
+        assert g.keys() == e.keys(), (step, g, e)
+        for key in g:
+            assert abs(g[key] - e[key]) <= atol, f"step {step} {key}: trl-scale {g[key]} vs TRL {e[key]}"
+
+
+def seeded_tensor(*shape, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator)

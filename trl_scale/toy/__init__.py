@@ -1,0 +1,31 @@
+"""Tiny offline models, tokenizers, toy tasks and the CPU demo."""
+
+from .models import build_tiny_model, check_tokenizer_round_trip, tiny_config
+from .tokenizer import CHAT_TEMPLATE, NUMBER_WORDS, TOY_WORDS, build_tokenizer
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "NUMBER_WORDS",
+    "TOY_WORDS",
+    "build_tiny_model",
+    "build_tokenizer",
+    "check_tokenizer_round_trip",
+    "tiny_config",
+]
+from .tasks import (  # noqa: E402
+    COUNT_TARGET_LENGTH,
+    counting_prompts,
+    counting_reward,
+    expected_continuation,
+    number_word_corpus,
+    preference_pairs,
+)
+
+__all__ += [
+    "COUNT_TARGET_LENGTH",
+    "counting_prompts",
+    "counting_reward",
+    "expected_continuation",
+    "number_word_corpus",
+    "preference_pairs",
+]

@@ -1,0 +1,3 @@
+"""What every trl-scale trainer shares."""
+
+TRL_SCALE_TAG = "trl-scale"
