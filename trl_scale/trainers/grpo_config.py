@@ -6,10 +6,26 @@ from dataclasses import dataclass
 
 from trl import GRPOConfig as _TRLGRPOConfig
 
+from .common import ScoringArguments
+
 
 @dataclass
-class GRPOConfig(_TRLGRPOConfig):
+class GRPOConfig(ScoringArguments, _TRLGRPOConfig):
     r"""
-    Configuration class for [`trl_scale.GRPOTrainer`]: every field of [`trl.GRPOConfig`], unchanged, plus the
-    trl-scale fields documented below. With every trl-scale feature off, training matches TRL's exactly.
+    Configuration class for [`trl_scale.GRPOTrainer`]: every field of [`trl.GRPOConfig`], unchanged, plus trl-scale's.
+
+    > Packed scoring (remove-padding + chunked log-prob head)
+
+    padding_free (`bool`, defaults to `True`):
+        Score only real tokens, packed into rows with `position_ids` restarting per sequence. `False` runs TRL's
+        padded path and gives TRL's numbers exactly.
+    token_budget (`int` or `None`, defaults to `None`):
+        Most tokens in one packed forward; larger batches are split into balanced micro-batches, the same number on
+        every data-parallel rank.
+    logprob_chunk_size (`int`, defaults to `256`):
+        Tokens projected onto the vocabulary at once by trl-scale's chunked head (non-Triton devices).
     """
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._validate_scoring_arguments()

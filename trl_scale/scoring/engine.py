@@ -1,0 +1,200 @@
+"""The packed scoring engine: one wrapper around a model's TRL fused forward that every trainer uses.
+
+TRL calls every scoring path (policy, old and reference log-probs, DPO's chosen/rejected, the loss) as
+``model(input_ids[B, T], attention_mask[B, T], labels=..., fused_lm_head=True)`` and reads per-token fields of
+shape ``[B, T-1]``. :func:`install_packed_scoring` wraps that forward: it packs the real tokens into
+micro-batches (:mod:`.packing`), runs the backbone with ``attention_mask=None`` and no cache, scores only
+labelled tokens with the chunked head (:mod:`.logprob_head`), and scatters the fields back to ``[B, T-1]``,
+so TRL's loss code, normalisation and metrics run unchanged. Calls it cannot pack exactly (pre-shifted labels,
+caller ``position_ids``, embeddings, multimodal or MoE-router kwargs) go to TRL's forward untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .logprob_head import chunked_logprobs, logit_transform_of
+from .packing import check_packing_attention, pack_padded_batch, packed_forward_kwargs, unpack
+
+# Keyword arguments a packable call may carry besides input_ids/attention_mask/labels.
+_PACKABLE_KWARGS = {"use_cache", "return_dict"}
+
+
+@dataclass
+class PackingStats:
+    """Counts since the last :meth:`pop`, for logging."""
+
+    padded_tokens: int = 0
+    real_tokens: int = 0
+    micro_batches: int = 0
+    calls: int = 0
+    fallbacks: int = 0
+    tokens_per_micro_batch: list[int] = field(default_factory=list)
+
+    def pop(self) -> dict[str, float]:
+        if not self.calls:
+            return {}
+        logs = {
+            "padding_free/pad_fraction_removed": 1.0 - self.real_tokens / max(1, self.padded_tokens),
+            "padding_free/tokens_per_micro_batch": sum(self.tokens_per_micro_batch)
+            / max(1, len(self.tokens_per_micro_batch)),
+            "padding_free/micro_batches_per_call": self.micro_batches / self.calls,
+        }
+        self.__init__()
+        return logs
+
+
+@dataclass
+class PackedScoringConfig:
+    token_budget: int | None = None
+    logprob_chunk_size: int = 256
+    temperature: float = 1.0
+    outputs: tuple[str, ...] = ()
+    stats: PackingStats = field(default_factory=PackingStats)
+
+
+def _same_count_on_every_rank(count: int, device: torch.device) -> int:
+    """Every data-parallel rank must run the same number of backbone forwards (sharded parameters are gathered
+    collectively per forward under ZeRO-3/FSDP), so take the maximum across ranks."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return count
+    backend_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    tensor = torch.tensor([count], device=backend_device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items_in_batch):
+    """The packed equivalent of TRL's ``_fused_forward`` for a padded batch; returns a ``FusedCausalLMOutput``."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    batch_size, seq_len = input_ids.shape
+    # TRL scores hidden[:, t] against labels[:, t + 1]; in the padded layout, position t's label is the next column.
+    shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
+    attn_impl = getattr(model.config, "_attn_implementation", None)
+    check_packing_attention(attn_impl)
+    first = pack_padded_batch(input_ids, attention_mask, config.token_budget)
+    count = _same_count_on_every_rank(len(first.micro_batches), input_ids.device)
+    packed = (
+        first
+        if count == len(first.micro_batches)
+        else pack_padded_batch(input_ids, attention_mask, config.token_budget, num_micro_batches=count)
+    )
+    softcap, logit_scale = logit_transform_of(model.config)
+    lm_head = model.get_output_embeddings()
+    weight, bias = lm_head.weight, lm_head.bias
+    backbone = model.base_model
+
+    names = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    collected: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    indices: list[torch.Tensor] = []
+    anchor = None  # keeps a dummy forward of an empty micro-batch in the graph
+    for micro_batch in packed.micro_batches:
+        if micro_batch.input_ids.numel() == 0:
+            dummy = input_ids.new_zeros((1, 1))
+            hidden = backbone(input_ids=dummy, position_ids=dummy, attention_mask=None, use_cache=False)
+            anchor = hidden.last_hidden_state.sum() * 0.0
+            continue
+        hidden = backbone(**packed_forward_kwargs(micro_batch, attn_impl)).last_hidden_state[0]
+        targets = shift_labels.reshape(-1)[micro_batch.flat_index]
+        scored = targets != -100
+        if not scored.any():
+            anchor = hidden.sum() * 0.0 if anchor is None else anchor + hidden.sum() * 0.0
+            continue
+        hidden = hidden[scored].to(weight.device)
+        per_token = chunked_logprobs(
+            hidden,
+            weight,
+            bias,
+            targets[scored],
+            config.temperature,
+            config.logprob_chunk_size,
+            softcap,
+            logit_scale,
+            config.outputs,
+        )
+        for name, value in zip(names, per_token):
+            if value is not None:
+                collected[name].append(value)
+        indices.append(micro_batch.flat_index[scored])
+        config.stats.tokens_per_micro_batch.append(micro_batch.input_ids.shape[1])
+    config.stats.padded_tokens += batch_size * seq_len
+    config.stats.real_tokens += packed.num_real_tokens
+    config.stats.micro_batches += len(packed.micro_batches)
+    config.stats.calls += 1
+
+    flat_index = torch.cat(indices) if indices else input_ids.new_zeros(0)
+    fields = {}
+    for name in names:
+        if name != "log_probs" and name not in config.outputs:
+            fields[name] = None
+            continue
+        values = torch.cat(collected[name]) if collected[name] else weight.new_zeros(0, dtype=torch.float32)
+        if name == "is_top1":
+            full = torch.zeros(batch_size * seq_len, dtype=torch.bool, device=input_ids.device)
+            full[flat_index] = values
+            fields[name] = full.view(batch_size, seq_len)[:, :-1]
+        else:
+            fields[name] = unpack(values.float(), flat_index, batch_size, seq_len)[:, :-1]
+    if anchor is not None:
+        fields["log_probs"] = fields["log_probs"] + anchor
+    label_mask = shift_labels[:, :-1] != -100
+    denominator = label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    loss = -fields["log_probs"].sum() / denominator
+    return FusedCausalLMOutput(loss=loss, label_mask=label_mask, aux_loss=None, **fields)
+
+
+def install_packed_scoring(
+    model,
+    token_budget: int | None = None,
+    logprob_chunk_size: int = 256,
+    temperature: float = 1.0,
+    outputs: tuple[str, ...] = (),
+    stats: PackingStats | None = None,
+) -> PackedScoringConfig:
+    """Wrap ``model.forward`` (already patched by TRL's ``add_fused_lm_head``) so that packable
+    ``fused_lm_head=True`` calls run packed. Returns the live config (its ``stats`` collect padding figures)."""
+    check_packing_attention(getattr(model.config, "_attn_implementation", None))
+    trl_forward = model.forward
+    config = PackedScoringConfig(
+        token_budget, logprob_chunk_size, temperature, tuple(outputs), stats or PackingStats()
+    )
+
+    # Keep the class signature: `generate` validates its kwargs against it (as TRL's fused forward does).
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+        input_ids = kwargs.get("input_ids")
+        attention_mask = kwargs.get("attention_mask")
+        packable = (
+            fused_lm_head
+            and not args
+            and labels is not None
+            and shift_labels is None
+            and isinstance(input_ids, torch.Tensor)
+            and input_ids.dim() == 2
+            and isinstance(attention_mask, torch.Tensor)
+            and attention_mask.dim() == 2
+            and set(kwargs) - {"input_ids", "attention_mask"} <= _PACKABLE_KWARGS
+            and kwargs.get("use_cache") in (None, False)
+        )
+        if not packable:
+            if fused_lm_head:
+                config.stats.fallbacks += 1
+            return trl_forward(
+                *args,
+                fused_lm_head=fused_lm_head,
+                labels=labels,
+                shift_labels=shift_labels,
+                num_items_in_batch=num_items_in_batch,
+                **kwargs,
+            )
+        return packed_fused_forward(self, config, input_ids, attention_mask, labels, num_items_in_batch)
+
+    model.forward = types.MethodType(forward, model)
+    model._trl_scale_packed_scoring = config
+    return config

@@ -1,0 +1,205 @@
+"""Chunked log-prob head: per-token log-probs (and entropy and TRL's other per-token statistics) from hidden
+states, one token chunk at a time, recomputing each chunk's logits in backward. The ``[tokens, vocab]``
+logits never exist; peak memory is about two ``[chunk, vocab]`` fp32 tiles plus the weight gradient.
+
+On CUDA/XPU with Triton, :func:`chunked_logprobs` calls TRL's own kernel (``trl.kernels``), which folds tiles
+in place. Elsewhere TRL's torch fallback keeps 8-9 tile-sized temporaries (at its default tile it needs more
+memory than full logits on CPU), so we use :class:`ChunkedLogProbHead`. Both take the same arguments and
+return the same 5-tuple, with TRL's logit transform: ``z = softcap(raw * logit_scale) / temperature``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+def _logits(hidden, weight, bias, logit_scale, softcap, inv_t, compute_dtype, return_softcap_grad=False):
+    """Transformed fp32 logits of one chunk, in place after the matmul; optionally d(softcap)/d(input)."""
+    acc_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+    z = torch.mm(hidden.to(compute_dtype), weight.to(compute_dtype).t()).to(acc_dtype)
+    if bias is not None:
+        z.add_(bias.to(acc_dtype))
+    if logit_scale != 1.0:
+        z.mul_(logit_scale)
+    softcap_grad = None
+    if softcap is not None:
+        z.div_(softcap).tanh_()
+        if return_softcap_grad:
+            softcap_grad = 1.0 - z * z
+        z.mul_(softcap)
+    if inv_t != 1.0:
+        z.mul_(inv_t)
+    return z, softcap_grad
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum(a * b, -1) without an [n, V] temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+class ChunkedLogProbHead(torch.autograd.Function):
+    """Same signature and outputs as TRL's ``ChunkedLogProbFunction``, except that ``chunk_size`` counts tokens
+    (each chunk projects onto the whole vocabulary)."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: torch.Tensor,  # [N, H]
+        weight: torch.Tensor,  # [V, H]
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,  # [N]
+        temperature: float,
+        chunk_size: int,
+        final_logit_softcapping: float | None = None,
+        logit_scale: float = 1.0,
+        outputs: tuple[str, ...] = OPTIONAL_OUTPUTS,
+    ):
+        ctx.set_materialize_grads(False)
+        device = hidden.device
+        compute_dtype = (
+            torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else hidden.dtype
+        )
+        n_tokens, vocab = hidden.shape[0], weight.shape[0]
+        inv_t = 1.0 / temperature
+        want = {name: name in outputs for name in OPTIONAL_OUTPUTS}
+        f32 = dict(device=device, dtype=torch.float64 if compute_dtype == torch.float64 else torch.float32)
+        logprobs = torch.empty(n_tokens, **f32)
+        log_z = torch.empty(n_tokens, **f32)
+        entropy = torch.empty(n_tokens, **f32) if want["entropy"] else None
+        log_sum_sq = torch.empty(n_tokens, **f32) if want["log_sum_sq_probs"] else None
+        mean_logits = torch.empty(n_tokens, **f32) if want["mean_logits"] else None
+        is_top1 = torch.empty(n_tokens, device=device, dtype=torch.bool) if want["is_top1"] else None
+        for start in range(0, n_tokens, chunk_size):
+            sl = slice(start, min(start + chunk_size, n_tokens))
+            t = targets[sl].unsqueeze(1)
+            z, _ = _logits(hidden[sl], weight, bias, logit_scale, final_logit_softcapping, inv_t, compute_dtype)
+            target_z = z.gather(1, t).squeeze(1)
+            if mean_logits is not None:
+                mean_logits[sl] = z.sum(1) / vocab
+            if is_top1 is not None:
+                is_top1[sl] = z.argmax(1) == targets[sl]  # argmax takes the first maximum, as TRL does
+            z_max = z.amax(1)
+            z.sub_(z_max.unsqueeze(1))
+            if entropy is None and log_sum_sq is None:
+                sum_exp = z.exp_().sum(1)
+            else:
+                e = torch.exp(z)
+                sum_exp = e.sum(1)
+                if entropy is not None:
+                    entropy[sl] = sum_exp.log() - _rowdot(e, z) / sum_exp
+                if log_sum_sq is not None:
+                    log_sum_sq[sl] = _rowdot(e, e).log() - 2 * sum_exp.log()
+                del e
+            log_z[sl] = z_max + sum_exp.log()
+            logprobs[sl] = target_z - log_z[sl]
+            del z
+        ctx.save_for_backward(hidden, weight, bias, targets, log_z, entropy if entropy is not None else log_z)
+        ctx.args = (chunk_size, final_logit_softcapping, logit_scale, inv_t, compute_dtype)
+        ctx.mark_non_differentiable(*(x for x in (log_sum_sq, mean_logits, is_top1) if x is not None))
+        return logprobs, entropy, log_sum_sq, mean_logits, is_top1
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy, *_):
+        hidden, weight, bias, targets, log_z, entropy = ctx.saved_tensors
+        chunk_size, softcap, logit_scale, inv_t, compute_dtype = ctx.args
+        if grad_logprobs is None and grad_entropy is None:
+            return (None,) * 9
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        grad_hidden = torch.empty_like(hidden) if need_h else None
+        acc_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=acc_dtype) if need_w else None
+        grad_bias = torch.zeros(bias.shape, device=bias.device, dtype=acc_dtype) if need_b else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            sl = slice(start, min(start + chunk_size, hidden.shape[0]))
+            z, softcap_grad = _logits(
+                hidden[sl], weight, bias, logit_scale, softcap, inv_t, compute_dtype, return_softcap_grad=True
+            )
+            z.sub_(log_z[sl].unsqueeze(1))  # log p
+            p = torch.exp(z)
+            # dL/dz_j = g_lp * (1[j=t] - p_j) - g_H * p_j * (log p_j + H)
+            g_lp = grad_logprobs[sl] if grad_logprobs is not None else torch.zeros_like(log_z[sl])
+            if grad_entropy is not None:
+                z.add_(entropy[sl].unsqueeze(1)).mul_(grad_entropy[sl].unsqueeze(1)).add_(g_lp.unsqueeze(1))
+                grad_z = p.mul_(z).neg_()
+            else:
+                grad_z = p.mul_(g_lp.unsqueeze(1)).neg_()
+            del z
+            grad_z.scatter_add_(1, targets[sl].unsqueeze(1), g_lp.unsqueeze(1))
+            if inv_t != 1.0:
+                grad_z.mul_(inv_t)
+            if softcap_grad is not None:
+                grad_z.mul_(softcap_grad)
+                del softcap_grad
+            if logit_scale != 1.0:
+                grad_z.mul_(logit_scale)
+            if need_h:
+                grad_hidden[sl] = torch.mm(grad_z.to(compute_dtype), weight.to(compute_dtype)).to(hidden.dtype)
+            if need_w:
+                grad_weight.addmm_(grad_z.t(), hidden[sl].to(acc_dtype))
+            if need_b:
+                grad_bias.add_(grad_z.sum(0))
+        grad_weight = grad_weight.to(weight.dtype) if need_w else None
+        grad_bias = grad_bias.to(bias.dtype) if need_b else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+    final_logit_softcapping: float | None = None,
+    logit_scale: float = 1.0,
+    outputs: tuple[str, ...] = (),
+):
+    """Per-token ``(logprobs, entropy, log_sum_sq_probs, mean_logits, is_top1)`` of ``targets`` under
+    ``softcap(hidden @ weight.T + bias) / temperature``; fields not in ``outputs`` are None.
+
+    ``chunk_size`` is the number of tokens projected at once on our path. On CUDA/XPU with Triton, TRL's kernel
+    runs instead, with its own tiling.
+    """
+    if use_trl_kernel(hidden.device):
+        from trl.kernels import ChunkedLogProbFunction
+        from trl.trainer import utils as trl_utils
+
+        return ChunkedLogProbFunction.apply(
+            hidden,
+            weight,
+            bias,
+            targets,
+            temperature,
+            trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE,
+            final_logit_softcapping,
+            logit_scale,
+            tuple(outputs),
+        )
+    return ChunkedLogProbHead.apply(
+        hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, tuple(outputs)
+    )
+
+
+def use_trl_kernel(device: torch.device) -> bool:
+    """TRL's Triton kernel serves on CUDA/XPU when Triton is importable; our recompute path elsewhere."""
+    from trl.kernels.chunked_logprob import _use_triton
+
+    return _use_triton(device)
+
+
+def logit_transform_of(config) -> tuple[float | None, float]:
+    """``(final_logit_softcapping, logit_scale)`` read from a model config the way TRL's fused head reads them."""
+    text_config = config.get_text_config()
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    scale = getattr(text_config, "logit_scale", None)
+    if scale is None:
+        scale = getattr(text_config, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(text_config, "lm_head_multiplier", None)
+    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
+        scaling = text_config.logits_scaling
+        scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
+    return softcap, 1.0 if scale is None else scale
