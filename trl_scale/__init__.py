@@ -2,6 +2,25 @@
 
 __version__ = "0.1.0"
 
-from .trainers import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from .trainers import (
+    DPOConfig,
+    DPOTrainer,
+    GRPOConfig,
+    GRPOTrainer,
+    PPOConfig,
+    PPOTrainer,
+    RLOOConfig,
+    RLOOTrainer,
+)
 
-__all__ = ["DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "RLOOConfig", "RLOOTrainer", "__version__"]
+__all__ = [
+    "DPOConfig",
+    "DPOTrainer",
+    "GRPOConfig",
+    "GRPOTrainer",
+    "PPOConfig",
+    "PPOTrainer",
+    "RLOOConfig",
+    "RLOOTrainer",
+    "__version__",
+]

@@ -1,6 +1,6 @@
 """The scoring engine: remove-padding packing, the chunked log-prob head, and the forward that joins them."""
 
-from .engine import PackedScoringConfig, PackingStats, install_packed_scoring, packed_fused_forward
+from .engine import PackedScoringConfig, PackingStats, install_packed_scoring, packed_fused_forward, token_scores
 from .logprob_head import ChunkedLogProbHead, chunked_logprobs
 from .packing import (
     PackedBatch,
@@ -27,5 +27,6 @@ __all__ = [
     "packed_forward_kwargs",
     "packed_fused_forward",
     "plan_micro_batches",
+    "token_scores",
     "unpack",
 ]

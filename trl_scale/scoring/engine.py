@@ -198,3 +198,43 @@ def install_packed_scoring(
     model.forward = types.MethodType(forward, model)
     model._trl_scale_packed_scoring = config
     return config
+
+
+def token_scores(
+    backbone,
+    head,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    padding_free: bool = True,
+    token_budget: int | None = None,
+) -> torch.Tensor:
+    """Per-token scalar outputs ``head(hidden)`` of a backbone, as ``[B, T]`` (0 at padding): a critic's values.
+
+    With ``padding_free`` the real tokens go through the backbone packed, in micro-batches of at most
+    ``token_budget`` tokens, the same way the policy is scored; otherwise one padded forward.
+    """
+    batch_size, seq_len = input_ids.shape
+    if not padding_free:
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return head(hidden).squeeze(-1).float() * attention_mask
+    attn_impl = getattr(backbone.config, "_attn_implementation", None)
+    first = pack_padded_batch(input_ids, attention_mask, token_budget)
+    count = _same_count_on_every_rank(len(first.micro_batches), input_ids.device)
+    packed = (
+        first
+        if count == len(first.micro_batches)
+        else pack_padded_batch(input_ids, attention_mask, token_budget, num_micro_batches=count)
+    )
+    values, indices, anchor = [], [], None
+    for micro_batch in packed.micro_batches:
+        if micro_batch.input_ids.numel() == 0:
+            dummy = input_ids.new_zeros((1, 1))
+            out = backbone(input_ids=dummy, position_ids=dummy, attention_mask=None, use_cache=False)
+            anchor = out.last_hidden_state.sum() * 0.0
+            continue
+        hidden = backbone(**packed_forward_kwargs(micro_batch, attn_impl)).last_hidden_state[0]
+        values.append(head(hidden).squeeze(-1).float())
+        indices.append(micro_batch.flat_index)
+    flat = torch.cat(values) if values else input_ids.new_zeros(0, dtype=torch.float32)
+    scores = unpack(flat, torch.cat(indices) if indices else input_ids.new_zeros(0), batch_size, seq_len)
+    return scores if anchor is None else scores + anchor

@@ -15,19 +15,25 @@ import torch
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
-def _logits(hidden, weight, bias, logit_scale, softcap, inv_t, compute_dtype, return_softcap_grad=False):
-    """Transformed fp32 logits of one chunk, in place after the matmul; optionally d(softcap)/d(input)."""
-    acc_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
-    z = torch.mm(hidden.to(compute_dtype), weight.to(compute_dtype).t()).to(acc_dtype)
+def _logits(hidden, weight, bias, logit_scale, softcap, inv_t, compute_dtype, out, softcap_grad_out=None):
+    """Transformed logits of one chunk, written into the reusable tile ``out`` ([n, V], accumulation dtype).
+
+    Tiles are reused across chunks on purpose: a fresh 64 MiB tensor per chunk is a fresh mmap that page-faults
+    all over again, which made the head 1.6x slower than it is with reuse."""
+    if out.dtype == compute_dtype:
+        torch.mm(hidden.to(compute_dtype), weight.to(compute_dtype).t(), out=out)
+    else:
+        out.copy_(torch.mm(hidden.to(compute_dtype), weight.to(compute_dtype).t()))
+    z = out
     if bias is not None:
-        z.add_(bias.to(acc_dtype))
+        z.add_(bias.to(z.dtype))
     if logit_scale != 1.0:
         z.mul_(logit_scale)
     softcap_grad = None
     if softcap is not None:
         z.div_(softcap).tanh_()
-        if return_softcap_grad:
-            softcap_grad = 1.0 - z * z
+        if softcap_grad_out is not None:
+            softcap_grad = torch.mul(z, z, out=softcap_grad_out).neg_().add_(1.0)
         z.mul_(softcap)
     if inv_t != 1.0:
         z.mul_(inv_t)
@@ -71,10 +77,16 @@ class ChunkedLogProbHead(torch.autograd.Function):
         log_sum_sq = torch.empty(n_tokens, **f32) if want["log_sum_sq_probs"] else None
         mean_logits = torch.empty(n_tokens, **f32) if want["mean_logits"] else None
         is_top1 = torch.empty(n_tokens, device=device, dtype=torch.bool) if want["is_top1"] else None
+        tile_rows = min(chunk_size, n_tokens)
+        z_tile = torch.empty(tile_rows, vocab, **f32)
+        e_tile = torch.empty(tile_rows, vocab, **f32) if (entropy is not None or log_sum_sq is not None) else None
         for start in range(0, n_tokens, chunk_size):
             sl = slice(start, min(start + chunk_size, n_tokens))
+            n = sl.stop - sl.start
             t = targets[sl].unsqueeze(1)
-            z, _ = _logits(hidden[sl], weight, bias, logit_scale, final_logit_softcapping, inv_t, compute_dtype)
+            z, _ = _logits(
+                hidden[sl], weight, bias, logit_scale, final_logit_softcapping, inv_t, compute_dtype, z_tile[:n]
+            )
             target_z = z.gather(1, t).squeeze(1)
             if mean_logits is not None:
                 mean_logits[sl] = z.sum(1) / vocab
@@ -85,16 +97,14 @@ class ChunkedLogProbHead(torch.autograd.Function):
             if entropy is None and log_sum_sq is None:
                 sum_exp = z.exp_().sum(1)
             else:
-                e = torch.exp(z)
+                e = torch.exp(z, out=e_tile[:n])
                 sum_exp = e.sum(1)
                 if entropy is not None:
                     entropy[sl] = sum_exp.log() - _rowdot(e, z) / sum_exp
                 if log_sum_sq is not None:
                     log_sum_sq[sl] = _rowdot(e, e).log() - 2 * sum_exp.log()
-                del e
             log_z[sl] = z_max + sum_exp.log()
             logprobs[sl] = target_z - log_z[sl]
-            del z
         ctx.save_for_backward(hidden, weight, bias, targets, log_z, entropy if entropy is not None else log_z)
         ctx.args = (chunk_size, final_logit_softcapping, logit_scale, inv_t, compute_dtype)
         ctx.mark_non_differentiable(*(x for x in (log_sum_sq, mean_logits, is_top1) if x is not None))
@@ -112,13 +122,26 @@ class ChunkedLogProbHead(torch.autograd.Function):
         acc_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=acc_dtype) if need_w else None
         grad_bias = torch.zeros(bias.shape, device=bias.device, dtype=acc_dtype) if need_b else None
+        tile_rows, vocab = min(chunk_size, hidden.shape[0]), weight.shape[0]
+        z_tile = torch.empty(tile_rows, vocab, device=hidden.device, dtype=acc_dtype)
+        p_tile = torch.empty_like(z_tile)
+        softcap_tile = torch.empty_like(z_tile) if softcap is not None else None
         for start in range(0, hidden.shape[0], chunk_size):
             sl = slice(start, min(start + chunk_size, hidden.shape[0]))
+            n = sl.stop - sl.start
             z, softcap_grad = _logits(
-                hidden[sl], weight, bias, logit_scale, softcap, inv_t, compute_dtype, return_softcap_grad=True
+                hidden[sl],
+                weight,
+                bias,
+                logit_scale,
+                softcap,
+                inv_t,
+                compute_dtype,
+                z_tile[:n],
+                softcap_tile[:n] if softcap_tile is not None else None,
             )
             z.sub_(log_z[sl].unsqueeze(1))  # log p
-            p = torch.exp(z)
+            p = torch.exp(z, out=p_tile[:n])
             # dL/dz_j = g_lp * (1[j=t] - p_j) - g_H * p_j * (log p_j + H)
             g_lp = grad_logprobs[sl] if grad_logprobs is not None else torch.zeros_like(log_z[sl])
             if grad_entropy is not None:
@@ -126,13 +149,11 @@ class ChunkedLogProbHead(torch.autograd.Function):
                 grad_z = p.mul_(z).neg_()
             else:
                 grad_z = p.mul_(g_lp.unsqueeze(1)).neg_()
-            del z
             grad_z.scatter_add_(1, targets[sl].unsqueeze(1), g_lp.unsqueeze(1))
             if inv_t != 1.0:
                 grad_z.mul_(inv_t)
             if softcap_grad is not None:
                 grad_z.mul_(softcap_grad)
-                del softcap_grad
             if logit_scale != 1.0:
                 grad_z.mul_(logit_scale)
             if need_h:

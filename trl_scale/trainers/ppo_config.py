@@ -1,0 +1,75 @@
+"""`PPOConfig`: GRPO's online configuration plus PPO's critic, KL and GAE fields (TRL <= 1.12 names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .grpo_config import GRPOConfig
+
+
+@dataclass
+class PPOConfig(GRPOConfig):
+    r"""
+    Configuration class for [`trl_scale.PPOTrainer`]: every field of [`trl_scale.GRPOConfig`] (generation, vLLM,
+    rewards, logging, packed scoring) plus the PPO fields below, named as in TRL <= 1.12's `PPOConfig`.
+
+    Mapped onto GRPO's fields: `num_ppo_epochs` sets `num_iterations` (passes over each rollout),
+    `num_mini_batches` sets `steps_per_generation` (optimizer-visible mini-batches per rollout), `cliprange` sets
+    `epsilon`. `num_generations` defaults to 1 (PPO needs no group); `beta` must stay 0: PPO's KL penalty lives
+    in the reward (`kl_coef`).
+
+    kl_coef (`float`, defaults to `0.05`): weight of the per-token KL penalty against the reference, in the reward.
+    kl_estimator (`str`, defaults to `"k1"`): `"k1"` (log-ratio) or `"k3"` (unbiased, non-negative).
+    gamma (`float`, defaults to `1.0`) and lam (`float`, defaults to `0.95`): GAE discount and lambda.
+    cliprange (`float`, defaults to `0.2`): policy ratio clip.
+    cliprange_value (`float`, defaults to `0.2`): value clip around the rollout's values.
+    vf_coef (`float`, defaults to `0.1`): weight of the value loss (the critic has its own optimizer).
+    num_ppo_epochs (`int`, defaults to `4`), num_mini_batches (`int`, defaults to `1`).
+    whiten_rewards (`bool`, defaults to `False`): whiten the per-token rewards before GAE.
+    missing_eos_penalty (`float` or `None`): subtracted from the score of completions that end without EOS.
+    value_learning_rate (`float` or `None`): the critic's learning rate; `None` uses `learning_rate`.
+    """
+
+    kl_coef: float = field(default=0.05, metadata={"help": "Weight of the per-token KL penalty in the reward."})
+    kl_estimator: str = field(default="k1", metadata={"help": "KL estimator: 'k1' or 'k3'."})
+    gamma: float = field(default=1.0, metadata={"help": "GAE discount factor."})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
+    cliprange: float = field(default=0.2, metadata={"help": "Clip range of the policy ratio."})
+    cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value around rollout values."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
+    num_ppo_epochs: int = field(default=4, metadata={"help": "Passes over each rollout batch."})
+    num_mini_batches: int = field(default=1, metadata={"help": "Mini-batches (optimizer steps) per rollout pass."})
+    whiten_rewards: bool = field(default=False, metadata={"help": "Whiten the per-token rewards before GAE."})
+    missing_eos_penalty: float | None = field(
+        default=None, metadata={"help": "Subtracted from the score of completions without an EOS token."}
+    )
+    value_learning_rate: float | None = field(
+        default=None, metadata={"help": "Learning rate of the critic; None uses learning_rate."}
+    )
+    num_generations: int | None = field(default=1, metadata={"help": "Completions per prompt (PPO needs one)."})
+
+    def __post_init__(self):
+        if self.kl_estimator not in ("k1", "k3"):
+            raise ValueError(f"kl_estimator={self.kl_estimator!r}: use 'k1' or 'k3'")
+        if self.num_ppo_epochs < 1 or self.num_mini_batches < 1:
+            raise ValueError("num_ppo_epochs and num_mini_batches must be at least 1")
+        if self.beta not in (0, 0.0):
+            raise ValueError(f"beta={self.beta}: PPO puts the KL penalty in the reward; set kl_coef instead, beta=0")
+        self.num_iterations = self.num_ppo_epochs
+        self.steps_per_generation = self.num_mini_batches
+        self.epsilon = self.cliprange
+        self.loss_type = "bnpo"
+        num_generations = self.num_generations
+        if num_generations == 1:
+            # GRPOConfig insists on >= 2 generations (it normalises within groups); PPO does not use groups. Check
+            # GRPO's batch rules with the local generation batch, which divides the global one.
+            local = self.per_device_train_batch_size * self.num_mini_batches
+            if local < 2:
+                raise ValueError(
+                    "per_device_train_batch_size * num_mini_batches must be at least 2 with num_generations=1"
+                )
+            self.num_generations = local
+        try:
+            super().__post_init__()
+        finally:
+            self.num_generations = num_generations

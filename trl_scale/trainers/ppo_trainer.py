@@ -1,0 +1,349 @@
+"""`PPOTrainer`: PPO with a critic, on TRL 1.16's online machinery.
+
+TRL removed its PPOTrainer in 1.13. This one subclasses trl-scale's `GRPOTrainer`, so generation (transformers
+or vLLM), reward functions and models, the reference model (or disabled PEFT adapter), dataset handling, packed
+scoring, metrics and `push_to_hub` are TRL's own. It overrides two hooks:
+
+- `_generate_and_score_completions`: after TRL's rollout and scoring, add the critic's values, the KL-shaped
+  per-token rewards and GAE, and return per-token advantages, which TRL's batch layout already carries.
+- `_compute_loss`: the clipped policy loss on those advantages, and the clipped value loss, stepped on the
+  critic's own optimizer and scheduler.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    get_scheduler,
+)
+
+from .. import ppo_core
+from ..scoring import token_scores
+from .grpo_trainer import GRPOTrainer
+from .ppo_config import PPOConfig
+
+VALUE_MODEL_DIR = "value_model"
+CRITIC_OPTIMIZER_NAME = "critic_optimizer.pt"
+CRITIC_SCHEDULER_NAME = "critic_scheduler.pt"
+
+
+class PPOTrainer(GRPOTrainer):
+    """PPO with a value model (critic), GAE and clipped policy and value losses.
+
+    Args:
+        model: the policy, a model id/path or a `PreTrainedModel` (as in GRPO).
+        reward_funcs: as in GRPO: callables and/or sequence-classification reward models (objects or paths).
+        value_model: the critic, a path or a `AutoModelForSequenceClassification` with one label. By default it is
+            initialised from the first reward model in `reward_funcs`, else from the policy's backbone with a new
+            scalar head. It must share the policy's tokenizer (it reads the policy's token ids).
+        args: a `PPOConfig`.
+        Other arguments are GRPO's.
+    """
+
+    _tag_names = ["trl", "trl-scale", "ppo"]
+    _name = "PPO"
+
+    def __init__(
+        self,
+        model,
+        reward_funcs,
+        value_model: str | PreTrainedModel | None = None,
+        args: PPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        peft_config=None,
+        callbacks=None,
+        **kwargs,
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = PPOConfig(f"{name.split('/')[-1]}-PPO")
+        if not isinstance(args, PPOConfig):
+            raise TypeError(f"PPOTrainer needs a PPOConfig, got {type(args).__name__}")
+        reward_list = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+        # GRPO creates a reference model only when beta != 0; PPO needs it for the KL in the reward, not in the loss.
+        args.beta = args.kl_coef
+        try:
+            super().__init__(
+                model=model,
+                reward_funcs=reward_funcs,
+                args=args,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                peft_config=peft_config,
+                callbacks=callbacks,
+                **kwargs,
+            )
+        finally:
+            args.beta = 0.0
+        self.beta = 0.0
+        self.value_model = self._build_value_model(value_model, model, reward_list)
+        self._check_value_model_tokenizer(value_model)
+        self.value_model.to(self.accelerator.device)
+        self.value_model = self.accelerator.prepare_model(self.value_model)
+        self.critic_optimizer = torch.optim.AdamW(
+            self.value_model.parameters(),
+            lr=args.value_learning_rate or args.learning_rate,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_epsilon,
+            weight_decay=args.weight_decay,
+        )
+        self.critic_scheduler = None  # built once max_steps is known (create_optimizer_and_scheduler)
+        self._critic_micro_steps = 0
+
+    # ---- critic construction -------------------------------------------------------------------------------
+
+    def _build_value_model(self, value_model, policy, reward_list) -> nn.Module:
+        if isinstance(value_model, nn.Module):
+            return value_model
+        if isinstance(value_model, str):
+            return AutoModelForSequenceClassification.from_pretrained(value_model, num_labels=1)
+        for reward in reward_list:  # by default, from the reward model (the classic RLHF recipe)
+            if isinstance(reward, str):
+                return AutoModelForSequenceClassification.from_pretrained(reward, num_labels=1)
+            if isinstance(reward, PreTrainedModel):
+                return copy.deepcopy(self.accelerator.unwrap_model(reward))
+        if isinstance(policy, str):
+            return AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1)
+        # From the policy's own backbone, with a fresh scalar head.
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+        critic = AutoModelForSequenceClassification.from_config(copy.deepcopy(base.config), num_labels=1)
+        critic.base_model.load_state_dict(base.base_model.state_dict())
+        return critic
+
+    def _check_value_model_tokenizer(self, value_model) -> None:
+        policy_vocab = self.processing_class.get_vocab() if hasattr(self.processing_class, "get_vocab") else None
+        critic = self.accelerator.unwrap_model(self.value_model)
+        if isinstance(value_model, str) and policy_vocab is not None:
+            try:
+                critic_vocab = AutoTokenizer.from_pretrained(value_model).get_vocab()
+            except (OSError, ValueError):
+                critic_vocab = None
+            if critic_vocab is not None and critic_vocab != policy_vocab:
+                raise ValueError(
+                    f"value_model {value_model!r} has a different tokenizer from the policy's: the critic reads the "
+                    "policy's token ids, so it must share its vocabulary. Fix: pass a value model trained with the "
+                    "policy's tokenizer, or leave value_model=None to initialise it from the policy."
+                )
+        if critic.get_input_embeddings().num_embeddings < len(self.processing_class):
+            raise ValueError(
+                f"value_model's embedding has {critic.get_input_embeddings().num_embeddings} rows but the policy's "
+                f"tokenizer has {len(self.processing_class)} tokens: the critic must share the policy's tokenizer."
+            )
+        if getattr(critic.config, "num_labels", 1) != 1:
+            raise ValueError(f"value_model must have one output (num_labels=1), not {critic.config.num_labels}")
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int):
+        super().create_optimizer_and_scheduler(num_training_steps)
+        if self.critic_scheduler is None:
+            self.critic_scheduler = get_scheduler(
+                self.args.lr_scheduler_type,
+                optimizer=self.critic_optimizer,
+                num_warmup_steps=self.args.get_warmup_steps(num_training_steps),
+                num_training_steps=num_training_steps,
+                scheduler_specific_kwargs=self.args.lr_scheduler_kwargs,
+            )
+
+    # ---- rollout: values, KL-shaped rewards, GAE -----------------------------------------------------------
+
+    def _values(self, input_ids, attention_mask) -> torch.Tensor:
+        critic = self.accelerator.unwrap_model(self.value_model)
+        return token_scores(
+            critic.base_model,
+            critic.score,
+            input_ids,
+            attention_mask,
+            padding_free=self.args.padding_free,
+            token_budget=self.args.token_budget,
+        )
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        bad = torch.isnan(rewards_per_func)
+        if bad.any():
+            names = [name for i, name in enumerate(self.reward_func_names) if bad[:, i].any()]
+            raise ValueError(
+                f"reward function(s) {names} returned None or NaN for {int(bad.any(1).sum())} completion(s). PPO "
+                "needs a score for every completion (a critic cannot learn from a missing return). Fix: return a "
+                "float for every completion (e.g. 0.0 for unparsable output)."
+            )
+        self._last_rewards_per_func = rewards_per_func
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        self.beta = self.args.kl_coef  # let TRL compute the reference log-probs (model, or disabled adapter)
+        try:
+            batch = super()._generate_and_score_completions(inputs)
+        finally:
+            self.beta = 0.0
+        args = self.args
+        device = self.accelerator.device
+        prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
+        completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        logits_to_keep = completion_ids.size(1)
+        mask = completion_mask.float()
+        if "tool_mask" in batch:
+            mask = mask * batch["tool_mask"]
+
+        with torch.no_grad():
+            if batch.get("old_per_token_logps") is None:
+                batch["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, input_ids, attention_mask, logits_to_keep, batch_size=args.per_device_train_batch_size
+                )
+            old_logps = batch["old_per_token_logps"]
+            ref_logps = batch.pop("ref_per_token_logps", None)
+            if ref_logps is None:
+                ref_logps = old_logps  # kl_coef == 0: no reference model, no penalty
+            # The value of each completion token's state: the critic's output at the position before it.
+            values_full = self._values(input_ids, attention_mask)
+            prompt_len = prompt_ids.size(1)
+            values = values_full[:, prompt_len - 1 : prompt_len - 1 + logits_to_keep] * mask
+
+            process_slice = slice(
+                self.accelerator.process_index * len(prompt_ids),
+                (self.accelerator.process_index + 1) * len(prompt_ids),
+            )
+            weights = self.reward_weights.to(device).unsqueeze(0)
+            scores = (self._last_rewards_per_func * weights).nansum(dim=1)[process_slice]
+            if args.missing_eos_penalty is not None:
+                has_eos = torch.isin(completion_ids, torch.tensor(self.eos_token_ids, device=device)).any(dim=1)
+                scores = scores - args.missing_eos_penalty * (~has_eos).float()
+
+            kl = ppo_core.kl_penalty(old_logps, ref_logps, args.kl_estimator) * mask
+            rewards, non_score = ppo_core.shaped_rewards(scores, kl, mask, args.kl_coef)
+            if args.whiten_rewards:
+                rewards = ppo_core.masked_whiten(rewards, mask, shift_mean=False) * mask
+            advantages, returns = ppo_core.compute_gae(rewards, values, mask, args.gamma, args.lam)
+            advantages = ppo_core.masked_whiten(advantages, mask) * mask
+
+        batch["advantages"] = advantages
+        batch["values"] = values
+        batch["returns"] = returns
+        mode = "train" if self.model.training else "eval"
+        gather = self.accelerator.gather
+        metrics = self._metrics[mode]
+        metrics["objective/kl"].append(gather(kl.sum(1)).mean().item())
+        metrics["objective/entropy"].append(gather((-old_logps * mask).sum(1)).mean().item())
+        metrics["objective/non_score_reward"].append(gather(non_score.sum(1)).mean().item())
+        metrics["objective/rlhf_reward"].append(gather(scores + non_score.sum(1)).mean().item())
+        metrics["objective/scores"].append(gather(scores).mean().item())
+        return batch
+
+    # ---- update: clipped policy loss + critic step ---------------------------------------------------------
+
+    def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        logits_to_keep = inputs["completion_ids"].size(1)
+        mask = inputs["completion_mask"].float()
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        logps, entropies, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True
+        )
+        per_token_loss, stats = ppo_core.clipped_policy_loss(
+            logps, inputs["old_per_token_logps"], inputs["advantages"], mask, self.epsilon_low, self.epsilon_high
+        )
+        policy_loss = ppo_core.masked_mean(per_token_loss, mask)
+        # Like GRPO's token-mean losses, scaled here for gradient accumulation (loss_is_scaled_for_ga).
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        value_loss, value_stats = self._critic_step(input_ids, attention_mask, inputs, mask, train=mode == "train")
+
+        reduce = self.accelerator.gather
+        metrics = self._metrics[mode]
+        metrics["policy/approxkl"].append(reduce(stats["approxkl"]).mean().item())
+        metrics["policy/clipfrac"].append(reduce(stats["clipfrac"]).mean().item())
+        metrics["policy/entropy"].append(reduce(ppo_core.masked_mean(entropies.detach(), mask)).mean().item())
+        metrics["val/ratio"].append(reduce(stats["ratio"]).mean().item())
+        metrics["loss/policy"].append(reduce(policy_loss.detach()).mean().item())
+        metrics["loss/value"].append(reduce(value_loss).mean().item())
+        for key, value in value_stats.items():
+            metrics[key].append(reduce(value).mean().item())
+        return policy_loss / normalizer
+
+    def _critic_step(self, input_ids, attention_mask, inputs, mask, train: bool):
+        """Value loss on this micro-batch; in training, backward on the critic and step its optimizer at the end
+        of each accumulation window. The critic's graph is separate from the policy's."""
+        args = self.args
+        with torch.set_grad_enabled(train):
+            self.value_model.train(train)
+            values_full = self._values(input_ids, attention_mask)
+            prompt_len = inputs["prompt_ids"].size(1)
+            vpred = values_full[:, prompt_len - 1 : prompt_len - 1 + mask.size(1)]
+            value_loss, clipfrac = ppo_core.clipped_value_loss(
+                vpred, inputs["values"], inputs["returns"], mask, args.cliprange_value
+            )
+            if train:
+                self.accelerator.backward(args.vf_coef * value_loss / args.gradient_accumulation_steps)
+                self._critic_micro_steps += 1
+                if self._critic_micro_steps % args.gradient_accumulation_steps == 0:
+                    if args.max_grad_norm is not None and args.max_grad_norm > 0:
+                        self.accelerator.clip_grad_norm_(self.value_model.parameters(), args.max_grad_norm)
+                    self.critic_optimizer.step()
+                    if self.critic_scheduler is not None:
+                        self.critic_scheduler.step()
+                    self.critic_optimizer.zero_grad(set_to_none=True)
+        stats = {
+            "val/vpred": ppo_core.masked_mean(vpred.detach(), mask),
+            "val/error": ppo_core.masked_mean((vpred.detach() - inputs["returns"]) ** 2, mask),
+            "val/clipfrac": clipfrac.detach(),
+        }
+        return value_loss.detach(), stats
+
+    # ---- saving, checkpoints, resuming ---------------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Save the policy as TRL does, and the critic beside it in `value_model/` (with a model card)."""
+        super().save_model(output_dir, _internal_call)
+        output_dir = output_dir or self.args.output_dir
+        if self.accelerator.is_main_process:
+            critic_dir = os.path.join(output_dir, VALUE_MODEL_DIR)
+            critic = self.accelerator.unwrap_model(self.value_model)
+            critic.save_pretrained(critic_dir, safe_serialization=True)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(critic_dir)
+            with open(os.path.join(critic_dir, "README.md"), "w") as f:
+                f.write(
+                    "---\nlibrary_name: transformers\ntags:\n- trl\n- trl-scale\n- ppo\n- value-model\n---\n\n"
+                    "# Value model (critic)\n\nThe PPO critic trained beside the policy in the parent folder with "
+                    "[trl-scale](https://github.com/trl-scale/trl-scale)'s `PPOTrainer`. Load it with "
+                    "`AutoModelForSequenceClassification.from_pretrained(path, subfolder='value_model')`.\n"
+                )
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.accelerator.is_main_process:
+            torch.save(self.critic_optimizer.state_dict(), os.path.join(output_dir, CRITIC_OPTIMIZER_NAME))
+            if self.critic_scheduler is not None:
+                torch.save(self.critic_scheduler.state_dict(), os.path.join(output_dir, CRITIC_SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        critic_dir = os.path.join(checkpoint, VALUE_MODEL_DIR)
+        if not os.path.isdir(critic_dir):
+            raise FileNotFoundError(
+                f"checkpoint {checkpoint} has no {VALUE_MODEL_DIR}/: it was not saved by PPOTrainer"
+            )
+        loaded = AutoModelForSequenceClassification.from_pretrained(critic_dir)
+        self.accelerator.unwrap_model(self.value_model).load_state_dict(loaded.state_dict())
+        optimizer_path = os.path.join(checkpoint, CRITIC_OPTIMIZER_NAME)
+        if os.path.isfile(optimizer_path):
+            self.critic_optimizer.load_state_dict(torch.load(optimizer_path, map_location=self.accelerator.device))
+        scheduler_path = os.path.join(checkpoint, CRITIC_SCHEDULER_NAME)
+        if self.critic_scheduler is not None and os.path.isfile(scheduler_path):
+            self.critic_scheduler.load_state_dict(torch.load(scheduler_path))
