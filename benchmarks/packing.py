@@ -63,7 +63,12 @@ def head_worker(variant: str, tokens: int, hidden: int, vocab: int, chunk: int) 
     (logp * grad_out).sum().backward()
     seconds = time.perf_counter() - start
     peak = _status_mib("VmHWM")
-    return {"variant": variant, "peak_mib": peak - baseline, "seconds": seconds, "logp_sum": float(logp.detach().sum())}
+    return {
+        "variant": variant,
+        "peak_mib": peak - baseline,
+        "seconds": seconds,
+        "logp_sum": float(logp.detach().sum()),
+    }
 
 
 def run_head_variant(variant: str, args) -> dict:

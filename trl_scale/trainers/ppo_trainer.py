@@ -97,7 +97,7 @@ class PPOTrainer(GRPOTrainer):
             eps=args.adam_epsilon,
             weight_decay=args.weight_decay,
         )
-        self.critic_scheduler = None  # built once max_steps is known (create_optimizer_and_scheduler)
+        self.critic_scheduler = None  # built once max_steps is known (create_scheduler)
         self._critic_micro_steps = 0
 
     # ---- critic construction -------------------------------------------------------------------------------
@@ -117,7 +117,9 @@ class PPOTrainer(GRPOTrainer):
         # From the policy's own backbone, with a fresh scalar head.
         unwrapped = self.accelerator.unwrap_model(self.model)
         base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
-        critic = AutoModelForSequenceClassification.from_config(copy.deepcopy(base.config), num_labels=1)
+        config = copy.deepcopy(base.config)
+        config.num_labels = 1
+        critic = AutoModelForSequenceClassification.from_config(config)
         critic.base_model.load_state_dict(base.base_model.state_dict())
         return critic
 
@@ -143,8 +145,8 @@ class PPOTrainer(GRPOTrainer):
         if getattr(critic.config, "num_labels", 1) != 1:
             raise ValueError(f"value_model must have one output (num_labels=1), not {critic.config.num_labels}")
 
-    def create_optimizer_and_scheduler(self, num_training_steps: int):
-        super().create_optimizer_and_scheduler(num_training_steps)
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
         if self.critic_scheduler is None:
             self.critic_scheduler = get_scheduler(
                 self.args.lr_scheduler_type,
@@ -153,6 +155,7 @@ class PPOTrainer(GRPOTrainer):
                 num_training_steps=num_training_steps,
                 scheduler_specific_kwargs=self.args.lr_scheduler_kwargs,
             )
+        return scheduler
 
     # ---- rollout: values, KL-shaped rewards, GAE -----------------------------------------------------------
 
