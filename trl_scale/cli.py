@@ -1,18 +1,143 @@
-"""`trl-scale` command line: `trl-scale demo` (more subcommands arrive with their features)."""
+"""`trl-scale` command line, in the style of `trl grpo`:
+
+    trl-scale grpo|rloo|dpo|ppo --config file.yaml [--field value ...]
+    trl-scale demo [--max-steps N] [--family llama|qwen2]
+
+Training commands parse TRL's `ScriptArguments`, the method's config and TRL's `ModelConfig` with `TrlParser`
+(YAML plus command-line overrides). Offline conveniences: `model_name_or_path: toy:llama` (or `toy:qwen2`)
+builds a tiny model in `<output_dir>/base-model`; `dataset_name: toy:counting` / `toy:preferences` uses the
+built-in toy datasets; `reward_funcs` takes `counting_reward` or any dotted import path.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
+from dataclasses import dataclass, field
+
+
+def _import_trl_script_types():
+    from trl import ModelConfig, ScriptArguments
+
+    @dataclass
+    class TrainScriptArguments(ScriptArguments):
+        """TRL's script arguments plus the reward and value models of online methods."""
+
+        reward_funcs: list[str] | None = field(
+            default=None,
+            metadata={"help": "Reward functions: `counting_reward` or dotted import paths (online methods)."},
+        )
+        reward_model_name_or_path: str | None = field(
+            default=None, metadata={"help": "Path of a sequence-classification reward model (online methods)."}
+        )
+        value_model_name_or_path: str | None = field(
+            default=None, metadata={"help": "PPO only: the critic; default: the reward model, else the policy."}
+        )
+        num_toy_examples: int = field(default=4096, metadata={"help": "Rows of a `toy:` dataset."})
+
+    return TrainScriptArguments, ModelConfig
+
+
+def _method_classes(method: str):
+    import trl_scale
+
+    return {
+        "grpo": (trl_scale.GRPOTrainer, trl_scale.GRPOConfig),
+        "rloo": (trl_scale.RLOOTrainer, trl_scale.RLOOConfig),
+        "dpo": (trl_scale.DPOTrainer, trl_scale.DPOConfig),
+        "ppo": (trl_scale.PPOTrainer, trl_scale.PPOConfig),
+    }[method]
+
+
+def _resolve_reward_func(name: str):
+    from .toy import counting_reward
+
+    registry = {"counting_reward": counting_reward}
+    if name in registry:
+        return registry[name]
+    module_name, _, attribute = name.rpartition(".")
+    if not module_name:
+        raise ValueError(f"reward_funcs entry {name!r}: use one of {sorted(registry)} or a dotted import path")
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"reward_funcs entry {name!r} could not be imported: {error}") from error
+
+
+def _load_dataset(script_args, method: str):
+    from .toy import counting_prompts, preference_pairs
+
+    name = script_args.dataset_name
+    if name is None:
+        raise ValueError("dataset_name is required: a dataset id or local path, or toy:counting / toy:preferences")
+    if name == "toy:counting":
+        return {script_args.dataset_train_split: counting_prompts(script_args.num_toy_examples)}
+    if name == "toy:preferences":
+        return {script_args.dataset_train_split: preference_pairs(script_args.num_toy_examples)}
+    from datasets import load_dataset
+
+    return load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
+
+
+def _resolve_model(model_name: str | None, output_dir: str) -> str:
+    if model_name is None:
+        raise ValueError("model_name_or_path is required (a model id or path, or toy:llama / toy:qwen2)")
+    if model_name.startswith("toy:"):
+        from .toy import build_tiny_model
+
+        family = model_name.split(":", 1)[1]
+        return build_tiny_model(os.path.join(output_dir, "base-model"), family=family)
+    return model_name
+
+
+def train(method: str, argv: list[str]) -> int:
+    """Parse `--config` YAML and overrides with TrlParser, build the trainer, train, save, push if asked."""
+    from trl import TrlParser, get_peft_config
+
+    script_type, model_config_type = _import_trl_script_types()
+    trainer_cls, config_cls = _method_classes(method)
+    parser = TrlParser((script_type, config_cls, model_config_type), prog=f"trl-scale {method}")
+    script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+
+    model_path = _resolve_model(model_args.model_name_or_path, training_args.output_dir)
+    model_init_kwargs = {"attn_implementation": model_args.attn_implementation, "dtype": model_args.dtype}
+    model_init_kwargs = {k: v for k, v in model_init_kwargs.items() if v is not None}
+    if training_args.model_init_kwargs:
+        model_init_kwargs.update(training_args.model_init_kwargs)
+    training_args.model_init_kwargs = model_init_kwargs or None
+    dataset = _load_dataset(script_args, method)
+    kwargs = dict(
+        model=model_path,
+        args=training_args,
+        train_dataset=dataset[script_args.dataset_train_split],
+        eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
+        peft_config=get_peft_config(model_args),
+    )
+    if method != "dpo":
+        reward_funcs = [_resolve_reward_func(name) for name in script_args.reward_funcs or []]
+        if script_args.reward_model_name_or_path:
+            reward_funcs.append(script_args.reward_model_name_or_path)
+        if not reward_funcs:
+            raise ValueError(f"{method} needs reward_funcs and/or reward_model_name_or_path")
+        kwargs["reward_funcs"] = reward_funcs
+    if method == "ppo":
+        kwargs["value_model"] = script_args.value_model_name_or_path
+    trainer = trainer_cls(**kwargs)
+    trainer.accelerator.print(f"trl-scale {method}: training on {trainer.accelerator.num_processes} process(es)")
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.accelerator.print(f"Model saved to {training_args.output_dir}")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    return 0
 
 
 def _demo(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="trl-scale demo", description="Train a tiny model to count on CPU, offline.")
     parser.add_argument("--output-dir", default="trl-scale-demo", help="where the models, plot and result go")
-    parser.add_argument(
-        "--max-steps", type=int, default=800, help="GRPO steps (default 800, under a minute on 2 cores)"
-    )
+    parser.add_argument("--max-steps", type=int, default=800, help="GRPO steps (default 800, about a minute)")
     parser.add_argument("--family", choices=["llama", "qwen2"], default="llama", help="tiny model family")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -36,15 +161,22 @@ def _quiet() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-COMMANDS = {"demo": _demo}
+METHODS = ("grpo", "rloo", "dpo", "ppo")
+USAGE = "usage: trl-scale {grpo,rloo,dpo,ppo} --config file.yaml [--field value ...] | trl-scale demo [options]"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: trl-scale {" + ",".join(COMMANDS) + "} [options]   (trl-scale <command> --help)")
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
-    return COMMANDS[argv[0]](argv[1:])
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "demo":
+        return _demo(rest)
+    if command in METHODS:
+        return train(command, rest)
+    print(f"unknown command {command!r}\n{USAGE}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
