@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..scoring import PackingStats, install_packed_scoring
@@ -71,6 +74,101 @@ class PackedScoringMixin:
         self._packing_stats = stats
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self._packing_stats is not None and "loss" in logs:
-            logs.update(self._packing_stats.pop())
+        if "loss" in logs:  # training logs (not the final summary)
+            if self._packing_stats is not None:
+                logs.update(self._packing_stats.pop())
+            # trl-scale callbacks add their figures here, before the Trainer hands `logs` to report_to integrations
+            # (a callback's own on_log runs after those and could not reach them).
+            for callback in self.callback_handler.callbacks:
+                if hasattr(callback, "trl_scale_metrics"):
+                    logs.update(callback.trl_scale_metrics(trainer=self, logs=logs))
         super().log(logs, start_time)
+
+
+# transformers' `Trainer.create_model_card` kwargs that TRL 1.16's override rejects with TypeError.
+_CARD_KWARGS = ("language", "license", "finetuned_from", "tasks", "dataset_tags", "dataset", "dataset_args")
+
+
+class ModelCardMixin:
+    """TRL's model card with trl-scale's tags (the method, the features used) and transformers' card kwargs
+    (`language`, `license`, `finetuned_from`, ...), so `push_to_hub(license=...)` works as with any Trainer."""
+
+    def trl_scale_features(self) -> list[str]:
+        features = []
+        if getattr(self.args, "padding_free", False):
+            features.append("padding-free")
+        if getattr(self, "value_model", None) is not None:
+            features.append("value-model")
+        return features
+
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+        **kwargs,
+    ) -> None:
+        unknown = set(kwargs) - set(_CARD_KWARGS)
+        if unknown:
+            raise TypeError(f"create_model_card got unexpected arguments {sorted(unknown)}; known: {_CARD_KWARGS}")
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        tags += [TRL_SCALE_TAG, *self.trl_scale_features()]
+        dataset_name = dataset_name or kwargs.get("dataset")
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if not self.is_world_process_zero():
+            return
+        import os
+
+        from huggingface_hub import ModelCard
+
+        path = os.path.join(self.args.output_dir, "README.md")
+        if not os.path.exists(path):
+            return
+        card = ModelCard.load(path)
+        if kwargs.get("language"):
+            card.data.language = kwargs["language"]
+        if kwargs.get("license"):
+            card.data.license = kwargs["license"]
+        if kwargs.get("finetuned_from"):
+            card.data.base_model = kwargs["finetuned_from"]
+        if kwargs.get("tasks"):
+            card.data.pipeline_tag = kwargs["tasks"] if isinstance(kwargs["tasks"], str) else kwargs["tasks"][0]
+        if kwargs.get("dataset_tags"):
+            card.data.datasets = kwargs["dataset_tags"]
+        features = ", ".join(self.trl_scale_features()) or "none"
+        card.text += (
+            "\n## trl-scale\n\nTrained with [trl-scale](https://github.com/trl-scale/trl-scale), TRL's trainers made "
+            f"to scale. Features used: {features}.\n"
+        )
+        card.save(path)
+
+
+class PhaseTimingMixin:
+    """Wall time per phase of an online step (generation, reward scoring, log-prob scoring), accumulated between
+    logs and read by `trl_scale.callbacks.StepTimeCallback`."""
+
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        if not hasattr(self, "_phase_seconds"):
+            self._phase_seconds = defaultdict(float)
+        return self._phase_seconds
+
+    @contextmanager
+    def _timed(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_seconds[phase] += time.perf_counter() - start
+
+    def _generate(self, *args, **kwargs):
+        with self._timed("generate"):
+            return super()._generate(*args, **kwargs)
+
+    def _calculate_rewards(self, *args, **kwargs):
+        with self._timed("reward"):
+            return super()._calculate_rewards(*args, **kwargs)
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        with self._timed("score"):
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)

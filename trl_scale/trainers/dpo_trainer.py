@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from trl import DPOTrainer as _TRLDPOTrainer
 
-from .common import TRL_SCALE_TAG, PackedScoringMixin
+from .common import TRL_SCALE_TAG, ModelCardMixin, PackedScoringMixin
 
 
-class DPOTrainer(PackedScoringMixin, _TRLDPOTrainer):
+class DPOTrainer(ModelCardMixin, PackedScoringMixin, _TRLDPOTrainer):
     """TRL's `DPOTrainer` with trl-scale's packed scoring (`padding_free`, `token_budget`, `logprob_chunk_size`);
     same constructor, and TRL's numbers when those are off."""
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
-from .common import TRL_SCALE_TAG, PackedScoringMixin
+from .common import TRL_SCALE_TAG, ModelCardMixin, PackedScoringMixin, PhaseTimingMixin
 
 
-class GRPOTrainer(PackedScoringMixin, _TRLGRPOTrainer):
+class GRPOTrainer(PhaseTimingMixin, ModelCardMixin, PackedScoringMixin, _TRLGRPOTrainer):
     """TRL's `GRPOTrainer` with trl-scale's packed scoring (`padding_free`, `token_budget`, `logprob_chunk_size`);
     same constructor, and TRL's numbers when those are off."""
 

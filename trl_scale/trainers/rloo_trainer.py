@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from trl import RLOOTrainer as _TRLRLOOTrainer
 
-from .common import TRL_SCALE_TAG, PackedScoringMixin
+from .common import TRL_SCALE_TAG, ModelCardMixin, PackedScoringMixin, PhaseTimingMixin
 
 
-class RLOOTrainer(PackedScoringMixin, _TRLRLOOTrainer):
+class RLOOTrainer(PhaseTimingMixin, ModelCardMixin, PackedScoringMixin, _TRLRLOOTrainer):
     """TRL's `RLOOTrainer` with trl-scale's packed scoring (`padding_free`, `token_budget`, `logprob_chunk_size`);
     same constructor, and TRL's numbers when those are off."""
 
