@@ -14,6 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _env():
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -27,7 +35,8 @@ def test_each_trainer_runs_with_two_processes(method, tmp_path):
     if method != "dpo":  # a reward with variance on a random model, so there are gradients to all-reduce
         overrides += ["--reward_funcs", "tests.helpers.token_parity_reward", "--max_completion_length", "6"]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "trl_scale.cli"]
+    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    command += ["--main_process_port", str(_free_port()), "-m", "trl_scale.cli"]
     command += [method, "--config", str(EXAMPLES / f"{method}_tiny_cpu.yaml"), *overrides]
     result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr

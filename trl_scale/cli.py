@@ -81,14 +81,19 @@ def _load_dataset(script_args, method: str):
     return load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
 
 
-def _resolve_model(model_name: str | None, output_dir: str) -> str:
+def _resolve_model(model_name: str | None, training_args) -> str:
     if model_name is None:
         raise ValueError("model_name_or_path is required (a model id or path, or toy:llama / toy:qwen2)")
     if model_name.startswith("toy:"):
         from .toy import build_tiny_model
 
         family = model_name.split(":", 1)[1]
-        return build_tiny_model(os.path.join(output_dir, "base-model"), family=family)
+        path = os.path.join(training_args.output_dir, "base-model")
+        # Under several processes the main one builds it; the others wait, then load what it wrote.
+        with training_args.main_process_first(desc="build the toy model"):
+            if not os.path.exists(os.path.join(path, "config.json")):
+                build_tiny_model(path, family=family)
+        return path
     return model_name
 
 
@@ -101,7 +106,7 @@ def train(method: str, argv: list[str]) -> int:
     parser = TrlParser((script_type, config_cls, model_config_type), prog=f"trl-scale {method}")
     script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
 
-    model_path = _resolve_model(model_args.model_name_or_path, training_args.output_dir)
+    model_path = _resolve_model(model_args.model_name_or_path, training_args)
     model_init_kwargs = {"attn_implementation": model_args.attn_implementation, "dtype": model_args.dtype}
     model_init_kwargs = {k: v for k, v in model_init_kwargs.items() if v is not None}
     if training_args.model_init_kwargs:
