@@ -1,6 +1,7 @@
 """`trl-scale` command line, in the style of `trl grpo`:
 
     trl-scale grpo|rloo|dpo|ppo --config file.yaml [--field value ...]
+    trl-scale serve --model PATH [--host 127.0.0.1] [--port N] [--api-key KEY] [--token-delay S]
     trl-scale demo [--max-steps N] [--family llama|qwen2]
 
 Training commands parse TRL's `ScriptArguments`, the method's config and TRL's `ModelConfig` with `TrlParser`
@@ -167,7 +168,11 @@ def _quiet() -> None:
 
 
 METHODS = ("grpo", "rloo", "dpo", "ppo")
-USAGE = "usage: trl-scale {grpo,rloo,dpo,ppo} --config file.yaml [--field value ...] | trl-scale demo [options]"
+USAGE = (
+    "usage: trl-scale {grpo,rloo,dpo,ppo} --config file.yaml [--field value ...]\n"
+    "       trl-scale serve --model PATH [--host 127.0.0.1] [--port N]\n"
+    "       trl-scale demo [options]"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "demo":
         return _demo(rest)
+    if command == "serve":
+        from .rollout.server import serve
+
+        return serve(rest)
     if command in METHODS:
         return train(command, rest)
     print(f"unknown command {command!r}\n{USAGE}", file=sys.stderr)

@@ -52,6 +52,86 @@ class ScoringArguments:
             )
 
 
+@dataclass
+class RolloutArguments:
+    """Config fields of server rollout (GRPO, RLOO, PPO): many completion servers, no vLLM in the trainer."""
+
+    vllm_server_base_urls: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "With use_vllm=True and vllm_mode='server': the completion servers (vLLM or `trl-scale serve`). "
+            "Each request goes to the server with the least outstanding work; a failing server leaves the rotation "
+            "and is probed again later. TRL's single vllm_server_base_url keeps working."
+        },
+    )
+    weight_sync: str = field(
+        default="http",
+        metadata={"help": "How weights reach the servers: 'http' (safetensors body), 'shared_dir', or 'lora'."},
+    )
+    weight_sync_dir: str | None = field(
+        default=None, metadata={"help": "Directory the servers can read, for weight_sync='shared_dir' or 'lora'."}
+    )
+    weight_sync_timeout: float = field(
+        default=120.0, metadata={"help": "Seconds a weight sync may take before it fails with a clear error."}
+    )
+    rollout_request_timeout: float = field(
+        default=120.0, metadata={"help": "Seconds one completion request may take, failovers included."}
+    )
+    rollout_api_key: str | None = field(default=None, metadata={"help": "Bearer token for the servers."})
+
+    def _validate_rollout_arguments(self) -> None:
+        if self.weight_sync not in ("http", "shared_dir", "lora"):
+            raise ValueError(f"weight_sync={self.weight_sync!r}: use 'http', 'shared_dir' or 'lora'")
+        if self.weight_sync_timeout <= 0 or self.rollout_request_timeout <= 0:
+            raise ValueError("weight_sync_timeout and rollout_request_timeout must be positive (seconds)")
+
+
+def uses_server_rollout(args) -> bool:
+    """trl-scale's client serves `use_vllm=True, vllm_mode='server'` when several servers are given, or when
+    vLLM is not installed (TRL's own server mode needs vLLM importable and CUDA for its weight sync)."""
+    if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server"):
+        return False
+    from trl.import_utils import is_vllm_available
+
+    return bool(getattr(args, "vllm_server_base_urls", None)) or not is_vllm_available()
+
+
+class ServerRolloutMixin:
+    """Builds the trainer with TRL's vLLM path off, then plugs the multi-server client in as `vllm_generation`."""
+
+    def _init_with_server_rollout(self, init, args, **kwargs) -> None:
+        server = args is not None and uses_server_rollout(args)
+        if server:
+            args.use_vllm = False  # skip TRL's vLLM import and its CUDA-only communicator
+        try:
+            init(args=args, **kwargs)
+        finally:
+            if server:
+                args.use_vllm = True
+        if server:
+            self._install_server_rollout(logprobs=True)
+
+    def _install_server_rollout(self, logprobs: bool) -> None:
+        from ..rollout import RolloutClient, ServerRolloutGeneration
+
+        args = self.args
+        urls = args.vllm_server_base_urls or [
+            args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        ]
+        client = RolloutClient(urls, request_timeout=args.rollout_request_timeout, api_key=args.rollout_api_key)
+        self.vllm_generation = ServerRolloutGeneration(
+            self,
+            client,
+            weight_sync=args.weight_sync,
+            weight_sync_dir=args.weight_sync_dir,
+            weight_sync_timeout=args.weight_sync_timeout,
+            logprobs=logprobs,
+        )
+        self.use_vllm = True
+        self.vllm_mode = "server"
+        self._last_loaded_step = -1
+
+
 class PackedScoringMixin:
     """Installs the packed scoring engine on the policy and reference forwards TRL patched, and logs its figures."""
 

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 from trl import RLOOConfig as _TRLRLOOConfig
 
-from .common import ScoringArguments
+from .common import RolloutArguments, ScoringArguments
 
 
 @dataclass
-class RLOOConfig(ScoringArguments, _TRLRLOOConfig):
+class RLOOConfig(RolloutArguments, ScoringArguments, _TRLRLOOConfig):
     r"""
     Configuration class for [`trl_scale.RLOOTrainer`]: every field of [`trl.RLOOConfig`], unchanged, plus trl-scale's.
 
@@ -24,8 +24,19 @@ class RLOOConfig(ScoringArguments, _TRLRLOOConfig):
         every data-parallel rank.
     logprob_chunk_size (`int`, defaults to `256`):
         Tokens projected onto the vocabulary at once by trl-scale's chunked head (non-Triton devices).
+
+    > Server rollout (with `use_vllm=True, vllm_mode="server"`)
+
+    vllm_server_base_urls (`list[str]` or `None`):
+        Completion servers (vLLM or `trl-scale serve`), routed by least outstanding work, with failover.
+    weight_sync (`str`, defaults to `"http"`), weight_sync_dir (`str` or `None`):
+        `"http"` (safetensors body), `"shared_dir"` (a directory the servers read) or `"lora"` (adapter loading).
+    weight_sync_timeout (`float`, defaults to `120`), rollout_request_timeout (`float`, defaults to `120`):
+        Bounds in seconds: a stalled sync or an unreachable fleet fails with a clear error, never hangs.
+    rollout_api_key (`str` or `None`): bearer token for the servers.
     """
 
     def __post_init__(self):
         super().__post_init__()
         self._validate_scoring_arguments()
+        self._validate_rollout_arguments()

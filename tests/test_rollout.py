@@ -1,0 +1,266 @@
+"""Rollout over real `trl-scale serve` processes on 127.0.0.1: the API, GRPO training with weight sync,
+load-aware routing, failover, and bounded failures. Every wait has a timeout."""
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+import trl_scale
+from trl_scale.rollout import RolloutClient, RolloutError
+from trl_scale.toy import counting_prompts
+
+from .helpers import cpu_args, token_parity_reward
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model_path, *extra):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        command = [sys.executable, "-m", "trl_scale.cli", "serve", "--model", model_path, "--port", str(self.port)]
+        self.process = subprocess.Popen([*command, *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def wait_ready(self, timeout=90):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited: {self.process.stderr.read().decode()[-2000:]}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"server {self.url} not ready in {timeout}s")
+
+    def stop(self):
+        self.process.kill()
+        self.process.wait(timeout=10)
+
+
+def start_servers(model_path, count, *extra_per_server):
+    servers = [Server(model_path, *(extra_per_server[i] if i < len(extra_per_server) else ())) for i in range(count)]
+    return [s.wait_ready() for s in servers]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_llama):
+    running = start_servers(tiny_llama, 2)
+    yield running
+    for server in running:
+        server.stop()
+
+
+def test_server_speaks_vllm_completion_shapes_and_rejects_bad_requests(servers, tiny_llama):
+    url = servers[0].url
+    model = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {"model": model, "prompt": [[432, 375], [380]], "n": 3, "max_tokens": 4, "logprobs": 0}
+    choices = requests.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"]
+    assert len(choices) == 6
+    assert [c["prompt_token_ids"] for c in choices[::3]] == [[432, 375], [380]]  # prompt-major
+    for choice in choices:
+        assert 1 <= len(choice["token_ids"]) <= 4
+        assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+        assert len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"])
+    bad = [
+        ({"prompt": [[10**6]]}, 400, "outside"),
+        ({"prompt": []}, 400, "empty"),
+        ({"prompt": [[1, 2]], "n": 0}, 422, "n"),
+        ({"prompt": [[1, 2]], "model": "other"}, 404, "not served"),
+    ]
+    for request, status, message in bad:
+        response = requests.post(f"{url}/v1/completions", json=request, timeout=30)
+        assert response.status_code == status and message in response.text, (request, response.text)
+    response = requests.post(f"{url}/update_weights", data=b"not safetensors", timeout=30)
+    assert response.status_code == 400 and "safetensors" in response.text
+
+
+def test_bearer_token_is_enforced(tiny_llama):
+    (server,) = start_servers(tiny_llama, 1, ("--api-key", "s3cret"))
+    try:
+        assert requests.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+        ok = requests.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer s3cret"}, timeout=10)
+        assert ok.status_code == 200
+        client = RolloutClient([server.url], api_key="s3cret", request_timeout=30)
+        assert client.generate([[432]], max_tokens=2)[0][0]["token_ids"]
+    finally:
+        server.stop()
+
+
+def _grpo(model_path, out, urls, **overrides):
+    settings = dict(
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=3,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_urls=urls,
+        weight_sync_timeout=60,
+        rollout_request_timeout=60,
+    )
+    config = cpu_args(out, **{**settings, **overrides})
+    return trl_scale.GRPOTrainer(
+        model=model_path,
+        reward_funcs=token_parity_reward,
+        args=trl_scale.GRPOConfig(**config),
+        train_dataset=counting_prompts(64),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+    )
+
+
+@pytest.mark.parametrize("weight_sync", ["http", "shared_dir"])
+def test_grpo_trains_on_servers_and_their_weights_follow_the_policy(servers, tiny_llama, tmp_path, weight_sync):
+    trainer = _grpo(
+        tiny_llama, tmp_path, [s.url for s in servers], weight_sync=weight_sync, weight_sync_dir=str(tmp_path / "sync")
+    )
+    trainer.train()
+    assert trainer.state.global_step == 3
+    assert trainer.vllm_generation.sync_count == 3  # before each step's generation
+    served = {s.url: s.served for s in trainer.vllm_generation.client.servers}
+    assert all(count > 0 for count in served.values()), served  # both servers did work
+    trainer.vllm_generation.sync_weights()  # push the final weights, then compare log-probs
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    prompt = [432, 375, 373]
+    for server in servers:
+        choice = requests.post(
+            f"{server.url}/v1/completions",
+            json={"prompt": [prompt], "max_tokens": 5, "logprobs": 0, "temperature": 1.0, "seed": 0},
+            timeout=60,
+        ).json()["choices"][0]
+        ids = torch.tensor([prompt + choice["token_ids"]])
+        with torch.no_grad():
+            logits = policy(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+        ours = logits.log_softmax(-1).gather(1, torch.tensor(choice["token_ids"]).unsqueeze(1)).squeeze(1)
+        theirs = torch.tensor(choice["logprobs"]["token_logprobs"])
+        assert (ours - theirs).abs().max().item() <= 1e-4
+
+
+def test_router_sends_less_work_to_a_slow_server(tiny_llama):
+    fast, slow = start_servers(tiny_llama, 2, (), ("--token-delay", "0.05"))
+    try:
+        client = RolloutClient([fast.url, slow.url], request_timeout=60, max_workers=4)
+        client.generate([[432, 375]] * 24, max_tokens=4)
+        served = {s.url: s.served for s in client.servers}
+        assert served[fast.url] > 2 * served[slow.url], served
+    finally:
+        fast.stop()
+        slow.stop()
+
+
+def test_killing_a_server_mid_run_loses_no_step(tiny_llama, tmp_path):
+    survivor, victim = start_servers(tiny_llama, 2)
+
+    class KillAtStep2(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                victim.stop()
+
+    try:
+        trainer = _grpo(tiny_llama, tmp_path, [survivor.url, victim.url], max_steps=4)
+        trainer.add_callback(KillAtStep2())
+        trainer.train()
+        assert trainer.state.global_step == 4
+        assert len([e for e in trainer.state.log_history if "loss" in e]) == 4
+    finally:
+        survivor.stop()
+        if victim.process.poll() is None:
+            victim.stop()
+
+
+def test_all_servers_down_is_a_clear_error_within_the_timeout():
+    client = RolloutClient(
+        [f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"], request_timeout=3, retry_after=0.5
+    )
+    start = time.monotonic()
+    with pytest.raises(RolloutError, match="no rollout server answered within request_timeout=3"):
+        client.generate([[1, 2, 3]], max_tokens=2)
+    assert time.monotonic() - start < 10
+
+
+def test_stalled_weight_sync_fails_within_the_timeout():
+    # A server that accepts connections and never answers: the classic hung weight sync.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    accepted = []
+    stop = threading.Event()
+
+    def accept_forever():
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=accept_forever, daemon=True)
+    thread.start()
+    try:
+        client = RolloutClient([f"http://127.0.0.1:{listener.getsockname()[1]}"], request_timeout=5)
+        start = time.monotonic()
+        with pytest.raises(RolloutError, match="weight_sync_timeout=2"):
+            client.update_weights({"w": torch.zeros(4)}, timeout=2)
+        assert time.monotonic() - start < 10
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        for conn in accepted:
+            conn.close()
+        listener.close()
+
+
+def test_a_server_that_missed_a_sync_leaves_the_rotation(servers, tiny_llama):
+    dead = f"http://127.0.0.1:{_free_port()}"
+    client = RolloutClient([servers[0].url, dead], request_timeout=30, retry_after=60)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    client.update_weights(dict(model.state_dict()), timeout=30)  # one server takes it, the dead one is stale
+    stale = {s.url: s.stale for s in client.servers}
+    assert stale == {servers[0].url: False, dead: True}
+    client.generate([[432]] * 4, max_tokens=2)
+    assert {s.url: s.served for s in client.servers}[dead] == 0
+
+
+@pytest.mark.parametrize("method", ["rloo", "ppo"])
+def test_rloo_and_ppo_roll_out_on_the_servers(servers, tiny_llama, tmp_path, method):
+    trainer_cls, config_cls = {
+        "rloo": (trl_scale.RLOOTrainer, trl_scale.RLOOConfig),
+        "ppo": (trl_scale.PPOTrainer, trl_scale.PPOConfig),
+    }[method]
+    settings = dict(
+        max_completion_length=6,
+        max_steps=2,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_urls=[s.url for s in servers],
+        weight_sync_timeout=60,
+    )
+    if method == "rloo":
+        settings["num_generations"] = 4
+    trainer = trainer_cls(
+        model=tiny_llama,
+        reward_funcs=token_parity_reward,
+        args=config_cls(**cpu_args(tmp_path, **settings)),
+        train_dataset=counting_prompts(64),
+        processing_class=AutoTokenizer.from_pretrained(tiny_llama),
+    )
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.vllm_generation.sync_count >= 1
+    # one request per completion; PPO (4 epochs by default) rolls out once in these 2 steps
+    assert sum(s.served for s in trainer.vllm_generation.client.servers) >= 8

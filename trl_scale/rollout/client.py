@@ -1,0 +1,213 @@
+"""A rollout client over one or many OpenAI-compatible completion servers (vLLM's, or `trl-scale serve`).
+
+- Routing: each request goes to the healthy server with the least outstanding work (requests in flight, ties
+  to the one that has served least), not an even split: a slow server simply gets fewer requests.
+- Failover: a server that errors or times out leaves the rotation for `retry_after` seconds and its request is
+  re-sent to another; with every server down the call fails with `RolloutError` within `request_timeout`.
+- Weight sync: full weights as one safetensors body over HTTP, or through a shared directory, or a LoRA adapter,
+  to every server in parallel, each bounded by `timeout`. A server that misses a sync is kept out of the rotation
+  until a later sync reaches it, so no completion comes from stale weights.
+
+Only `requests` is needed: no vLLM in the trainer.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+
+import requests
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutError(RuntimeError):
+    """A rollout or weight sync that cannot complete; the message names the servers and the cause."""
+
+
+@dataclass
+class ServerState:
+    url: str
+    outstanding: int = 0
+    served: int = 0
+    failures: int = 0
+    down_until: float = 0.0
+    stale: bool = False  # missed a weight sync: out of the rotation until one reaches it
+    last_error: str = ""
+
+
+class RolloutClient:
+    def __init__(
+        self,
+        base_urls: list[str],
+        request_timeout: float = 120.0,
+        retry_after: float = 5.0,
+        api_key: str | None = None,
+        max_workers: int = 32,
+    ):
+        if not base_urls:
+            raise ValueError("vllm_server_base_urls is empty: give at least one server URL")
+        self.servers = [ServerState(url.rstrip("/")) for url in base_urls]
+        self.request_timeout = request_timeout
+        self.retry_after = retry_after
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rollout")
+        self._session = requests.Session()
+        self._model_names: dict[str, str] = {}
+
+    # ---- server selection -----------------------------------------------------------------------------------
+
+    def _acquire(self, exclude: set[str]) -> ServerState | None:
+        now = time.monotonic()
+        with self._lock:
+            candidates = [s for s in self.servers if s.url not in exclude and not s.stale and s.down_until <= now]
+            if not candidates:
+                return None
+            server = min(candidates, key=lambda s: (s.outstanding, s.served))
+            server.outstanding += 1
+            return server
+
+    def _release(self, server: ServerState, ok: bool, error: str = "") -> None:
+        with self._lock:
+            server.outstanding -= 1
+            if ok:
+                server.served += 1
+                server.failures = 0
+                server.down_until = 0.0
+            else:
+                server.failures += 1
+                server.last_error = error
+                server.down_until = time.monotonic() + self.retry_after
+                logger.warning("rollout server %s left the rotation: %s", server.url, error)
+
+    def _model_name(self, server: ServerState) -> str | None:
+        if server.url not in self._model_names:
+            response = self._session.get(f"{server.url}/v1/models", headers=self.headers, timeout=10)
+            response.raise_for_status()
+            self._model_names[server.url] = response.json()["data"][0]["id"]
+        return self._model_names[server.url]
+
+    # ---- generation ---------------------------------------------------------------------------------------
+
+    def complete(self, prompt: list[int], n: int = 1, model: str | None = None, **sampling) -> list[dict]:
+        """One `/v1/completions` request for one prompt, routed and retried; returns vLLM-shaped choices."""
+        deadline = time.monotonic() + self.request_timeout
+        tried: set[str] = set()
+        errors = []
+        while time.monotonic() < deadline:
+            server = self._acquire(tried)
+            if server is None:
+                if len(tried) >= len(self.servers) or not self._any_may_return(deadline):
+                    break
+                tried.clear()  # every server was tried once; wait for one to come back
+                time.sleep(min(0.2, self.retry_after))
+                continue
+            try:
+                payload = {"prompt": [prompt], "n": n, "return_token_ids": True, **sampling}
+                payload["model"] = model or self._model_name(server)
+                timeout = max(0.1, deadline - time.monotonic())
+                response = self._session.post(
+                    f"{server.url}/v1/completions", json=payload, headers=self.headers, timeout=timeout
+                )
+                if 400 <= response.status_code < 500:
+                    self._release(server, ok=True)
+                    raise RolloutError(f"{server.url} rejected the request ({response.status_code}): {response.text}")
+                response.raise_for_status()
+                choices = response.json()["choices"]
+                self._release(server, ok=True)
+                return choices
+            except RolloutError:
+                raise
+            except Exception as error:  # connection refused, timeout, 5xx: fail over
+                self._release(server, ok=False, error=repr(error))
+                tried.add(server.url)
+                errors.append(f"{server.url}: {error!r}")
+        raise RolloutError(
+            f"no rollout server answered within request_timeout={self.request_timeout}s. "
+            f"Servers: {[s.url for s in self.servers]}. Errors: {errors[-3:] or 'all servers down or stale'}"
+        )
+
+    def _any_may_return(self, deadline: float) -> bool:
+        with self._lock:
+            return any(not s.stale and s.down_until < deadline for s in self.servers)
+
+    def generate(self, prompts: list[list[int]], n: int = 1, model: str | None = None, **sampling) -> list[list[dict]]:
+        """Completions for many prompts: one request per prompt, spread over the servers by load."""
+        futures = [self._pool.submit(self.complete, p, n, model, **sampling) for p in prompts]
+        return [f.result() for f in futures]
+
+    # ---- weight sync --------------------------------------------------------------------------------------
+
+    def _broadcast(self, send, what: str, timeout: float) -> None:
+        futures = {self._pool.submit(send, server, timeout): server for server in self.servers}
+        failed = []
+        try:
+            for future in as_completed(futures, timeout=timeout + 5):
+                server = futures[future]
+                try:
+                    future.result()
+                    with self._lock:
+                        server.stale = False
+                except Exception as error:
+                    failed.append(f"{server.url}: {error!r}")
+                    with self._lock:
+                        server.stale = True
+                        server.last_error = repr(error)
+        except TimeoutError:
+            for future, server in futures.items():
+                if not future.done():
+                    failed.append(f"{server.url}: no answer within weight_sync_timeout={timeout}s")
+                    with self._lock:
+                        server.stale = True
+        fresh = [s.url for s in self.servers if not s.stale]
+        if failed and not fresh:
+            raise RolloutError(f"{what} failed on every server within weight_sync_timeout={timeout}s: {failed}")
+        if failed:
+            logger.warning("%s failed on %s; they stay out of the rotation until a sync reaches them", what, failed)
+
+    def update_weights(self, named_tensors: dict, timeout: float = 120.0) -> None:
+        """Send full weights (name -> tensor, the server's parameter names) as one safetensors body."""
+        from safetensors.torch import save
+
+        body = save({name: t.detach().contiguous().cpu() for name, t in named_tensors.items()})
+
+        def send(server: ServerState, timeout: float) -> None:
+            response = self._session.post(
+                f"{server.url}/update_weights",
+                data=io.BytesIO(body),
+                headers={**self.headers, "Content-Type": "application/octet-stream"},
+                timeout=timeout,
+            )
+            response.raise_for_status()
+
+        self._broadcast(send, "weight sync (http)", timeout)
+
+    def update_weights_from_path(self, path: str, timeout: float = 120.0) -> None:
+        def send(server: ServerState, timeout: float) -> None:
+            response = self._session.post(
+                f"{server.url}/update_weights_from_path", json={"path": path}, headers=self.headers, timeout=timeout
+            )
+            response.raise_for_status()
+
+        self._broadcast(send, "weight sync (shared directory)", timeout)
+
+    def load_lora_adapter(self, name: str, path: str, timeout: float = 120.0) -> None:
+        def send(server: ServerState, timeout: float) -> None:
+            response = self._session.post(
+                f"{server.url}/v1/load_lora_adapter",
+                json={"lora_name": name, "lora_path": path, "load_inplace": False},
+                headers=self.headers,
+                timeout=timeout,
+            )
+            response.raise_for_status()
+
+        self._broadcast(send, "weight sync (LoRA adapter)", timeout)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._session.close()
