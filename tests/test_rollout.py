@@ -155,7 +155,7 @@ def test_grpo_trains_on_servers_and_their_weights_follow_the_policy(servers, tin
 def test_router_sends_less_work_to_a_slow_server(tiny_llama):
     fast, slow = start_servers(tiny_llama, 2, (), ("--token-delay", "0.05"))
     try:
-        client = RolloutClient([fast.url, slow.url], request_timeout=60, max_workers=4)
+        client = RolloutClient([fast.url, slow.url], request_timeout=60, max_inflight_per_server=1)
         client.generate([[432, 375]] * 24, max_tokens=4)
         served = {s.url: s.served for s in client.servers}
         assert served[fast.url] > 2 * served[slow.url], served

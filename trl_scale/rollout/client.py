@@ -1,7 +1,8 @@
 """A rollout client over one or many OpenAI-compatible completion servers (vLLM's, or `trl-scale serve`).
 
-- Routing: each request goes to the healthy server with the least outstanding work (requests in flight, ties
-  to the one that has served least), not an even split: a slow server simply gets fewer requests.
+- Routing: at most `max_inflight_per_server` requests in flight per server; a request goes to the fastest free
+  server (observed latency), and to a slower one only if it finishes there before the faster servers could
+  clear the queue: not an even split, so a slow server gets fewer requests and never the last one.
 - Failover: a server that errors or times out leaves the rotation for `retry_after` seconds and its request is
   re-sent to another; with every server down the call fails with `RolloutError` within `request_timeout`.
 - Weight sync: full weights as one safetensors body over HTTP, or through a shared directory, or a LoRA adapter,
@@ -38,6 +39,7 @@ class ServerState:
     down_until: float = 0.0
     stale: bool = False  # missed a weight sync: out of the rotation until one reaches it
     last_error: str = ""
+    latency: float = 0.0  # moving average of seconds per request (0 until measured: tried first)
 
 
 class RolloutClient:
@@ -48,6 +50,7 @@ class RolloutClient:
         retry_after: float = 5.0,
         api_key: str | None = None,
         max_workers: int = 32,
+        max_inflight_per_server: int = 8,
     ):
         if not base_urls:
             raise ValueError("vllm_server_base_urls is empty: give at least one server URL")
@@ -55,26 +58,52 @@ class RolloutClient:
         self.request_timeout = request_timeout
         self.retry_after = retry_after
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._lock = threading.Lock()
+        # Requests beyond this many per server wait in the client and go to whichever server frees up first: that
+        # is what makes the routing load-aware (with no cap, least-outstanding degenerates into an even split).
+        self.max_inflight_per_server = max_inflight_per_server
+        self._lock = threading.Condition()
+        self._backlog = 0  # requests submitted through generate() and not yet sent
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rollout")
         self._session = requests.Session()
         self._model_names: dict[str, str] = {}
 
     # ---- server selection -----------------------------------------------------------------------------------
 
-    def _acquire(self, exclude: set[str]) -> ServerState | None:
-        now = time.monotonic()
-        with self._lock:
-            candidates = [s for s in self.servers if s.url not in exclude and not s.stale and s.down_until <= now]
-            if not candidates:
-                return None
-            server = min(candidates, key=lambda s: (s.outstanding, s.served))
-            server.outstanding += 1
-            return server
+    def _acquire(self, exclude: set[str], deadline: float) -> ServerState | None:
+        """A server for one request, or None when none is usable (all down, stale or excluded).
 
-    def _release(self, server: ServerState, ok: bool, error: str = "") -> None:
+        Free servers (below their in-flight cap) are tried fastest first. A slower one takes the request only if
+        it would finish it before the faster servers could clear the backlog of requests not yet dispatched;
+        otherwise the request waits for a faster server. With a long queue every server works; at the tail a
+        slow server is not handed the request that would finish last.
+        """
         with self._lock:
+            while True:
+                now = time.monotonic()
+                usable = [s for s in self.servers if s.url not in exclude and not s.stale and s.down_until <= now]
+                if not usable:
+                    return None
+                free = sorted(
+                    (s for s in usable if s.outstanding < self.max_inflight_per_server),
+                    key=lambda s: (s.latency, s.outstanding, s.served),
+                )
+                for server in free:
+                    faster = [t for t in usable if 0.0 < t.latency < server.latency]
+                    rate = sum(self.max_inflight_per_server / t.latency for t in faster)
+                    if server.latency == 0.0 or not faster or server.latency <= max(1, self._backlog) / rate:
+                        server.outstanding += 1
+                        self._backlog = max(0, self._backlog - 1)
+                        return server
+                if now >= deadline:
+                    return None
+                self._lock.wait(timeout=min(0.5, deadline - now))
+
+    def _release(self, server: ServerState, ok: bool, error: str = "", seconds: float | None = None) -> None:
+        with self._lock:
+            self._lock.notify_all()
             server.outstanding -= 1
+            if seconds is not None:
+                server.latency = seconds if server.latency == 0.0 else 0.7 * server.latency + 0.3 * seconds
             if ok:
                 server.served += 1
                 server.failures = 0
@@ -100,7 +129,7 @@ class RolloutClient:
         tried: set[str] = set()
         errors = []
         while time.monotonic() < deadline:
-            server = self._acquire(tried)
+            server = self._acquire(tried, deadline)
             if server is None:
                 if len(tried) >= len(self.servers) or not self._any_may_return(deadline):
                     break
@@ -111,6 +140,7 @@ class RolloutClient:
                 payload = {"prompt": [prompt], "n": n, "return_token_ids": True, **sampling}
                 payload["model"] = model or self._model_name(server)
                 timeout = max(0.1, deadline - time.monotonic())
+                sent = time.monotonic()
                 response = self._session.post(
                     f"{server.url}/v1/completions", json=payload, headers=self.headers, timeout=timeout
                 )
@@ -119,7 +149,7 @@ class RolloutClient:
                     raise RolloutError(f"{server.url} rejected the request ({response.status_code}): {response.text}")
                 response.raise_for_status()
                 choices = response.json()["choices"]
-                self._release(server, ok=True)
+                self._release(server, ok=True, seconds=time.monotonic() - sent)
                 return choices
             except RolloutError:
                 raise
@@ -138,6 +168,8 @@ class RolloutClient:
 
     def generate(self, prompts: list[list[int]], n: int = 1, model: str | None = None, **sampling) -> list[list[dict]]:
         """Completions for many prompts: one request per prompt, spread over the servers by load."""
+        with self._lock:
+            self._backlog += len(prompts)
         futures = [self._pool.submit(self.complete, p, n, model, **sampling) for p in prompts]
         return [f.result() for f in futures]
 

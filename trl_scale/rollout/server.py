@@ -114,6 +114,8 @@ def create_app(model_path: str, api_key: str | None = None, token_delay: float =
                     model.disable_adapters()
             with torch.no_grad():
                 out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **generation)
+            if token_delay:  # a slower server: fewer tokens per second, with the model held (benchmarks)
+                time.sleep(token_delay * (out.sequences.shape[1] - width) * len(expanded))
         sequences = out.sequences[:, width:]
         # Processed log-probs (after temperature/top-k/top-p), as vLLM's `processed_logprobs` mode gives them.
         step_logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)
@@ -129,8 +131,6 @@ def create_app(model_path: str, api_key: str | None = None, token_delay: float =
                 tokens.append(t)
                 if t in eos:
                     break
-            if token_delay:
-                time.sleep(token_delay * len(tokens))  # simulates a slower server (benchmarks)
             choice = {
                 "index": i,
                 "text": tokenizer.decode(tokens, skip_special_tokens=True),

@@ -78,6 +78,13 @@ class RolloutArguments:
         default=120.0, metadata={"help": "Seconds one completion request may take, failovers included."}
     )
     rollout_api_key: str | None = field(default=None, metadata={"help": "Bearer token for the servers."})
+    rollout_max_inflight_per_server: int = field(
+        default=8,
+        metadata={
+            "help": "Requests in flight per server; more wait in the client for the first server to free up "
+            "(load-aware routing). Raise it for vLLM servers that batch many requests."
+        },
+    )
 
     def _validate_rollout_arguments(self) -> None:
         if self.weight_sync not in ("http", "shared_dir", "lora"):
@@ -118,7 +125,12 @@ class ServerRolloutMixin:
         urls = args.vllm_server_base_urls or [
             args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         ]
-        client = RolloutClient(urls, request_timeout=args.rollout_request_timeout, api_key=args.rollout_api_key)
+        client = RolloutClient(
+            urls,
+            request_timeout=args.rollout_request_timeout,
+            api_key=args.rollout_api_key,
+            max_inflight_per_server=args.rollout_max_inflight_per_server,
+        )
         self.vllm_generation = ServerRolloutGeneration(
             self,
             client,
