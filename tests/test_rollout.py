@@ -264,3 +264,72 @@ def test_rloo_and_ppo_roll_out_on_the_servers(servers, tiny_llama, tmp_path, met
     assert trainer.state.global_step == 2 and trainer.vllm_generation.sync_count >= 1
     # one request per completion; PPO (4 epochs by default) rolls out once in these 2 steps
     assert sum(s.served for s in trainer.vllm_generation.client.servers) >= 8
+
+
+def test_rejection_sampling_keeps_the_best_per_prompt(servers, tiny_llama, tmp_path):
+    from trl_scale.cli import main
+    from trl_scale.rollout.modes import evaluate, rejection_sample
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    client = RolloutClient([s.url for s in servers], request_timeout=60)
+    dataset = counting_prompts(6, seed=1)
+
+    def first_token_odd(completion_ids, **kwargs):
+        return [float(ids[0] % 2) if ids else 0.0 for ids in completion_ids]
+
+    def length_bonus(completion_ids, **kwargs):
+        return [len(ids) / 100 for ids in completion_ids]
+
+    kept = rejection_sample(
+        client, dataset, [first_token_odd, length_bonus], tokenizer, num_samples=4, keep_top_k=2, max_tokens=4
+    )
+    assert len(kept) == 12 and set(kept["prompt"]) == set(dataset["prompt"])
+    for row in kept:  # the stored reward is the reward functions', recomputed on the kept text
+        ids = tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
+        assert row["reward"] == pytest.approx(row["reward/first_token_odd"] + row["reward/length_bonus"])
+        assert row["reward/first_token_odd"] in (0.0, 1.0) and ids
+    metrics = evaluate(client, dataset, [first_token_odd], tokenizer, num_samples=4, max_tokens=4)
+    assert 0.0 <= metrics["eval/reward"] <= 1.0 and metrics["eval/num_completions"] == 24
+    assert metrics["eval/pass@4"] >= metrics["eval/reward"] - 1e-9
+    output = tmp_path / "kept.jsonl"
+    argv = [
+        "rollout",
+        "rejection-sample",
+        "--servers",
+        servers[0].url,
+        "--tokenizer",
+        tiny_llama,
+        "--dataset",
+        "toy:counting",
+        "--reward-funcs",
+        "counting_reward",
+        "--num-samples",
+        "2",
+        "--max-tokens",
+        "4",
+        "--output",
+        str(output),
+    ]
+    assert main(argv) == 0 and len(output.read_text().splitlines()) == 64
+
+
+def test_rejection_sampling_selects_the_top_k_and_applies_the_threshold(tiny_llama):
+    from datasets import Dataset
+
+    from trl_scale.rollout.modes import rejection_sample
+
+    class FakeClient:  # completions with known token ids: reward = first id / 10
+        def generate(self, prompts, n=1, **sampling):
+            return [[{"token_ids": [t]} for t in (3, 9, 1, 7)] for _ in prompts]
+
+    def first_id(completion_ids, **kwargs):
+        return [ids[0] / 10 for ids in completion_ids]
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    dataset = Dataset.from_list([{"prompt": "one"}, {"prompt": "two"}])
+    kept = rejection_sample(FakeClient(), dataset, [first_id], tokenizer, num_samples=4, keep_top_k=2)
+    assert kept["reward"] == [0.9, 0.7, 0.9, 0.7]
+    kept = rejection_sample(FakeClient(), dataset, [first_id], tokenizer, num_samples=4, keep_top_k=3, min_reward=0.5)
+    assert kept["reward"] == [0.9, 0.7, 0.9, 0.7]
+    with pytest.raises(ValueError, match="keep_top_k"):
+        rejection_sample(FakeClient(), dataset, [first_id], tokenizer, num_samples=4, keep_top_k=5)

@@ -140,6 +140,54 @@ def train(method: str, argv: list[str]) -> int:
     return 0
 
 
+def _rollout(argv: list[str]) -> int:
+    """`trl-scale rollout {rejection-sample,eval}`: generate and score on running servers, no training."""
+    parser = argparse.ArgumentParser(prog="trl-scale rollout", description=_rollout.__doc__)
+    parser.add_argument("mode", choices=["rejection-sample", "eval"])
+    parser.add_argument("--servers", nargs="+", required=True, help="completion server URLs")
+    parser.add_argument("--tokenizer", required=True, help="path of the policy's tokenizer")
+    parser.add_argument("--dataset", required=True, help="toy:counting, a local dataset path, or a dataset id")
+    parser.add_argument("--split", default="train")
+    parser.add_argument("--reward-funcs", nargs="+", required=True, help="counting_reward or dotted import paths")
+    parser.add_argument("--num-samples", type=int, default=8)
+    parser.add_argument("--keep-top-k", type=int, default=1)
+    parser.add_argument("--min-reward", type=float, default=None)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--output", help="rejection-sample: where to write the kept rows (.jsonl)")
+    parser.add_argument("--api-key", default=None)
+    args = parser.parse_args(argv)
+    import json
+
+    from transformers import AutoTokenizer
+
+    from .rollout import RolloutClient
+    from .rollout.modes import evaluate, rejection_sample
+
+    script = argparse.Namespace(
+        dataset_name=args.dataset,
+        dataset_config=None,
+        dataset_streaming=False,
+        dataset_train_split=args.split,
+        num_toy_examples=64,
+    )
+    dataset = _load_dataset(script, "rollout")[args.split]
+    rewards = [_resolve_reward_func(name) for name in args.reward_funcs]
+    client = RolloutClient(args.servers, api_key=args.api_key)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    if args.mode == "eval":
+        print(json.dumps(evaluate(client, dataset, rewards, tokenizer, num_samples=args.num_samples, **sampling)))
+        return 0
+    kept = rejection_sample(
+        client, dataset, rewards, tokenizer, args.num_samples, args.keep_top_k, args.min_reward, **sampling
+    )
+    if args.output:
+        kept.to_json(args.output)
+    print(json.dumps({"kept": len(kept), "mean_reward": sum(kept["reward"]) / max(1, len(kept))}))
+    return 0
+
+
 def _demo(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="trl-scale demo", description="Train a tiny model to count on CPU, offline.")
     parser.add_argument("--output-dir", default="trl-scale-demo", help="where the models, plot and result go")
@@ -171,6 +219,7 @@ METHODS = ("grpo", "rloo", "dpo", "ppo")
 USAGE = (
     "usage: trl-scale {grpo,rloo,dpo,ppo} --config file.yaml [--field value ...]\n"
     "       trl-scale serve --model PATH [--host 127.0.0.1] [--port N]\n"
+    "       trl-scale rollout {rejection-sample,eval} --servers URL... --tokenizer PATH --dataset D --reward-funcs F\n"
     "       trl-scale demo [options]"
 )
 
@@ -183,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "demo":
         return _demo(rest)
+    if command == "rollout":
+        return _rollout(rest)
     if command == "serve":
         from .rollout.server import serve
 
