@@ -241,3 +241,25 @@ def test_dpo_padding_free_on_vs_off(tiny_llama, tmp_path):
             assert abs(a[key] - b[key]) <= 1e-5, (key, a[key], b[key])
     assert max_param_diff(on.model, off.model) <= 1e-5
     assert any("padding_free/pad_fraction_removed" in e for e in on.state.log_history)
+
+
+def test_a_rank_with_fewer_micro_batches_runs_a_dummy_forward(tiny_llama, monkeypatch):
+    """Under ZeRO-3/FSDP every rank must run as many forwards as the busiest one. Pretend another rank needs two
+    more: this rank splits its batch and adds a dummy forward, and the values and gradients stay exact."""
+    import trl_scale.scoring.engine as engine
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    packed_model = copy.deepcopy(model)
+    config = install_packed_scoring(packed_model, outputs=("entropy",))
+    calls = []
+    real_forward = packed_model.model.forward
+    monkeypatch.setattr(packed_model.model, "forward", lambda *a, **k: calls.append(k) or real_forward(*a, **k))
+    monkeypatch.setattr(engine, "_same_count_on_every_rank", lambda count, device: count + 5)  # 4 sequences -> 6
+    input_ids, mask, labels = _padded_batch(AutoTokenizer.from_pretrained(tiny_llama))
+    reference, valid, ref_grads = _score(model, input_ids, mask, labels)
+    packed, _, grads = _score(packed_model, input_ids, mask, labels)
+    assert len(calls) == 6 and config.stats.micro_batches == 6  # 4 single-sequence rows + 2 dummies
+    assert (packed.log_probs - reference.log_probs).abs().max().item() <= 1e-5
+    for g, r in zip(grads, ref_grads):
+        assert (g - r).abs().max().item() <= 1e-5

@@ -69,6 +69,31 @@ def _same_count_on_every_rank(count: int, device: torch.device) -> int:
     return int(tensor.item())
 
 
+def packed_backbone_forward(backbone, input_ids, attention_mask, token_budget: int | None):
+    """Pack a padded batch and run the backbone on each micro-batch, the same number of forwards on every rank.
+
+    Returns ``(packed, [(micro_batch, hidden [n, H]), ...], anchor)``. ``anchor`` is a zero that depends on a
+    dummy forward run for an empty micro-batch (a rank with fewer sequences than others); add it to an output
+    so that forward takes part in backward, as the collectives of sharded parameters require.
+    """
+    attn_impl = getattr(backbone.config, "_attn_implementation", None)
+    check_packing_attention(attn_impl)
+    packed = pack_padded_batch(input_ids, attention_mask, token_budget)
+    count = _same_count_on_every_rank(len(packed.micro_batches), input_ids.device)
+    if count != len(packed.micro_batches):
+        packed = pack_padded_batch(input_ids, attention_mask, token_budget, num_micro_batches=count)
+    outputs, anchor = [], None
+    for micro_batch in packed.micro_batches:
+        if micro_batch.input_ids.numel() == 0:
+            dummy = input_ids.new_zeros((1, 1))
+            out = backbone(input_ids=dummy, position_ids=dummy, attention_mask=None, use_cache=False)
+            anchor = out.last_hidden_state.sum() * 0.0
+            continue
+        hidden = backbone(**packed_forward_kwargs(micro_batch, attn_impl)).last_hidden_state[0]
+        outputs.append((micro_batch, hidden))
+    return packed, outputs, anchor
+
+
 def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items_in_batch):
     """The packed equivalent of TRL's ``_fused_forward`` for a padded batch; returns a ``FusedCausalLMOutput``."""
     from trl.trainer.utils import FusedCausalLMOutput
@@ -76,31 +101,15 @@ def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attentio
     batch_size, seq_len = input_ids.shape
     # TRL scores hidden[:, t] against labels[:, t + 1]; in the padded layout, position t's label is the next column.
     shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
-    attn_impl = getattr(model.config, "_attn_implementation", None)
-    check_packing_attention(attn_impl)
-    first = pack_padded_batch(input_ids, attention_mask, config.token_budget)
-    count = _same_count_on_every_rank(len(first.micro_batches), input_ids.device)
-    packed = (
-        first
-        if count == len(first.micro_batches)
-        else pack_padded_batch(input_ids, attention_mask, config.token_budget, num_micro_batches=count)
-    )
+    packed, outputs, anchor = packed_backbone_forward(model.base_model, input_ids, attention_mask, config.token_budget)
     softcap, logit_scale = logit_transform_of(model.config)
     lm_head = model.get_output_embeddings()
     weight, bias = lm_head.weight, lm_head.bias
-    backbone = model.base_model
 
     names = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
     collected: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     indices: list[torch.Tensor] = []
-    anchor = None  # keeps a dummy forward of an empty micro-batch in the graph
-    for micro_batch in packed.micro_batches:
-        if micro_batch.input_ids.numel() == 0:
-            dummy = input_ids.new_zeros((1, 1))
-            hidden = backbone(input_ids=dummy, position_ids=dummy, attention_mask=None, use_cache=False)
-            anchor = hidden.last_hidden_state.sum() * 0.0
-            continue
-        hidden = backbone(**packed_forward_kwargs(micro_batch, attn_impl)).last_hidden_state[0]
+    for micro_batch, hidden in outputs:
         targets = shift_labels.reshape(-1)[micro_batch.flat_index]
         scored = targets != -100
         if not scored.any():
@@ -217,24 +226,9 @@ def token_scores(
     if not padding_free:
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         return head(hidden).squeeze(-1).float() * attention_mask
-    attn_impl = getattr(backbone.config, "_attn_implementation", None)
-    first = pack_padded_batch(input_ids, attention_mask, token_budget)
-    count = _same_count_on_every_rank(len(first.micro_batches), input_ids.device)
-    packed = (
-        first
-        if count == len(first.micro_batches)
-        else pack_padded_batch(input_ids, attention_mask, token_budget, num_micro_batches=count)
-    )
-    values, indices, anchor = [], [], None
-    for micro_batch in packed.micro_batches:
-        if micro_batch.input_ids.numel() == 0:
-            dummy = input_ids.new_zeros((1, 1))
-            out = backbone(input_ids=dummy, position_ids=dummy, attention_mask=None, use_cache=False)
-            anchor = out.last_hidden_state.sum() * 0.0
-            continue
-        hidden = backbone(**packed_forward_kwargs(micro_batch, attn_impl)).last_hidden_state[0]
-        values.append(head(hidden).squeeze(-1).float())
-        indices.append(micro_batch.flat_index)
+    _, outputs, anchor = packed_backbone_forward(backbone, input_ids, attention_mask, token_budget)
+    values = [head(hidden).squeeze(-1).float() for _, hidden in outputs]
+    indices = [micro_batch.flat_index for micro_batch, _ in outputs]
     flat = torch.cat(values) if values else input_ids.new_zeros(0, dtype=torch.float32)
     scores = unpack(flat, torch.cat(indices) if indices else input_ids.new_zeros(0), batch_size, seq_len)
     return scores if anchor is None else scores + anchor
