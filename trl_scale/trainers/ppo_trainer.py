@@ -21,11 +21,10 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
     PreTrainedModel,
-    get_scheduler,
 )
 
 from .. import ppo_core
-from ..scoring import token_scores
+from ..critic import CriticUpdater
 from .grpo_trainer import GRPOTrainer
 from .ppo_config import PPOConfig
 
@@ -89,16 +88,21 @@ class PPOTrainer(GRPOTrainer):
         self.value_model = self._build_value_model(value_model, model, reward_list)
         self._check_value_model_tokenizer(value_model)
         self.value_model.to(self.accelerator.device)
-        self.value_model = self.accelerator.prepare_model(self.value_model)
-        self.critic_optimizer = torch.optim.AdamW(
-            self.value_model.parameters(),
-            lr=args.value_learning_rate or args.learning_rate,
+        # The critic is not wrapped (DDP/DeepSpeed): its forward runs through the packed engine, and its gradients
+        # are averaged across ranks by the updater.
+        self.critic = CriticUpdater(
+            self.value_model,
+            learning_rate=args.value_learning_rate or args.learning_rate,
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_epsilon,
             weight_decay=args.weight_decay,
+            padding_free=args.padding_free,
+            token_budget=args.token_budget,
+            cliprange_value=args.cliprange_value,
+            vf_coef=args.vf_coef,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            max_grad_norm=args.max_grad_norm,
         )
-        self.critic_scheduler = None  # built once max_steps is known (create_scheduler)
-        self._critic_micro_steps = 0
 
     # ---- critic construction -------------------------------------------------------------------------------
 
@@ -147,28 +151,16 @@ class PPOTrainer(GRPOTrainer):
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         scheduler = super().create_scheduler(num_training_steps, optimizer)
-        if self.critic_scheduler is None:
-            self.critic_scheduler = get_scheduler(
+        if self.critic.scheduler is None:
+            self.critic.set_scheduler(
                 self.args.lr_scheduler_type,
-                optimizer=self.critic_optimizer,
-                num_warmup_steps=self.args.get_warmup_steps(num_training_steps),
-                num_training_steps=num_training_steps,
-                scheduler_specific_kwargs=self.args.lr_scheduler_kwargs,
+                self.args.get_warmup_steps(num_training_steps),
+                num_training_steps,
+                self.args.lr_scheduler_kwargs,
             )
         return scheduler
 
     # ---- rollout: values, KL-shaped rewards, GAE -----------------------------------------------------------
-
-    def _values(self, input_ids, attention_mask) -> torch.Tensor:
-        critic = self.accelerator.unwrap_model(self.value_model)
-        return token_scores(
-            critic.base_model,
-            critic.score,
-            input_ids,
-            attention_mask,
-            padding_free=self.args.padding_free,
-            token_budget=self.args.token_budget,
-        )
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -209,10 +201,7 @@ class PPOTrainer(GRPOTrainer):
             ref_logps = batch.pop("ref_per_token_logps", None)
             if ref_logps is None:
                 ref_logps = old_logps  # kl_coef == 0: no reference model, no penalty
-            # The value of each completion token's state: the critic's output at the position before it.
-            values_full = self._values(input_ids, attention_mask)
-            prompt_len = prompt_ids.size(1)
-            values = values_full[:, prompt_len - 1 : prompt_len - 1 + logits_to_keep] * mask
+            values = self.critic.values(input_ids, attention_mask, prompt_ids.size(1), logits_to_keep) * mask
 
             process_slice = slice(
                 self.accelerator.process_index * len(prompt_ids),
@@ -263,7 +252,15 @@ class PPOTrainer(GRPOTrainer):
         policy_loss = ppo_core.masked_mean(per_token_loss, mask)
         # Like GRPO's token-mean losses, scaled here for gradient accumulation (loss_is_scaled_for_ga).
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        value_loss, value_stats = self._critic_step(input_ids, attention_mask, inputs, mask, train=mode == "train")
+        value_loss, value_stats = self.critic.step(
+            input_ids,
+            attention_mask,
+            inputs["prompt_ids"].size(1),
+            inputs["values"],
+            inputs["returns"],
+            mask,
+            train=mode == "train",
+        )
 
         reduce = self.accelerator.gather
         metrics = self._metrics[mode]
@@ -277,45 +274,16 @@ class PPOTrainer(GRPOTrainer):
             metrics[key].append(reduce(value).mean().item())
         return policy_loss / normalizer
 
-    def _critic_step(self, input_ids, attention_mask, inputs, mask, train: bool):
-        """Value loss on this micro-batch; in training, backward on the critic and step its optimizer at the end
-        of each accumulation window. The critic's graph is separate from the policy's."""
-        args = self.args
-        with torch.set_grad_enabled(train):
-            self.value_model.train(train)
-            values_full = self._values(input_ids, attention_mask)
-            prompt_len = inputs["prompt_ids"].size(1)
-            vpred = values_full[:, prompt_len - 1 : prompt_len - 1 + mask.size(1)]
-            value_loss, clipfrac = ppo_core.clipped_value_loss(
-                vpred, inputs["values"], inputs["returns"], mask, args.cliprange_value
-            )
-            if train:
-                self.accelerator.backward(args.vf_coef * value_loss / args.gradient_accumulation_steps)
-                self._critic_micro_steps += 1
-                if self._critic_micro_steps % args.gradient_accumulation_steps == 0:
-                    if args.max_grad_norm is not None and args.max_grad_norm > 0:
-                        self.accelerator.clip_grad_norm_(self.value_model.parameters(), args.max_grad_norm)
-                    self.critic_optimizer.step()
-                    if self.critic_scheduler is not None:
-                        self.critic_scheduler.step()
-                    self.critic_optimizer.zero_grad(set_to_none=True)
-        stats = {
-            "val/vpred": ppo_core.masked_mean(vpred.detach(), mask),
-            "val/error": ppo_core.masked_mean((vpred.detach() - inputs["returns"]) ** 2, mask),
-            "val/clipfrac": clipfrac.detach(),
-        }
-        return value_loss.detach(), stats
-
     # ---- saving, checkpoints, resuming ---------------------------------------------------------------------
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Save the policy as TRL does, and the critic beside it in `value_model/` (with a model card)."""
         super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
+        state = self.critic.state()  # from the critic wherever it lives (in-process or a Ray worker)
         if self.accelerator.is_main_process:
             critic_dir = os.path.join(output_dir, VALUE_MODEL_DIR)
-            critic = self.accelerator.unwrap_model(self.value_model)
-            critic.save_pretrained(critic_dir, safe_serialization=True)
+            self.value_model.save_pretrained(critic_dir, state_dict=state["model"], safe_serialization=True)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(critic_dir)
             with open(os.path.join(critic_dir, "README.md"), "w") as f:
@@ -328,10 +296,11 @@ class PPOTrainer(GRPOTrainer):
 
     def _save_optimizer_and_scheduler(self, output_dir):
         super()._save_optimizer_and_scheduler(output_dir)
+        state = self.critic.state()
         if self.accelerator.is_main_process:
-            torch.save(self.critic_optimizer.state_dict(), os.path.join(output_dir, CRITIC_OPTIMIZER_NAME))
-            if self.critic_scheduler is not None:
-                torch.save(self.critic_scheduler.state_dict(), os.path.join(output_dir, CRITIC_SCHEDULER_NAME))
+            torch.save(state["optimizer"], os.path.join(output_dir, CRITIC_OPTIMIZER_NAME))
+            if state["scheduler"] is not None:
+                torch.save(state["scheduler"], os.path.join(output_dir, CRITIC_SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -342,11 +311,11 @@ class PPOTrainer(GRPOTrainer):
             raise FileNotFoundError(
                 f"checkpoint {checkpoint} has no {VALUE_MODEL_DIR}/: it was not saved by PPOTrainer"
             )
-        loaded = AutoModelForSequenceClassification.from_pretrained(critic_dir)
-        self.accelerator.unwrap_model(self.value_model).load_state_dict(loaded.state_dict())
+        state = {"model": AutoModelForSequenceClassification.from_pretrained(critic_dir).state_dict()}
         optimizer_path = os.path.join(checkpoint, CRITIC_OPTIMIZER_NAME)
         if os.path.isfile(optimizer_path):
-            self.critic_optimizer.load_state_dict(torch.load(optimizer_path, map_location=self.accelerator.device))
+            state["optimizer"] = torch.load(optimizer_path, map_location="cpu")
         scheduler_path = os.path.join(checkpoint, CRITIC_SCHEDULER_NAME)
-        if self.critic_scheduler is not None and os.path.isfile(scheduler_path):
-            self.critic_scheduler.load_state_dict(torch.load(scheduler_path))
+        if os.path.isfile(scheduler_path):
+            state["scheduler"] = torch.load(scheduler_path)
+        self.critic.load_state(state)

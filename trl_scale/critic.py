@@ -1,0 +1,127 @@
+"""The PPO critic's forward and update, shared by `PPOTrainer` (in-process) and the Ray critic worker, so the
+two backends run the same code and give the same numbers."""
+
+from __future__ import annotations
+
+import torch
+
+from . import ppo_core
+from .scoring import token_scores
+
+
+def completion_values(
+    critic, input_ids, attention_mask, prompt_len: int, num_tokens: int, padding_free: bool, token_budget: int | None
+) -> torch.Tensor:
+    """Values of each completion token's state, ``[B, num_tokens]``: the critic's output at the position before
+    the token (prompts are left-padded to ``prompt_len``, completions follow)."""
+    values = token_scores(critic.base_model, critic.score, input_ids, attention_mask, padding_free, token_budget)
+    return values[:, prompt_len - 1 : prompt_len - 1 + num_tokens]
+
+
+def _average_gradients_across_ranks(model) -> None:
+    """Data parallelism for the critic without a DDP wrapper (its forward goes through the packed engine, not
+    through a wrapper's forward): average the gradients over the process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    world = dist.get_world_size()
+    for parameter in model.parameters():
+        if parameter.grad is not None:
+            dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
+            parameter.grad.div_(world)
+
+
+class CriticUpdater:
+    """A critic with its own optimizer (and scheduler once the step count is known): clipped value loss,
+    gradient accumulation, clipping, stepping."""
+
+    def __init__(
+        self,
+        critic,
+        learning_rate: float,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        padding_free: bool = True,
+        token_budget: int | None = None,
+        cliprange_value: float = 0.2,
+        vf_coef: float = 0.1,
+        gradient_accumulation_steps: int = 1,
+        max_grad_norm: float | None = 1.0,
+    ):
+        self.critic = critic
+        self.optimizer = torch.optim.AdamW(
+            critic.parameters(), lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay
+        )
+        self.scheduler = None
+        self.padding_free, self.token_budget = padding_free, token_budget
+        self.cliprange_value, self.vf_coef = cliprange_value, vf_coef
+        self.gradient_accumulation_steps, self.max_grad_norm = gradient_accumulation_steps, max_grad_norm
+        self.micro_steps = 0
+
+    def set_scheduler(self, scheduler_type: str, num_warmup_steps: int, num_training_steps: int, kwargs=None):
+        from transformers import get_scheduler
+
+        self.scheduler = get_scheduler(
+            scheduler_type,
+            optimizer=self.optimizer,
+            num_warmup_steps=num_warmup_steps,
+            num_training_steps=num_training_steps,
+            scheduler_specific_kwargs=kwargs or {},
+        )
+
+    @torch.no_grad()
+    def values(self, input_ids, attention_mask, prompt_len: int, num_tokens: int) -> torch.Tensor:
+        self.critic.eval()
+        return completion_values(
+            self.critic, input_ids, attention_mask, prompt_len, num_tokens, self.padding_free, self.token_budget
+        )
+
+    def step(
+        self, input_ids, attention_mask, prompt_len, old_values, returns, mask, train: bool = True, backward=None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Value loss on one micro-batch; in training, backward and (at the end of an accumulation window) an
+        optimizer step. ``backward`` lets a caller route it (e.g. through an Accelerator)."""
+        with torch.set_grad_enabled(train):
+            self.critic.train(train)
+            vpred = completion_values(
+                self.critic, input_ids, attention_mask, prompt_len, mask.size(1), self.padding_free, self.token_budget
+            )
+            loss, clipfrac = ppo_core.clipped_value_loss(vpred, old_values, returns, mask, self.cliprange_value)
+            if train:
+                scaled = self.vf_coef * loss / self.gradient_accumulation_steps
+                (backward or torch.Tensor.backward)(scaled)
+                self.micro_steps += 1
+                if self.micro_steps % self.gradient_accumulation_steps == 0:
+                    _average_gradients_across_ranks(self.critic)
+                    if self.max_grad_norm:
+                        torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.max_grad_norm)
+                    self.optimizer.step()
+                    if self.scheduler is not None:
+                        self.scheduler.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+        stats = {
+            "val/vpred": ppo_core.masked_mean(vpred.detach(), mask),
+            "val/error": ppo_core.masked_mean((vpred.detach() - returns) ** 2, mask),
+            "val/clipfrac": clipfrac.detach(),
+        }
+        return loss.detach(), stats
+
+    # state for checkpoints (the same calls whether the critic is in-process or remote)
+    def state(self) -> dict:
+        return {
+            "model": {k: v.detach().cpu() for k, v in self.critic.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "micro_steps": self.micro_steps,
+        }
+
+    def load_state(self, state: dict) -> None:
+        if state.get("model") is not None:
+            self.critic.load_state_dict(state["model"])
+        if state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("scheduler") is not None and self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.micro_steps = state.get("micro_steps", self.micro_steps)
