@@ -93,6 +93,75 @@ class RolloutArguments:
             raise ValueError("weight_sync_timeout and rollout_request_timeout must be positive (seconds)")
 
 
+@dataclass
+class DistributedArguments:
+    """Where the reward models (and PPO's critic) live: in the trainer processes, or on Ray role groups."""
+
+    backend: str = field(
+        default="local",
+        metadata={"help": "'local' (in the trainer processes) or 'ray' (reward models and the critic on Ray groups)."},
+    )
+    ray_address: str | None = field(default=None, metadata={"help": "Ray cluster address; None starts a local one."})
+    reward_placement: dict | None = field(
+        default=None,
+        metadata={"help": "Reward group: {'num_workers': 1, 'num_gpus_per_worker': 1.0, 'num_cpus_per_worker': 1}."},
+    )
+    critic_placement: dict | None = field(
+        default=None, metadata={"help": "Critic group (PPO), same keys as reward_placement."}
+    )
+    ray_call_timeout: float = field(
+        default=300.0, metadata={"help": "Seconds any call to a Ray worker may take before a RoleError."}
+    )
+
+    def _validate_distributed_arguments(self) -> None:
+        if self.backend not in ("local", "ray"):
+            raise ValueError(f"backend={self.backend!r}: use 'local' or 'ray'")
+        if self.backend == "ray":
+            from ..distributed.ray_backend import Placement
+
+            Placement.from_config(self.reward_placement, "reward_placement")
+            Placement.from_config(self.critic_placement, "critic_placement")
+
+
+def _model_dir(model, prefix: str) -> str:
+    """A directory holding `model` (a path is returned as is; an object is saved to a temporary directory)."""
+    if isinstance(model, str):
+        return model
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix=prefix)
+    model.save_pretrained(directory)
+    return directory
+
+
+def remote_reward_funcs(reward_funcs, args):
+    """With backend='ray', replace each reward model in `reward_funcs` (path or object) by a function served by
+    the reward group; callables stay in the trainer. Names match the ones TRL gives local reward models."""
+    if getattr(args, "backend", "local") != "ray" or reward_funcs is None:
+        return reward_funcs
+    from torch import nn
+    from transformers import AutoTokenizer
+
+    from ..distributed.ray_backend import Placement, RayRewardModel, RoleGroup, init_ray
+
+    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+    converted = []
+    for func in funcs:
+        if isinstance(func, (str, nn.Module)):
+            init_ray(args.ray_address)
+            path = _model_dir(func, "trl-scale-reward-")
+            # TRL loads a reward model's tokenizer from its name or path; an object carries that in its config.
+            source = func if isinstance(func, str) else func.config._name_or_path
+            name = source.rstrip("/").split("/")[-1]
+            placement = Placement.from_config(args.reward_placement, "reward_placement")
+            settings = {"tokenizer_path": source}
+            group = RoleGroup("reward", path, placement, settings, timeout=args.ray_call_timeout)
+            converted.append(RayRewardModel(group, name, AutoTokenizer.from_pretrained(source)))
+        else:
+            converted.append(func)
+    return converted
+
+
 def uses_server_rollout(args) -> bool:
     """trl-scale's client serves `use_vllm=True, vllm_mode='server'` when several servers are given, or when
     vLLM is not installed (TRL's own server mode needs vLLM importable and CUDA for its weight sync)."""
@@ -189,8 +258,10 @@ class ModelCardMixin:
         features = []
         if getattr(self.args, "padding_free", False):
             features.append("padding-free")
-        if getattr(self, "value_model", None) is not None:
+        if getattr(self, "critic", None) is not None:
             features.append("value-model")
+        if getattr(self.args, "backend", "local") == "ray":
+            features.append("ray")
         return features
 
     def create_model_card(

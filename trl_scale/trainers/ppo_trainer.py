@@ -18,6 +18,7 @@ import os
 import torch
 from torch import nn
 from transformers import (
+    AutoConfig,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     PreTrainedModel,
@@ -25,6 +26,7 @@ from transformers import (
 
 from .. import ppo_core
 from ..critic import CriticUpdater
+from .common import _model_dir
 from .grpo_trainer import GRPOTrainer
 from .ppo_config import PPOConfig
 
@@ -85,13 +87,7 @@ class PPOTrainer(GRPOTrainer):
         finally:
             args.beta = 0.0
         self.beta = 0.0
-        self.value_model = self._build_value_model(value_model, model, reward_list)
-        self._check_value_model_tokenizer(value_model)
-        self.value_model.to(self.accelerator.device)
-        # The critic is not wrapped (DDP/DeepSpeed): its forward runs through the packed engine, and its gradients
-        # are averaged across ranks by the updater.
-        self.critic = CriticUpdater(
-            self.value_model,
+        updater_settings = dict(
             learning_rate=args.value_learning_rate or args.learning_rate,
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_epsilon,
@@ -103,22 +99,43 @@ class PPOTrainer(GRPOTrainer):
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             max_grad_norm=args.max_grad_norm,
         )
+        if args.backend == "ray":
+            # The critic lives on its own role group: the trainer process never holds it.
+            from ..distributed.ray_backend import Placement, RayCritic, RoleGroup, init_ray
+
+            init_ray(args.ray_address)
+            source = self._value_model_source(value_model, model, reward_list)
+            path = _model_dir(source, "trl-scale-critic-")
+            self._check_value_model_tokenizer(path)
+            self.value_model = None
+            self._critic_config = AutoConfig.from_pretrained(path, num_labels=1)
+            placement = Placement.from_config(args.critic_placement, "critic_placement")
+            group = RoleGroup("critic", path, placement, {"updater": updater_settings}, timeout=args.ray_call_timeout)
+            self.critic = RayCritic(group)
+        else:
+            source = self._value_model_source(value_model, model, reward_list)
+            self.value_model = self._load_value_model(source)
+            self._check_value_model_tokenizer(value_model)
+            self.value_model.to(self.accelerator.device)
+            self._critic_config = self.value_model.config
+            # Not wrapped (DDP/DeepSpeed): its forward runs through the packed engine, and the updater averages
+            # its gradients across ranks.
+            self.critic = CriticUpdater(self.value_model, **updater_settings)
 
     # ---- critic construction -------------------------------------------------------------------------------
 
-    def _build_value_model(self, value_model, policy, reward_list) -> nn.Module:
-        if isinstance(value_model, nn.Module):
+    def _value_model_source(self, value_model, policy, reward_list):
+        """Where the critic comes from: `value_model`, else the first reward model (the classic RLHF recipe),
+        else the policy (its backbone with a new scalar head). A path or a model object."""
+        if value_model is not None:
             return value_model
-        if isinstance(value_model, str):
-            return AutoModelForSequenceClassification.from_pretrained(value_model, num_labels=1)
-        for reward in reward_list:  # by default, from the reward model (the classic RLHF recipe)
+        for reward in reward_list:
             if isinstance(reward, str):
-                return AutoModelForSequenceClassification.from_pretrained(reward, num_labels=1)
-            if isinstance(reward, PreTrainedModel):
+                return reward
+            if isinstance(reward, PreTrainedModel):  # a copy: the critic trains, the reward model must not
                 return copy.deepcopy(self.accelerator.unwrap_model(reward))
         if isinstance(policy, str):
-            return AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1)
-        # From the policy's own backbone, with a fresh scalar head.
+            return policy
         unwrapped = self.accelerator.unwrap_model(self.model)
         base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
         config = copy.deepcopy(base.config)
@@ -127,9 +144,14 @@ class PPOTrainer(GRPOTrainer):
         critic.base_model.load_state_dict(base.base_model.state_dict())
         return critic
 
+    @staticmethod
+    def _load_value_model(source) -> nn.Module:
+        if isinstance(source, str):
+            return AutoModelForSequenceClassification.from_pretrained(source, num_labels=1)
+        return source
+
     def _check_value_model_tokenizer(self, value_model) -> None:
         policy_vocab = self.processing_class.get_vocab() if hasattr(self.processing_class, "get_vocab") else None
-        critic = self.accelerator.unwrap_model(self.value_model)
         if isinstance(value_model, str) and policy_vocab is not None:
             try:
                 critic_vocab = AutoTokenizer.from_pretrained(value_model).get_vocab()
@@ -141,6 +163,9 @@ class PPOTrainer(GRPOTrainer):
                     "policy's token ids, so it must share its vocabulary. Fix: pass a value model trained with the "
                     "policy's tokenizer, or leave value_model=None to initialise it from the policy."
                 )
+        critic = getattr(self, "value_model", None)
+        if critic is None:
+            return
         if critic.get_input_embeddings().num_embeddings < len(self.processing_class):
             raise ValueError(
                 f"value_model's embedding has {critic.get_input_embeddings().num_embeddings} rows but the policy's "
@@ -283,7 +308,12 @@ class PPOTrainer(GRPOTrainer):
         state = self.critic.state()  # from the critic wherever it lives (in-process or a Ray worker)
         if self.accelerator.is_main_process:
             critic_dir = os.path.join(output_dir, VALUE_MODEL_DIR)
-            self.value_model.save_pretrained(critic_dir, state_dict=state["model"], safe_serialization=True)
+            from safetensors.torch import save_file
+
+            os.makedirs(critic_dir, exist_ok=True)
+            self._critic_config.save_pretrained(critic_dir)
+            weights = {k: v.contiguous() for k, v in state["model"].items()}
+            save_file(weights, os.path.join(critic_dir, "model.safetensors"), metadata={"format": "pt"})
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(critic_dir)
             with open(os.path.join(critic_dir, "README.md"), "w") as f:

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 from trl import RLOOConfig as _TRLRLOOConfig
 
-from .common import RolloutArguments, ScoringArguments
+from .common import DistributedArguments, RolloutArguments, ScoringArguments
 
 
 @dataclass
-class RLOOConfig(RolloutArguments, ScoringArguments, _TRLRLOOConfig):
+class RLOOConfig(DistributedArguments, RolloutArguments, ScoringArguments, _TRLRLOOConfig):
     r"""
     Configuration class for [`trl_scale.RLOOTrainer`]: every field of [`trl.RLOOConfig`], unchanged, plus trl-scale's.
 
@@ -34,9 +34,18 @@ class RLOOConfig(RolloutArguments, ScoringArguments, _TRLRLOOConfig):
     weight_sync_timeout (`float`, defaults to `120`), rollout_request_timeout (`float`, defaults to `120`):
         Bounds in seconds: a stalled sync or an unreachable fleet fails with a clear error, never hangs.
     rollout_api_key (`str` or `None`): bearer token for the servers.
+
+    > Placement (`pip install trl-scale[ray]`)
+
+    backend (`str`, defaults to `"local"`): `"ray"` puts reward models (and PPO's critic) on Ray role groups.
+    ray_address (`str` or `None`): a Ray cluster; `None` starts a local one.
+    reward_placement, critic_placement (`dict` or `None`):
+        `{"num_workers": 1, "num_gpus_per_worker": 1.0, "num_cpus_per_worker": 1}` per role.
+    ray_call_timeout (`float`, defaults to `300`): bound on every call to a Ray worker.
     """
 
     def __post_init__(self):
         super().__post_init__()
         self._validate_scoring_arguments()
         self._validate_rollout_arguments()
+        self._validate_distributed_arguments()

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from trl import RLOOTrainer as _TRLRLOOTrainer
 
-from .common import TRL_SCALE_TAG, ModelCardMixin, PackedScoringMixin, PhaseTimingMixin, ServerRolloutMixin
+from .common import (
+    TRL_SCALE_TAG,
+    ModelCardMixin,
+    PackedScoringMixin,
+    PhaseTimingMixin,
+    ServerRolloutMixin,
+    remote_reward_funcs,
+)
 
 
 class RLOOTrainer(ServerRolloutMixin, PhaseTimingMixin, ModelCardMixin, PackedScoringMixin, _TRLRLOOTrainer):
@@ -15,5 +22,6 @@ class RLOOTrainer(ServerRolloutMixin, PhaseTimingMixin, ModelCardMixin, PackedSc
 
     def __init__(self, model, reward_funcs, args=None, **kwargs):
         init = super().__init__
+        reward_funcs = remote_reward_funcs(reward_funcs, args)
         self._init_with_server_rollout(lambda **kw: init(model=model, reward_funcs=reward_funcs, **kw), args, **kwargs)
         self._install_packed_scoring(temperature=self.temperature, policy_outputs=("entropy",))

@@ -1,0 +1,126 @@
+"""The Ray backend on a real local Ray cluster (CPU): reward models and PPO's critic on their own role groups give
+the local backend's numbers, PPO learns with its critic on Ray, and a dead worker is a clear error."""
+
+import os
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import trl_scale
+from trl_scale.toy import COUNT_TARGET_LENGTH, counting_prompts, counting_reward
+from trl_scale.toy.demo import warm_up
+
+from .helpers import cpu_args, step_logs, token_parity_reward
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    yield
+    ray.shutdown()
+
+
+def _ppo(model_path, out, reward_funcs, backend, **overrides):
+    settings = dict(
+        max_completion_length=6,
+        max_steps=2,
+        num_ppo_epochs=1,
+        num_mini_batches=1,
+        optim="sgd",
+        backend=backend,
+        critic_placement={"num_cpus_per_worker": 1},
+        reward_placement={"num_cpus_per_worker": 1},
+        ray_call_timeout=120,
+    )
+    settings.update(overrides)
+    return trl_scale.PPOTrainer(
+        model=model_path,
+        reward_funcs=reward_funcs,
+        args=trl_scale.PPOConfig(**cpu_args(out, **settings)),
+        train_dataset=counting_prompts(64),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+    )
+
+
+def test_local_and_ray_backends_give_the_same_rewards_values_and_losses(tiny_llama, tiny_reward_model, tmp_path):
+    # A list each: TRL replaces reward-model paths with loaded models inside the list it is given.
+    local = _ppo(tiny_llama, tmp_path / "local", [tiny_reward_model, token_parity_reward], "local")
+    local.train()
+    remote = _ppo(tiny_llama, tmp_path / "ray", [tiny_reward_model, token_parity_reward], "ray")
+    assert remote.value_model is None  # the trainer process does not hold the critic
+    remote.train()
+    keys = (
+        "loss",
+        "grad_norm",
+        "reward",
+        "rewards/tiny-reward0/mean",
+        "loss/value",
+        "val/vpred",
+        "val/error",
+        "objective/kl",
+    )
+    name = os.path.basename(tiny_reward_model.rstrip("/"))
+    keys = tuple(k.replace("tiny-reward0", name) for k in keys)
+    expected, got = step_logs(local, keys), step_logs(remote, keys)
+    assert len(expected) == 2 and all(f"rewards/{name}/mean" in e for e in expected)
+    for e, g in zip(expected, got):
+        for key in keys:
+            assert g[key] == pytest.approx(e[key], abs=1e-5), (key, g[key], e[key])
+    # The critic saved from the Ray worker is the one that trained there.
+    remote.save_model(str(tmp_path / "saved"))
+    from transformers import AutoModelForSequenceClassification
+
+    saved = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "saved"), subfolder="value_model")
+    local_critic = local.value_model.state_dict()
+    for key, value in saved.state_dict().items():
+        assert (value - local_critic[key]).abs().max().item() <= 1e-5, key
+
+
+def test_ppo_learns_with_its_critic_on_ray(tmp_path):
+    from trl_scale.toy import build_tiny_model
+
+    base = build_tiny_model(tmp_path / "base")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    import torch
+
+    torch.manual_seed(0)
+    warm_up(model, tokenizer, steps=60)
+    sft = str(tmp_path / "sft")
+    model.save_pretrained(sft)
+    tokenizer.save_pretrained(sft)
+    trainer = _ppo(
+        sft,
+        tmp_path / "ppo",
+        counting_reward,
+        "ray",
+        max_steps=200,
+        per_device_train_batch_size=32,
+        max_completion_length=COUNT_TARGET_LENGTH,
+        lr_scheduler_type="constant",
+        kl_coef=0.01,
+        gradient_checkpointing=False,
+        optim="adamw_torch",
+    )
+    trainer.train()
+    rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.1, rewards
+
+
+def test_a_dead_critic_worker_is_a_clear_error(tiny_llama, tmp_path):
+    from trl_scale.distributed.ray_backend import RoleError
+
+    trainer = _ppo(tiny_llama, tmp_path, token_parity_reward, "ray", max_steps=2)
+    ray.kill(trainer.critic.group.worker, no_restart=True)
+    with pytest.raises(RoleError, match="critic group: its worker died"):
+        trainer.train()
+
+
+def test_bad_placement_names_the_field(tmp_path):
+    with pytest.raises(ValueError, match="critic_placement has unknown keys"):
+        trl_scale.PPOConfig(output_dir=str(tmp_path), bf16=False, backend="ray", critic_placement={"gpus": 1})
+    with pytest.raises(ValueError, match="backend='spark'"):
+        trl_scale.GRPOConfig(output_dir=str(tmp_path), bf16=False, backend="spark")

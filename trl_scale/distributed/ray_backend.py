@@ -1,0 +1,213 @@
+"""Optional Ray backend: the critic and reward models on their own role groups, behind the unchanged Trainer API.
+
+A role group is a placement group of `num_workers` bundles (`num_gpus_per_worker` GPUs, `num_cpus_per_worker`
+CPUs each) holding one actor per bundle. The trainer process never holds these models: it sends token ids or
+texts through Ray's object store and gets scores, values or update statistics back. Every remote call has a
+timeout; a worker that dies or stalls is reported as an error naming its role (`RoleError`).
+
+This first version runs one worker per role (`num_workers=1`); several workers per role (data parallel inside
+the group) are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+class RoleError(RuntimeError):
+    """A role group's worker died, stalled past its timeout, or could not start."""
+
+
+@dataclass
+class Placement:
+    num_workers: int = 1
+    num_gpus_per_worker: float = 0.0
+    num_cpus_per_worker: float = 1.0
+
+    @classmethod
+    def from_config(cls, value: dict | None, field_name: str) -> Placement:
+        value = dict(value or {})
+        unknown = set(value) - {"num_workers", "num_gpus_per_worker", "num_cpus_per_worker"}
+        if unknown:
+            raise ValueError(
+                f"{field_name} has unknown keys {sorted(unknown)}; use num_workers, "
+                "num_gpus_per_worker, num_cpus_per_worker"
+            )
+        placement = cls(**value)
+        if placement.num_workers != 1:
+            raise ValueError(
+                f"{field_name}.num_workers={placement.num_workers}: this version runs one worker per role"
+            )
+        if placement.num_gpus_per_worker and not torch.cuda.is_available():
+            raise ValueError(f"{field_name}.num_gpus_per_worker={placement.num_gpus_per_worker} but no GPU is visible")
+        return placement
+
+
+def init_ray(address: str | None = None) -> None:
+    """Connect to `address`, or start a local cluster (token auth off for it: local tests, no network)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address is None:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+
+
+class _RoleWorker:
+    """Runs inside a Ray actor: loads its model from a path and serves one role ('reward' or 'critic')."""
+
+    def __init__(self, role: str, model_path: str, settings: dict):
+        torch.set_num_threads(max(1, int(settings.get("num_threads", 1))))
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.role = role
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1).to(self.device)
+        if role == "reward":
+            self.tokenizer = AutoTokenizer.from_pretrained(settings.get("tokenizer_path") or model_path)
+            model.config.pad_token_id = self.tokenizer.pad_token_id  # pooling at the last non-pad token, as TRL
+            model.eval()
+            self.model = model
+        else:
+            from ..critic import CriticUpdater
+
+            self.updater = CriticUpdater(model, **settings["updater"])
+
+    def ping(self) -> str:
+        return self.role
+
+    @torch.no_grad()
+    def rewards(self, texts: list[str]) -> list[float]:
+        inputs = self.tokenizer(
+            text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+        ).to(self.device)
+        return self.model(**inputs).logits[:, 0].float().cpu().tolist()
+
+    def values(self, input_ids, attention_mask, prompt_len, num_tokens):
+        return self.updater.values(
+            input_ids.to(self.device), attention_mask.to(self.device), prompt_len, num_tokens
+        ).cpu()
+
+    def step(self, input_ids, attention_mask, prompt_len, old_values, returns, mask, train):
+        args = [t.to(self.device) for t in (input_ids, attention_mask)]
+        loss, stats = self.updater.step(
+            *args, prompt_len, old_values.to(self.device), returns.to(self.device), mask.to(self.device), train=train
+        )
+        return loss.cpu(), {k: v.cpu() for k, v in stats.items()}
+
+    def set_scheduler(self, *args):
+        self.updater.set_scheduler(*args)
+
+    def state(self):
+        return self.updater.state()
+
+    def load_state(self, state):
+        self.updater.load_state(state)
+
+
+class RoleGroup:
+    """One role's placement group and worker, with bounded remote calls."""
+
+    def __init__(self, role: str, model_path: str, placement: Placement, settings: dict, timeout: float = 300.0):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.role, self.timeout = role, timeout
+        bundle = {"CPU": placement.num_cpus_per_worker}
+        if placement.num_gpus_per_worker:
+            bundle["GPU"] = placement.num_gpus_per_worker
+        self.placement_group = placement_group([bundle] * placement.num_workers, strategy="PACK")
+        self._call(self.placement_group.ready(), "placement")
+        actor = ray.remote(_RoleWorker).options(
+            num_cpus=placement.num_cpus_per_worker,
+            num_gpus=placement.num_gpus_per_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=0),
+            max_restarts=0,
+        )
+        self.worker = actor.remote(role, model_path, settings)
+        try:
+            self._call(self.worker.ping.remote(), "start")
+        except RoleError as error:
+            raise RoleError(f"{role} group could not start a worker for {model_path!r}: {error}") from error
+
+    def _call(self, ref, what: str):
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        try:
+            return ray.get(ref, timeout=self.timeout)
+        except GetTimeoutError as error:
+            raise RoleError(
+                f"{self.role} group: {what} took longer than {self.timeout}s (ray_call_timeout)"
+            ) from error
+        except RayActorError as error:
+            raise RoleError(f"{self.role} group: its worker died during {what}: {error}") from error
+
+    def call(self, method: str, *args):
+        return self._call(getattr(self.worker, method).remote(*args), method)
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        ray.kill(self.worker, no_restart=True)
+        remove_placement_group(self.placement_group)
+
+
+class RayCritic:
+    """The `CriticUpdater` interface, served by a critic role group."""
+
+    def __init__(self, group: RoleGroup):
+        self.group = group
+        self.scheduler = None  # mirrors CriticUpdater: set once the step count is known
+
+    def values(self, input_ids, attention_mask, prompt_len, num_tokens):
+        device = input_ids.device
+        return self.group.call("values", input_ids.cpu(), attention_mask.cpu(), prompt_len, num_tokens).to(device)
+
+    def step(self, input_ids, attention_mask, prompt_len, old_values, returns, mask, train=True):
+        device = input_ids.device
+        loss, stats = self.group.call(
+            "step",
+            input_ids.cpu(),
+            attention_mask.cpu(),
+            prompt_len,
+            old_values.cpu(),
+            returns.cpu(),
+            mask.cpu(),
+            train,
+        )
+        return loss.to(device), {k: v.to(device) for k, v in stats.items()}
+
+    def set_scheduler(self, *args):
+        self.group.call("set_scheduler", *args)
+        self.scheduler = True
+
+    def state(self):
+        return self.group.call("state")
+
+    def load_state(self, state):
+        self.group.call("load_state", state)
+
+
+class RayRewardModel:
+    """A reward model on its own role group, as a TRL reward function: texts in, one score per completion out.
+    Texts are built as TRL builds them for a local reward model (chat template for conversations, else
+    prompt + completion), and tokenized by the worker with the model's own tokenizer."""
+
+    def __init__(self, group: RoleGroup, name: str, chat_tokenizer=None):
+        self.group, self.__name__, self.chat_tokenizer = group, name, chat_tokenizer
+
+    def __call__(self, prompts, completions, **kwargs) -> list[float]:
+        if prompts and isinstance(prompts[0], list):
+            texts = [
+                self.chat_tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)
+            ]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions)]
+        return self.group.call("rewards", texts)
