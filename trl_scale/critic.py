@@ -18,6 +18,16 @@ def completion_values(
     return values[:, prompt_len - 1 : prompt_len - 1 + num_tokens]
 
 
+class Finished:
+    """An already-computed result with the `.result()` of a future."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
 def _average_gradients_across_ranks(model) -> None:
     """Data parallelism for the critic without a DDP wrapper (its forward goes through the packed engine, not
     through a wrapper's forward): average the gradients over the process group."""
@@ -107,6 +117,10 @@ class CriticUpdater:
             "val/clipfrac": clipfrac.detach(),
         }
         return loss.detach(), stats
+
+    def step_async(self, *args, **kwargs) -> Finished:
+        """`step`, as a handle with `.result()`: in-process the work is done here; a remote critic overlaps it."""
+        return Finished(self.step(*args, **kwargs))
 
     # state for checkpoints (the same calls whether the critic is in-process or remote)
     def state(self) -> dict:

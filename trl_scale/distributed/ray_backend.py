@@ -184,6 +184,22 @@ class RayCritic:
         )
         return loss.to(device), {k: v.to(device) for k, v in stats.items()}
 
+    def step_async(self, input_ids, attention_mask, prompt_len, old_values, returns, mask, train=True):
+        """Start the critic's update on its group and return at once; `.result()` waits (bounded) for it, so the
+        policy's update runs meanwhile."""
+        device = input_ids.device
+        ref = self.group.worker.step.remote(
+            input_ids.cpu(), attention_mask.cpu(), prompt_len, old_values.cpu(), returns.cpu(), mask.cpu(), train
+        )
+        group = self.group
+
+        class Pending:
+            def result(self):
+                loss, stats = group._call(ref, "step")
+                return loss.to(device), {k: v.to(device) for k, v in stats.items()}
+
+        return Pending()
+
     def set_scheduler(self, *args):
         self.group.call("set_scheduler", *args)
         self.scheduler = True

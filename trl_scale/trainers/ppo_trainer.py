@@ -268,16 +268,8 @@ class PPOTrainer(GRPOTrainer):
         mask = inputs["completion_mask"].float()
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
-        logps, entropies, _ = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True
-        )
-        per_token_loss, stats = ppo_core.clipped_policy_loss(
-            logps, inputs["old_per_token_logps"], inputs["advantages"], mask, self.epsilon_low, self.epsilon_high
-        )
-        policy_loss = ppo_core.masked_mean(per_token_loss, mask)
-        # Like GRPO's token-mean losses, scaled here for gradient accumulation (loss_is_scaled_for_ga).
-        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        value_loss, value_stats = self.critic.step(
+        # The critic's update starts first: on a Ray group it runs while the policy's forward/backward runs here.
+        critic_update = self.critic.step_async(
             input_ids,
             attention_mask,
             inputs["prompt_ids"].size(1),
@@ -287,6 +279,20 @@ class PPOTrainer(GRPOTrainer):
             train=mode == "train",
         )
 
+        logps, entropies, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True
+        )
+        per_token_loss, stats = ppo_core.clipped_policy_loss(
+            logps, inputs["old_per_token_logps"], inputs["advantages"], mask, self.epsilon_low, self.epsilon_high
+        )
+        policy_loss = ppo_core.masked_mean(per_token_loss, mask)
+        # Like GRPO's token-mean losses, scaled here for gradient accumulation (loss_is_scaled_for_ga).
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        if mode == "train":  # collected after the policy's backward (training_step), which it overlaps
+            self._pending_critic_update = critic_update
+        else:
+            self._log_critic(*critic_update.result(), mode)
+
         reduce = self.accelerator.gather
         metrics = self._metrics[mode]
         metrics["policy/approxkl"].append(reduce(stats["approxkl"]).mean().item())
@@ -294,10 +300,20 @@ class PPOTrainer(GRPOTrainer):
         metrics["policy/entropy"].append(reduce(ppo_core.masked_mean(entropies.detach(), mask)).mean().item())
         metrics["val/ratio"].append(reduce(stats["ratio"]).mean().item())
         metrics["loss/policy"].append(reduce(policy_loss.detach()).mean().item())
-        metrics["loss/value"].append(reduce(value_loss).mean().item())
-        for key, value in value_stats.items():
-            metrics[key].append(reduce(value).mean().item())
         return policy_loss / normalizer
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        pending, self._pending_critic_update = getattr(self, "_pending_critic_update", None), None
+        if pending is not None:
+            self._log_critic(*pending.result(), "train")
+        return loss
+
+    def _log_critic(self, value_loss, value_stats, mode: str) -> None:
+        reduce = self.accelerator.gather
+        self._metrics[mode]["loss/value"].append(reduce(value_loss).mean().item())
+        for key, value in value_stats.items():
+            self._metrics[mode][key].append(reduce(value).mean().item())
 
     # ---- saving, checkpoints, resuming ---------------------------------------------------------------------
 
