@@ -80,7 +80,9 @@ def test_realistic_gpu_yamls_parse(tmp_path):
         parser = TrlParser((script_type, config_cls, ModelConfig))
         yaml = str(EXAMPLES / f"{method}_qwen2.5-1.5b_8gpu.yaml")
         # bf16 needs a GPU to validate; everything else must parse as written.
-        _, args, model_args = parser.parse_args_and_config(
+        script, args, model_args = parser.parse_args_and_config(
             ["--config", yaml, "--bf16", "false", "--output_dir", str(tmp_path)]
         )
         assert args.use_vllm and args.token_budget == 16384 and model_args.attn_implementation == "flash_attention_2"
+        if method == "ppo":
+            assert args.backend == "ray" and args.critic_placement["num_gpus_per_worker"] == 1.0

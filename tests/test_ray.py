@@ -124,3 +124,21 @@ def test_bad_placement_names_the_field(tmp_path):
         trl_scale.PPOConfig(output_dir=str(tmp_path), bf16=False, backend="ray", critic_placement={"gpus": 1})
     with pytest.raises(ValueError, match="backend='spark'"):
         trl_scale.GRPOConfig(output_dir=str(tmp_path), bf16=False, backend="spark")
+
+
+def test_a_placement_the_cluster_cannot_satisfy_fails_within_the_timeout(tiny_llama, tmp_path):
+    import time
+
+    from trl_scale.distributed.ray_backend import RoleError
+
+    start = time.monotonic()
+    with pytest.raises(RoleError, match="critic group: placement took longer than 3"):
+        _ppo(
+            tiny_llama,
+            tmp_path,
+            token_parity_reward,
+            "ray",
+            ray_call_timeout=3,
+            critic_placement={"num_gpus_per_worker": 1.0},
+        )  # this CPU cluster has no GPU
+    assert time.monotonic() - start < 30

@@ -333,3 +333,45 @@ def test_rejection_sampling_selects_the_top_k_and_applies_the_threshold(tiny_lla
     assert kept["reward"] == [0.9, 0.7, 0.9, 0.7]
     with pytest.raises(ValueError, match="keep_top_k"):
         rejection_sample(FakeClient(), dataset, [first_id], tokenizer, num_samples=4, keep_top_k=5)
+
+
+def test_lora_weight_sync_serves_the_trained_adapter(servers, tiny_llama, tmp_path):
+    from peft import LoraConfig
+
+    trainer = trl_scale.GRPOTrainer(
+        model=tiny_llama,
+        reward_funcs=token_parity_reward,
+        args=trl_scale.GRPOConfig(
+            **cpu_args(
+                tmp_path,
+                num_generations=4,
+                max_completion_length=6,
+                max_steps=2,
+                use_vllm=True,
+                vllm_mode="server",
+                vllm_server_base_urls=[servers[0].url],
+                weight_sync="lora",
+                weight_sync_dir=str(tmp_path / "adapters"),
+                learning_rate=5e-2,
+            )
+        ),
+        train_dataset=counting_prompts(64),
+        processing_class=AutoTokenizer.from_pretrained(tiny_llama),
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    )
+    trainer.train()
+    trainer.vllm_generation.sync_weights()
+    name = trainer.vllm_generation.lora_name
+    assert name in [m["id"] for m in requests.get(f"{servers[0].url}/v1/models", timeout=10).json()["data"]]
+    prompt = [432, 375, 373]
+    choice = requests.post(
+        f"{servers[0].url}/v1/completions",
+        json={"model": name, "prompt": [prompt], "max_tokens": 5, "logprobs": 0, "seed": 0},
+        timeout=60,
+    ).json()["choices"][0]
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    ids = torch.tensor([prompt + choice["token_ids"]])
+    with torch.no_grad():
+        logits = policy(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+    ours = logits.log_softmax(-1).gather(1, torch.tensor(choice["token_ids"]).unsqueeze(1)).squeeze(1)
+    assert (ours - torch.tensor(choice["logprobs"]["token_logprobs"])).abs().max().item() <= 1e-4
