@@ -23,6 +23,20 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def free_placement_groups():
+    """Each test starts with the whole cluster free: remove the role groups earlier trainers left behind."""
+    yield
+    import gc
+
+    gc.collect()
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+    for group_id, info in placement_group_table().items():
+        if info["state"] != "REMOVED":
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id))))
+
+
 def _ppo(model_path, out, reward_funcs, backend, **overrides):
     settings = dict(
         max_completion_length=6,
@@ -45,11 +59,23 @@ def _ppo(model_path, out, reward_funcs, backend, **overrides):
     )
 
 
-def test_local_and_ray_backends_give_the_same_rewards_values_and_losses(tiny_llama, tiny_reward_model, tmp_path):
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_local_and_ray_backends_give_the_same_rewards_values_and_losses(
+    tiny_llama, tiny_reward_model, tmp_path, num_workers
+):
+    """With 2 workers per role, rows are split and the critic's workers average gradients over gloo."""
     # A list each: TRL replaces reward-model paths with loaded models inside the list it is given.
     local = _ppo(tiny_llama, tmp_path / "local", [tiny_reward_model, token_parity_reward], "local")
     local.train()
-    remote = _ppo(tiny_llama, tmp_path / "ray", [tiny_reward_model, token_parity_reward], "ray")
+    placement = {"num_workers": num_workers, "num_cpus_per_worker": 0.5}
+    remote = _ppo(
+        tiny_llama,
+        tmp_path / "ray",
+        [tiny_reward_model, token_parity_reward],
+        "ray",
+        critic_placement=placement,
+        reward_placement=placement,
+    )
     assert remote.value_model is None  # the trainer process does not hold the critic
     remote.train()
     keys = (

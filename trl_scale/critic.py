@@ -89,10 +89,20 @@ class CriticUpdater:
         )
 
     def step(
-        self, input_ids, attention_mask, prompt_len, old_values, returns, mask, train: bool = True, backward=None
+        self,
+        input_ids,
+        attention_mask,
+        prompt_len,
+        old_values,
+        returns,
+        mask,
+        train: bool = True,
+        backward=None,
+        loss_scale: float = 1.0,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Value loss on one micro-batch; in training, backward and (at the end of an accumulation window) an
-        optimizer step. ``backward`` lets a caller route it (e.g. through an Accelerator)."""
+        optimizer step. ``backward`` lets a caller route it (e.g. through an Accelerator). ``loss_scale`` weights
+        this shard's loss when a batch is split over data-parallel workers (its share of tokens x world size)."""
         with torch.set_grad_enabled(train):
             self.critic.train(train)
             vpred = completion_values(
@@ -100,7 +110,7 @@ class CriticUpdater:
             )
             loss, clipfrac = ppo_core.clipped_value_loss(vpred, old_values, returns, mask, self.cliprange_value)
             if train:
-                scaled = self.vf_coef * loss / self.gradient_accumulation_steps
+                scaled = loss_scale * self.vf_coef * loss / self.gradient_accumulation_steps
                 (backward or torch.Tensor.backward)(scaled)
                 self.micro_steps += 1
                 if self.micro_steps % self.gradient_accumulation_steps == 0:

@@ -5,8 +5,8 @@ CPUs each) holding one actor per bundle. The trainer process never holds these m
 texts through Ray's object store and gets scores, values or update statistics back. Every remote call has a
 timeout; a worker that dies or stalls is reported as an error naming its role (`RoleError`).
 
-This first version runs one worker per role (`num_workers=1`); several workers per role (data parallel inside
-the group) are refused with a clear error.
+With several workers, a role is data parallel inside its group: rows are split over the workers, and the critic's
+workers form their own torch.distributed group (gloo on CPU, NCCL on GPU) to average gradients.
 """
 
 from __future__ import annotations
@@ -37,10 +37,8 @@ class Placement:
                 "num_gpus_per_worker, num_cpus_per_worker"
             )
         placement = cls(**value)
-        if placement.num_workers != 1:
-            raise ValueError(
-                f"{field_name}.num_workers={placement.num_workers}: this version runs one worker per role"
-            )
+        if placement.num_workers < 1:
+            raise ValueError(f"{field_name}.num_workers={placement.num_workers}: use at least 1")
         # GPUs are not checked here: on a cluster they may exist only on worker nodes. A placement the cluster
         # cannot satisfy fails as a RoleError when its placement group is not ready within ray_call_timeout.
         return placement
@@ -80,6 +78,26 @@ class _RoleWorker:
     def ping(self) -> str:
         return self.role
 
+    def rendezvous_address(self) -> tuple[str, int]:
+        import socket
+
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_process_group(self, rank: int, world_size: int, address: str, port: int) -> None:
+        """Join the group's own process group and start from rank 0's weights."""
+        import torch.distributed as dist
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world_size)
+        with torch.no_grad():
+            for parameter in self.updater.critic.parameters():
+                dist.broadcast(parameter.data, src=0)
+
     @torch.no_grad()
     def rewards(self, texts: list[str]) -> list[float]:
         inputs = self.tokenizer(
@@ -92,10 +110,16 @@ class _RoleWorker:
             input_ids.to(self.device), attention_mask.to(self.device), prompt_len, num_tokens
         ).cpu()
 
-    def step(self, input_ids, attention_mask, prompt_len, old_values, returns, mask, train):
+    def step(self, input_ids, attention_mask, prompt_len, old_values, returns, mask, train, loss_scale=1.0):
         args = [t.to(self.device) for t in (input_ids, attention_mask)]
         loss, stats = self.updater.step(
-            *args, prompt_len, old_values.to(self.device), returns.to(self.device), mask.to(self.device), train=train
+            *args,
+            prompt_len,
+            old_values.to(self.device),
+            returns.to(self.device),
+            mask.to(self.device),
+            train=train,
+            loss_scale=loss_scale,
         )
         return loss.cpu(), {k: v.cpu() for k, v in stats.items()}
 
@@ -123,17 +147,30 @@ class RoleGroup:
             bundle["GPU"] = placement.num_gpus_per_worker
         self.placement_group = placement_group([bundle] * placement.num_workers, strategy="PACK")
         self._call(self.placement_group.ready(), "placement")
-        actor = ray.remote(_RoleWorker).options(
-            num_cpus=placement.num_cpus_per_worker,
-            num_gpus=placement.num_gpus_per_worker,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=0),
-            max_restarts=0,
-        )
-        self.worker = actor.remote(role, model_path, settings)
+        self.workers = []
+        for index in range(placement.num_workers):
+            actor = ray.remote(_RoleWorker).options(
+                num_cpus=placement.num_cpus_per_worker,
+                num_gpus=placement.num_gpus_per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=index
+                ),
+                max_restarts=0,
+            )
+            self.workers.append(actor.remote(role, model_path, settings))
         try:
-            self._call(self.worker.ping.remote(), "start")
+            self._call([w.ping.remote() for w in self.workers], "start")
+            if role == "critic" and len(self.workers) > 1:
+                address, port = self._call(self.workers[0].rendezvous_address.remote(), "rendezvous")
+                world = len(self.workers)
+                refs = [w.init_process_group.remote(i, world, address, port) for i, w in enumerate(self.workers)]
+                self._call(refs, "process group")
         except RoleError as error:
-            raise RoleError(f"{role} group could not start a worker for {model_path!r}: {error}") from error
+            raise RoleError(f"{role} group could not start its workers for {model_path!r}: {error}") from error
+
+    @property
+    def worker(self):
+        return self.workers[0]
 
     def _call(self, ref, what: str):
         import ray
@@ -149,66 +186,92 @@ class RoleGroup:
             raise RoleError(f"{self.role} group: its worker died during {what}: {error}") from error
 
     def call(self, method: str, *args):
+        """`method` on the first worker (state, one-off queries)."""
         return self._call(getattr(self.worker, method).remote(*args), method)
 
+    def call_all(self, method: str, *args):
+        return self._call([getattr(w, method).remote(*args) for w in self.workers], method)
+
     def shutdown(self) -> None:
+        """Kill the workers and free the placement group's resources (Ray keeps placement groups until removed)."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        ray.kill(self.worker, no_restart=True)
+        if self.placement_group is None:
+            return
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
         remove_placement_group(self.placement_group)
+        self.placement_group = None
+
+    def __del__(self):
+        try:
+            import ray
+
+            if ray.is_initialized():
+                self.shutdown()
+        except Exception:  # interpreter shutdown or a cluster already gone: nothing left to free
+            pass
 
 
 class RayCritic:
-    """The `CriticUpdater` interface, served by a critic role group."""
+    """The `CriticUpdater` interface, served by a critic role group. With several workers the rows are split over
+    them; each shard's loss is weighted by its share of the tokens, so averaging gradients over the workers gives
+    exactly the full batch's update."""
 
     def __init__(self, group: RoleGroup):
         self.group = group
         self.scheduler = None  # mirrors CriticUpdater: set once the step count is known
 
-    def values(self, input_ids, attention_mask, prompt_len, num_tokens):
-        device = input_ids.device
-        return self.group.call("values", input_ids.cpu(), attention_mask.cpu(), prompt_len, num_tokens).to(device)
+    def _shards(self, *tensors):
+        n = len(self.group.workers)
+        if tensors[0].size(0) < n:
+            raise RoleError(
+                f"critic group has {n} workers but the batch has {tensors[0].size(0)} rows; "
+                "use fewer critic workers or a larger per_device_train_batch_size"
+            )
+        return list(zip(*(t.cpu().tensor_split(n) for t in tensors)))
 
-    def step(self, input_ids, attention_mask, prompt_len, old_values, returns, mask, train=True):
-        device = input_ids.device
-        loss, stats = self.group.call(
-            "step",
-            input_ids.cpu(),
-            attention_mask.cpu(),
-            prompt_len,
-            old_values.cpu(),
-            returns.cpu(),
-            mask.cpu(),
-            train,
-        )
-        return loss.to(device), {k: v.to(device) for k, v in stats.items()}
+    def values(self, input_ids, attention_mask, prompt_len, num_tokens):
+        shards = self._shards(input_ids, attention_mask)
+        refs = [w.values.remote(ids, am, prompt_len, num_tokens) for w, (ids, am) in zip(self.group.workers, shards)]
+        return torch.cat(self.group._call(refs, "values")).to(input_ids.device)
 
     def step_async(self, input_ids, attention_mask, prompt_len, old_values, returns, mask, train=True):
         """Start the critic's update on its group and return at once; `.result()` waits (bounded) for it, so the
         policy's update runs meanwhile."""
         device = input_ids.device
-        ref = self.group.worker.step.remote(
-            input_ids.cpu(), attention_mask.cpu(), prompt_len, old_values.cpu(), returns.cpu(), mask.cpu(), train
-        )
+        shards = self._shards(input_ids, attention_mask, old_values, returns, mask)
+        total = mask.sum().clamp(min=1.0).item()
+        weights = [s[4].sum().item() / total for s in shards]
+        world = len(shards)
+        refs = [
+            w.step.remote(*shard[:2], prompt_len, *shard[2:], train, weight * world)
+            for w, shard, weight in zip(self.group.workers, shards, weights)
+        ]
         group = self.group
 
         class Pending:
             def result(self):
-                loss, stats = group._call(ref, "step")
+                results = group._call(refs, "step")
+                loss = sum(weight * r[0] for weight, r in zip(weights, results))
+                stats = {k: sum(weight * r[1][k] for weight, r in zip(weights, results)) for k in results[0][1]}
                 return loss.to(device), {k: v.to(device) for k, v in stats.items()}
 
         return Pending()
 
+    def step(self, *args, **kwargs):
+        return self.step_async(*args, **kwargs).result()
+
     def set_scheduler(self, *args):
-        self.group.call("set_scheduler", *args)
+        self.group.call_all("set_scheduler", *args)
         self.scheduler = True
 
     def state(self):
-        return self.group.call("state")
+        return self.group.call("state")  # workers hold identical weights
 
     def load_state(self, state):
-        self.group.call("load_state", state)
+        self.group.call_all("load_state", state)
 
 
 class RayRewardModel:
@@ -226,4 +289,12 @@ class RayRewardModel:
             ]
         else:
             texts = [p + c for p, c in zip(prompts, completions)]
-        return self.group.call("rewards", texts)
+        n = len(self.group.workers)
+        shards = [texts[i::n] for i in range(n)]
+        results = self.group._call(
+            [w.rewards.remote(shard) for w, shard in zip(self.group.workers, shards) if shard], "rewards"
+        )
+        scores = [0.0] * len(texts)
+        for i, shard_scores in enumerate(results):
+            scores[i::n] = shard_scores
+        return scores
