@@ -12,6 +12,22 @@ from ..scoring import PackingStats, install_packed_scoring
 TRL_SCALE_TAG = "trl-scale"
 
 
+@contextmanager
+def overridden(config, **values):
+    """Set `config` fields while TRL's constructor reads them, and restore them afterwards, even on error."""
+    if config is None:
+        yield
+        return
+    saved = {name: getattr(config, name) for name in values}
+    for name, value in values.items():
+        setattr(config, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
+
+
 @dataclass
 class ScoringArguments:
     """Config fields of the packed scoring engine, shared by GRPO, RLOO, DPO (and PPO) configs."""
@@ -41,6 +57,10 @@ class ScoringArguments:
         },
     )
 
+    def __post_init__(self):
+        super().__post_init__()
+        self._validate_scoring_arguments()
+
     def _validate_scoring_arguments(self) -> None:
         if self.token_budget is not None and (not isinstance(self.token_budget, int) or self.token_budget < 1):
             raise ValueError(
@@ -60,8 +80,8 @@ class RolloutArguments:
         default=None,
         metadata={
             "help": "With use_vllm=True and vllm_mode='server': the completion servers (vLLM or `trl-scale serve`). "
-            "Each request goes to the server with the least outstanding work; a failing server leaves the rotation "
-            "and is probed again later. TRL's single vllm_server_base_url keeps working."
+            "Requests are routed by load and observed speed; a failing server leaves the rotation and is probed "
+            "again later. TRL's single vllm_server_base_url keeps working."
         },
     )
     weight_sync: str = field(
@@ -85,6 +105,10 @@ class RolloutArguments:
             "(load-aware routing). Raise it for vLLM servers that batch many requests."
         },
     )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._validate_rollout_arguments()
 
     def _validate_rollout_arguments(self) -> None:
         if self.weight_sync not in ("http", "shared_dir", "lora"):
@@ -112,6 +136,10 @@ class DistributedArguments:
     ray_call_timeout: float = field(
         default=300.0, metadata={"help": "Seconds any call to a Ray worker may take before a RoleError."}
     )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._validate_distributed_arguments()
 
     def _validate_distributed_arguments(self) -> None:
         if self.backend not in ("local", "ray"):
@@ -173,19 +201,7 @@ def uses_server_rollout(args) -> bool:
 
 
 class ServerRolloutMixin:
-    """Builds the trainer with TRL's vLLM path off, then plugs the multi-server client in as `vllm_generation`."""
-
-    def _init_with_server_rollout(self, init, args, **kwargs) -> None:
-        server = args is not None and uses_server_rollout(args)
-        if server:
-            args.use_vllm = False  # skip TRL's vLLM import and its CUDA-only communicator
-        try:
-            init(args=args, **kwargs)
-        finally:
-            if server:
-                args.use_vllm = True
-        if server:
-            self._install_server_rollout(logprobs=True)
+    """Plugs the multi-server client in as TRL's `vllm_generation` (the trainer was built with TRL's vLLM off)."""
 
     def _install_server_rollout(self, logprobs: bool) -> None:
         from ..rollout import RolloutClient, ServerRolloutGeneration
@@ -335,3 +351,18 @@ class PhaseTimingMixin:
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         with self._timed("score"):
             return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+
+class OnlineTrainerMixin(ServerRolloutMixin, PhaseTimingMixin, ModelCardMixin, PackedScoringMixin):
+    """Everything trl-scale adds to TRL's online trainers (GRPO, RLOO, and PPO through GRPO), wired around TRL's
+    constructor: remote reward models, server rollout, packed scoring, timing and model cards."""
+
+    def __init__(self, model, reward_funcs, args=None, **kwargs):
+        reward_funcs = remote_reward_funcs(reward_funcs, args)
+        server = args is not None and uses_server_rollout(args)
+        # With server rollout, TRL's vLLM path stays off while it builds: no vLLM import, no CUDA-only communicator.
+        with overridden(args if server else None, use_vllm=False):
+            super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
+        if server:
+            self._install_server_rollout(logprobs=True)
+        self._install_packed_scoring(temperature=self.temperature, policy_outputs=("entropy",))

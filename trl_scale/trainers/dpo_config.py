@@ -25,7 +25,3 @@ class DPOConfig(ScoringArguments, _TRLDPOConfig):
     logprob_chunk_size (`int`, defaults to `256`):
         Tokens projected onto the vocabulary at once by trl-scale's chunked head (non-Triton devices).
     """
-
-    def __post_init__(self):
-        super().__post_init__()
-        self._validate_scoring_arguments()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from trl import DPOTrainer as _TRLDPOTrainer
 
-from .common import TRL_SCALE_TAG, ModelCardMixin, PackedScoringMixin
+from .common import TRL_SCALE_TAG, ModelCardMixin, PackedScoringMixin, overridden
 
 
 class DPOTrainer(ModelCardMixin, PackedScoringMixin, _TRLDPOTrainer):
@@ -18,13 +18,7 @@ class DPOTrainer(ModelCardMixin, PackedScoringMixin, _TRLDPOTrainer):
         config = kwargs.get("args", args[args_index] if len(args) > args_index else None)
         # TRL 1.16 force-disables its own `padding_free` with a warning; ours is a different mechanism (a packed
         # forward behind TRL's padded collator), so hide the flag from TRL's constructor.
-        padding_free = config.padding_free if config is not None else False
-        if config is not None:
-            config.padding_free = False
-        try:
+        with overridden(config, padding_free=False):
             super().__init__(*args, **kwargs)
-        finally:
-            if config is not None:
-                config.padding_free = padding_free
         outputs = ("entropy", "mean_logits", "is_top1") + (("log_sum_sq_probs",) if self.use_weighting else ())
         self._install_packed_scoring(temperature=1.0, policy_outputs=outputs)

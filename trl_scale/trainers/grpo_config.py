@@ -43,9 +43,3 @@ class GRPOConfig(DistributedArguments, RolloutArguments, ScoringArguments, _TRLG
         `{"num_workers": 1, "num_gpus_per_worker": 1.0, "num_cpus_per_worker": 1}` per role.
     ray_call_timeout (`float`, defaults to `300`): bound on every call to a Ray worker.
     """
-
-    def __post_init__(self):
-        super().__post_init__()
-        self._validate_scoring_arguments()
-        self._validate_rollout_arguments()
-        self._validate_distributed_arguments()

@@ -4,24 +4,11 @@ from __future__ import annotations
 
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
-from .common import (
-    TRL_SCALE_TAG,
-    ModelCardMixin,
-    PackedScoringMixin,
-    PhaseTimingMixin,
-    ServerRolloutMixin,
-    remote_reward_funcs,
-)
+from .common import TRL_SCALE_TAG, OnlineTrainerMixin
 
 
-class GRPOTrainer(ServerRolloutMixin, PhaseTimingMixin, ModelCardMixin, PackedScoringMixin, _TRLGRPOTrainer):
-    """TRL's `GRPOTrainer` with trl-scale's packed scoring (`padding_free`, `token_budget`, `logprob_chunk_size`);
-    same constructor, and TRL's numbers when those are off."""
+class GRPOTrainer(OnlineTrainerMixin, _TRLGRPOTrainer):
+    """TRL's `GRPOTrainer` with trl-scale's features (packed scoring, server rollout, Ray reward models); same
+    constructor, and TRL's numbers when those are off."""
 
     _tag_names = ["trl", TRL_SCALE_TAG, "grpo"]
-
-    def __init__(self, model, reward_funcs, args=None, **kwargs):
-        init = super().__init__
-        reward_funcs = remote_reward_funcs(reward_funcs, args)
-        self._init_with_server_rollout(lambda **kw: init(model=model, reward_funcs=reward_funcs, **kw), args, **kwargs)
-        self._install_packed_scoring(temperature=self.temperature, policy_outputs=("entropy",))

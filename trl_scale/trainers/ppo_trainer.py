@@ -26,7 +26,7 @@ from transformers import (
 
 from .. import ppo_core
 from ..critic import CriticUpdater
-from .common import _model_dir
+from .common import TRL_SCALE_TAG, _model_dir, overridden
 from .grpo_trainer import GRPOTrainer
 from .ppo_config import PPOConfig
 
@@ -48,7 +48,7 @@ class PPOTrainer(GRPOTrainer):
         Other arguments are GRPO's.
     """
 
-    _tag_names = ["trl", "trl-scale", "ppo"]
+    _tag_names = ["trl", TRL_SCALE_TAG, "ppo"]
     _name = "PPO"
 
     def __init__(
@@ -71,8 +71,7 @@ class PPOTrainer(GRPOTrainer):
             raise TypeError(f"PPOTrainer needs a PPOConfig, got {type(args).__name__}")
         reward_list = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
         # GRPO creates a reference model only when beta != 0; PPO needs it for the KL in the reward, not in the loss.
-        args.beta = args.kl_coef
-        try:
+        with overridden(args, beta=args.kl_coef):
             super().__init__(
                 model=model,
                 reward_funcs=reward_funcs,
@@ -84,8 +83,6 @@ class PPOTrainer(GRPOTrainer):
                 callbacks=callbacks,
                 **kwargs,
             )
-        finally:
-            args.beta = 0.0
         self.beta = 0.0
         updater_settings = dict(
             learning_rate=args.value_learning_rate or args.learning_rate,
@@ -99,12 +96,12 @@ class PPOTrainer(GRPOTrainer):
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             max_grad_norm=args.max_grad_norm,
         )
+        source = self._value_model_source(value_model, model, reward_list)
         if args.backend == "ray":
             # The critic lives on its own role group: the trainer process never holds it.
             from ..distributed.ray_backend import Placement, RayCritic, RoleGroup, init_ray
 
             init_ray(args.ray_address)
-            source = self._value_model_source(value_model, model, reward_list)
             path = _model_dir(source, "trl-scale-critic-")
             self._check_value_model_tokenizer(path)
             self.value_model = None
@@ -113,7 +110,6 @@ class PPOTrainer(GRPOTrainer):
             group = RoleGroup("critic", path, placement, {"updater": updater_settings}, timeout=args.ray_call_timeout)
             self.critic = RayCritic(group)
         else:
-            source = self._value_model_source(value_model, model, reward_list)
             self.value_model = self._load_value_model(source)
             self._check_value_model_tokenizer(value_model)
             self.value_model.to(self.accelerator.device)
