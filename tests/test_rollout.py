@@ -375,3 +375,20 @@ def test_lora_weight_sync_serves_the_trained_adapter(servers, tiny_llama, tmp_pa
         logits = policy(input_ids=ids).logits[0, len(prompt) - 1 : -1]
     ours = logits.log_softmax(-1).gather(1, torch.tensor(choice["token_ids"]).unsqueeze(1)).squeeze(1)
     assert (ours - torch.tensor(choice["logprobs"]["token_logprobs"])).abs().max().item() <= 1e-4
+
+
+def test_merged_peft_weights_carry_the_plain_models_names(tiny_llama):
+    """What a full-weight sync sends for a PEFT policy must load into the server's plain model: LoRA merged in,
+    PEFT prefixes and modules_to_save copies mapped back to the original names."""
+    from peft import LoraConfig, get_peft_model
+
+    from trl_scale.rollout.generation import _merged_state_dict
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    config = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"], init_lora_weights=False)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama), config)
+    merged = _merged_state_dict(peft_model)
+    assert set(merged) == set(plain.state_dict())
+    assert not torch.equal(
+        merged["model.layers.0.self_attn.q_proj.weight"], plain.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    )  # the adapter is in it

@@ -104,9 +104,11 @@ def _merged_state_dict(model) -> dict[str, torch.Tensor]:
         try:
             state = {}
             for name, tensor in model.state_dict().items():
-                if "lora_" in name or "modules_to_save" in name and ".original_module." in name:
+                # LoRA factors are merged in already; modules_to_save keep a frozen original beside the trained copy.
+                if "lora_" in name or ".original_module." in name:
                     continue
                 name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+                name = name.replace(".modules_to_save.default", "")
                 state[name] = tensor.detach().clone()
             return state
         finally:
