@@ -338,6 +338,11 @@ def test_rejection_sampling_selects_the_top_k_and_applies_the_threshold(tiny_lla
 def test_lora_weight_sync_serves_the_trained_adapter(servers, tiny_llama, tmp_path):
     from peft import LoraConfig
 
+    # LoRA sync ships only the adapter: the server's base must be the policy's base. Earlier tests may have synced
+    # other weights into this shared server, so put the base back first.
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    RolloutClient([servers[0].url], request_timeout=60).update_weights(dict(base.state_dict()), timeout=60)
+
     trainer = trl_scale.GRPOTrainer(
         model=tiny_llama,
         reward_funcs=token_parity_reward,
