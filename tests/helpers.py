@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import sys
+from pathlib import Path
+
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def token_parity_reward(completion_ids, **kwargs) -> list[float]:
@@ -50,3 +57,30 @@ def assert_logs_close(got: list[dict], expected: list[dict], atol: float) -> Non
 def seeded_tensor(*shape, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=generator)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def subprocess_env(**extra) -> dict:
+    """The test environment for a child process: offline, one thread, the repository importable."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", **extra)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def accelerate_launch(num_processes: int = 2) -> list[str]:
+    """`accelerate launch` with several CPU processes (gloo); `--cpu` would silently run one."""
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(num_processes),
+    ]
+    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    return command + ["--main_process_port", str(free_port())]

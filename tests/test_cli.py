@@ -1,31 +1,15 @@
 """`trl-scale <method> --config file.yaml`: the example YAMLs run, overrides apply, and every trainer runs with
 2 processes under `accelerate launch` (gloo on CPU)."""
 
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from trl_scale.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+from .helpers import ROOT, accelerate_launch, subprocess_env
+
 EXAMPLES = ROOT / "examples"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
 
 
 @pytest.mark.parametrize("method", ["grpo", "rloo", "dpo", "ppo"])
@@ -34,11 +18,9 @@ def test_each_trainer_runs_with_two_processes(method, tmp_path):
     overrides += ["--per_device_train_batch_size", "8", "--token_budget", "24"]
     if method != "dpo":  # a reward with variance on a random model, so there are gradients to all-reduce
         overrides += ["--reward_funcs", "tests.helpers.token_parity_reward", "--max_completion_length", "6"]
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    command += ["--main_process_port", str(_free_port()), "-m", "trl_scale.cli"]
+    command = accelerate_launch(2) + ["-m", "trl_scale.cli"]
     command += [method, "--config", str(EXAMPLES / f"{method}_tiny_cpu.yaml"), *overrides]
-    result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert f"trl-scale {method}: training on 2 process(es)" in output

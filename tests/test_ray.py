@@ -1,7 +1,9 @@
 """The Ray backend on a real local Ray cluster (CPU): reward models and PPO's critic on their own role groups give
 the local backend's numbers, PPO learns with its critic on Ray, and a dead worker is a clear error."""
 
+import json
 import os
+import subprocess
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -10,7 +12,7 @@ import trl_scale
 from trl_scale.toy import COUNT_TARGET_LENGTH, counting_prompts, counting_reward
 from trl_scale.toy.demo import warm_up
 
-from .helpers import cpu_args, step_logs, token_parity_reward
+from .helpers import ROOT, accelerate_launch, cpu_args, step_logs, subprocess_env, token_parity_reward
 
 ray = pytest.importorskip("ray")
 
@@ -168,3 +170,104 @@ def test_a_placement_the_cluster_cannot_satisfy_fails_within_the_timeout(tiny_ll
             critic_placement={"num_gpus_per_worker": 1.0},
         )  # this CPU cluster has no GPU
     assert time.monotonic() - start < 30
+
+
+def _launch_ppo_on_two_processes(tmp_path, backend: str, **fields) -> dict:
+    """`trl-scale ppo` under `accelerate launch` with 2 trainer processes; returns the trainer state it saved."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / "examples" / "ppo_tiny_cpu.yaml").read_text())
+    out = tmp_path / backend
+    config.update(
+        output_dir=str(out),
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        per_device_train_batch_size=8,
+        max_completion_length=6,
+        reward_funcs=["tests.helpers.token_parity_reward"],
+        learning_rate=1e-3,
+        backend=backend,
+        disable_tqdm=True,
+        **fields,
+    )
+    path = tmp_path / f"{backend}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = accelerate_launch(2) + ["-m", "trl_scale.cli", "ppo", "--config", str(path)]
+    env = subprocess_env(RAY_AUTH_MODE="disabled")
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "training on 2 process(es)" in output
+    return json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+
+
+def test_two_trainer_processes_share_one_set_of_groups_and_match_the_local_backend(
+    tiny_llama, tiny_reward_model, tmp_path
+):
+    """The main process owns the groups and every rank's rows go through it: the same numbers as two local
+    trainer processes whose critics average gradients, and one critic and one reward group, not one per rank."""
+    from ray.util.placement_group import placement_group_table
+
+    models = dict(model_name_or_path=tiny_llama, reward_model_name_or_path=tiny_reward_model)
+    local = _launch_ppo_on_two_processes(tmp_path, "local", **models)
+    groups_before = set(placement_group_table())
+    placement = {"num_workers": 2, "num_cpus_per_worker": 0.5}
+    remote = _launch_ppo_on_two_processes(
+        tmp_path,
+        "ray",
+        ray_address=ray.get_runtime_context().gcs_address,
+        critic_placement=placement,
+        reward_placement=placement,
+        ray_call_timeout=120,
+        **models,
+    )
+    assert len(set(placement_group_table()) - groups_before) == 2  # critic + reward, started by rank 0 only
+
+    name = os.path.basename(tiny_reward_model.rstrip("/"))
+    keys = ("loss", "grad_norm", "reward", f"rewards/{name}/mean", "loss/value", "val/vpred", "val/error")
+    keys += ("objective/kl", "objective/scores")
+    expected = [e for e in local["log_history"] if "loss" in e]
+    got = [e for e in remote["log_history"] if "loss" in e]
+    assert len(expected) == len(got) == 2
+    for e, g in zip(expected, got):
+        for key in keys:
+            assert g[key] == pytest.approx(e[key], abs=1e-5), (key, g[key], e[key])
+    # The critic the Ray group trained equals the one the two local processes trained.
+    from transformers import AutoModelForSequenceClassification
+
+    critics = [
+        AutoModelForSequenceClassification.from_pretrained(str(tmp_path / b), subfolder="value_model").state_dict()
+        for b in ("local", "ray")
+    ]
+    for key, value in critics[0].items():
+        assert (value - critics[1][key]).abs().max().item() <= 1e-5, key
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_ray_critic_with_more_workers_than_rows_matches_the_local_critic(tiny_reward_model, padding_free):
+    """A worker whose shard is empty still takes part in its group's forward count and gradient average."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from trl_scale.critic import CriticUpdater
+    from trl_scale.distributed.ray_backend import Placement, RayCritic, RoleGroup
+
+    settings = dict(learning_rate=1e-2, padding_free=padding_free, max_grad_norm=None)
+    placement = Placement(num_workers=2, num_cpus_per_worker=0.5)
+    remote = RayCritic(RoleGroup("critic", tiny_reward_model, placement, {"updater": settings}, timeout=120))
+    local = CriticUpdater(AutoModelForSequenceClassification.from_pretrained(tiny_reward_model), **settings)
+
+    input_ids = torch.tensor([[0, 5, 6, 7, 8, 9, 0]])  # one row: prompt of 2 (left-padded to 3), completion of 3
+    attention_mask = (input_ids != 0).long()
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    values = remote.values(input_ids, attention_mask, 3, 4)
+    assert torch.allclose(values, local.values(input_ids, attention_mask, 3, 4), atol=1e-6)
+    returns = torch.tensor([[1.0, -0.5, 2.0, 0.0]])
+    got_loss, _ = remote.step(input_ids, attention_mask, 3, values, returns, mask)
+    loss, _ = local.step(input_ids, attention_mask, 3, values, returns, mask)
+    assert got_loss.item() == pytest.approx(loss.item(), abs=1e-6)
+    after = remote.values(input_ids, attention_mask, 3, 4)
+    assert not torch.allclose(after, values, atol=1e-4)  # the update changed the critic ...
+    assert torch.allclose(after, local.values(input_ids, attention_mask, 3, 4), atol=1e-5)  # ... as locally

@@ -17,21 +17,15 @@ import trl_scale
 from trl_scale.rollout import RolloutClient, RolloutError
 from trl_scale.toy import counting_prompts
 
-from .helpers import cpu_args, token_parity_reward
+from .helpers import cpu_args, free_port, token_parity_reward
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Server:
     def __init__(self, model_path, *extra):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
         command = [sys.executable, "-m", "trl_scale.cli", "serve", "--model", model_path, "--port", str(self.port)]
@@ -186,7 +180,7 @@ def test_killing_a_server_mid_run_loses_no_step(tiny_llama, tmp_path):
 
 def test_all_servers_down_is_a_clear_error_within_the_timeout():
     client = RolloutClient(
-        [f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"], request_timeout=3, retry_after=0.5
+        [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"], request_timeout=3, retry_after=0.5
     )
     start = time.monotonic()
     with pytest.raises(RolloutError, match="no rollout server answered within request_timeout=3"):
@@ -227,7 +221,7 @@ def test_stalled_weight_sync_fails_within_the_timeout():
 
 
 def test_a_server_that_missed_a_sync_leaves_the_rotation(servers, tiny_llama):
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     client = RolloutClient([servers[0].url, dead], request_timeout=30, retry_after=60)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
     client.update_weights(dict(model.state_dict()), timeout=30)  # one server takes it, the dead one is stale

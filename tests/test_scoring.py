@@ -11,6 +11,7 @@ from trl.trainer.utils import add_fused_lm_head
 import trl_scale
 from trl_scale.scoring import (
     ChunkedLogProbHead,
+    UnpaddedRows,
     check_packing_attention,
     install_packed_scoring,
     pack_padded_batch,
@@ -87,6 +88,23 @@ def test_pack_padded_batch_layout_left_and_right_padding():
     assert packed.pad_fraction_removed == pytest.approx(1 - 10 / 18)
     restored = unpack(mb.input_ids[0].float(), mb.flat_index, 3, 6)
     assert torch.equal(restored.long(), input_ids)
+
+
+def test_unpadded_rows_carry_only_real_tokens_and_rebuild_the_batch():
+    input_ids = torch.tensor([[0, 0, 5, 6, 7, 0], [8, 9, 10, 11, 12, 13], [0, 0, 0, 14, 0, 0]])
+    mask = (input_ids != 0).long()
+    rows = UnpaddedRows.from_padded(input_ids, mask)
+    assert rows.tokens.tolist() == [5, 6, 7, 8, 9, 10, 11, 12, 13, 14] and rows.mask.dtype == torch.bool
+    rebuilt_ids, rebuilt_mask = rows.to_padded(pad_token_id=0)
+    assert torch.equal(rebuilt_ids, input_ids) and torch.equal(rebuilt_mask, mask)
+    # Row shards as tensor_split makes them, including empty ones when there are more shards than rows.
+    for n in (2, 3, 5):
+        shards = rows.split(n)
+        assert len(shards) == n
+        for shard, ids, m in zip(shards, input_ids.tensor_split(n), mask.tensor_split(n)):
+            assert shard.num_rows == ids.size(0)
+            got_ids, got_mask = shard.to_padded()
+            assert torch.equal(got_ids, ids) and torch.equal(got_mask, m)
 
 
 def _padded_batch(tokenizer, device="cpu"):

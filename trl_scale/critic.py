@@ -37,9 +37,12 @@ def _average_gradients_across_ranks(model) -> None:
         return
     world = dist.get_world_size()
     for parameter in model.parameters():
-        if parameter.grad is not None:
-            dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
-            parameter.grad.div_(world)
+        if not parameter.requires_grad:
+            continue
+        if parameter.grad is None:  # a rank that had no rows this step still takes part in the sum
+            parameter.grad = torch.zeros_like(parameter)
+        dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
+        parameter.grad.div_(world)
 
 
 class CriticUpdater:
@@ -84,6 +87,8 @@ class CriticUpdater:
     @torch.no_grad()
     def values(self, input_ids, attention_mask, prompt_len: int, num_tokens: int) -> torch.Tensor:
         self.critic.eval()
+        if input_ids.size(0) == 0 and not self.padding_free:  # an empty shard; see loss_and_backward
+            return torch.zeros(0, num_tokens, device=input_ids.device)
         return completion_values(
             self.critic, input_ids, attention_mask, prompt_len, num_tokens, self.padding_free, self.token_budget
         )
@@ -101,32 +106,61 @@ class CriticUpdater:
         loss_scale: float = 1.0,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Value loss on one micro-batch; in training, backward and (at the end of an accumulation window) an
-        optimizer step. ``backward`` lets a caller route it (e.g. through an Accelerator). ``loss_scale`` weights
-        this shard's loss when a batch is split over data-parallel workers (its share of tokens x world size)."""
+        optimizer step. ``backward`` lets a caller route it (e.g. through an Accelerator)."""
+        result = self.loss_and_backward(
+            input_ids, attention_mask, prompt_len, old_values, returns, mask, train, backward, loss_scale
+        )
+        if train:
+            self.end_micro_step()
+        return result
+
+    def loss_and_backward(
+        self,
+        input_ids,
+        attention_mask,
+        prompt_len,
+        old_values,
+        returns,
+        mask,
+        train: bool = True,
+        backward=None,
+        loss_scale: float = 1.0,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The value loss of some rows and, in training, its backward (no optimizer step): a micro-step may take
+        several calls, one per part of the batch. ``loss_scale`` weights this part's loss in the micro-step's
+        (its share of the tokens, times the data-parallel world size that averages the gradients)."""
+        if input_ids.size(0) == 0 and not self.padding_free:
+            # An empty shard (fewer rows than workers): nothing to score. The packed path still runs a dummy
+            # forward there, because its forwards are counted across workers.
+            zero = mask.new_zeros(())
+            return zero, {"val/vpred": zero, "val/error": zero, "val/clipfrac": zero}
         with torch.set_grad_enabled(train):
             self.critic.train(train)
             vpred = completion_values(
                 self.critic, input_ids, attention_mask, prompt_len, mask.size(1), self.padding_free, self.token_budget
             )
             loss, clipfrac = ppo_core.clipped_value_loss(vpred, old_values, returns, mask, self.cliprange_value)
-            if train:
+            if train and loss.requires_grad:
                 scaled = loss_scale * self.vf_coef * loss / self.gradient_accumulation_steps
                 (backward or torch.Tensor.backward)(scaled)
-                self.micro_steps += 1
-                if self.micro_steps % self.gradient_accumulation_steps == 0:
-                    _average_gradients_across_ranks(self.critic)
-                    if self.max_grad_norm:
-                        torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.max_grad_norm)
-                    self.optimizer.step()
-                    if self.scheduler is not None:
-                        self.scheduler.step()
-                    self.optimizer.zero_grad(set_to_none=True)
         stats = {
             "val/vpred": ppo_core.masked_mean(vpred.detach(), mask),
             "val/error": ppo_core.masked_mean((vpred.detach() - returns) ** 2, mask),
             "val/clipfrac": clipfrac.detach(),
         }
         return loss.detach(), stats
+
+    def end_micro_step(self) -> None:
+        """Count a micro-step; at the end of an accumulation window average gradients, clip and step."""
+        self.micro_steps += 1
+        if self.micro_steps % self.gradient_accumulation_steps == 0:
+            _average_gradients_across_ranks(self.critic)
+            if self.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.max_grad_norm)
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
 
     def step_async(self, *args, **kwargs) -> Finished:
         """`step`, as a handle with `.result()`: in-process the work is done here; a remote critic overlaps it."""

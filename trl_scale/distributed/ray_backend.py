@@ -1,20 +1,29 @@
 """Optional Ray backend: the critic and reward models on their own role groups, behind the unchanged Trainer API.
 
 A role group is a placement group of `num_workers` bundles (`num_gpus_per_worker` GPUs, `num_cpus_per_worker`
-CPUs each) holding one actor per bundle. The trainer process never holds these models: it sends token ids or
-texts through Ray's object store and gets scores, values or update statistics back. Every remote call has a
-timeout; a worker that dies or stalls is reported as an error naming its role (`RoleError`).
+CPUs each) holding one actor per bundle. The trainer never holds these models: it sends token ids (padding
+removed, as `UnpaddedRows`) or texts through Ray's object store and gets scores, values or update statistics back.
+Every remote call has a timeout; a worker that dies or stalls is reported as an error naming its role (`RoleError`).
 
 With several workers, a role is data parallel inside its group: rows are split over the workers, and the critic's
 workers form their own torch.distributed group (gloo on CPU, NCCL on GPU) to average gradients.
+
+With several trainer processes (`accelerate launch`), only the main process starts and calls the groups: every
+rank's rows are gathered to it (`main_process`), so the critic takes one optimizer step per micro-step, as the
+local backend's data-parallel critic does.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
+
+from ..scoring.packing import UnpaddedRows
+from .main_process import call_on_main, run_on_main, start_on_main
 
 
 class RoleError(RuntimeError):
@@ -105,23 +114,34 @@ class _RoleWorker:
         ).to(self.device)
         return self.model(**inputs).logits[:, 0].float().cpu().tolist()
 
-    def values(self, input_ids, attention_mask, prompt_len, num_tokens):
-        return self.updater.values(
-            input_ids.to(self.device), attention_mask.to(self.device), prompt_len, num_tokens
-        ).cpu()
+    def values(self, pieces: list[CriticRows]) -> list[torch.Tensor]:
+        out = []
+        for piece in pieces:
+            input_ids, attention_mask = piece.rows.to_padded(device=self.device)
+            out.append(self.updater.values(input_ids, attention_mask, piece.prompt_len, piece.num_tokens).cpu())
+        return out
 
-    def step(self, input_ids, attention_mask, prompt_len, old_values, returns, mask, train, loss_scale=1.0):
-        args = [t.to(self.device) for t in (input_ids, attention_mask)]
-        loss, stats = self.updater.step(
-            *args,
-            prompt_len,
-            old_values.to(self.device),
-            returns.to(self.device),
-            mask.to(self.device),
-            train=train,
-            loss_scale=loss_scale,
-        )
-        return loss.cpu(), {k: v.cpu() for k, v in stats.items()}
+    def step(self, pieces: list[CriticRows], train: bool) -> list[tuple[torch.Tensor, dict]]:
+        """One micro-step of the critic over every piece (one per trainer rank): backward on each, then a single
+        optimizer step at the end of the accumulation window."""
+        results = []
+        for piece in pieces:
+            input_ids, attention_mask = piece.rows.to_padded(device=self.device)
+            old_values, returns, mask = (t.to(self.device) for t in (piece.old_values, piece.returns, piece.mask))
+            loss, stats = self.updater.loss_and_backward(
+                input_ids,
+                attention_mask,
+                piece.prompt_len,
+                old_values,
+                returns,
+                mask,
+                train=train,
+                loss_scale=piece.loss_scale,
+            )
+            results.append((loss.cpu(), {k: v.cpu() for k, v in stats.items()}))
+        if train:
+            self.updater.end_micro_step()
+        return results
 
     def set_scheduler(self, *args):
         self.updater.set_scheduler(*args)
@@ -214,72 +234,120 @@ class RoleGroup:
             pass
 
 
-class RayCritic:
-    """The `CriticUpdater` interface, served by a critic role group. With several workers the rows are split over
-    them; each shard's loss is weighted by its share of the tokens, so averaging gradients over the workers gives
-    exactly the full batch's update."""
+@dataclass
+class CriticRows:
+    """One trainer rank's rows for the critic (or one worker's shard of them), as they cross the object store."""
 
-    def __init__(self, group: RoleGroup):
-        self.group = group
+    rows: UnpaddedRows
+    prompt_len: int
+    num_tokens: int
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    loss_scale: float = 1.0
+
+    def split(self, n: int) -> list[CriticRows]:
+        rows = self.rows.split(n)
+        if self.mask is None:
+            return [replace(self, rows=r) for r in rows]
+        parts = zip(rows, self.old_values.tensor_split(n), self.returns.tensor_split(n), self.mask.tensor_split(n))
+        return [replace(self, rows=r, old_values=v, returns=g, mask=m) for r, v, g, m in parts]
+
+
+class _MovedTo:
+    """A pending result whose tensors land on `device` when it is collected."""
+
+    def __init__(self, pending, device):
+        self.pending, self.device = pending, device
+
+    def result(self):
+        loss, stats = self.pending.result()
+        return loss.to(self.device), {k: v.to(self.device) for k, v in stats.items()}
+
+
+class RayCritic:
+    """The `CriticUpdater` interface, served by a critic role group held by the main trainer process.
+
+    Every rank's rows are gathered to the main process, which splits each rank's rows over the group's workers.
+    Each shard's loss is weighted by its share of its rank's tokens and by 1/num_ranks, and the workers average
+    their gradients, so one worker step equals the local backend's update (every rank's critic averaging its
+    gradients over the ranks)."""
+
+    def __init__(self, group: RoleGroup | None):
+        self.group = group  # None on every process but the main one
         self.scheduler = None  # mirrors CriticUpdater: set once the step count is known
 
-    def _shards(self, *tensors):
-        n = len(self.group.workers)
-        if tensors[0].size(0) < n:
-            raise RoleError(
-                f"critic group has {n} workers but the batch has {tensors[0].size(0)} rows; "
-                "use fewer critic workers or a larger per_device_train_batch_size"
-            )
-        return list(zip(*(t.cpu().tensor_split(n) for t in tensors)))
+    def values(self, input_ids, attention_mask, prompt_len: int, num_tokens: int) -> torch.Tensor:
+        piece = CriticRows(UnpaddedRows.from_padded(input_ids, attention_mask), prompt_len, num_tokens)
+        return call_on_main(piece, self._values).to(input_ids.device)
 
-    def values(self, input_ids, attention_mask, prompt_len, num_tokens):
-        shards = self._shards(input_ids, attention_mask)
-        refs = [w.values.remote(ids, am, prompt_len, num_tokens) for w, (ids, am) in zip(self.group.workers, shards)]
-        return torch.cat(self.group._call(refs, "values")).to(input_ids.device)
+    def _values(self, pieces: list[CriticRows]) -> list[torch.Tensor]:
+        workers = self.group.workers
+        shards = [piece.split(len(workers)) for piece in pieces]  # [piece][worker]
+        refs = [worker.values.remote([s[k] for s in shards]) for k, worker in enumerate(workers)]
+        per_worker = self.group._call(refs, "values")  # [worker][piece]
+        return [torch.cat([values[p] for values in per_worker]) for p in range(len(pieces))]
 
     def step_async(self, input_ids, attention_mask, prompt_len, old_values, returns, mask, train=True):
         """Start the critic's update on its group and return at once; `.result()` waits (bounded) for it, so the
-        policy's update runs meanwhile."""
-        device = input_ids.device
-        shards = self._shards(input_ids, attention_mask, old_values, returns, mask)
-        total = mask.sum().clamp(min=1.0).item()
-        weights = [s[4].sum().item() / total for s in shards]
-        world = len(shards)
-        refs = [
-            w.step.remote(*shard[:2], prompt_len, *shard[2:], train, weight * world)
-            for w, shard, weight in zip(self.group.workers, shards, weights)
-        ]
-        group = self.group
+        policy's update runs meanwhile. A collective: every rank calls it, then `.result()`, in the same order."""
+        piece = CriticRows(
+            UnpaddedRows.from_padded(input_ids, attention_mask),
+            prompt_len,
+            mask.size(1),
+            old_values.detach().cpu(),
+            returns.detach().cpu(),
+            mask.detach().cpu(),
+        )
+        pending = start_on_main(piece, lambda pieces: self._start_step(pieces, train))
+        return _MovedTo(pending, input_ids.device)
 
-        class Pending:
-            def result(self):
-                results = group._call(refs, "step")
-                loss = sum(weight * r[0] for weight, r in zip(weights, results))
-                stats = {k: sum(weight * r[1][k] for weight, r in zip(weights, results)) for k in results[0][1]}
-                return loss.to(device), {k: v.to(device) for k, v in stats.items()}
+    def _start_step(self, pieces: list[CriticRows], train: bool):
+        workers = self.group.workers
+        shards, weights = [], []
+        for piece in pieces:
+            parts = piece.split(len(workers))
+            total = piece.mask.sum().clamp(min=1.0).item()
+            shares = [part.mask.sum().item() / total for part in parts]
+            shards.append([replace(p, loss_scale=w * len(workers) / len(pieces)) for p, w in zip(parts, shares)])
+            weights.append(shares)
+        refs = [worker.step.remote([s[k] for s in shards], train) for k, worker in enumerate(workers)]
 
-        return Pending()
+        def finish() -> list[tuple[torch.Tensor, dict]]:
+            per_worker = self.group._call(refs, "step")  # [worker][piece] -> (loss, stats)
+            results = []
+            for p, shares in enumerate(weights):
+                parts = [per_worker[k][p] for k in range(len(workers))]
+                loss = sum(w * part[0] for w, part in zip(shares, parts))
+                stats = {key: sum(w * part[1][key] for w, part in zip(shares, parts)) for key in parts[0][1]}
+                results.append((loss, stats))
+            return results
+
+        return finish
 
     def step(self, *args, **kwargs):
         return self.step_async(*args, **kwargs).result()
 
-    def set_scheduler(self, *args):
-        self.group.call_all("set_scheduler", *args)
+    # Called on every rank; only the main process talks to the group, and its errors reach every rank.
+    def set_scheduler(self, *args) -> None:
+        run_on_main(lambda: self.group.call_all("set_scheduler", *args))
         self.scheduler = True
 
-    def state(self):
-        return self.group.call("state")  # workers hold identical weights
+    def state(self) -> dict | None:
+        """The critic's state on the main process (workers hold identical weights), None elsewhere."""
+        return run_on_main(lambda: self.group.call("state"))
 
-    def load_state(self, state):
-        self.group.call_all("load_state", state)
+    def load_state(self, state: dict) -> None:
+        run_on_main(lambda: self.group.call_all("load_state", state))
 
 
 class RayRewardModel:
     """A reward model on its own role group, as a TRL reward function: texts in, one score per completion out.
     Texts are built as TRL builds them for a local reward model (chat template for conversations, else
-    prompt + completion), and tokenized by the worker with the model's own tokenizer."""
+    prompt + completion), and tokenized by the worker with the model's own tokenizer. A collective across trainer
+    ranks: the main process scores every rank's texts in one call."""
 
-    def __init__(self, group: RoleGroup, name: str, chat_tokenizer=None):
+    def __init__(self, group: RoleGroup | None, name: str, chat_tokenizer=None):
         self.group, self.__name__, self.chat_tokenizer = group, name, chat_tokenizer
 
     def __call__(self, prompts, completions, **kwargs) -> list[float]:
@@ -289,6 +357,10 @@ class RayRewardModel:
             ]
         else:
             texts = [p + c for p, c in zip(prompts, completions)]
+        return call_on_main(texts, self._score)
+
+    def _score(self, texts_per_rank: list[list[str]]) -> list[list[float]]:
+        texts = [text for rank_texts in texts_per_rank for text in rank_texts]
         n = len(self.group.workers)
         shards = [texts[i::n] for i in range(n)]
         results = self.group._call(
@@ -297,4 +369,54 @@ class RayRewardModel:
         scores = [0.0] * len(texts)
         for i, shard_scores in enumerate(results):
             scores[i::n] = shard_scores
-        return scores
+        out, offset = [], 0
+        for rank_texts in texts_per_rank:
+            out.append(scores[offset : offset + len(rank_texts)])
+            offset += len(rank_texts)
+        return out
+
+
+def _saved_model_dir(model, prefix: str) -> str:
+    """A directory holding `model` (a path is returned as is; an object is saved to a temporary directory)."""
+    if isinstance(model, str):
+        return model
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix=prefix)
+    model.save_pretrained(directory)
+    return directory
+
+
+def start_critic(model_source: Callable[[], Any], updater_settings: dict, args, check=None) -> RayCritic:
+    """The critic group for a trainer with ``args`` (its `DistributedArguments`), started by the main process from
+    ``model_source()`` (a path or a model object, built there only; ``check(path)`` validates it first). Every rank
+    gets a `RayCritic`; a failure to start reaches every rank."""
+
+    def start() -> RoleGroup:
+        init_ray(args.ray_address)
+        path = _saved_model_dir(model_source(), "trl-scale-critic-")
+        if check is not None:
+            check(path)
+        placement = Placement.from_config(args.critic_placement, "critic_placement")
+        return RoleGroup("critic", path, placement, {"updater": updater_settings}, timeout=args.ray_call_timeout)
+
+    return RayCritic(run_on_main(start))
+
+
+def start_reward_model(model, args) -> RayRewardModel:
+    """A reward model entry of `reward_funcs` (path or object) served by its own group, under the name TRL would
+    give it locally."""
+    from transformers import AutoTokenizer
+
+    # TRL loads a reward model's tokenizer from its name or path; an object carries that in its config.
+    source = model if isinstance(model, str) else model.config._name_or_path
+    name = source.rstrip("/").split("/")[-1]
+
+    def start() -> RoleGroup:
+        init_ray(args.ray_address)
+        path = _saved_model_dir(model, "trl-scale-reward-")
+        placement = Placement.from_config(args.reward_placement, "reward_placement")
+        settings = {"tokenizer_path": source}
+        return RoleGroup("reward", path, placement, settings, timeout=args.ray_call_timeout)
+
+    return RayRewardModel(run_on_main(start), name, AutoTokenizer.from_pretrained(source))

@@ -5,6 +5,7 @@ from .logprob_head import ChunkedLogProbHead, chunked_logprobs
 from .packing import (
     PackedBatch,
     PackedMicroBatch,
+    UnpaddedRows,
     check_packing_attention,
     pack_padded_batch,
     pack_sequences,
@@ -19,6 +20,7 @@ __all__ = [
     "PackedMicroBatch",
     "PackedScoringConfig",
     "PackingStats",
+    "UnpaddedRows",
     "check_packing_attention",
     "chunked_logprobs",
     "install_packed_scoring",

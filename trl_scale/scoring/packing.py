@@ -178,3 +178,34 @@ def unpack(values: torch.Tensor, flat_index: torch.Tensor, batch_size: int, seq_
     """Scatter per-token ``values`` [n] back to a ``[batch_size, seq_len]`` tensor (differentiable)."""
     out = values.new_full((batch_size * seq_len,), fill)
     return out.index_put((flat_index,), values).view(batch_size, seq_len)
+
+
+@dataclass
+class UnpaddedRows:
+    """A padded ``[B, T]`` batch without its padding: the real tokens back to back and a boolean mask. This is
+    what crosses process boundaries (e.g. Ray's object store): int64 ids for real tokens only, one byte per
+    position for the layout, and :meth:`to_padded` rebuilds the exact batch on the other side."""
+
+    tokens: torch.Tensor  # [num_real_tokens] int64, row-major order
+    mask: torch.Tensor  # [B, T] bool
+
+    @classmethod
+    def from_padded(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> UnpaddedRows:
+        mask = attention_mask.detach().bool().cpu()
+        return cls(tokens=input_ids.detach().cpu()[mask], mask=mask)
+
+    def to_padded(self, pad_token_id: int = 0, device: torch.device | str | None = None):
+        """``(input_ids, attention_mask)`` as int64 tensors, padding filled with ``pad_token_id``."""
+        input_ids = torch.full(self.mask.shape, pad_token_id, dtype=torch.long)
+        input_ids[self.mask] = self.tokens
+        return input_ids.to(device), self.mask.long().to(device)
+
+    @property
+    def num_rows(self) -> int:
+        return self.mask.size(0)
+
+    def split(self, n: int) -> list[UnpaddedRows]:
+        """``n`` row shards as ``torch.tensor_split`` makes them (some empty when there are fewer rows than n)."""
+        masks = self.mask.tensor_split(n)
+        counts = [int(m.sum()) for m in masks]
+        return [UnpaddedRows(t, m) for t, m in zip(self.tokens.split(counts), masks)]

@@ -151,43 +151,17 @@ class DistributedArguments:
             Placement.from_config(self.critic_placement, "critic_placement")
 
 
-def _model_dir(model, prefix: str) -> str:
-    """A directory holding `model` (a path is returned as is; an object is saved to a temporary directory)."""
-    if isinstance(model, str):
-        return model
-    import tempfile
-
-    directory = tempfile.mkdtemp(prefix=prefix)
-    model.save_pretrained(directory)
-    return directory
-
-
 def remote_reward_funcs(reward_funcs, args):
     """With backend='ray', replace each reward model in `reward_funcs` (path or object) by a function served by
-    the reward group; callables stay in the trainer. Names match the ones TRL gives local reward models."""
+    the reward group; callables stay in the trainer."""
     if getattr(args, "backend", "local") != "ray" or reward_funcs is None:
         return reward_funcs
     from torch import nn
-    from transformers import AutoTokenizer
 
-    from ..distributed.ray_backend import Placement, RayRewardModel, RoleGroup, init_ray
+    from ..distributed.ray_backend import start_reward_model
 
     funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
-    converted = []
-    for func in funcs:
-        if isinstance(func, (str, nn.Module)):
-            init_ray(args.ray_address)
-            path = _model_dir(func, "trl-scale-reward-")
-            # TRL loads a reward model's tokenizer from its name or path; an object carries that in its config.
-            source = func if isinstance(func, str) else func.config._name_or_path
-            name = source.rstrip("/").split("/")[-1]
-            placement = Placement.from_config(args.reward_placement, "reward_placement")
-            settings = {"tokenizer_path": source}
-            group = RoleGroup("reward", path, placement, settings, timeout=args.ray_call_timeout)
-            converted.append(RayRewardModel(group, name, AutoTokenizer.from_pretrained(source)))
-        else:
-            converted.append(func)
-    return converted
+    return [start_reward_model(f, args) if isinstance(f, (str, nn.Module)) else f for f in funcs]
 
 
 def uses_server_rollout(args) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import os
+from functools import partial
 
 import torch
 from torch import nn
@@ -26,7 +27,7 @@ from transformers import (
 
 from .. import ppo_core
 from ..critic import CriticUpdater
-from .common import TRL_SCALE_TAG, _model_dir, overridden
+from .common import TRL_SCALE_TAG, overridden
 from .grpo_trainer import GRPOTrainer
 from .ppo_config import PPOConfig
 
@@ -96,21 +97,20 @@ class PPOTrainer(GRPOTrainer):
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             max_grad_norm=args.max_grad_norm,
         )
-        source = self._value_model_source(value_model, model, reward_list)
         if args.backend == "ray":
-            # The critic lives on its own role group: the trainer process never holds it.
-            from ..distributed.ray_backend import Placement, RayCritic, RoleGroup, init_ray
+            # The critic lives on its own role group, started by the main process: no trainer process holds it.
+            from ..distributed.ray_backend import start_critic
 
-            init_ray(args.ray_address)
-            path = _model_dir(source, "trl-scale-critic-")
-            self._check_value_model_tokenizer(path)
+            def check(path: str) -> None:
+                self._check_value_model_tokenizer(path)
+                self._critic_config = AutoConfig.from_pretrained(path, num_labels=1)
+
             self.value_model = None
-            self._critic_config = AutoConfig.from_pretrained(path, num_labels=1)
-            placement = Placement.from_config(args.critic_placement, "critic_placement")
-            group = RoleGroup("critic", path, placement, {"updater": updater_settings}, timeout=args.ray_call_timeout)
-            self.critic = RayCritic(group)
+            self._critic_config = None  # known on the main process, the only one that saves it
+            source = partial(self._value_model_source, value_model, model, reward_list)  # built on the main process
+            self.critic = start_critic(source, updater_settings, args, check)
         else:
-            self.value_model = self._load_value_model(source)
+            self.value_model = self._load_value_model(self._value_model_source(value_model, model, reward_list))
             self._check_value_model_tokenizer(value_model)
             self.value_model.to(self.accelerator.device)
             self._critic_config = self.value_model.config
