@@ -271,3 +271,37 @@ def test_ray_critic_with_more_workers_than_rows_matches_the_local_critic(tiny_re
     after = remote.values(input_ids, attention_mask, 3, 4)
     assert not torch.allclose(after, values, atol=1e-4)  # the update changed the critic ...
     assert torch.allclose(after, local.values(input_ids, attention_mask, 3, 4), atol=1e-5)  # ... as locally
+
+
+def test_a_dead_reward_worker_is_restarted_and_scores_the_same(tiny_llama, tiny_reward_model, tmp_path):
+    """Reward workers are stateless: one killed mid-run is restarted in its bundle and the call retried, and the
+    run goes on with the same scores."""
+    from transformers import TrainerCallback
+
+    texts = (["one two", "three"], [" three four", " four five six"])
+    trainer = trl_scale.GRPOTrainer(
+        model=tiny_llama,
+        reward_funcs=[tiny_reward_model],
+        args=trl_scale.GRPOConfig(
+            **cpu_args(tmp_path, max_steps=3, max_completion_length=4, num_generations=4),
+            backend="ray",
+            reward_placement={"num_workers": 2, "num_cpus_per_worker": 0.5},
+            ray_call_timeout=120,
+        ),
+        train_dataset=counting_prompts(32),
+    )
+    reward = trainer.reward_funcs[0]
+    before = reward(*texts)
+    first_workers = list(reward.group.workers)
+
+    class KillAWorker(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                ray.kill(reward.group.workers[1], no_restart=True)
+
+    trainer.add_callback(KillAWorker())
+    trainer.train()
+    assert reward.group.workers[0] is first_workers[0] and reward.group.workers[1] is not first_workers[1]
+    assert reward(*texts) == pytest.approx(before, abs=1e-6)
+    name = os.path.basename(tiny_reward_model.rstrip("/"))
+    assert len([e for e in trainer.state.log_history if f"rewards/{name}/mean" in e]) == 3

@@ -21,13 +21,20 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from transformers.utils import logging
 
 from ..scoring.packing import UnpaddedRows
 from .main_process import call_on_main, run_on_main, start_on_main
 
+logger = logging.get_logger(__name__)
+
 
 class RoleError(RuntimeError):
     """A role group's worker died, stalled past its timeout, or could not start."""
+
+    def __init__(self, message: str, worker_died: bool = False):
+        super().__init__(message)
+        self.worker_died = worker_died
 
 
 @dataclass
@@ -109,6 +116,8 @@ class _RoleWorker:
 
     @torch.no_grad()
     def rewards(self, texts: list[str]) -> list[float]:
+        if not texts:  # more workers than texts
+            return []
         inputs = self.tokenizer(
             text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
         ).to(self.device)
@@ -154,30 +163,27 @@ class _RoleWorker:
 
 
 class RoleGroup:
-    """One role's placement group and worker, with bounded remote calls."""
+    """One role's placement group and workers, with bounded remote calls.
+
+    A stateless role (reward) restarts a dead worker in its bundle and retries the call once, so a lost reward
+    worker costs a reload, not the run. The critic's state (weights, optimizer) lives in its workers, so a dead
+    critic worker stops the run with a `RoleError` naming the role; the last checkpoint resumes it.
+    """
+
+    STATELESS_ROLES = ("reward",)
 
     def __init__(self, role: str, model_path: str, placement: Placement, settings: dict, timeout: float = 300.0):
-        import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.role, self.timeout = role, timeout
+        self.model_path, self.placement, self.settings = model_path, placement, settings
+        self.restartable = role in self.STATELESS_ROLES
         bundle = {"CPU": placement.num_cpus_per_worker}
         if placement.num_gpus_per_worker:
             bundle["GPU"] = placement.num_gpus_per_worker
         self.placement_group = placement_group([bundle] * placement.num_workers, strategy="PACK")
         self._call(self.placement_group.ready(), "placement")
-        self.workers = []
-        for index in range(placement.num_workers):
-            actor = ray.remote(_RoleWorker).options(
-                num_cpus=placement.num_cpus_per_worker,
-                num_gpus=placement.num_gpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=index
-                ),
-                max_restarts=0,
-            )
-            self.workers.append(actor.remote(role, model_path, settings))
+        self.workers = [self._start_worker(index) for index in range(placement.num_workers)]
         try:
             self._call([w.ping.remote() for w in self.workers], "start")
             if role == "critic" and len(self.workers) > 1:
@@ -187,6 +193,20 @@ class RoleGroup:
                 self._call(refs, "process group")
         except RoleError as error:
             raise RoleError(f"{role} group could not start its workers for {model_path!r}: {error}") from error
+
+    def _start_worker(self, index: int):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        actor = ray.remote(_RoleWorker).options(
+            num_cpus=self.placement.num_cpus_per_worker,
+            num_gpus=self.placement.num_gpus_per_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=index
+            ),
+            max_restarts=0,  # restarts are the group's decision (stateless roles only), not Ray's
+        )
+        return actor.remote(self.role, self.model_path, self.settings)
 
     @property
     def worker(self):
@@ -203,7 +223,7 @@ class RoleGroup:
                 f"{self.role} group: {what} took longer than {self.timeout}s (ray_call_timeout)"
             ) from error
         except RayActorError as error:
-            raise RoleError(f"{self.role} group: its worker died during {what}: {error}") from error
+            raise RoleError(f"{self.role} group: its worker died during {what}: {error}", worker_died=True) from error
 
     def call(self, method: str, *args):
         """`method` on the first worker (state, one-off queries)."""
@@ -211,6 +231,36 @@ class RoleGroup:
 
     def call_all(self, method: str, *args):
         return self._call([getattr(w, method).remote(*args) for w in self.workers], method)
+
+    def map(self, method: str, per_worker_args: list[tuple]) -> list:
+        """`method` on every worker, each with its own arguments; a stateless role restarts dead workers and
+        retries once."""
+
+        def run():
+            return self._call([getattr(w, method).remote(*a) for w, a in zip(self.workers, per_worker_args)], method)
+
+        try:
+            return run()
+        except RoleError as error:
+            if not (self.restartable and error.worker_died):
+                raise
+            restarted = self._restart_dead_workers()
+            logger.warning(f"{self.role} group: restarted worker(s) {restarted} after: {error}. Retrying {method}.")
+            return run()
+
+    def _restart_dead_workers(self) -> list[int]:
+        import ray
+        from ray.exceptions import RayActorError
+
+        restarted = []
+        for index, worker in enumerate(self.workers):
+            try:
+                ray.get(worker.ping.remote(), timeout=self.timeout)
+            except RayActorError:
+                self.workers[index] = self._start_worker(index)
+                restarted.append(index)
+        self._call([self.workers[i].ping.remote() for i in restarted], "restart")
+        return restarted
 
     def shutdown(self) -> None:
         """Kill the workers and free the placement group's resources (Ray keeps placement groups until removed)."""
@@ -362,10 +412,7 @@ class RayRewardModel:
     def _score(self, texts_per_rank: list[list[str]]) -> list[list[float]]:
         texts = [text for rank_texts in texts_per_rank for text in rank_texts]
         n = len(self.group.workers)
-        shards = [texts[i::n] for i in range(n)]
-        results = self.group._call(
-            [w.rewards.remote(shard) for w, shard in zip(self.group.workers, shards) if shard], "rewards"
-        )
+        results = self.group.map("rewards", [(texts[i::n],) for i in range(n)])
         scores = [0.0] * len(texts)
         for i, shard_scores in enumerate(results):
             scores[i::n] = shard_scores
