@@ -375,6 +375,21 @@ def test_lora_weight_sync_serves_the_trained_adapter(servers, tiny_llama, tmp_pa
     ours = logits.log_softmax(-1).gather(1, torch.tensor(choice["token_ids"]).unsqueeze(1)).squeeze(1)
     assert (ours - torch.tensor(choice["logprobs"]["token_logprobs"])).abs().max().item() <= 1e-4
 
+    # With the adapter loaded, a full-weight update still reaches the base (its layers are now `base_layer`s):
+    # the base model's requests then see the new weights.
+    def base_logprobs():
+        body = {"prompt": [prompt], "max_tokens": 3, "logprobs": 0, "seed": 0, "temperature": 0.0}
+        body["model"] = requests.get(f"{servers[0].url}/v1/models", timeout=10).json()["data"][0]["id"]
+        return requests.post(f"{servers[0].url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+
+    before = base_logprobs()
+    changed = {k: v + 0.05 * torch.randn_like(v) for k, v in base.state_dict().items() if "q_proj" in k}
+    RolloutClient([servers[0].url], request_timeout=60).update_weights(changed, timeout=60)
+    after = base_logprobs()
+    assert after["logprobs"]["token_logprobs"] != before["logprobs"]["token_logprobs"]
+    RolloutClient([servers[0].url], request_timeout=60).update_weights(dict(base.state_dict()), timeout=60)
+    assert base_logprobs() == before
+
 
 def test_merged_peft_weights_carry_the_plain_models_names(tiny_llama):
     """What a full-weight sync sends for a PEFT policy must load into the server's plain model: LoRA merged in,

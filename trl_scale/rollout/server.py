@@ -159,6 +159,10 @@ def create_app(model_path: str, api_key: str | None = None, token_delay: float =
 
     def _load_state_dict(tensors: dict[str, torch.Tensor]) -> None:
         expected = model.state_dict()
+        # Once a LoRA adapter is loaded, the wrapped layers' weights are named `...base_layer.weight`. Full-weight
+        # updates (the base model's names) go to those base weights, as vLLM updates its base under adapters.
+        base_names = {k.replace(".base_layer", ""): k for k in expected if ".base_layer." in k}
+        tensors = {base_names.get(name, name): tensor for name, tensor in tensors.items()}
         unknown = sorted(set(tensors) - set(expected))
         if unknown:
             raise HTTPException(400, f"unknown parameter names: {unknown[:5]}")
