@@ -256,7 +256,8 @@ def test_ray_critic_with_more_workers_than_rows_matches_the_local_critic(tiny_re
 
     settings = dict(learning_rate=1e-2, padding_free=padding_free, max_grad_norm=None)
     placement = Placement(num_workers=2, num_cpus_per_worker=0.5)
-    remote = RayCritic(RoleGroup("critic", tiny_reward_model, placement, {"updater": settings}, timeout=120))
+    group = RoleGroup("critic", tiny_reward_model, placement, {"updater": settings, "seed": 0}, timeout=120)
+    remote = RayCritic(group)
     local = CriticUpdater(AutoModelForSequenceClassification.from_pretrained(tiny_reward_model), **settings)
 
     input_ids = torch.tensor([[0, 5, 6, 7, 8, 9, 0]])  # one row: prompt of 2 (left-padded to 3), completion of 3
@@ -305,3 +306,42 @@ def test_a_dead_reward_worker_is_restarted_and_scores_the_same(tiny_llama, tiny_
     assert reward(*texts) == pytest.approx(before, abs=1e-6)
     name = os.path.basename(tiny_reward_model.rstrip("/"))
     assert len([e for e in trainer.state.log_history if f"rewards/{name}/mean" in e]) == 3
+
+
+@pytest.mark.parametrize("method", ["grpo", "ppo"])
+def test_a_reference_on_its_own_group_gives_the_local_kl(method, tiny_llama, tmp_path):
+    """`reference_placement`: TRL builds no reference in the trainer; the group scores it, with the same numbers."""
+    from trl_scale.distributed.ray_backend import RayReference
+
+    def run(out, **fields):
+        if method == "grpo":
+            config = trl_scale.GRPOConfig(
+                **cpu_args(out, max_steps=2, max_completion_length=6, num_generations=4, beta=0.1), **fields
+            )
+            trainer = trl_scale.GRPOTrainer(
+                model=tiny_llama, reward_funcs=token_parity_reward, args=config, train_dataset=counting_prompts(32)
+            )
+        else:
+            trainer = _ppo(tiny_llama, out, token_parity_reward, fields.pop("backend", "local"), kl_coef=0.1, **fields)
+        trainer.train()
+        return trainer
+
+    local = run(tmp_path / "local")
+    placement = {"num_workers": 2, "num_cpus_per_worker": 0.5}
+    remote = run(tmp_path / "ray", backend="ray", reference_placement=placement, ray_call_timeout=120)
+    assert isinstance(remote.ref_model, RayReference) and local.ref_model is not None
+    keys = ("loss", "grad_norm", "kl") if method == "grpo" else ("loss", "grad_norm", "objective/kl", "loss/value")
+    expected, got = step_logs(local, keys), step_logs(remote, keys)
+    assert len(expected) == 2 and all(abs(e[keys[2]]) > 0 for e in expected[1:])  # a real KL after a step
+    for e, g in zip(expected, got):
+        for key in keys:
+            assert g[key] == pytest.approx(e[key], abs=1e-5), (key, g[key], e[key])
+
+
+def test_reference_placement_needs_the_ray_backend(tmp_path):
+    with pytest.raises(ValueError, match="reference_placement places the reference on a Ray group"):
+        trl_scale.GRPOConfig(output_dir=str(tmp_path), bf16=False, reference_placement={"num_workers": 1})
+    with pytest.raises(ValueError, match="sync_ref_model=True is not supported with reference_placement"):
+        trl_scale.GRPOConfig(
+            output_dir=str(tmp_path), bf16=False, backend="ray", reference_placement={}, sync_ref_model=True
+        )

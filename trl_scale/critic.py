@@ -18,6 +18,19 @@ def completion_values(
     return values[:, prompt_len - 1 : prompt_len - 1 + num_tokens]
 
 
+def load_critic(source, seed: int):
+    """The critic from a path (a sequence-classification model with one output) or as given (a model object).
+    Weights the checkpoint lacks (a policy's new value head) are initialised from ``seed`` on a forked RNG, so the
+    local and Ray backends build the same critic and the trainer's own random stream (sampling) is untouched."""
+    if not isinstance(source, str):
+        return source
+    from transformers import AutoModelForSequenceClassification
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForSequenceClassification.from_pretrained(source, num_labels=1)
+
+
 class Finished:
     """An already-computed result with the `.result()` of a future."""
 

@@ -80,16 +80,49 @@ class _RoleWorker:
 
         self.role = role
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1).to(self.device)
+        if role == "reference":
+            self._load_reference(model_path, settings)
+            return
         if role == "reward":
+            model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1).to(self.device)
             self.tokenizer = AutoTokenizer.from_pretrained(settings.get("tokenizer_path") or model_path)
             model.config.pad_token_id = self.tokenizer.pad_token_id  # pooling at the last non-pad token, as TRL
             model.eval()
             self.model = model
         else:
-            from ..critic import CriticUpdater
+            from ..critic import CriticUpdater, load_critic
 
-            self.updater = CriticUpdater(model, **settings["updater"])
+            critic = load_critic(model_path, settings["seed"]).to(self.device)
+            self.updater = CriticUpdater(critic, **settings["updater"])
+
+    def _load_reference(self, model_path: str, settings: dict) -> None:
+        """The frozen reference policy, scored as TRL scores its `ref_model`: its fused log-prob head (and
+        trl-scale's packed scoring when the trainer packs)."""
+        from transformers import AutoModelForCausalLM
+        from trl.trainer.utils import add_fused_lm_head
+
+        from ..scoring import install_packed_scoring
+
+        dtype = getattr(torch, settings["dtype"]) if settings.get("dtype") else None
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=dtype, attn_implementation=settings.get("attn_implementation")
+        ).to(self.device)
+        model.eval()
+        temperature = settings.get("temperature", 1.0)
+        add_fused_lm_head(
+            model, temperature=temperature, cast_lm_head_to_fp32=settings.get("cast_lm_head_to_fp32", False)
+        )
+        self.padding_free = settings.get("padding_free", False)
+        if self.padding_free:
+            install_packed_scoring(
+                model,
+                temperature=temperature,
+                outputs=(),
+                token_budget=settings.get("token_budget"),
+                logprob_chunk_size=settings.get("logprob_chunk_size", 256),
+            )
+        self.autocast_dtype = getattr(torch, settings["autocast_dtype"]) if settings.get("autocast_dtype") else None
+        self.model = model
 
     def ping(self) -> str:
         return self.role
@@ -123,14 +156,32 @@ class _RoleWorker:
         ).to(self.device)
         return self.model(**inputs).logits[:, 0].float().cpu().tolist()
 
-    def values(self, pieces: list[CriticRows]) -> list[torch.Tensor]:
+    @torch.no_grad()
+    def logps(self, pieces: list[RoleRows]) -> list[torch.Tensor]:
+        """Per-token log-probs of each row's last ``num_tokens`` tokens, as TRL's `_get_per_token_logps...`."""
+        out = []
+        for piece in pieces:
+            if piece.rows.num_rows == 0:  # more workers than rows
+                out.append(torch.zeros(0, piece.num_tokens))
+                continue
+            input_ids, attention_mask = piece.rows.to_padded(device=self.device)
+            labels = input_ids.masked_fill(attention_mask == 0, -100)
+            labels[:, : -piece.num_tokens] = -100
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+                output = self.model(
+                    input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True
+                )
+            out.append(output.log_probs[:, -piece.num_tokens :].float().cpu())
+        return out
+
+    def values(self, pieces: list[RoleRows]) -> list[torch.Tensor]:
         out = []
         for piece in pieces:
             input_ids, attention_mask = piece.rows.to_padded(device=self.device)
             out.append(self.updater.values(input_ids, attention_mask, piece.prompt_len, piece.num_tokens).cpu())
         return out
 
-    def step(self, pieces: list[CriticRows], train: bool) -> list[tuple[torch.Tensor, dict]]:
+    def step(self, pieces: list[RoleRows], train: bool) -> list[tuple[torch.Tensor, dict]]:
         """One micro-step of the critic over every piece (one per trainer rank): backward on each, then a single
         optimizer step at the end of the accumulation window."""
         results = []
@@ -165,12 +216,12 @@ class _RoleWorker:
 class RoleGroup:
     """One role's placement group and workers, with bounded remote calls.
 
-    A stateless role (reward) restarts a dead worker in its bundle and retries the call once, so a lost reward
-    worker costs a reload, not the run. The critic's state (weights, optimizer) lives in its workers, so a dead
+    A stateless role (reward, reference) restarts a dead worker in its bundle and retries the call once, so a
+    lost worker costs a reload, not the run. The critic's state (weights, optimizer) lives in its workers, so a dead
     critic worker stops the run with a `RoleError` naming the role; the last checkpoint resumes it.
     """
 
-    STATELESS_ROLES = ("reward",)
+    STATELESS_ROLES = ("reward", "reference")
 
     def __init__(self, role: str, model_path: str, placement: Placement, settings: dict, timeout: float = 300.0):
         from ray.util.placement_group import placement_group
@@ -285,8 +336,10 @@ class RoleGroup:
 
 
 @dataclass
-class CriticRows:
-    """One trainer rank's rows for the critic (or one worker's shard of them), as they cross the object store."""
+class RoleRows:
+    """One trainer rank's rows for a role (or one worker's shard of them), as they cross the object store: the
+    critic's values and update, the reference's log-probs. ``num_tokens`` completion tokens end each row's real
+    tokens' span; ``old_values``, ``returns`` and ``mask`` (``[B, num_tokens]``) only for the critic's update."""
 
     rows: UnpaddedRows
     prompt_len: int
@@ -296,12 +349,21 @@ class CriticRows:
     mask: torch.Tensor | None = None
     loss_scale: float = 1.0
 
-    def split(self, n: int) -> list[CriticRows]:
+    def split(self, n: int) -> list[RoleRows]:
         rows = self.rows.split(n)
         if self.mask is None:
             return [replace(self, rows=r) for r in rows]
         parts = zip(rows, self.old_values.tensor_split(n), self.returns.tensor_split(n), self.mask.tensor_split(n))
         return [replace(self, rows=r, old_values=v, returns=g, mask=m) for r, v, g, m in parts]
+
+
+def _per_row_forward(group: RoleGroup, method: str, pieces: list[RoleRows]) -> list[torch.Tensor]:
+    """A row-wise forward (`method`) over every rank's piece: each piece's rows split over the group's workers,
+    one call per worker, and each piece's rows put back together in order."""
+    workers = group.workers
+    shards = [piece.split(len(workers)) for piece in pieces]  # [piece][worker]
+    per_worker = group.map(method, [([s[k] for s in shards],) for k in range(len(workers))])  # [worker][piece]
+    return [torch.cat([outputs[p] for outputs in per_worker]) for p in range(len(pieces))]
 
 
 class _MovedTo:
@@ -328,20 +390,16 @@ class RayCritic:
         self.scheduler = None  # mirrors CriticUpdater: set once the step count is known
 
     def values(self, input_ids, attention_mask, prompt_len: int, num_tokens: int) -> torch.Tensor:
-        piece = CriticRows(UnpaddedRows.from_padded(input_ids, attention_mask), prompt_len, num_tokens)
+        piece = RoleRows(UnpaddedRows.from_padded(input_ids, attention_mask), prompt_len, num_tokens)
         return call_on_main(piece, self._values).to(input_ids.device)
 
-    def _values(self, pieces: list[CriticRows]) -> list[torch.Tensor]:
-        workers = self.group.workers
-        shards = [piece.split(len(workers)) for piece in pieces]  # [piece][worker]
-        refs = [worker.values.remote([s[k] for s in shards]) for k, worker in enumerate(workers)]
-        per_worker = self.group._call(refs, "values")  # [worker][piece]
-        return [torch.cat([values[p] for values in per_worker]) for p in range(len(pieces))]
+    def _values(self, pieces: list[RoleRows]) -> list[torch.Tensor]:
+        return _per_row_forward(self.group, "values", pieces)
 
     def step_async(self, input_ids, attention_mask, prompt_len, old_values, returns, mask, train=True):
         """Start the critic's update on its group and return at once; `.result()` waits (bounded) for it, so the
         policy's update runs meanwhile. A collective: every rank calls it, then `.result()`, in the same order."""
-        piece = CriticRows(
+        piece = RoleRows(
             UnpaddedRows.from_padded(input_ids, attention_mask),
             prompt_len,
             mask.size(1),
@@ -352,7 +410,7 @@ class RayCritic:
         pending = start_on_main(piece, lambda pieces: self._start_step(pieces, train))
         return _MovedTo(pending, input_ids.device)
 
-    def _start_step(self, pieces: list[CriticRows], train: bool):
+    def _start_step(self, pieces: list[RoleRows], train: bool):
         workers = self.group.workers
         shards, weights = [], []
         for piece in pieces:
@@ -389,6 +447,20 @@ class RayCritic:
 
     def load_state(self, state: dict) -> None:
         run_on_main(lambda: self.group.call_all("load_state", state))
+
+
+class RayReference:
+    """The reference policy on its own role group, standing in for TRL's `ref_model`: the trainer's scoring call
+    for the reference (`_get_per_token_logps_and_entropies(self.ref_model, ...)`) comes here. A collective across
+    trainer ranks, like the critic's values."""
+
+    def __init__(self, group: RoleGroup | None):
+        self.group = group  # None on every process but the main one
+
+    def logps(self, input_ids, attention_mask, logits_to_keep: int) -> torch.Tensor:
+        rows = UnpaddedRows.from_padded(input_ids, attention_mask)
+        piece = RoleRows(rows, input_ids.size(1) - logits_to_keep, logits_to_keep)
+        return call_on_main(piece, lambda pieces: _per_row_forward(self.group, "logps", pieces)).to(input_ids.device)
 
 
 class RayRewardModel:
@@ -445,7 +517,8 @@ def start_critic(model_source: Callable[[], Any], updater_settings: dict, args, 
         if check is not None:
             check(path)
         placement = Placement.from_config(args.critic_placement, "critic_placement")
-        return RoleGroup("critic", path, placement, {"updater": updater_settings}, timeout=args.ray_call_timeout)
+        settings = {"updater": updater_settings, "seed": args.seed}  # the seed of a new value head, as locally
+        return RoleGroup("critic", path, placement, settings, timeout=args.ray_call_timeout)
 
     return RayCritic(run_on_main(start))
 
@@ -467,3 +540,16 @@ def start_reward_model(model, args) -> RayRewardModel:
         return RoleGroup("reward", path, placement, settings, timeout=args.ray_call_timeout)
 
     return RayRewardModel(run_on_main(start), name, AutoTokenizer.from_pretrained(source))
+
+
+def start_reference(model_path: str, settings: dict, args) -> RayReference:
+    """The reference group, started by the main process from the policy's path (as TRL reloads its reference);
+    ``settings``: dtype, attn_implementation, temperature, cast_lm_head_to_fp32, padding_free, token_budget,
+    logprob_chunk_size, autocast_dtype."""
+
+    def start() -> RoleGroup:
+        init_ray(args.ray_address)
+        placement = Placement.from_config(args.reference_placement, "reference_placement")
+        return RoleGroup("reference", model_path, placement, settings, timeout=args.ray_call_timeout)
+
+    return RayReference(run_on_main(start))

@@ -7,9 +7,13 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from transformers.utils import logging
+
+from ..distributed.ray_backend import RayReference, start_reference
 from ..scoring import PackingStats, install_packed_scoring
 
 TRL_SCALE_TAG = "trl-scale"
+logger = logging.get_logger(__name__)
 
 
 @contextmanager
@@ -133,6 +137,13 @@ class DistributedArguments:
     critic_placement: dict | None = field(
         default=None, metadata={"help": "Critic group (PPO), same keys as reward_placement."}
     )
+    reference_placement: dict | None = field(
+        default=None,
+        metadata={
+            "help": "Reference model group, same keys as reward_placement. None keeps the reference in the trainer "
+            "processes (as TRL does); unused with a PEFT policy, whose reference is its disabled adapter."
+        },
+    )
     ray_call_timeout: float = field(
         default=300.0, metadata={"help": "Seconds any call to a Ray worker may take before a RoleError."}
     )
@@ -149,6 +160,15 @@ class DistributedArguments:
 
             Placement.from_config(self.reward_placement, "reward_placement")
             Placement.from_config(self.critic_placement, "critic_placement")
+            if self.reference_placement is not None:
+                Placement.from_config(self.reference_placement, "reference_placement")
+        elif self.reference_placement is not None:
+            raise ValueError("reference_placement places the reference on a Ray group: set backend='ray' too")
+        if self.reference_placement is not None and getattr(self, "sync_ref_model", False):
+            raise ValueError(
+                "sync_ref_model=True is not supported with reference_placement (the reference lives on a Ray group); "
+                "set sync_ref_model=False or reference_placement=None"
+            )
 
 
 def remote_reward_funcs(reward_funcs, args):
@@ -162,6 +182,21 @@ def remote_reward_funcs(reward_funcs, args):
 
     funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
     return [start_reward_model(f, args) if isinstance(f, (str, nn.Module)) else f for f in funcs]
+
+
+def _wants_remote_reference(args, model, peft_config) -> bool:
+    """Whether the reference goes to its own Ray group: backend='ray', a reference_placement, a KL term that needs a
+    reference, and no PEFT (a PEFT policy's reference is its disabled adapter, which costs no extra model)."""
+    if getattr(args, "backend", "local") != "ray" or getattr(args, "reference_placement", None) is None:
+        return False
+    if args.beta == 0.0:
+        return False
+    from accelerate.utils import is_peft_model
+
+    if peft_config is not None or (not isinstance(model, str) and is_peft_model(model)):
+        logger.warning("reference_placement is unused: a PEFT policy's reference is the policy without its adapter")
+        return False
+    return True
 
 
 def uses_server_rollout(args) -> bool:
@@ -334,9 +369,46 @@ class OnlineTrainerMixin(ServerRolloutMixin, PhaseTimingMixin, ModelCardMixin, P
     def __init__(self, model, reward_funcs, args=None, **kwargs):
         reward_funcs = remote_reward_funcs(reward_funcs, args)
         server = args is not None and uses_server_rollout(args)
+        remote_reference = _wants_remote_reference(args, model, kwargs.get("peft_config"))
         # With server rollout, TRL's vLLM path stays off while it builds: no vLLM import, no CUDA-only communicator.
-        with overridden(args if server else None, use_vllm=False):
+        # With a remote reference, TRL builds none (beta=0 while it builds) and the reference group stands in.
+        with (
+            overridden(args if server else None, use_vllm=False),
+            overridden(args if remote_reference else None, beta=0.0),
+        ):
             super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
         if server:
             self._install_server_rollout(logprobs=True)
         self._install_packed_scoring(temperature=self.temperature, policy_outputs=("entropy",))
+        if remote_reference:
+            self.beta = args.beta
+            self.ref_model = self._start_remote_reference()
+
+    def _start_remote_reference(self) -> RayReference:
+        """The reference on its group, loaded as TRL would load it: from the policy's path, in the policy's dtype
+        and attention implementation, scored with the same head (temperature, fp32 cast, packing)."""
+        from trl.trainer.utils import get_config_model_id
+
+        args = self.args
+        init_kwargs = args.model_init_kwargs or {}
+        dtype = init_kwargs.get("dtype", self.model.dtype)
+        mixed = {"bf16": "bfloat16", "fp16": "float16"}.get(str(self.accelerator.mixed_precision))
+        settings = dict(
+            dtype=str(dtype).removeprefix("torch.") if dtype not in (None, "auto") else None,
+            attn_implementation=init_kwargs.get("attn_implementation", self.model.config._attn_implementation),
+            temperature=self.temperature,
+            cast_lm_head_to_fp32=getattr(args, "cast_lm_head_to_fp32", False),
+            padding_free=args.padding_free,
+            token_budget=args.token_budget,
+            logprob_chunk_size=args.logprob_chunk_size,
+            autocast_dtype=mixed,
+        )
+        model_path = get_config_model_id(self.accelerator.unwrap_model(self.model).config)
+        return start_reference(model_path, settings, args)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        if isinstance(model, RayReference):  # the reference on its Ray group (log-probs only, as TRL asks of it)
+            return model.logps(input_ids, attention_mask, logits_to_keep), None, None
+        return super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+        )

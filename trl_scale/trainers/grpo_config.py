@@ -37,9 +37,11 @@ class GRPOConfig(DistributedArguments, RolloutArguments, ScoringArguments, _TRLG
 
     > Placement (`pip install trl-scale[ray]`)
 
-    backend (`str`, defaults to `"local"`): `"ray"` puts reward models (and PPO's critic) on Ray role groups.
+    backend (`str`, defaults to `"local"`): `"ray"` puts reward models (and PPO's critic) on Ray role groups,
+        started and called by the main trainer process for every rank.
     ray_address (`str` or `None`): a Ray cluster; `None` starts a local one.
-    reward_placement, critic_placement (`dict` or `None`):
-        `{"num_workers": 1, "num_gpus_per_worker": 1.0, "num_cpus_per_worker": 1}` per role.
+    reward_placement, critic_placement, reference_placement (`dict` or `None`):
+        `{"num_workers": 1, "num_gpus_per_worker": 1.0, "num_cpus_per_worker": 1}` per role. The reference goes to
+        its own group only when `reference_placement` is given (and `beta != 0`, no PEFT).
     ray_call_timeout (`float`, defaults to `300`): bound on every call to a Ray worker.
     """

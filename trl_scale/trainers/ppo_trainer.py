@@ -17,7 +17,6 @@ import os
 from functools import partial
 
 import torch
-from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
@@ -26,7 +25,7 @@ from transformers import (
 )
 
 from .. import ppo_core
-from ..critic import CriticUpdater
+from ..critic import CriticUpdater, load_critic
 from .common import TRL_SCALE_TAG, overridden
 from .grpo_trainer import GRPOTrainer
 from .ppo_config import PPOConfig
@@ -110,7 +109,7 @@ class PPOTrainer(GRPOTrainer):
             source = partial(self._value_model_source, value_model, model, reward_list)  # built on the main process
             self.critic = start_critic(source, updater_settings, args, check)
         else:
-            self.value_model = self._load_value_model(self._value_model_source(value_model, model, reward_list))
+            self.value_model = load_critic(self._value_model_source(value_model, model, reward_list), args.seed)
             self._check_value_model_tokenizer(value_model)
             self.value_model.to(self.accelerator.device)
             self._critic_config = self.value_model.config
@@ -136,15 +135,11 @@ class PPOTrainer(GRPOTrainer):
         base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
         config = copy.deepcopy(base.config)
         config.num_labels = 1
-        critic = AutoModelForSequenceClassification.from_config(config)
+        with torch.random.fork_rng(devices=[]):  # as `load_critic`: a seeded head, the trainer's RNG untouched
+            torch.manual_seed(self.args.seed)
+            critic = AutoModelForSequenceClassification.from_config(config)
         critic.base_model.load_state_dict(base.base_model.state_dict())
         return critic
-
-    @staticmethod
-    def _load_value_model(source) -> nn.Module:
-        if isinstance(source, str):
-            return AutoModelForSequenceClassification.from_pretrained(source, num_labels=1)
-        return source
 
     def _check_value_model_tokenizer(self, value_model) -> None:
         policy_vocab = self.processing_class.get_vocab() if hasattr(self.processing_class, "get_vocab") else None
