@@ -207,7 +207,7 @@ def test_two_trainer_processes_share_one_set_of_groups_and_match_the_local_backe
     tiny_llama, tiny_reward_model, tmp_path
 ):
     """The main process owns the groups and every rank's rows go through it: the same numbers as two local
-    trainer processes whose critics average gradients, and one critic and one reward group, not one per rank."""
+    trainer processes whose critics average gradients, and one group per role, not one per rank."""
     from ray.util.placement_group import placement_group_table
 
     models = dict(model_name_or_path=tiny_llama, reward_model_name_or_path=tiny_reward_model)
@@ -220,10 +220,12 @@ def test_two_trainer_processes_share_one_set_of_groups_and_match_the_local_backe
         ray_address=ray.get_runtime_context().gcs_address,
         critic_placement=placement,
         reward_placement=placement,
+        reference_placement=placement,
         ray_call_timeout=120,
         **models,
     )
-    assert len(set(placement_group_table()) - groups_before) == 2  # critic + reward, started by rank 0 only
+    # critic + reward + reference, started by rank 0 only
+    assert len(set(placement_group_table()) - groups_before) == 3
 
     name = os.path.basename(tiny_reward_model.rstrip("/"))
     keys = ("loss", "grad_norm", "reward", f"rewards/{name}/mean", "loss/value", "val/vpred", "val/error")
