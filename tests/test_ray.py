@@ -347,3 +347,38 @@ def test_reference_placement_needs_the_ray_backend(tmp_path):
         trl_scale.GRPOConfig(
             output_dir=str(tmp_path), bf16=False, backend="ray", reference_placement={}, sync_ref_model=True
         )
+
+
+def test_after_a_dead_critic_worker_the_checkpoint_resumes_exactly(tiny_llama, tmp_path):
+    """The critic's state lives in its worker, so its death stops the run (on a RoleError); the last checkpoint
+    holds the critic, its optimizer and scheduler, and a new trainer resumed from it continues as if nothing
+    had happened."""
+    from transformers import TrainerCallback
+
+    from trl_scale.distributed.ray_backend import RoleError
+
+    settings = dict(max_steps=4, save_strategy="steps", save_steps=2, optim="adamw_torch")
+    keys = ("loss", "grad_norm", "reward", "loss/value", "val/vpred", "objective/kl")
+    full = _ppo(tiny_llama, tmp_path / "full", token_parity_reward, "ray", **settings)
+    full.train()
+
+    interrupted = _ppo(tiny_llama, tmp_path / "run", token_parity_reward, "ray", **settings)
+
+    class KillTheCritic(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                ray.kill(interrupted.critic.group.worker, no_restart=True)
+
+    interrupted.add_callback(KillTheCritic())
+    with pytest.raises(RoleError, match="critic group: its worker died"):
+        interrupted.train()
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    assert (checkpoint / "value_model" / "model.safetensors").exists()
+
+    resumed = _ppo(tiny_llama, tmp_path / "resumed", token_parity_reward, "ray", **settings)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    expected, got = step_logs(full, keys)[2:], step_logs(resumed, keys)[2:]
+    assert len(expected) == len(got) == 2
+    for e, g in zip(expected, got):
+        for key in keys:
+            assert g[key] == pytest.approx(e[key], abs=1e-6), (key, g[key], e[key])
