@@ -106,23 +106,10 @@ class CriticUpdater:
             self.critic, input_ids, attention_mask, prompt_len, num_tokens, self.padding_free, self.token_budget
         )
 
-    def step(
-        self,
-        input_ids,
-        attention_mask,
-        prompt_len,
-        old_values,
-        returns,
-        mask,
-        train: bool = True,
-        backward=None,
-        loss_scale: float = 1.0,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Value loss on one micro-batch; in training, backward and (at the end of an accumulation window) an
-        optimizer step. ``backward`` lets a caller route it (e.g. through an Accelerator)."""
-        result = self.loss_and_backward(
-            input_ids, attention_mask, prompt_len, old_values, returns, mask, train, backward, loss_scale
-        )
+    def step(self, *args, train: bool = True, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A whole micro-step on one batch: `loss_and_backward` (same arguments), then in training the end of the
+        micro-step (an optimizer step at the end of an accumulation window)."""
+        result = self.loss_and_backward(*args, train=train, **kwargs)
         if train:
             self.end_micro_step()
         return result
