@@ -68,3 +68,4 @@ def test_realistic_gpu_yamls_parse(tmp_path):
         assert args.use_vllm and args.token_budget == 16384 and model_args.attn_implementation == "flash_attention_2"
         if method == "ppo":
             assert args.backend == "ray" and args.critic_placement["num_gpus_per_worker"] == 1.0
+            assert args.reference_placement == args.reward_placement == args.critic_placement

@@ -103,7 +103,8 @@ class _RoleWorker:
 
         from ..scoring import install_packed_scoring
 
-        dtype = getattr(torch, settings["dtype"]) if settings.get("dtype") else None
+        dtype = settings.get("dtype")
+        dtype = getattr(torch, dtype) if dtype not in (None, "auto") else dtype
         model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=dtype, attn_implementation=settings.get("attn_implementation")
         ).to(self.device)

@@ -394,7 +394,7 @@ class OnlineTrainerMixin(ServerRolloutMixin, PhaseTimingMixin, ModelCardMixin, P
         dtype = init_kwargs.get("dtype", self.model.dtype)
         mixed = {"bf16": "bfloat16", "fp16": "float16"}.get(str(self.accelerator.mixed_precision))
         settings = dict(
-            dtype=str(dtype).removeprefix("torch.") if dtype not in (None, "auto") else None,
+            dtype=str(dtype).removeprefix("torch."),  # "auto" passes through, as TRL passes it
             attn_implementation=init_kwargs.get("attn_implementation", self.model.config._attn_implementation),
             temperature=self.temperature,
             cast_lm_head_to_fp32=getattr(args, "cast_lm_head_to_fp32", False),
