@@ -1,0 +1,80 @@
+"""GPU-only paths (skipped without CUDA): TRL's Triton kernel behind the chunked head, packed scoring on the GPU,
+and the critic group's NCCL gradient averaging. Each guards code whose logic also has a CPU test."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_scale.scoring import chunked_logprobs, install_packed_scoring
+from trl_scale.scoring.logprob_head import use_trl_kernel
+
+from .test_scoring import _full_logits_reference, _padded_batch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("temperature, softcap", [(1.0, None), (0.7, 4.0)])
+def test_chunked_logprobs_on_cuda_use_trl_kernel_and_match_full_logits(temperature, softcap):
+    device = torch.device("cuda")
+    assert use_trl_kernel(device), "on CUDA with Triton the head must dispatch to TRL's kernel"
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(300, 64, generator=generator).to(device).requires_grad_()
+    weight = torch.randn(1000, 64, generator=generator).div(8).to(device).requires_grad_()
+    targets = torch.randint(0, 1000, (300,), generator=generator).to(device)
+    logp, entropy, *_ = chunked_logprobs(hidden, weight, None, targets, temperature, 256, softcap, 1.0, ("entropy",))
+    bias = torch.zeros(1000, device=device)
+    reference = _full_logits_reference(hidden, weight, bias, targets, temperature, softcap, 1.0)
+    assert (logp - reference[0]).abs().max().item() <= 1e-4
+    assert (entropy - reference[1]).abs().max().item() <= 1e-4
+    grads = torch.autograd.grad(logp.sum(), (hidden, weight))
+    ref_grads = torch.autograd.grad(reference[0].sum(), (hidden, weight))
+    for a, b in zip(grads, ref_grads):
+        assert (a - b).abs().max().item() <= 1e-4 * max(1.0, b.abs().max().item())
+
+
+def test_packed_scoring_on_cuda_matches_padded(tiny_llama):
+    from trl.trainer.utils import add_fused_lm_head
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    input_ids, mask, labels = (t.cuda() for t in _padded_batch(tokenizer))
+    padded = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa").cuda()
+    packed = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa").cuda()
+    add_fused_lm_head(padded, temperature=0.9, outputs=("log_probs", "entropy"))
+    add_fused_lm_head(packed, temperature=0.9, outputs=("log_probs", "entropy"))
+    install_packed_scoring(packed, temperature=0.9, outputs=("entropy",), token_budget=10)
+    with torch.no_grad():
+        expected = padded(input_ids=input_ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        got = packed(input_ids=input_ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    valid = expected.label_mask.bool()
+    assert torch.equal(valid, got.label_mask.bool())
+    assert (got.log_probs - expected.log_probs)[valid].abs().max().item() <= 1e-4
+    assert (got.entropy - expected.entropy)[valid].abs().max().item() <= 1e-4
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: one per critic worker")
+def test_critic_group_averages_gradients_over_nccl(tiny_reward_model):
+    ray = pytest.importorskip("ray")
+    from trl_scale.critic import CriticUpdater, load_critic
+    from trl_scale.distributed.ray_backend import Placement, RayCritic, RoleGroup, init_ray
+
+    init_ray()
+    settings = dict(learning_rate=1e-2, max_grad_norm=None)
+    placement = Placement(num_workers=2, num_gpus_per_worker=1.0)
+    group = RoleGroup("critic", tiny_reward_model, placement, {"updater": settings, "seed": 0}, timeout=300)
+    remote = RayCritic(group)
+    local = CriticUpdater(load_critic(tiny_reward_model, 0), **settings)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(5, 300, (6, 9), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[::2, :2] = 0  # left padding on some rows
+    mask = torch.ones(6, 4)
+    mask[1, 3:] = 0
+    returns = torch.randn(6, 4, generator=generator)
+    values = local.values(input_ids, attention_mask, 5, 4)
+    remote.step(input_ids, attention_mask, 5, values, returns, mask)
+    local.step(input_ids, attention_mask, 5, values, returns, mask)
+    assert torch.allclose(
+        remote.values(input_ids, attention_mask, 5, 4), local.values(input_ids, attention_mask, 5, 4), atol=1e-4
+    )
+    group.shutdown()
+    ray.shutdown()
