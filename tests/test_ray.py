@@ -310,17 +310,21 @@ def test_a_dead_reward_worker_is_restarted_and_scores_the_same(tiny_llama, tiny_
     assert len([e for e in trainer.state.log_history if f"rewards/{name}/mean" in e]) == 3
 
 
-@pytest.mark.parametrize("method", ["grpo", "ppo"])
+@pytest.mark.parametrize("method", ["grpo", "rloo", "ppo"])
 def test_a_reference_on_its_own_group_gives_the_local_kl(method, tiny_llama, tmp_path):
     """`reference_placement`: TRL builds no reference in the trainer; the group scores it, with the same numbers."""
     from trl_scale.distributed.ray_backend import RayReference
 
     def run(out, **fields):
-        if method == "grpo":
-            config = trl_scale.GRPOConfig(
+        if method in ("grpo", "rloo"):
+            config_cls, trainer_cls = {
+                "grpo": (trl_scale.GRPOConfig, trl_scale.GRPOTrainer),
+                "rloo": (trl_scale.RLOOConfig, trl_scale.RLOOTrainer),
+            }[method]
+            config = config_cls(
                 **cpu_args(out, max_steps=2, max_completion_length=6, num_generations=4, beta=0.1), **fields
             )
-            trainer = trl_scale.GRPOTrainer(
+            trainer = trainer_cls(
                 model=tiny_llama, reward_funcs=token_parity_reward, args=config, train_dataset=counting_prompts(32)
             )
         else:
@@ -332,7 +336,7 @@ def test_a_reference_on_its_own_group_gives_the_local_kl(method, tiny_llama, tmp
     placement = {"num_workers": 2, "num_cpus_per_worker": 0.5}
     remote = run(tmp_path / "ray", backend="ray", reference_placement=placement, ray_call_timeout=120)
     assert isinstance(remote.ref_model, RayReference) and local.ref_model is not None
-    keys = ("loss", "grad_norm", "kl") if method == "grpo" else ("loss", "grad_norm", "objective/kl", "loss/value")
+    keys = ("loss", "grad_norm", "kl") if method != "ppo" else ("loss", "grad_norm", "objective/kl", "loss/value")
     expected, got = step_logs(local, keys), step_logs(remote, keys)
     assert len(expected) == 2 and all(abs(e[keys[2]]) > 0 for e in expected[1:])  # a real KL after a step
     for e, g in zip(expected, got):
