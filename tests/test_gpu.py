@@ -55,7 +55,8 @@ def test_packed_scoring_on_cuda_matches_padded(tiny_llama):
 def test_critic_group_averages_gradients_over_nccl(tiny_reward_model):
     ray = pytest.importorskip("ray")
     from trl_scale.critic import CriticUpdater, load_critic
-    from trl_scale.distributed.ray_backend import Placement, RayCritic, RoleGroup, init_ray
+    from trl_scale.distributed.ray_backend import Placement, RoleGroup, init_ray
+    from trl_scale.distributed.roles import RayCritic
 
     init_ray()
     settings = dict(learning_rate=1e-2, max_grad_norm=None)

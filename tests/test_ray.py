@@ -254,7 +254,8 @@ def test_ray_critic_with_more_workers_than_rows_matches_the_local_critic(tiny_re
     from transformers import AutoModelForSequenceClassification
 
     from trl_scale.critic import CriticUpdater
-    from trl_scale.distributed.ray_backend import Placement, RayCritic, RoleGroup
+    from trl_scale.distributed.ray_backend import Placement, RoleGroup
+    from trl_scale.distributed.roles import RayCritic
 
     settings = dict(learning_rate=1e-2, padding_free=padding_free, max_grad_norm=None)
     placement = Placement(num_workers=2, num_cpus_per_worker=0.5)
@@ -313,7 +314,7 @@ def test_a_dead_reward_worker_is_restarted_and_scores_the_same(tiny_llama, tiny_
 @pytest.mark.parametrize("method", ["grpo", "rloo", "ppo"])
 def test_a_reference_on_its_own_group_gives_the_local_kl(method, tiny_llama, tmp_path):
     """`reference_placement`: TRL builds no reference in the trainer; the group scores it, with the same numbers."""
-    from trl_scale.distributed.ray_backend import RayReference
+    from trl_scale.distributed.roles import RayReference
 
     def run(out, **fields):
         if method in ("grpo", "rloo"):

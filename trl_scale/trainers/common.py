@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from transformers.utils import logging
 
-from ..distributed.ray_backend import RayReference, start_reference
+from ..distributed.roles import RayReference, start_reference
 from ..scoring import PackingStats, install_packed_scoring
 
 TRL_SCALE_TAG = "trl-scale"
@@ -178,7 +178,7 @@ def remote_reward_funcs(reward_funcs, args):
         return reward_funcs
     from torch import nn
 
-    from ..distributed.ray_backend import start_reward_model
+    from ..distributed.roles import start_reward_model
 
     funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
     return [start_reward_model(f, args) if isinstance(f, (str, nn.Module)) else f for f in funcs]

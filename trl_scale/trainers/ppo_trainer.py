@@ -98,7 +98,7 @@ class PPOTrainer(GRPOTrainer):
         )
         if args.backend == "ray":
             # The critic lives on its own role group, started by the main process: no trainer process holds it.
-            from ..distributed.ray_backend import start_critic
+            from ..distributed.roles import start_critic
 
             def check(path: str) -> None:
                 self._check_value_model_tokenizer(path)

@@ -1,0 +1,175 @@
+"""What runs inside a role group's Ray actors: the reward model, the critic (forward and update) and the reference
+policy, each loaded from a path and fed `RoleRows` (token ids without padding) or texts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..scoring.packing import UnpaddedRows
+
+
+@dataclass
+class RoleRows:
+    """One trainer rank's rows for a role (or one worker's shard of them), as they cross the object store: the
+    critic's values and update, the reference's log-probs. ``num_tokens`` completion tokens end each row's real
+    tokens' span; ``old_values``, ``returns`` and ``mask`` (``[B, num_tokens]``) only for the critic's update."""
+
+    rows: UnpaddedRows
+    prompt_len: int
+    num_tokens: int
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    loss_scale: float = 1.0
+
+    def split(self, n: int) -> list[RoleRows]:
+        rows = self.rows.split(n)
+        if self.mask is None:
+            return [replace(self, rows=r) for r in rows]
+        parts = zip(rows, self.old_values.tensor_split(n), self.returns.tensor_split(n), self.mask.tensor_split(n))
+        return [replace(self, rows=r, old_values=v, returns=g, mask=m) for r, v, g, m in parts]
+
+
+class RoleWorker:
+    """Runs inside a Ray actor: loads its model from a path and serves one role ('reward' or 'critic')."""
+
+    def __init__(self, role: str, model_path: str, settings: dict):
+        torch.set_num_threads(max(1, int(settings.get("num_threads", 1))))
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.role = role
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if role == "reference":
+            self._load_reference(model_path, settings)
+            return
+        if role == "reward":
+            model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1).to(self.device)
+            self.tokenizer = AutoTokenizer.from_pretrained(settings.get("tokenizer_path") or model_path)
+            model.config.pad_token_id = self.tokenizer.pad_token_id  # pooling at the last non-pad token, as TRL
+            model.eval()
+            self.model = model
+        else:
+            from ..critic import CriticUpdater, load_critic
+
+            critic = load_critic(model_path, settings["seed"]).to(self.device)
+            self.updater = CriticUpdater(critic, **settings["updater"])
+
+    def _load_reference(self, model_path: str, settings: dict) -> None:
+        """The frozen reference policy, scored as TRL scores its `ref_model`: its fused log-prob head (and
+        trl-scale's packed scoring when the trainer packs)."""
+        from transformers import AutoModelForCausalLM
+        from trl.trainer.utils import add_fused_lm_head
+
+        from ..scoring import install_packed_scoring
+
+        dtype = settings.get("dtype")
+        dtype = getattr(torch, dtype) if dtype not in (None, "auto") else dtype
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=dtype, attn_implementation=settings.get("attn_implementation")
+        ).to(self.device)
+        model.eval()
+        temperature = settings.get("temperature", 1.0)
+        add_fused_lm_head(
+            model, temperature=temperature, cast_lm_head_to_fp32=settings.get("cast_lm_head_to_fp32", False)
+        )
+        self.padding_free = settings.get("padding_free", False)
+        if self.padding_free:
+            install_packed_scoring(
+                model,
+                temperature=temperature,
+                outputs=(),
+                token_budget=settings.get("token_budget"),
+                logprob_chunk_size=settings.get("logprob_chunk_size", 256),
+            )
+        self.autocast_dtype = getattr(torch, settings["autocast_dtype"]) if settings.get("autocast_dtype") else None
+        self.model = model
+
+    def ping(self) -> str:
+        return self.role
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        import socket
+
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_process_group(self, rank: int, world_size: int, address: str, port: int) -> None:
+        """Join the group's own process group and start from rank 0's weights."""
+        import torch.distributed as dist
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world_size)
+        with torch.no_grad():
+            for parameter in self.updater.critic.parameters():
+                dist.broadcast(parameter.data, src=0)
+
+    @torch.no_grad()
+    def rewards(self, texts: list[str]) -> list[float]:
+        if not texts:  # more workers than texts
+            return []
+        inputs = self.tokenizer(
+            text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+        ).to(self.device)
+        return self.model(**inputs).logits[:, 0].float().cpu().tolist()
+
+    @torch.no_grad()
+    def logps(self, pieces: list[RoleRows]) -> list[torch.Tensor]:
+        """Per-token log-probs of each row's last ``num_tokens`` tokens, as TRL's `_get_per_token_logps...`."""
+        out = []
+        for piece in pieces:
+            if piece.rows.num_rows == 0:  # more workers than rows
+                out.append(torch.zeros(0, piece.num_tokens))
+                continue
+            input_ids, attention_mask = piece.rows.to_padded(device=self.device)
+            labels = input_ids.masked_fill(attention_mask == 0, -100)
+            labels[:, : -piece.num_tokens] = -100
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+                output = self.model(
+                    input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True
+                )
+            out.append(output.log_probs[:, -piece.num_tokens :].float().cpu())
+        return out
+
+    def values(self, pieces: list[RoleRows]) -> list[torch.Tensor]:
+        out = []
+        for piece in pieces:
+            input_ids, attention_mask = piece.rows.to_padded(device=self.device)
+            out.append(self.updater.values(input_ids, attention_mask, piece.prompt_len, piece.num_tokens).cpu())
+        return out
+
+    def step(self, pieces: list[RoleRows], train: bool) -> list[tuple[torch.Tensor, dict]]:
+        """One micro-step of the critic over every piece (one per trainer rank): backward on each, then a single
+        optimizer step at the end of the accumulation window."""
+        results = []
+        for piece in pieces:
+            input_ids, attention_mask = piece.rows.to_padded(device=self.device)
+            old_values, returns, mask = (t.to(self.device) for t in (piece.old_values, piece.returns, piece.mask))
+            loss, stats = self.updater.loss_and_backward(
+                input_ids,
+                attention_mask,
+                piece.prompt_len,
+                old_values,
+                returns,
+                mask,
+                train=train,
+                loss_scale=piece.loss_scale,
+            )
+            results.append((loss.cpu(), {k: v.cpu() for k, v in stats.items()}))
+        if train:
+            self.updater.end_micro_step()
+        return results
+
+    def set_scheduler(self, *args):
+        self.updater.set_scheduler(*args)
+
+    def state(self):
+        return self.updater.state()
+
+    def load_state(self, state):
+        self.updater.load_state(state)
