@@ -56,10 +56,7 @@ class RayCritic:
 
     def values(self, input_ids, attention_mask, prompt_len: int, num_tokens: int) -> torch.Tensor:
         piece = RoleRows(UnpaddedRows.from_padded(input_ids, attention_mask), prompt_len, num_tokens)
-        return call_on_main(piece, self._values).to(input_ids.device)
-
-    def _values(self, pieces: list[RoleRows]) -> list[torch.Tensor]:
-        return _per_row_forward(self.group, "values", pieces)
+        return call_on_main(piece, lambda pieces: _per_row_forward(self.group, "values", pieces)).to(input_ids.device)
 
     def step_async(self, input_ids, attention_mask, prompt_len, old_values, returns, mask, train=True):
         """Start the critic's update on its group and return at once; `.result()` waits (bounded) for it, so the
