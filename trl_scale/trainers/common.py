@@ -16,6 +16,16 @@ TRL_SCALE_TAG = "trl-scale"
 logger = logging.get_logger(__name__)
 
 
+def config_docstring(method: str, *sections) -> str:
+    """A trl-scale config's docstring, TRL's style: the header, then each field mixin's section (one text per
+    field, whichever configs carry it)."""
+    header = (
+        f"\n    Configuration class for [`trl_scale.{method}Trainer`]: every field of [`trl.{method}Config`], "
+        "unchanged, plus trl-scale's.\n"
+    )
+    return header + "".join(section.FIELDS_DOC for section in sections)
+
+
 @contextmanager
 def overridden(config, **values):
     """Set `config` fields while TRL's constructor reads them, and restore them afterwards, even on error."""
@@ -35,6 +45,19 @@ def overridden(config, **values):
 @dataclass
 class ScoringArguments:
     """Config fields of the packed scoring engine, shared by GRPO, RLOO, DPO (and PPO) configs."""
+
+    FIELDS_DOC = """
+    > Packed scoring (remove-padding + chunked log-prob head)
+
+    padding_free (`bool`, defaults to `True`):
+        Score only real tokens, packed into rows with `position_ids` restarting per sequence. `False` runs TRL's
+        padded path and gives TRL's numbers exactly.
+    token_budget (`int` or `None`, defaults to `None`):
+        Most tokens in one packed forward; larger batches are split into balanced micro-batches, the same number on
+        every data-parallel rank.
+    logprob_chunk_size (`int`, defaults to `256`):
+        Tokens projected onto the vocabulary at once by trl-scale's chunked head (non-Triton devices).
+"""  # its section of each config's docstring (`config_docstring`)
 
     padding_free: bool = field(
         default=True,
@@ -80,6 +103,18 @@ class ScoringArguments:
 class RolloutArguments:
     """Config fields of server rollout (GRPO, RLOO, PPO): many completion servers, no vLLM in the trainer."""
 
+    FIELDS_DOC = """
+    > Server rollout (with `use_vllm=True, vllm_mode="server"`)
+
+    vllm_server_base_urls (`list[str]` or `None`):
+        Completion servers (vLLM or `trl-scale serve`), routed by least outstanding work, with failover.
+    weight_sync (`str`, defaults to `"http"`), weight_sync_dir (`str` or `None`):
+        `"http"` (safetensors body), `"shared_dir"` (a directory the servers read) or `"lora"` (adapter loading).
+    weight_sync_timeout (`float`, defaults to `120`), rollout_request_timeout (`float`, defaults to `120`):
+        Bounds in seconds: a stalled sync or an unreachable fleet fails with a clear error, never hangs.
+    rollout_api_key (`str` or `None`): bearer token for the servers.
+"""  # its section of each config's docstring (`config_docstring`)
+
     vllm_server_base_urls: list[str] | None = field(
         default=None,
         metadata={
@@ -124,6 +159,18 @@ class RolloutArguments:
 @dataclass
 class DistributedArguments:
     """Where the reward models (and PPO's critic) live: in the trainer processes, or on Ray role groups."""
+
+    FIELDS_DOC = """
+    > Placement (`pip install trl-scale[ray]`)
+
+    backend (`str`, defaults to `"local"`): `"ray"` puts reward models (and PPO's critic) on Ray role groups,
+        started and called by the main trainer process for every rank.
+    ray_address (`str` or `None`): a Ray cluster; `None` starts a local one.
+    reward_placement, critic_placement, reference_placement (`dict` or `None`):
+        `{"num_workers": 1, "num_gpus_per_worker": 1.0, "num_cpus_per_worker": 1}` per role. The reference goes to
+        its own group only when `reference_placement` is given (and `beta != 0`, no PEFT).
+    ray_call_timeout (`float`, defaults to `300`): bound on every call to a Ray worker.
+"""  # its section of each config's docstring (`config_docstring`)
 
     backend: str = field(
         default="local",
