@@ -54,6 +54,22 @@ def assert_logs_close(got: list[dict], expected: list[dict], atol: float) -> Non
             assert abs(g[key] - e[key]) <= atol, f"step {step} {key}: trl-scale {g[key]} vs TRL {e[key]}"
 
 
+def padded_scoring_batch(tokenizer):
+    """Left-padded prompts + right-padded completions (TRL's GRPO layout), a length-1 completion, and labels on
+    completion tokens only: ``(input_ids, attention_mask, labels)``."""
+    prompts = [[10, 11, 12], [13], [14, 15, 16, 17, 18], [19, 20]]
+    completions = [[30, 31, 32, 33, 34, 35], [36], [37, 38, 39], [40, 41, 42, 43, 44, 45, 46, 47]]
+    pad = tokenizer.pad_token_id
+    p_len, c_len = max(map(len, prompts)), max(map(len, completions))
+    rows, masks, labels = [], [], []
+    for p, c in zip(prompts, completions):
+        row = [pad] * (p_len - len(p)) + p + c + [pad] * (c_len - len(c))
+        m = [0] * (p_len - len(p)) + [1] * (len(p) + len(c)) + [0] * (c_len - len(c))
+        lab = [-100] * p_len + c + [-100] * (c_len - len(c))
+        rows.append(row), masks.append(m), labels.append(lab)
+    return torch.tensor(rows), torch.tensor(masks), torch.tensor(labels)
+
+
 def seeded_tensor(*shape, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=generator)

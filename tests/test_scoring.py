@@ -12,7 +12,6 @@ import trl_scale
 from trl_scale.scoring import (
     ChunkedLogProbHead,
     UnpaddedRows,
-    check_packing_attention,
     install_packed_scoring,
     pack_padded_batch,
     plan_micro_batches,
@@ -20,7 +19,7 @@ from trl_scale.scoring import (
 )
 from trl_scale.toy import counting_prompts, preference_pairs
 
-from .helpers import cpu_args, max_param_diff, step_logs, token_parity_reward
+from .helpers import cpu_args, max_param_diff, padded_scoring_batch, step_logs, token_parity_reward
 
 ALL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
@@ -107,22 +106,6 @@ def test_unpadded_rows_carry_only_real_tokens_and_rebuild_the_batch():
             assert torch.equal(got_ids, ids) and torch.equal(got_mask, m)
 
 
-def _padded_batch(tokenizer, device="cpu"):
-    """Left-padded prompts + right-padded completions (TRL's GRPO layout), a length-1 completion, and labels on
-    completion tokens only."""
-    prompts = [[10, 11, 12], [13], [14, 15, 16, 17, 18], [19, 20]]
-    completions = [[30, 31, 32, 33, 34, 35], [36], [37, 38, 39], [40, 41, 42, 43, 44, 45, 46, 47]]
-    pad = tokenizer.pad_token_id
-    p_len, c_len = max(map(len, prompts)), max(map(len, completions))
-    rows, masks, labels = [], [], []
-    for p, c in zip(prompts, completions):
-        row = [pad] * (p_len - len(p)) + p + c + [pad] * (c_len - len(c))
-        m = [0] * (p_len - len(p)) + [1] * (len(p) + len(c)) + [0] * (c_len - len(c))
-        lab = [-100] * p_len + c + [-100] * (c_len - len(c))
-        rows.append(row), masks.append(m), labels.append(lab)
-    return torch.tensor(rows), torch.tensor(masks), torch.tensor(labels)
-
-
 def _score(model, input_ids, mask, labels):
     out = model(input_ids=input_ids, attention_mask=mask, labels=labels, fused_lm_head=True)
     valid = out.label_mask
@@ -148,7 +131,7 @@ def test_packed_matches_padded_values_and_gradients(tiny_model_path, lora, token
         base, token_budget=token_budget, logprob_chunk_size=5, temperature=0.7, outputs=("entropy",)
     )
 
-    input_ids, mask, labels = _padded_batch(tokenizer)
+    input_ids, mask, labels = padded_scoring_batch(tokenizer)
     reference, valid, ref_grads = _score(model, input_ids, mask, labels)
     packed, packed_valid, grads = _score(packed_model, input_ids, mask, labels)
     assert config.stats.calls == 1 and config.stats.fallbacks == 0
@@ -171,7 +154,7 @@ def test_packed_forward_never_gets_a_mask_or_a_cache(tiny_llama):
     install_packed_scoring(model)
     seen = []
     model.model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(dict(kwargs)), with_kwargs=True)
-    input_ids, mask, labels = _padded_batch(AutoTokenizer.from_pretrained(tiny_llama))
+    input_ids, mask, labels = padded_scoring_batch(AutoTokenizer.from_pretrained(tiny_llama))
     packed = model(input_ids=input_ids, attention_mask=mask, labels=labels, fused_lm_head=True)
     assert seen and all(k.get("attention_mask") is None and k.get("use_cache") is False for k in seen)
     assert all(k.get("past_key_values") is None for k in seen)
@@ -186,15 +169,6 @@ def test_packed_forward_never_gets_a_mask_or_a_cache(tiny_llama):
     clean = model.model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None, use_cache=False)
     assert (leaked.last_hidden_state - clean.last_hidden_state).abs().max() > 1e-3
     assert packed.log_probs.shape == (input_ids.shape[0], input_ids.shape[1] - 1)
-
-
-def test_unsupported_attention_gets_a_clear_error(tiny_llama):
-    with pytest.raises(ValueError, match="padding_free=False"):
-        check_packing_attention("my_custom_kernel")
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
-    model.config._attn_implementation = "my_custom_kernel"
-    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
-        install_packed_scoring(model)
 
 
 @pytest.mark.parametrize("field, value", [("token_budget", 0), ("logprob_chunk_size", -1)])
@@ -274,10 +248,30 @@ def test_a_rank_with_fewer_micro_batches_runs_a_dummy_forward(tiny_llama, monkey
     real_forward = packed_model.model.forward
     monkeypatch.setattr(packed_model.model, "forward", lambda *a, **k: calls.append(k) or real_forward(*a, **k))
     monkeypatch.setattr(engine, "_same_count_on_every_rank", lambda count, device: count + 5)  # 4 sequences -> 6
-    input_ids, mask, labels = _padded_batch(AutoTokenizer.from_pretrained(tiny_llama))
+    input_ids, mask, labels = padded_scoring_batch(AutoTokenizer.from_pretrained(tiny_llama))
     reference, valid, ref_grads = _score(model, input_ids, mask, labels)
     packed, _, grads = _score(packed_model, input_ids, mask, labels)
     assert len(calls) == 6 and config.stats.micro_batches == 6  # 4 single-sequence rows + 2 dummies
     assert (packed.log_probs - reference.log_probs).abs().max().item() <= 1e-5
     for g, r in zip(grads, ref_grads):
         assert (g - r).abs().max().item() <= 1e-5
+
+
+def test_dpo_precomputed_reference_goes_through_the_packed_engine(tiny_llama, tmp_path):
+    """TRL precomputes reference log-probs inside its constructor; they must be scored by the same packed engine as
+    the policy (before the fix they took TRL's padded path: no packed call during construction)."""
+    trainer = trl_scale.DPOTrainer(
+        model=tiny_llama,
+        args=trl_scale.DPOConfig(
+            **cpu_args(tmp_path, max_length=64, max_steps=1, learning_rate=0.0, precompute_ref_log_probs=True)
+        ),
+        train_dataset=preference_pairs(16, seed=0),
+        processing_class=AutoTokenizer.from_pretrained(tiny_llama),
+    )
+    assert trainer._packing_stats is not None
+    assert trainer._packing_stats.calls == 2 and trainer._packing_stats.fallbacks == 0  # 16 pairs / 8 per batch
+    assert "ref_chosen_logps" in trainer.train_dataset.column_names
+    trainer.train()
+    (logs,) = step_logs(trainer, ("rewards/chosen", "rewards/rejected"))
+    # learning_rate 0: the policy is the reference, so both rewards vanish (to the rounding of two packings).
+    assert abs(logs["rewards/chosen"]) <= 1e-6 and abs(logs["rewards/rejected"]) <= 1e-6

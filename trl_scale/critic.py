@@ -6,11 +6,17 @@ from __future__ import annotations
 import torch
 
 from . import ppo_core
-from .scoring import token_scores
+from .scoring import token_scores, use_packing
 
 
 def completion_values(
-    critic, input_ids, attention_mask, prompt_len: int, num_tokens: int, padding_free: bool, token_budget: int | None
+    critic,
+    input_ids,
+    attention_mask,
+    prompt_len: int,
+    num_tokens: int,
+    padding_free: bool | None,
+    token_budget: int | None,
 ) -> torch.Tensor:
     """Values of each completion token's state, ``[B, num_tokens]``: the critic's output at the position before
     the token (prompts are left-padded to ``prompt_len``, completions follow)."""
@@ -69,7 +75,7 @@ class CriticUpdater:
         betas=(0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        padding_free: bool = True,
+        padding_free: bool | None = None,
         token_budget: int | None = None,
         cliprange_value: float = 0.2,
         vf_coef: float = 0.1,
@@ -97,10 +103,15 @@ class CriticUpdater:
             scheduler_specific_kwargs=kwargs or {},
         )
 
+    def _empty_padded_shard(self, input_ids) -> bool:
+        """An empty shard (fewer rows than workers) on the padded path has nothing to run. The packed path still
+        runs a dummy forward there, because its forwards are counted across workers."""
+        return input_ids.size(0) == 0 and not use_packing(self.critic.base_model, self.padding_free, probe_now=True)
+
     @torch.no_grad()
     def values(self, input_ids, attention_mask, prompt_len: int, num_tokens: int) -> torch.Tensor:
         self.critic.eval()
-        if input_ids.size(0) == 0 and not self.padding_free:  # an empty shard; see loss_and_backward
+        if self._empty_padded_shard(input_ids):
             return torch.zeros(0, num_tokens, device=input_ids.device)
         return completion_values(
             self.critic, input_ids, attention_mask, prompt_len, num_tokens, self.padding_free, self.token_budget
@@ -129,9 +140,7 @@ class CriticUpdater:
         """The value loss of some rows and, in training, its backward (no optimizer step): a micro-step may take
         several calls, one per part of the batch. ``loss_scale`` weights this part's loss in the micro-step's
         (its share of the tokens, times the data-parallel world size that averages the gradients)."""
-        if input_ids.size(0) == 0 and not self.padding_free:
-            # An empty shard (fewer rows than workers): nothing to score. The packed path still runs a dummy
-            # forward there, because its forwards are counted across workers.
+        if self._empty_padded_shard(input_ids):
             zero = mask.new_zeros(())
             return zero, {"val/vpred": zero, "val/error": zero, "val/clipfrac": zero}
         with torch.set_grad_enabled(train):

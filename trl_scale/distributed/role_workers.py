@@ -74,15 +74,15 @@ class RoleWorker:
         add_fused_lm_head(
             model, temperature=temperature, cast_lm_head_to_fp32=settings.get("cast_lm_head_to_fp32", False)
         )
-        self.padding_free = settings.get("padding_free", False)
-        if self.padding_free:
-            install_packed_scoring(
-                model,
-                temperature=temperature,
-                outputs=(),
-                token_budget=settings.get("token_budget"),
-                logprob_chunk_size=settings.get("logprob_chunk_size", 256),
-            )
+        install_packed_scoring(
+            model,
+            temperature=temperature,
+            outputs=(),
+            token_budget=settings.get("token_budget"),
+            logprob_chunk_size=settings.get("logprob_chunk_size", 256),
+            padding_free=settings.get("padding_free"),
+            cast_lm_head_to_fp32=settings.get("cast_lm_head_to_fp32", False),
+        )
         self.autocast_dtype = getattr(torch, settings["autocast_dtype"]) if settings.get("autocast_dtype") else None
         self.model = model
 

@@ -6,13 +6,14 @@ from .packing import (
     PackedBatch,
     PackedMicroBatch,
     UnpaddedRows,
-    check_packing_attention,
     pack_padded_batch,
     pack_sequences,
     packed_forward_kwargs,
     plan_micro_batches,
+    plan_rows,
     unpack,
 )
+from .support import PackingSupport, packing_support, probe_packing, use_packing
 
 __all__ = [
     "ChunkedLogProbHead",
@@ -20,15 +21,19 @@ __all__ = [
     "PackedMicroBatch",
     "PackedScoringConfig",
     "PackingStats",
+    "PackingSupport",
     "UnpaddedRows",
-    "check_packing_attention",
     "chunked_logprobs",
     "install_packed_scoring",
     "pack_padded_batch",
     "pack_sequences",
     "packed_forward_kwargs",
     "packed_fused_forward",
+    "packing_support",
     "plan_micro_batches",
+    "plan_rows",
+    "probe_packing",
     "token_scores",
     "unpack",
+    "use_packing",
 ]

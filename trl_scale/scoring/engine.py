@@ -6,20 +6,23 @@ shape ``[B, T-1]``. :func:`install_packed_scoring` wraps that forward: it packs 
 micro-batches (:mod:`.packing`), runs the backbone with ``attention_mask=None`` and no cache, scores only
 labelled tokens with the chunked head (:mod:`.logprob_head`), and scatters the fields back to ``[B, T-1]``,
 so TRL's loss code, normalisation and metrics run unchanged. Calls it cannot pack exactly (pre-shifted labels,
-caller ``position_ids``, embeddings, multimodal or MoE-router kwargs) go to TRL's forward untouched.
+caller ``position_ids``, embeddings, multimodal or MoE-router kwargs) go to TRL's forward untouched, and so does
+every call on a model where packing is not exact (:mod:`.support` probes each model once).
 """
 
 from __future__ import annotations
 
 import functools
 import types
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from .logprob_head import chunked_logprobs, logit_transform_of
-from .packing import check_packing_attention, pack_padded_batch, packed_forward_kwargs, unpack
+from .logprob_head import chunked_logprobs, gathered_lm_head, logit_transform_of
+from .packing import pack_padded_batch, packed_forward_kwargs, unpack
+from .support import packing_support, use_packing
 
 # Keyword arguments a packable call may carry besides input_ids/attention_mask/labels.
 _PACKABLE_KWARGS = {"use_cache", "return_dict"}
@@ -31,6 +34,7 @@ class PackingStats:
 
     padded_tokens: int = 0
     real_tokens: int = 0
+    forwarded_tokens: int = 0
     micro_batches: int = 0
     calls: int = 0
     fallbacks: int = 0
@@ -44,6 +48,8 @@ class PackingStats:
             "padding_free/tokens_per_micro_batch": sum(self.tokens_per_micro_batch)
             / max(1, len(self.tokens_per_micro_batch)),
             "padding_free/micro_batches_per_call": self.micro_batches / self.calls,
+            # Filler at the end of packed rows (dense kernels): the compute packing still spends on non-tokens.
+            "padding_free/row_fill": self.real_tokens / max(1, self.forwarded_tokens),
         }
         self.__init__()
         return logs
@@ -56,6 +62,8 @@ class PackedScoringConfig:
     temperature: float = 1.0
     outputs: tuple[str, ...] = ()
     stats: PackingStats = field(default_factory=PackingStats)
+    padding_free: bool | None = None  # None: pack where exact, else TRL's path; True: an inexact model is an error
+    cast_lm_head_to_fp32: bool = False
 
 
 def _same_count_on_every_rank(count: int, device: torch.device) -> int:
@@ -72,16 +80,18 @@ def _same_count_on_every_rank(count: int, device: torch.device) -> int:
 def packed_backbone_forward(backbone, input_ids, attention_mask, token_budget: int | None):
     """Pack a padded batch and run the backbone on each micro-batch, the same number of forwards on every rank.
 
-    Returns ``(packed, [(micro_batch, hidden [n, H]), ...], anchor)``. ``anchor`` is a zero that depends on a
-    dummy forward run for an empty micro-batch (a rank with fewer sequences than others); add it to an output
-    so that forward takes part in backward, as the collectives of sharded parameters require.
+    The layout follows the backbone's kernels (:func:`.support.uses_varlen_layout`): one row per micro-batch with
+    its boundaries for varlen kernels, rows as wide as the longest sequence for dense ones. Returns
+    ``(packed, [(micro_batch, hidden [n, H]), ...], anchor)``. ``anchor`` is a zero that depends on a dummy forward
+    run for an empty micro-batch (a rank with fewer sequences than others); add it to an output so that forward
+    takes part in backward, as the collectives of sharded parameters require.
     """
-    attn_impl = getattr(backbone.config, "_attn_implementation", None)
-    check_packing_attention(attn_impl)
-    packed = pack_padded_batch(input_ids, attention_mask, token_budget)
+    varlen = packing_support(backbone, probe=False).varlen
+    row_capacity = None if varlen else "longest"
+    packed = pack_padded_batch(input_ids, attention_mask, token_budget, row_capacity=row_capacity)
     count = _same_count_on_every_rank(len(packed.micro_batches), input_ids.device)
     if count != len(packed.micro_batches):
-        packed = pack_padded_batch(input_ids, attention_mask, token_budget, num_micro_batches=count)
+        packed = pack_padded_batch(input_ids, attention_mask, token_budget, count, row_capacity=row_capacity)
     outputs, anchor = [], None
     for micro_batch in packed.micro_batches:
         if micro_batch.input_ids.numel() == 0:
@@ -89,8 +99,8 @@ def packed_backbone_forward(backbone, input_ids, attention_mask, token_budget: i
             out = backbone(input_ids=dummy, position_ids=dummy, attention_mask=None, use_cache=False)
             anchor = out.last_hidden_state.sum() * 0.0
             continue
-        hidden = backbone(**packed_forward_kwargs(micro_batch, attn_impl)).last_hidden_state[0]
-        outputs.append((micro_batch, hidden))
+        hidden = backbone(**packed_forward_kwargs(micro_batch, varlen_kwargs=varlen)).last_hidden_state
+        outputs.append((micro_batch, micro_batch.real_tokens(hidden)))
     return packed, outputs, anchor
 
 
@@ -104,36 +114,43 @@ def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attentio
     packed, outputs, anchor = packed_backbone_forward(model.base_model, input_ids, attention_mask, config.token_budget)
     softcap, logit_scale = logit_transform_of(model.config)
     lm_head = model.get_output_embeddings()
-    weight, bias = lm_head.weight, lm_head.bias
+    # TRL's head options: the fp32 head runs on upcast hidden states outside autocast (`cast_lm_head_to_fp32`).
+    head_autocast = nullcontext()
+    if config.cast_lm_head_to_fp32:
+        head_autocast = torch.autocast(lm_head.weight.device.type, enabled=False)
 
     names = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
     collected: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     indices: list[torch.Tensor] = []
-    for micro_batch, hidden in outputs:
-        targets = shift_labels.reshape(-1)[micro_batch.flat_index]
-        scored = targets != -100
-        if not scored.any():
-            anchor = hidden.sum() * 0.0 if anchor is None else anchor + hidden.sum() * 0.0
-            continue
-        hidden = hidden[scored].to(weight.device)
-        per_token = chunked_logprobs(
-            hidden,
-            weight,
-            bias,
-            targets[scored],
-            config.temperature,
-            config.logprob_chunk_size,
-            softcap,
-            logit_scale,
-            config.outputs,
-        )
-        for name, value in zip(names, per_token):
-            if value is not None:
-                collected[name].append(value)
-        indices.append(micro_batch.flat_index[scored])
-        config.stats.tokens_per_micro_batch.append(micro_batch.input_ids.shape[1])
+    with gathered_lm_head(lm_head) as (weight, bias), head_autocast:
+        for micro_batch, hidden in outputs:
+            targets = shift_labels.reshape(-1)[micro_batch.flat_index]
+            scored = targets != -100
+            if not scored.any():
+                anchor = hidden.sum() * 0.0 if anchor is None else anchor + hidden.sum() * 0.0
+                continue
+            hidden = hidden[scored].to(weight.device)
+            if config.cast_lm_head_to_fp32:
+                hidden = hidden.float()
+            per_token = chunked_logprobs(
+                hidden,
+                weight,
+                bias,
+                targets[scored],
+                config.temperature,
+                config.logprob_chunk_size,
+                softcap,
+                logit_scale,
+                config.outputs,
+            )
+            for name, value in zip(names, per_token):
+                if value is not None:
+                    collected[name].append(value)
+            indices.append(micro_batch.flat_index[scored])
+            config.stats.tokens_per_micro_batch.append(micro_batch.flat_index.numel())
     config.stats.padded_tokens += batch_size * seq_len
     config.stats.real_tokens += packed.num_real_tokens
+    config.stats.forwarded_tokens += packed.forwarded_tokens
     config.stats.micro_batches += len(packed.micro_batches)
     config.stats.calls += 1
 
@@ -165,13 +182,23 @@ def install_packed_scoring(
     temperature: float = 1.0,
     outputs: tuple[str, ...] = (),
     stats: PackingStats | None = None,
-) -> PackedScoringConfig:
+    padding_free: bool | None = None,
+    cast_lm_head_to_fp32: bool = False,
+) -> PackedScoringConfig | None:
     """Wrap ``model.forward`` (already patched by TRL's ``add_fused_lm_head``) so that packable
-    ``fused_lm_head=True`` calls run packed. Returns the live config (its ``stats`` collect padding figures)."""
-    check_packing_attention(getattr(model.config, "_attn_implementation", None))
+    ``fused_lm_head=True`` calls run packed. Returns the live config (its ``stats`` collect padding figures), or
+    None where packing is not exact for this model (TRL's forward stays; see :func:`.support.use_packing`)."""
+    if not use_packing(model.base_model, padding_free):
+        return None
     trl_forward = model.forward
     config = PackedScoringConfig(
-        token_budget, logprob_chunk_size, temperature, tuple(outputs), stats or PackingStats()
+        token_budget,
+        logprob_chunk_size,
+        temperature,
+        tuple(outputs),
+        stats or PackingStats(),
+        padding_free,
+        cast_lm_head_to_fp32,
     )
 
     # Keep the class signature: `generate` validates its kwargs against it (as TRL's fused forward does).
@@ -190,6 +217,7 @@ def install_packed_scoring(
             and attention_mask.dim() == 2
             and set(kwargs) - {"input_ids", "attention_mask"} <= _PACKABLE_KWARGS
             and kwargs.get("use_cache") in (None, False)
+            and use_packing(self.base_model, config.padding_free, probe_now=True)
         )
         if not packable:
             if fused_lm_head:
@@ -214,16 +242,17 @@ def token_scores(
     head,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
-    padding_free: bool = True,
+    padding_free: bool | None = None,
     token_budget: int | None = None,
 ) -> torch.Tensor:
     """Per-token scalar outputs ``head(hidden)`` of a backbone, as ``[B, T]`` (0 at padding): a critic's values.
 
-    With ``padding_free`` the real tokens go through the backbone packed, in micro-batches of at most
-    ``token_budget`` tokens, the same way the policy is scored; otherwise one padded forward.
+    Where packing is on and exact for this backbone (:func:`.support.use_packing`), the real tokens go through it
+    packed, in micro-batches of at most ``token_budget`` tokens, the same way the policy is scored; otherwise one
+    padded forward.
     """
     batch_size, seq_len = input_ids.shape
-    if not padding_free:
+    if not use_packing(backbone, padding_free, probe_now=True):
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         return head(hidden).squeeze(-1).float() * attention_mask
     _, outputs, anchor = packed_backbone_forward(backbone, input_ids, attention_mask, token_budget)

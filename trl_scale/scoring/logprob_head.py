@@ -10,6 +10,9 @@ return the same 5-tuple, with TRL's logit transform: ``z = softcap(raw * logit_s
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -113,9 +116,19 @@ class ChunkedLogProbHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, *_):
         hidden, weight, bias, targets, log_z, entropy = ctx.saved_tensors
-        chunk_size, softcap, logit_scale, inv_t, compute_dtype = ctx.args
         if grad_logprobs is None and grad_entropy is None:
             return (None,) * 9
+        from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+        # Under ZeRO-3 the head's weight is partitioned again after the forward: gather it for the recompute.
+        with maybe_gather_lm_head_ctx(weight, bias):
+            return ChunkedLogProbHead._backward(
+                ctx, hidden, weight, bias, targets, log_z, entropy, grad_logprobs, grad_entropy
+            )
+
+    @staticmethod
+    def _backward(ctx, hidden, weight, bias, targets, log_z, entropy, grad_logprobs, grad_entropy):
+        chunk_size, softcap, logit_scale, inv_t, compute_dtype = ctx.args
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         grad_hidden = torch.empty_like(hidden) if need_h else None
@@ -202,6 +215,21 @@ def chunked_logprobs(
     return ChunkedLogProbHead.apply(
         hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, tuple(outputs)
     )
+
+
+@contextmanager
+def gathered_lm_head(lm_head: torch.nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+    """``(weight, bias)`` of the LM head, whole, as TRL's fused head reads them: FSDP2 DTensors gathered with
+    ``full_tensor()``, DeepSpeed ZeRO-3 partitions gathered for the duration of the block."""
+    from torch.distributed.tensor import DTensor
+    from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+    weight, bias = lm_head.weight, lm_head.bias
+    if isinstance(weight, DTensor):
+        weight = weight.full_tensor()
+        bias = bias.full_tensor() if bias is not None else None
+    with maybe_gather_lm_head_ctx(weight, bias):
+        yield weight, bias
 
 
 def use_trl_kernel(device: torch.device) -> bool:

@@ -9,23 +9,29 @@ any 2D mask (even all ones) or an active cache silently lets the packed sequence
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
-
-# Attention implementations that honour packed `position_ids` with `attention_mask=None` (sdpa/eager/flex build a
-# block-diagonal mask from them; the flash kernels take `cu_seq_lens`).
-PACKING_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
 @dataclass
 class PackedMicroBatch:
-    """One packed row: the real tokens of some sequences of the batch, back to back."""
+    """One packed forward: ``R`` rows of real tokens, several sequences per row, back to back.
 
-    input_ids: torch.Tensor  # [1, n] int64
-    position_ids: torch.Tensor  # [1, n] int64, restarting at 0 per sequence
-    cu_seq_lens: torch.Tensor  # [num_seqs + 1] int32, for flash varlen
+    A row holds whole sequences; a row shorter than the others ends in filler tokens that form a sequence of their
+    own (positions restarting at 0), so they attend to nothing real and their outputs are dropped."""
+
+    input_ids: torch.Tensor  # [R, W] int64
+    position_ids: torch.Tensor  # [R, W] int64, restarting at 0 per sequence (and per filler run)
+    seq_idx: torch.Tensor  # [R, W] int32, the sequence each token belongs to within its row (for SSM kernels)
+    cu_seq_lens: torch.Tensor  # [segments + 1] int32 over the flattened rows, for varlen kernels (R == 1)
     max_length: int
-    flat_index: torch.Tensor  # [n] positions in the flattened [B*T] padded layout
+    flat_index: torch.Tensor  # [n] positions of the real tokens in the flattened [B*T] padded layout
+    token_index: torch.Tensor  # [n] positions of the same tokens in the flattened [R*W] micro-batch
+
+    def real_tokens(self, per_position: torch.Tensor) -> torch.Tensor:
+        """``per_position`` [R, W, ...] (e.g. hidden states) at the real tokens, ``[n, ...]``, in flat_index order."""
+        return per_position.reshape(-1, *per_position.shape[2:])[self.token_index]
 
 
 @dataclass
@@ -39,6 +45,10 @@ class PackedBatch:
     def pad_fraction_removed(self) -> float:
         total = self.batch_size * self.seq_len
         return 1.0 - self.num_real_tokens / total if total else 0.0
+
+    @property
+    def forwarded_tokens(self) -> int:
+        return sum(mb.input_ids.numel() for mb in self.micro_batches)
 
 
 def plan_micro_batches(
@@ -88,17 +98,41 @@ def plan_micro_batches(
     return [sorted(b) for b in bins]
 
 
+def plan_rows(lengths: list[int], sequences: list[int], row_capacity: int | None) -> list[list[int]]:
+    """Lay ``sequences`` (indices into ``lengths``) into rows of at most ``row_capacity`` tokens, first fit by
+    decreasing length; ``None`` puts them all in one row. A sequence longer than the capacity gets its own row."""
+    if row_capacity is None:
+        return [list(sequences)] if sequences else []
+    rows: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(sequences, key=lambda i: (-lengths[i], i)):
+        row = next((r for r in range(len(rows)) if loads[r] + lengths[i] <= row_capacity), None)
+        if row is None:
+            rows.append([i])
+            loads.append(lengths[i])
+        else:
+            rows[row].append(i)
+            loads[row] += lengths[i]
+    return [sorted(r) for r in rows]
+
+
 def pack_padded_batch(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     token_budget: int | None = None,
     num_micro_batches: int | None = None,
+    row_capacity: int | Literal["longest"] | None = None,
 ) -> PackedBatch:
     """Pack a padded ``[B, T]`` batch (any mix of left and right padding) into micro-batches of real tokens.
 
     A sequence is the tokens where ``attention_mask`` is 1, in order; its ``position_ids`` are 0..L-1, which is
     what RoPE models compute for a right-padded row and what TRL's left-padded rows differ from only by a
     constant offset (harmless for relative positions).
+
+    ``token_budget`` bounds the real tokens of one micro-batch (see :func:`plan_micro_batches`). ``row_capacity``
+    shapes each micro-batch: ``None`` puts it in one row (for varlen kernels, which cost O(sum of L_i^2) on any
+    row); an int or ``"longest"`` (the longest sequence of the batch) lays it in rows of that width (for dense
+    kernels, sdpa and eager, whose attention costs O(width^2) per row: no more than the padded batch's).
     """
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(
@@ -108,32 +142,62 @@ def pack_padded_batch(
     batch_size, seq_len = input_ids.shape
     mask = attention_mask.bool()
     lengths = mask.sum(1).tolist()
+    if row_capacity == "longest":
+        row_capacity = max(lengths, default=1)
     plan = plan_micro_batches(lengths, token_budget, num_micro_batches)
     device = input_ids.device
     flat_positions = torch.arange(batch_size * seq_len, device=device).view(batch_size, seq_len)
+    real_ids = input_ids.reshape(-1)
     micro_batches = []
-    for rows in plan:
-        rows_tensor = torch.tensor(rows, dtype=torch.long, device=device)
-        row_mask = mask[rows_tensor]
-        flat_index = flat_positions[rows_tensor][row_mask]
-        row_lengths = [lengths[r] for r in rows]
-        position_ids = torch.cat([torch.arange(n, device=device) for n in row_lengths]) if rows else flat_index
-        cu = torch.zeros(len(rows) + 1, dtype=torch.int32, device=device)
-        if rows:
-            cu[1:] = torch.tensor(row_lengths, device=device).cumsum(0)
+    for sequences in plan:
+        rows = plan_rows(lengths, sequences, row_capacity)
+        width = max((sum(lengths[i] for i in row) for row in rows), default=0)
+        num_rows = max(1, len(rows))
+        # Filler: token 0 (any valid id), positions restarting at 0 as a sequence of its own, outputs dropped.
+        ids = input_ids.new_zeros(num_rows, width)
+        positions = torch.zeros(num_rows, width, dtype=torch.long, device=device)
+        seq_idx = torch.zeros(num_rows, width, dtype=torch.int32, device=device)
+        flat_index, token_index, segment_lengths = [], [], []
+        for r, row in enumerate(rows):
+            offset = 0
+            for s, i in enumerate(row):
+                n = lengths[i]
+                flat_index.append(flat_positions[i][mask[i]])
+                token_index.append(torch.arange(r * width + offset, r * width + offset + n, device=device))
+                positions[r, offset : offset + n] = torch.arange(n, device=device)
+                seq_idx[r, offset : offset + n] = s
+                segment_lengths.append(n)
+                offset += n
+            if offset < width:
+                positions[r, offset:] = torch.arange(width - offset, device=device)
+                seq_idx[r, offset:] = len(row)
+                segment_lengths.append(width - offset)
+        flat = torch.cat(flat_index) if flat_index else flat_positions.new_zeros(0)
+        tokens = torch.cat(token_index) if token_index else flat_positions.new_zeros(0)
+        ids.view(-1)[tokens] = real_ids[flat]
+        cu = torch.zeros(len(segment_lengths) + 1, dtype=torch.int32, device=device)
+        if segment_lengths:
+            cu[1:] = torch.tensor(segment_lengths, device=device).cumsum(0)
         micro_batches.append(
             PackedMicroBatch(
-                input_ids=input_ids.reshape(-1)[flat_index].unsqueeze(0),
-                position_ids=position_ids.unsqueeze(0),
+                input_ids=ids if rows else ids[:, :0],
+                position_ids=positions if rows else positions[:, :0],
+                seq_idx=seq_idx if rows else seq_idx[:, :0],
                 cu_seq_lens=cu,
-                max_length=max(row_lengths, default=0),
-                flat_index=flat_index,
+                max_length=max(segment_lengths, default=0),
+                flat_index=flat,
+                token_index=tokens,
             )
         )
     return PackedBatch(micro_batches, batch_size, seq_len, int(sum(lengths)))
 
 
-def pack_sequences(sequences: list[list[int]], token_budget: int | None = None, pad_token_id: int = 0) -> PackedBatch:
+def pack_sequences(
+    sequences: list[list[int]],
+    token_budget: int | None = None,
+    pad_token_id: int = 0,
+    row_capacity: int | Literal["longest"] | None = None,
+) -> PackedBatch:
     """Pack raw token-id sequences (no padding anywhere); ``flat_index`` refers to their right-padded layout."""
     seq_len = max((len(s) for s in sequences), default=0)
     input_ids = torch.full((len(sequences), seq_len), pad_token_id, dtype=torch.long)
@@ -141,12 +205,15 @@ def pack_sequences(sequences: list[list[int]], token_budget: int | None = None, 
     for i, seq in enumerate(sequences):
         input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         attention_mask[i, : len(seq)] = 1
-    return pack_padded_batch(input_ids, attention_mask, token_budget)
+    return pack_padded_batch(input_ids, attention_mask, token_budget, row_capacity=row_capacity)
 
 
-def packed_forward_kwargs(micro_batch: PackedMicroBatch, attn_implementation: str | None) -> dict:
-    """The only kwargs a packed backbone forward gets: no attention mask, no cache (see the module docstring)."""
-    check_packing_attention(attn_implementation)
+def packed_forward_kwargs(micro_batch: PackedMicroBatch, varlen_kwargs: bool = False) -> dict:
+    """The only kwargs a packed backbone forward gets: no attention mask, no cache (see the module docstring).
+
+    ``varlen_kwargs`` adds the sequence boundaries that varlen kernels take (flash attention's ``cu_seq_lens``,
+    linear-attention and SSM layers' ``cu_seq_lens`` / ``seq_idx``); only a single-row micro-batch can carry them,
+    since those kernels read the rows as one flattened sequence of segments."""
     kwargs = {
         "input_ids": micro_batch.input_ids,
         "position_ids": micro_batch.position_ids,
@@ -154,24 +221,18 @@ def packed_forward_kwargs(micro_batch: PackedMicroBatch, attn_implementation: st
         "use_cache": False,
         "past_key_values": None,
     }
-    if attn_implementation and attn_implementation.startswith("flash"):
+    if varlen_kwargs:
+        if micro_batch.input_ids.size(0) != 1:
+            raise ValueError("varlen kernels take one packed row per forward (row_capacity=None)")
         # Precomputed on the host: saves flash varlen a device sync per layer to infer them from position_ids.
         kwargs.update(
             cu_seq_lens_q=micro_batch.cu_seq_lens,
             cu_seq_lens_k=micro_batch.cu_seq_lens,
             max_length_q=micro_batch.max_length,
             max_length_k=micro_batch.max_length,
+            seq_idx=micro_batch.seq_idx,
         )
     return kwargs
-
-
-def check_packing_attention(attn_implementation: str | None) -> None:
-    if attn_implementation is not None and attn_implementation not in PACKING_ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(
-            f"padding_free=True needs an attention implementation that honours packed position_ids "
-            f"({', '.join(PACKING_ATTENTION_IMPLEMENTATIONS)}); this model uses {attn_implementation!r}. "
-            f"Fix: load the model with attn_implementation='sdpa' (model_init_kwargs), or set padding_free=False."
-        )
 
 
 def unpack(values: torch.Tensor, flat_index: torch.Tensor, batch_size: int, seq_len: int, fill: float = 0.0):

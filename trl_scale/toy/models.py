@@ -7,18 +7,56 @@ import os
 from typing import Literal
 
 import torch
+import transformers
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
-    LlamaConfig,
     PretrainedConfig,
-    Qwen2Config,
 )
 
 from .tokenizer import build_tokenizer
 
-ModelFamily = Literal["llama", "qwen2"]
+ModelFamily = Literal[
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma2",
+    "gemma3",
+    "gpt2",
+    "opt",
+    "falcon",
+    "lfm2",
+    "nemotron_h",
+    "qwen3_next",
+]
+
+# Families beyond Llama-style configs, each as (config class, keyword arguments in terms of the common sizes).
+# Gemma 2/3 carry logit soft-capping and sliding windows; GPT-2 and OPT learned absolute positions; OPT and Falcon do
+# not build packed masks from position_ids; LFM2, NemotronH and Qwen3-Next are hybrids with convolution, Mamba-2
+# and gated-delta-rule layers.
+_FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": "head_dim"}),
+    "mistral": ("MistralConfig", {"sliding_window": 8}),
+    "gemma2": ("Gemma2Config", {"head_dim": "head_dim", "final_logit_softcapping": 30.0, "sliding_window": 8}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": "head_dim", "final_logit_softcapping": 30.0, "sliding_window": 8}),
+    "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"]}),
+    "nemotron_h": (
+        "NemotronHConfig",
+        {"mamba_num_heads": 4, "mamba_head_dim": "head_dim", "ssm_state_size": 16, "n_groups": 1,
+         "hybrid_override_pattern": "M*", "chunk_size": 16},
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        {"head_dim": "head_dim", "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+         "shared_expert_intermediate_size": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 2,
+         "linear_key_head_dim": "head_dim", "linear_value_head_dim": "head_dim",
+         "layer_types": ["linear_attention", "full_attention"]},
+    ),
+}  # fmt: skip
 ModelKind = Literal["causal-lm", "reward"]
 
 
@@ -49,11 +87,40 @@ def tiny_config(
         bos_token_id=None,
         **overrides,
     )
-    if family == "llama":
-        return LlamaConfig(**common)
-    if family == "qwen2":
-        return Qwen2Config(**common)
-    raise ValueError(f"family={family!r} is not supported; use 'llama' or 'qwen2'")
+    if family == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=vocab_size,
+            n_embd=hidden_size,
+            n_layer=num_layers,
+            n_head=num_heads,
+            n_positions=1024,
+            pad_token_id=pad_token_id,
+            eos_token_id=eos_token_id,
+            bos_token_id=eos_token_id,
+            **overrides,
+        )
+    if family in ("opt", "falcon"):
+        sizes = dict(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads)
+        if family == "opt":
+            sizes.update(ffn_dim=intermediate_size or 2 * hidden_size, word_embed_proj_dim=hidden_size)
+        config_class = transformers.OPTConfig if family == "opt" else transformers.FalconConfig
+        return config_class(
+            vocab_size=vocab_size,
+            pad_token_id=pad_token_id,
+            eos_token_id=eos_token_id,
+            bos_token_id=eos_token_id,
+            **sizes,
+            **overrides,
+        )
+    if family not in _FAMILIES:
+        raise ValueError(
+            f"family={family!r} is not supported; use one of {sorted(_FAMILIES) + ['gpt2', 'opt', 'falcon']}"
+        )
+    class_name, extra = _FAMILIES[family]
+    head_dim = hidden_size // num_heads
+    extra = {k: head_dim if v == "head_dim" else v for k, v in extra.items()}
+    extra = {k: v for k, v in extra.items() if k != "layer_types" or len(v) == num_layers}
+    return getattr(transformers, class_name)(**{**common, **extra, **overrides})
 
 
 def build_tiny_model(

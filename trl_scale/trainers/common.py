@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -49,30 +51,36 @@ class ScoringArguments:
     FIELDS_DOC = """
     > Packed scoring (remove-padding + chunked log-prob head)
 
-    padding_free (`bool`, defaults to `True`):
-        Score only real tokens, packed into rows with `position_ids` restarting per sequence. `False` runs TRL's
-        padded path and gives TRL's numbers exactly.
+    padding_free (`bool` or `None`, defaults to `None`):
+        Score only real tokens, packed into rows with `position_ids` restarting per sequence. `None` packs where a
+        one-off probe of the model finds packing exact, and otherwise runs TRL's padded path with one warning;
+        `True` makes an inexact model an error; `False` runs TRL's padded path and gives TRL's numbers exactly.
     token_budget (`int` or `None`, defaults to `None`):
-        Most tokens in one packed forward; larger batches are split into balanced micro-batches, the same number on
-        every data-parallel rank.
+        Most real tokens in one packed forward; larger batches are split into balanced micro-batches, the same
+        number on every data-parallel rank. `None` is automatic: sdpa/eager (dense attention) get rows no wider
+        than the longest sequence, all in one forward; flash kernels one packed row.
     logprob_chunk_size (`int`, defaults to `256`):
         Tokens projected onto the vocabulary at once by trl-scale's chunked head (non-Triton devices).
 """  # its section of each config's docstring (`config_docstring`)
 
-    padding_free: bool = field(
-        default=True,
+    padding_free: bool | None = field(
+        default=None,
         metadata={
             "help": "Score only real tokens: pack each scoring batch's sequences into rows with position_ids "
             "restarting per sequence (no attention mask, no KV cache) and project only labelled tokens through "
-            "the chunked log-prob head. `False` runs TRL's padded path unchanged, with identical numbers."
+            "the chunked log-prob head. None (default): pack where a one-off probe finds it exact for the model, "
+            "else TRL's padded path with a warning. True: the same, but an inexact model is an error. False: TRL's "
+            "padded path unchanged, with identical numbers."
         },
     )
     token_budget: int | None = field(
         default=None,
         metadata={
-            "help": "Most tokens in one packed forward (micro-batch); a batch with more real tokens is split into "
-            "several, balanced, and every data-parallel rank runs the same number. A sequence longer than the budget "
-            "gets a micro-batch of its own. `None` packs each scoring batch into one row."
+            "help": "Most real tokens in one packed forward (micro-batch); a batch with more is split into several, "
+            "balanced, and every data-parallel rank runs the same number. A sequence longer than the budget gets a "
+            "micro-batch of its own. None (automatic): with sdpa/eager the sequences are laid in rows no wider than "
+            "the longest one (attention then costs no more than the padded batch's), all in one forward; with flash "
+            "kernels each call is one packed row."
         },
     )
     logprob_chunk_size: int = field(
@@ -218,6 +226,31 @@ class DistributedArguments:
             )
 
 
+def trl_arguments(trainer, args: tuple, kwargs: dict) -> dict:
+    """A trl-scale trainer's constructor arguments by name, bound to the signature of the TRL trainer it extends
+    (positional or keyword, TRL's defaults applied), so every call TRL accepts is accepted and passed on unchanged."""
+    trl_class = next(c for c in type(trainer).__mro__ if c.__module__.startswith("trl."))
+    bound = inspect.signature(trl_class.__init__).bind(trainer, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    arguments.pop(next(iter(arguments)))  # self
+    return arguments
+
+
+def with_signature_of(trl_init):
+    """Give a trl-scale constructor the signature of the TRL constructor it accepts (see `trl_arguments`), so
+    `inspect.signature`, IDEs and `help()` show TRL's parameters."""
+
+    def decorate(init):
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+
+        __init__.__signature__ = inspect.signature(trl_init)
+        return __init__
+
+    return decorate
+
+
 def remote_reward_funcs(reward_funcs, args):
     """With backend='ray', replace each reward model in `reward_funcs` (path or object) by a function served by
     the reward group; callables stay in the trainer."""
@@ -288,23 +321,35 @@ class ServerRolloutMixin:
 class PackedScoringMixin:
     """Installs the packed scoring engine on the policy and reference forwards TRL patched, and logs its figures."""
 
-    _packing_stats: PackingStats | None = None
+    _packing_stats: PackingStats | None = None  # set while packing is installed and on
+    _packing_installed: bool = False
 
-    def _install_packed_scoring(self, temperature: float, policy_outputs: tuple[str, ...]) -> None:
-        if not self.args.padding_free:
+    def _install_packed_scoring(
+        self, temperature: float, policy_outputs: tuple[str, ...], padding_free: bool | None = None
+    ) -> None:
+        """Pack the policy's and the reference's scoring forwards (once; TRL's forwards where packing is off or
+        not exact for the model)."""
+        if self._packing_installed or padding_free is False:
             return
+        self._packing_installed = True
         from peft import PeftModel
 
         stats = PackingStats()
-        settings = dict(token_budget=self.args.token_budget, logprob_chunk_size=self.args.logprob_chunk_size)
+        settings = dict(
+            token_budget=self.args.token_budget,
+            logprob_chunk_size=self.args.logprob_chunk_size,
+            padding_free=padding_free,
+            cast_lm_head_to_fp32=getattr(self.args, "cast_lm_head_to_fp32", False),  # GRPO/RLOO/PPO's head option
+            temperature=temperature,
+            stats=stats,
+        )
         policy = self.accelerator.unwrap_model(self.model)
         if isinstance(policy, PeftModel):
             policy = policy.get_base_model()
-        install_packed_scoring(policy, temperature=temperature, outputs=policy_outputs, stats=stats, **settings)
-        if getattr(self, "ref_model", None) is not None:
-            ref_model = self.accelerator.unwrap_model(self.ref_model)
-            install_packed_scoring(ref_model, temperature=temperature, outputs=(), stats=stats, **settings)
-        self._packing_stats = stats
+        packed = install_packed_scoring(policy, outputs=policy_outputs, **settings)
+        if getattr(self, "ref_model", None) is not None and not isinstance(self.ref_model, RayReference):
+            install_packed_scoring(self.accelerator.unwrap_model(self.ref_model), outputs=(), **settings)
+        self._packing_stats = stats if packed is not None else None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # training logs (not the final summary)
@@ -328,7 +373,7 @@ class ModelCardMixin:
 
     def trl_scale_features(self) -> list[str]:
         features = []
-        if getattr(self.args, "padding_free", False):
+        if getattr(self, "_packing_stats", None) is not None:
             features.append("padding-free")
         if getattr(self, "critic", None) is not None:
             features.append("value-model")
@@ -413,20 +458,22 @@ class OnlineTrainerMixin(ServerRolloutMixin, PhaseTimingMixin, ModelCardMixin, P
     """Everything trl-scale adds to TRL's online trainers (GRPO, RLOO, and PPO through GRPO), wired around TRL's
     constructor: remote reward models, server rollout, packed scoring, timing and model cards."""
 
-    def __init__(self, model, reward_funcs, args=None, **kwargs):
-        reward_funcs = remote_reward_funcs(reward_funcs, args)
-        server = args is not None and uses_server_rollout(args)
-        remote_reference = _wants_remote_reference(args, model, kwargs.get("peft_config"))
+    def __init__(self, *args, **kwargs):
+        arguments = trl_arguments(self, args, kwargs)
+        model, config = arguments["model"], arguments.get("args")
+        arguments["reward_funcs"] = remote_reward_funcs(arguments.get("reward_funcs"), config)
+        server = config is not None and uses_server_rollout(config)
+        remote_reference = _wants_remote_reference(config, model, arguments.get("peft_config"))
         # With server rollout, TRL's vLLM path stays off while it builds: no vLLM import, no CUDA-only communicator.
         # With a remote reference, TRL builds none (beta=0 while it builds) and the reference group stands in.
         with (
-            overridden(args if server else None, use_vllm=False),
-            overridden(args if remote_reference else None, beta=0.0),
+            overridden(config if server else None, use_vllm=False),
+            overridden(config if remote_reference else None, beta=0.0),
         ):
-            super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
+            super().__init__(**arguments)
         if server:
             self._install_server_rollout(logprobs=True)
-        self._install_packed_scoring(temperature=self.temperature, policy_outputs=("entropy",))
+        self._install_packed_scoring(self.temperature, ("entropy",), self.args.padding_free)
         if remote_reference:
             self.beta = args.beta
             self.ref_model = self._start_remote_reference()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from trl import DPOTrainer as _TRLDPOTrainer
 
-from .common import TRL_SCALE_TAG, ModelCardMixin, PackedScoringMixin, overridden
+from .common import TRL_SCALE_TAG, ModelCardMixin, PackedScoringMixin, overridden, trl_arguments, with_signature_of
 
 
 class DPOTrainer(ModelCardMixin, PackedScoringMixin, _TRLDPOTrainer):
@@ -13,12 +13,23 @@ class DPOTrainer(ModelCardMixin, PackedScoringMixin, _TRLDPOTrainer):
 
     _tag_names = ["trl", TRL_SCALE_TAG, "dpo"]
 
+    @with_signature_of(_TRLDPOTrainer.__init__)
     def __init__(self, *args, **kwargs):
-        args_index = 2  # DPOTrainer(model, ref_model, args, ...)
-        config = kwargs.get("args", args[args_index] if len(args) > args_index else None)
+        arguments = trl_arguments(self, args, kwargs)
+        config = arguments.get("args")
         # TRL 1.16 force-disables its own `padding_free` with a warning; ours is a different mechanism (a packed
-        # forward behind TRL's padded collator), so hide the flag from TRL's constructor.
+        # forward behind TRL's padded collator), so hide the flag from TRL's constructor, and keep its value for
+        # `_precompute_ref_logps`, which TRL runs inside its constructor.
+        self._scoring_padding_free = getattr(config, "padding_free", None) if config is not None else None
         with overridden(config, padding_free=False):
-            super().__init__(*args, **kwargs)
+            super().__init__(**arguments)
+        self._install_dpo_packed_scoring()
+
+    def _install_dpo_packed_scoring(self) -> None:
         outputs = ("entropy", "mean_logits", "is_top1") + (("log_sum_sq_probs",) if self.use_weighting else ())
-        self._install_packed_scoring(temperature=1.0, policy_outputs=outputs)
+        self._install_packed_scoring(1.0, outputs, self._scoring_padding_free)
+
+    def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
+        # TRL precomputes the reference log-probs inside its constructor; pack them as the policy will be packed.
+        self._install_dpo_packed_scoring()
+        return super()._precompute_ref_logps(dataset, name, batch_size)

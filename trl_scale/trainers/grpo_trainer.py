@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
-from .common import TRL_SCALE_TAG, OnlineTrainerMixin
+from .common import TRL_SCALE_TAG, OnlineTrainerMixin, with_signature_of
 
 
 class GRPOTrainer(OnlineTrainerMixin, _TRLGRPOTrainer):
@@ -12,3 +12,4 @@ class GRPOTrainer(OnlineTrainerMixin, _TRLGRPOTrainer):
     constructor, and TRL's numbers when those are off."""
 
     _tag_names = ["trl", TRL_SCALE_TAG, "grpo"]
+    __init__ = with_signature_of(_TRLGRPOTrainer.__init__)(OnlineTrainerMixin.__init__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from trl import RLOOTrainer as _TRLRLOOTrainer
 
-from .common import TRL_SCALE_TAG, OnlineTrainerMixin
+from .common import TRL_SCALE_TAG, OnlineTrainerMixin, with_signature_of
 
 
 class RLOOTrainer(OnlineTrainerMixin, _TRLRLOOTrainer):
@@ -12,3 +12,4 @@ class RLOOTrainer(OnlineTrainerMixin, _TRLRLOOTrainer):
     constructor, and TRL's numbers when those are off."""
 
     _tag_names = ["trl", TRL_SCALE_TAG, "rloo"]
+    __init__ = with_signature_of(_TRLRLOOTrainer.__init__)(OnlineTrainerMixin.__init__)

@@ -1,0 +1,106 @@
+"""Drop-in means every constructor call TRL 1.16 accepts is accepted: the same signatures, positional arguments in
+TRL's order, and optional reward functions when an environment owns the reward."""
+
+import inspect
+import os
+
+import pytest
+import trl
+from transformers import AutoTokenizer
+from trl.chat_template_utils import qwen3_template
+
+import trl_scale
+from trl_scale.toy import counting_prompts
+
+from .helpers import cpu_args, token_parity_reward
+
+PAIRS = [
+    (trl_scale.GRPOTrainer, trl.GRPOTrainer),
+    (trl_scale.RLOOTrainer, trl.RLOOTrainer),
+    (trl_scale.DPOTrainer, trl.DPOTrainer),
+]
+
+
+@pytest.mark.parametrize("ours, theirs", PAIRS, ids=lambda c: c.__name__)
+def test_trainer_signatures_equal_trls(ours, theirs):
+    assert inspect.signature(ours.__init__) == inspect.signature(theirs.__init__)
+    assert inspect.signature(ours) == inspect.signature(theirs)
+
+
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [
+        (trl_scale.GRPOConfig, trl.GRPOConfig),
+        (trl_scale.RLOOConfig, trl.RLOOConfig),
+        (trl_scale.DPOConfig, trl.DPOConfig),
+    ],
+    ids=lambda c: c.__name__,
+)
+def test_configs_keep_every_trl_field_and_default(ours, theirs):
+    ours_fields = {f.name: f for f in ours.__dataclass_fields__.values()}
+    for name, field in theirs.__dataclass_fields__.items():
+        assert name in ours_fields, name
+        if name == "padding_free":  # DPO's own flag is trl-scale's packing switch (TRL 1.16 disables its own)
+            continue
+        assert ours_fields[name].default == field.default, name
+
+
+def test_online_trainers_take_trls_positional_order(tiny_llama, tmp_path):
+    dataset = counting_prompts(16, seed=0)
+    config = trl_scale.GRPOConfig(**cpu_args(tmp_path, num_generations=4, max_completion_length=4))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    # model, reward_funcs, args, train_dataset, eval_dataset, processing_class: TRL's order.
+    trainer = trl_scale.GRPOTrainer(tiny_llama, token_parity_reward, config, dataset, None, tokenizer)
+    assert trainer.train_dataset is dataset and trainer.processing_class is tokenizer
+    assert trainer.reward_func_names == ["token_parity_reward"]
+    rloo = trl_scale.RLOOTrainer(
+        tiny_llama, [token_parity_reward], trl_scale.RLOOConfig(**cpu_args(tmp_path, num_generations=4)), dataset
+    )
+    assert rloo.train_dataset is dataset
+    with pytest.raises(TypeError):
+        trl_scale.GRPOTrainer(tiny_llama, token_parity_reward, config, dataset, not_a_trl_argument=1)
+
+
+# A chat template that renders tool calls and tool results, as TRL requires of environments.
+TOOL_TEMPLATE = (
+    "{%- for m in messages -%}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{%- for call in m.get('tool_calls', []) -%}{{ call['function']['name'] }}"
+    "{{ call['function']['arguments'] | tojson }}{%- endfor -%}<|end|>{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+
+
+class CountingEnvironment:
+    """An environment that owns the reward (`get_reward`): TRL then makes `reward_funcs` optional."""
+
+    def reset(self, **kwargs):
+        self.calls = 0
+
+    def increment(self, value: int) -> str:
+        """Add one to a number.
+
+        Args:
+            value: the number.
+        """
+        self.calls += 1
+        return str(value + 1)
+
+    def get_reward(self) -> float:
+        return float(self.calls)
+
+
+@pytest.mark.parametrize("package", [trl, trl_scale], ids=["trl", "trl_scale"])
+def test_environment_without_reward_funcs_is_accepted(package, tiny_llama, tmp_path):
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.response_template = qwen3_template  # any parser will do: nothing is generated here
+    dataset = counting_prompts(8, seed=0).map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})
+    trainer = package.GRPOTrainer(
+        model=tiny_llama,
+        args=package.GRPOConfig(**cpu_args(tmp_path, num_generations=4, max_completion_length=4)),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        environment_factory=CountingEnvironment,
+    )
+    assert trainer.reward_func_names == ["CountingEnvironment"]

@@ -1,0 +1,162 @@
+"""Where packing is exact, and how to lay out a packed forward for a model's kernels.
+
+Packing relies on the model building a block-diagonal causal mask from ``position_ids`` (sdpa, eager, flex) or
+taking sequence boundaries (flash varlen, and the linear-attention / SSM layers of hybrids). Many families do
+neither: OPT and Falcon ignore ``position_ids`` for their mask (a packed sequence attends to the one before it),
+hybrids carry their recurrent state across sequences unless their kernels get ``seq_idx`` / ``cu_seq_lens`` (on
+CPU transformers refuses those without the CUDA kernels). Rather than trust a list, :func:`packing_support` asks
+the model itself, once: it packs three short sequences the way the engine would and checks that the middle one's
+hidden states (a) equal that sequence run alone and (b) do not move when the sequence before it changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.utils import logging
+
+from .packing import pack_padded_batch, packed_forward_kwargs
+
+logger = logging.get_logger(__name__)
+
+# Model types whose layers carry state along the sequence (SSM, linear attention, short convolutions): their packed
+# rows need `seq_idx` / `cu_seq_lens`, which only a single-row (varlen) layout can give.
+_STATEFUL_MODEL_TYPES = {
+    "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear", "lfm2", "lfm2_moe", "mamba",
+    "mamba2", "minimax", "nemotron_h", "plamo2", "qwen3_5", "qwen3_5_moe", "qwen3_next", "zamba", "zamba2",
+}  # fmt: skip
+_ATTENTION_LAYER_TYPES = {"attention", "full_attention", "sliding_attention", "chunked_attention"}
+
+# Probe tolerances, relative to max(1, |hidden|). "alone" compares different shapes (rounding differs: loose in
+# half precision); "leak" compares identical shapes whose only difference is the other sequence: an exact model
+# gives identical numbers, so any change is a leak.
+_TOLERANCES = {"full": {"alone": 1e-3, "leak": 1e-5}, "half": {"alone": 5e-2, "leak": 1e-3}}
+
+
+@dataclass
+class PackingSupport:
+    """Whether a backbone packs exactly, and in which layout."""
+
+    model_type: str
+    varlen: bool  # one packed row per forward, with cu_seq_lens / seq_idx (flash kernels, stateful hybrids)
+    exact: bool | None = None  # None until probed
+    reason: str = ""
+    announced: bool = False  # the fallback warning was logged
+
+
+def is_stateful(config) -> bool:
+    """Whether the model has layers that carry state along the sequence (SSM, linear attention, convolutions)."""
+    text_config = config.get_text_config()
+    if text_config.model_type in _STATEFUL_MODEL_TYPES:
+        return True
+    layer_types = getattr(text_config, "layer_types", None) or []
+    return any(t not in _ATTENTION_LAYER_TYPES for t in layer_types)
+
+
+def uses_varlen_layout(config) -> bool:
+    """Flash kernels take a whole packed row at O(sum L_i^2); stateful layers need the boundaries only a single row
+    can carry. Dense kernels (sdpa, eager, flex) get rows no wider than the longest sequence instead."""
+    attn = str(getattr(config, "_attn_implementation", None) or "")
+    return "flash" in attn or is_stateful(config)
+
+
+def packing_support(backbone: torch.nn.Module, probe: bool = True) -> PackingSupport:
+    """The backbone's :class:`PackingSupport`, probed once and cached on the module. With ``probe=False``, or while
+    its parameters are not materialised (DeepSpeed ZeRO-3 partitions them until its forward hooks gather them), the
+    probe waits for the first call made with materialised weights."""
+    support = getattr(backbone, "_trl_scale_packing_support", None)
+    if support is None:
+        config = backbone.config
+        support = PackingSupport(model_type=config.get_text_config().model_type, varlen=uses_varlen_layout(config))
+        if getattr(config.get_text_config(), "output_router_logits", False):
+            # TRL's padded forward adds the router's load-balancing loss; packed rows would count filler tokens.
+            support.exact = False
+            support.reason = "its MoE router auxiliary loss (output_router_logits) needs TRL's padded forward"
+        backbone._trl_scale_packing_support = support
+    if support.exact is None and probe and _materialised(backbone):
+        support.exact, support.reason = probe_packing(backbone, support.varlen)
+    return support
+
+
+def _materialised(backbone: torch.nn.Module) -> bool:
+    return all(p.numel() > 0 and not hasattr(p, "ds_id") for p in backbone.parameters())
+
+
+def probe_packing(backbone: torch.nn.Module, varlen: bool) -> tuple[bool, str]:
+    """Pack sequences A, B, C the way the engine would (B right after A in one row) and compare B's hidden states
+    with B run alone and with B after a different A. Returns ``(exact, reason)``."""
+    config = backbone.config.get_text_config()
+    device = next(backbone.parameters()).device
+    generator = torch.Generator().manual_seed(0)
+    vocab = config.vocab_size
+    a, other_a = torch.randint(0, vocab, (2, 6), generator=generator)
+    b, c = torch.randint(0, vocab, (5,), generator=generator), torch.randint(0, vocab, (4,), generator=generator)
+
+    def packed_hidden_of_b(first: torch.Tensor) -> torch.Tensor:
+        input_ids = torch.zeros(3, 6, dtype=torch.long)
+        mask = torch.zeros(3, 6, dtype=torch.long)
+        for row, seq in enumerate((first, b, c)):
+            input_ids[row, : len(seq)], mask[row, : len(seq)] = seq, 1
+        # Dense layout: rows of 11 tokens hold A+B, then C and filler (both mechanisms probed at once).
+        (micro_batch,) = pack_padded_batch(
+            input_ids.to(device), mask.to(device), row_capacity=None if varlen else 11
+        ).micro_batches
+        hidden = backbone(**packed_forward_kwargs(micro_batch, varlen_kwargs=varlen)).last_hidden_state
+        scattered = hidden.new_zeros(3 * 6, hidden.size(-1))
+        scattered[micro_batch.flat_index] = micro_batch.real_tokens(hidden)
+        return scattered.view(3, 6, -1)[1, : len(b)].float()
+
+    was_training = backbone.training
+    backbone.eval()  # dropout would make every comparison differ
+    try:
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            alone_out = backbone(input_ids=b[None].to(device), use_cache=False).last_hidden_state
+            alone = alone_out[0].float()
+            packed = packed_hidden_of_b(a)
+            packed_after_other = packed_hidden_of_b(other_a)
+    except (ValueError, TypeError, RuntimeError, NotImplementedError) as error:
+        return False, f"its packed forward fails ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+    finally:
+        backbone.train(was_training)
+    tolerance = _TOLERANCES["full" if alone_out.dtype in (torch.float32, torch.float64) else "half"]
+    scale = max(1.0, alone.abs().max().item())
+    leak = (packed - packed_after_other).abs().max().item() / scale
+    if leak > tolerance["leak"]:
+        return False, f"a packed sequence sees the one before it (hidden states move by {leak:.1e})"
+    error = (packed - alone).abs().max().item() / scale
+    if error > tolerance["alone"]:
+        return False, f"a packed sequence differs from the same sequence alone by {error:.1e} (positions ignored?)"
+    return True, ""
+
+
+def use_packing(backbone: torch.nn.Module, padding_free: bool | None, probe_now: bool = False) -> bool:
+    """Whether to pack this backbone's forwards: never with ``padding_free=False``; with ``None`` (the default)
+    where the probe finds packing exact, else TRL's padded path with one warning; with ``True`` the same, but an
+    inexact model is an error.
+
+    At construction (``probe_now=False``) a model whose weights are not materialised stays undecided (True); the
+    first scoring call decides with ``probe_now=True``, inside the forward where ZeRO-3 gathers the weights (every
+    rank makes that call, so the probe's forwards match across ranks)."""
+    if padding_free is False:
+        return False
+    support = packing_support(backbone)
+    if support.exact is None:
+        if not probe_now:
+            return True
+        support.exact, support.reason = probe_packing(backbone, support.varlen)
+    if support.exact:
+        return True
+    if padding_free:
+        raise ValueError(
+            f"padding_free=True, but packed scoring is not exact for model type '{support.model_type}': "
+            f"{support.reason}. Fix: set padding_free=None (packs where exact, else TRL's padded path) or "
+            "padding_free=False."
+        )
+    if not support.announced:
+        logger.warning(
+            f"trl-scale: packed scoring is not exact for model type '{support.model_type}' ({support.reason}); "
+            "this model is scored with TRL's padded path (padding_free=None). Set padding_free=False to silence this."
+        )
+        support.announced = True
+    return False
