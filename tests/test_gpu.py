@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl_scale.scoring import chunked_logprobs, install_packed_scoring
 from trl_scale.scoring.logprob_head import use_trl_kernel
 
-from .test_scoring import _full_logits_reference, _padded_batch
+from .helpers import padded_scoring_batch
+from .test_scoring import _full_logits_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -36,7 +37,7 @@ def test_packed_scoring_on_cuda_matches_padded(tiny_llama):
     from trl.trainer.utils import add_fused_lm_head
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
-    input_ids, mask, labels = (t.cuda() for t in _padded_batch(tokenizer))
+    input_ids, mask, labels = (t.cuda() for t in padded_scoring_batch(tokenizer))
     padded = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa").cuda()
     packed = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa").cuda()
     add_fused_lm_head(padded, temperature=0.9, outputs=("log_probs", "entropy"))

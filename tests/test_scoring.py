@@ -15,6 +15,7 @@ from trl_scale.scoring import (
     install_packed_scoring,
     pack_padded_batch,
     plan_micro_batches,
+    plan_rows,
     unpack,
 )
 from trl_scale.toy import counting_prompts, preference_pairs
@@ -87,6 +88,29 @@ def test_pack_padded_batch_layout_left_and_right_padding():
     assert packed.pad_fraction_removed == pytest.approx(1 - 10 / 18)
     restored = unpack(mb.input_ids[0].float(), mb.flat_index, 3, 6)
     assert torch.equal(restored.long(), input_ids)
+
+
+def test_dense_layout_lays_sequences_in_rows_no_wider_than_the_longest():
+    """sdpa/eager layout: first fit by decreasing length into rows as wide as the longest sequence, one forward of
+    [rows, width]; a row's leftover is filler whose positions restart (a sequence of its own, outputs dropped)."""
+    lengths = [6, 2, 3, 4, 1]
+    assert plan_rows(lengths, [0, 1, 2, 3, 4], 6) == [[0], [1, 3], [2, 4]]  # 16 tokens in 3 rows of 6
+    assert plan_rows(lengths, [1, 4], None) == [[1, 4]]  # varlen: one row
+    input_ids = torch.tensor([[0, 0, 5, 6, 7, 0], [8, 9, 10, 11, 12, 13], [0, 0, 0, 14, 0, 0], [15, 16, 0, 0, 0, 0]])
+    mask = (input_ids != 0).long()
+    (mb,) = pack_padded_batch(input_ids, mask, row_capacity="longest").micro_batches
+    assert mb.input_ids.shape == (2, 6)  # lengths 3, 6, 1, 2 -> rows [6] and [3, 2, 1]
+    assert mb.input_ids.tolist() == [[8, 9, 10, 11, 12, 13], [5, 6, 7, 14, 15, 16]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 0, 1]]
+    restored = unpack(mb.real_tokens(mb.input_ids).float(), mb.flat_index, 4, 6)
+    assert torch.equal(restored.long(), input_ids)
+    # With filler: width 4 (the longest), rows [4], [3, 1] ... and a row [2] + 2 filler positions restarting at 0.
+    input_ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 0], [8, 0, 0, 0], [9, 10, 0, 0]])
+    (mb,) = pack_padded_batch(input_ids, (input_ids != 0).long(), row_capacity="longest").micro_batches
+    assert mb.input_ids.shape == (3, 4)
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 0, 1]]
+    assert mb.seq_idx.tolist() == [[0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 1]]
+    assert mb.token_index.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
 
 
 def test_unpadded_rows_carry_only_real_tokens_and_rebuild_the_batch():

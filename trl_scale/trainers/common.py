@@ -475,7 +475,7 @@ class OnlineTrainerMixin(ServerRolloutMixin, PhaseTimingMixin, ModelCardMixin, P
             self._install_server_rollout(logprobs=True)
         self._install_packed_scoring(self.temperature, ("entropy",), self.args.padding_free)
         if remote_reference:
-            self.beta = args.beta
+            self.beta = config.beta
             self.ref_model = self._start_remote_reference()
 
     def _start_remote_reference(self) -> RayReference:
