@@ -11,3 +11,9 @@ PYTHON="${PYTHON:-python3}"
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==${TORCH_VERSION}"
 .venv/bin/python -m pip install -q -e ".[${EXTRAS}]"
+if [[ ",${EXTRAS}," == *",test,"* || ",${EXTRAS}," == *",deepspeed,"* ]]; then
+    # DeepSpeed builds from source; DS_BUILD_OPS=0 skips its CUDA ops (its CPU op JIT-builds at first use), and no
+    # build isolation keeps pip from resolving a torch of its own.
+    .venv/bin/python -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 .venv/bin/python -m pip install -q \
+        --no-build-isolation "deepspeed==0.19.8" "torch==${TORCH_VERSION}"
+fi

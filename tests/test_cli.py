@@ -7,7 +7,7 @@ import pytest
 
 from trl_scale.cli import main
 
-from .helpers import ROOT, accelerate_launch, subprocess_env
+from .helpers import ROOT, accelerate_launch, free_port, subprocess_env
 
 EXAMPLES = ROOT / "examples"
 
@@ -69,3 +69,45 @@ def test_realistic_gpu_yamls_parse(tmp_path):
         if method == "ppo":
             assert args.backend == "ray" and args.critic_placement["num_gpus_per_worker"] == 1.0
             assert args.reference_placement == args.reward_placement == args.critic_placement
+
+
+DEEPSPEED_ZERO3_CPU = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  zero_stage: 3
+  offload_optimizer_device: none
+  offload_param_device: none
+  zero3_init_flag: {init_flag}
+  zero3_save_16bit_model: true
+num_machines: 1
+num_processes: 2
+mixed_precision: 'no'
+use_cpu: true
+"""
+
+
+@pytest.mark.slow  # the first DeepSpeed run on a machine JIT-builds its CPU communication op (80-140 s)
+@pytest.mark.parametrize("init_flag", ["false", "true"])
+def test_toy_model_under_a_deepspeed_zero3_launcher_trains_instead_of_hanging(init_flag, tmp_path):
+    """`accelerate launch --config_file <ZeRO-3>` with `model_name_or_path: toy:llama`: the main process builds the
+    toy model while the other waits at a barrier. It used to build it under ZeRO-3's `zero.Init`, whose collective
+    broadcast the waiting rank never joined: both hung forever before the output directory existed."""
+    import deepspeed  # noqa: F401  (installed by the README's test command; this path must be tested)
+
+    launcher_config = tmp_path / "zero3.yaml"
+    launcher_config.write_text(DEEPSPEED_ZERO3_CPU.format(init_flag=init_flag))
+    command = [*accelerate_launch(2)[:3], "--config_file", str(launcher_config), "--num_processes", "2"]
+    command += ["--main_process_port", str(free_port()), "-m", "trl_scale.cli", "grpo"]
+    command += ["--config", str(EXAMPLES / "grpo_tiny_cpu.yaml"), "--output_dir", str(tmp_path / "out")]
+    command += ["--max_steps", "2", "--logging_steps", "1", "--disable_tqdm", "true"]
+    try:
+        result = subprocess.run(
+            command, cwd=ROOT, env=subprocess_env(DS_BUILD_OPS="0"), capture_output=True, text=True, timeout=400
+        )
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"hung for {error.timeout} s: {((error.stderr or b'')[-2000:])!r}")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "trl-scale grpo: training on 2 process(es)" in output and "'grad_norm'" in output
+    assert (tmp_path / "out" / "base-model" / "config.json").exists()
+    assert (tmp_path / "out" / "model.safetensors").exists()

@@ -4,6 +4,7 @@ runs the real loading code with no Hub access."""
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
@@ -146,21 +147,38 @@ def build_tiny_model(
         **config_kwargs,
     )
     torch.manual_seed(seed)
-    if kind == "causal-lm":
-        model = AutoModelForCausalLM.from_config(config)
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
-        model.generation_config.bos_token_id = None
-    elif kind == "reward":
-        config.num_labels = 1
-        model = AutoModelForSequenceClassification.from_config(config)
-    else:
-        raise ValueError(f"kind={kind!r} is not supported; use 'causal-lm' or 'reward'")
+    with _whole_parameters():
+        if kind == "causal-lm":
+            model = AutoModelForCausalLM.from_config(config)
+            model.generation_config.pad_token_id = tokenizer.pad_token_id
+            model.generation_config.eos_token_id = tokenizer.eos_token_id
+            model.generation_config.bos_token_id = None
+        elif kind == "reward":
+            config.num_labels = 1
+            model = AutoModelForSequenceClassification.from_config(config)
+        else:
+            raise ValueError(f"kind={kind!r} is not supported; use 'causal-lm' or 'reward'")
     os.makedirs(output_dir, exist_ok=True)
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     check_tokenizer_round_trip(output_dir, tokenizer)
     return output_dir
+
+
+@contextmanager
+def _whole_parameters():
+    """Build a model whole, even in a process whose TrainingArguments enabled DeepSpeed ZeRO-3: transformers would
+    otherwise create it under `deepspeed.zero.Init`, which partitions each parameter with a collective broadcast.
+    The toy builder runs on the main process alone (the others wait at a barrier), so that broadcast never returns;
+    and a model written to disk wants its whole weights anyway."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def check_tokenizer_round_trip(path: str, tokenizer=None, text: str | None = None) -> None:

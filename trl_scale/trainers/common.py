@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ from ..distributed.roles import RayReference, start_reference
 from ..scoring import PackingStats, install_packed_scoring
 
 TRL_SCALE_TAG = "trl-scale"
+ROLLOUT_BUFFER_NAME = "rollout_buffer_rank{rank}.pt"
 logger = logging.get_logger(__name__)
 
 
@@ -397,7 +399,6 @@ class ModelCardMixin:
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         if not self.is_world_process_zero():
             return
-        import os
 
         from huggingface_hub import ModelCard
 
@@ -477,6 +478,31 @@ class OnlineTrainerMixin(ServerRolloutMixin, PhaseTimingMixin, ModelCardMixin, P
         if remote_reference:
             self.beta = config.beta
             self.ref_model = self._start_remote_reference()
+
+    # ---- exact resume inside a rollout ------------------------------------------------------------------------
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Also save the rollout being trained on (every rank its own): a checkpoint inside a generation window
+        (`steps_per_generation` x `num_iterations` > 1, or PPO's epochs x mini-batches) then resumes on the same
+        rollout, where TRL would sample a new one and diverge from the uninterrupted run."""
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self._buffered_inputs is not None:
+            import torch
+
+            path = os.path.join(output_dir, ROLLOUT_BUFFER_NAME.format(rank=self.accelerator.process_index))
+            torch.save({"step": self._step, "inputs": self._buffered_inputs}, path)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, ROLLOUT_BUFFER_NAME.format(rank=self.accelerator.process_index))
+        if os.path.isfile(path):
+            import torch
+
+            # Our own file in our own checkpoint (tensors in lists and dicts), loaded as the Trainer loads RNG state.
+            saved = torch.load(path, map_location=self.accelerator.device, weights_only=False)
+            self._step, self._buffered_inputs = saved["step"], saved["inputs"]
 
     def _start_remote_reference(self) -> RayReference:
         """The reference on its group, loaded as TRL would load it: from the policy's path, in the policy's dtype
