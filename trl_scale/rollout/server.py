@@ -9,22 +9,58 @@ parameters, `logprobs`, `return_token_ids`; choices prompt-major with `token_ids
 """
 
 import argparse
+import hmac
+import ipaddress
 import os
 import threading
 import time
 
 import torch
 
+MAX_REQUEST_BYTES = 16 * 2**20  # JSON requests; weight bodies are bounded by the model's own size
 
-def create_app(model_path: str, api_key: str | None = None, token_delay: float = 0.0, dtype: str = "float32"):
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
+    """A server reachable beyond this machine takes weight updates and runs generation for whoever connects: it needs
+    a bearer token, or an explicit opt-out."""
+    if not is_loopback(host) and not api_key and not allow_unauthenticated:
+        raise ValueError(
+            f"refusing to serve on {host!r} without a bearer token: anyone who can reach it could replace the model's "
+            "weights. Fix: pass --api-key KEY (or set TRL_SCALE_API_KEY), bind --host 127.0.0.1, or pass "
+            "--allow-unauthenticated on a trusted network."
+        )
+
+
+def create_app(
+    model_path: str,
+    api_key: str | None = None,
+    token_delay: float = 0.0,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+):
     from fastapi import FastAPI, HTTPException, Request
     from fastapi.responses import JSONResponse
     from pydantic import BaseModel, Field
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    # Code shipped inside a model directory runs only when asked for (--trust-remote-code).
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+    )
     model.eval()
+    # A full-weight body carries at most the model's parameters (in any dtype up to fp32) plus a header.
+    max_weights_bytes = 4 * sum(p.numel() for p in model.parameters()) + 2**20
     model_name = os.path.basename(os.path.normpath(model_path))
     lock = threading.Lock()  # one generation or weight update at a time
     state = {"weight_version": 0, "lora": {}}
@@ -45,11 +81,22 @@ def create_app(model_path: str, api_key: str | None = None, token_delay: float =
         return_tokens_as_token_ids: bool = True
         seed: int | None = None
 
+    expected_authorization = f"Bearer {api_key}".encode() if api_key else None
+
     @app.middleware("http")
-    async def check_token(request: Request, call_next):
-        if api_key and request.url.path != "/health":
-            if request.headers.get("authorization") != f"Bearer {api_key}":
+    async def check_token_and_size(request: Request, call_next):
+        if expected_authorization is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected_authorization):  # constant time: no timing oracle on the key
                 return JSONResponse({"error": {"message": "missing or wrong bearer token"}}, status_code=401)
+        if request.method == "POST":
+            limit = max_weights_bytes if request.url.path == "/update_weights" else max_request_bytes
+            length = request.headers.get("content-length")
+            if length is None:
+                return JSONResponse({"error": {"message": "send a Content-Length header"}}, status_code=411)
+            if int(length) > limit:
+                message = f"request body of {int(length)} bytes is over this endpoint's limit of {limit} bytes"
+                return JSONResponse({"error": {"message": message}}, status_code=413)
         return await call_next(request)
 
     @app.get("/health")
@@ -217,6 +264,9 @@ def create_app(model_path: str, api_key: str | None = None, token_delay: float =
     def load_lora_adapter(request: LoraRequest):
         if not os.path.isfile(os.path.join(request.lora_path, "adapter_config.json")):
             raise HTTPException(400, f"no adapter_config.json in {request.lora_path!r}")
+        if not os.path.isfile(os.path.join(request.lora_path, "adapter_model.safetensors")):
+            # PEFT would fall back to a pickled adapter_model.bin; this server loads safetensors only.
+            raise HTTPException(400, f"no adapter_model.safetensors in {request.lora_path!r} (safetensors only)")
         with lock:
             if request.lora_name in state["lora"]:
                 model.delete_adapter(request.lora_name)
@@ -234,11 +284,33 @@ def serve(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("TRL_SCALE_API_KEY"), help="require this bearer token")
+    parser.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve on a non-loopback address without --api-key (trusted networks only)",
+    )
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="run code shipped in the model directory (off by default)"
+    )
+    parser.add_argument(
+        "--max-request-mb", type=float, default=MAX_REQUEST_BYTES / 2**20, help="largest JSON request body, in MiB"
+    )
     parser.add_argument("--token-delay", type=float, default=0.0, help="seconds per generated token (benchmarks)")
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
+    try:
+        check_bind(args.host, args.api_key, args.allow_unauthenticated)  # before minutes of model loading
+    except ValueError as error:
+        parser.error(str(error))
     import uvicorn
 
-    app = create_app(args.model, api_key=args.api_key, token_delay=args.token_delay, dtype=args.dtype)
+    app = create_app(
+        args.model,
+        api_key=args.api_key,
+        token_delay=args.token_delay,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+        max_request_bytes=int(args.max_request_mb * 2**20),
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
