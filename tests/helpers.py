@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -39,6 +41,12 @@ def cpu_args(output_dir, **overrides) -> dict:
 
 def step_logs(trainer, keys=("loss", "grad_norm")) -> list[dict]:
     return [{k: entry[k] for k in keys if k in entry} for entry in trainer.state.log_history if "loss" in entry]
+
+
+def paired(expected: list, got: list):
+    """``zip(expected, got)`` after checking both have the same, non-zero length (an empty log must not pass)."""
+    assert len(expected) == len(got) > 0, (len(expected), len(got))
+    return zip(expected, got)
 
 
 def max_param_diff(model_a, model_b) -> float:
@@ -79,6 +87,36 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextmanager
+def black_hole_server():
+    """A TCP server on 127.0.0.1 that accepts connections and never answers (a hung server, not a dead one).
+    Yields ``(url, accepted)``: ``accepted`` lists the connections it took."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    listener.settimeout(0.2)
+    accepted = []
+    stop = threading.Event()
+
+    def accept_forever():
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=accept_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", accepted
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        for connection in accepted:
+            connection.close()
+        listener.close()
 
 
 def subprocess_env(**extra) -> dict:

@@ -13,7 +13,7 @@ from trl_scale import ppo_core
 from trl_scale.toy import COUNT_TARGET_LENGTH, build_tiny_model, counting_prompts, counting_reward
 from trl_scale.toy.demo import evaluate_counting, warm_up
 
-from .helpers import cpu_args, step_logs, token_parity_reward
+from .helpers import cpu_args, paired, step_logs, token_parity_reward
 
 # ---- algebra vs plain Python ---------------------------------------------------------------------------------
 
@@ -241,7 +241,7 @@ def test_ppo_packed_and_padded_critic_agree(tiny_llama, tmp_path):
     off = _ppo(tiny_llama, tmp_path / "off", padding_free=False, **settings)
     off.train()
     keys = ("loss", "loss/value", "val/vpred", "objective/kl", "grad_norm")
-    for a, b in zip(step_logs(on, keys), step_logs(off, keys)):
+    for a, b in paired(step_logs(on, keys), step_logs(off, keys)):
         for key in keys:
             assert a[key] == pytest.approx(b[key], abs=1e-5), key
     assert os.path.isdir(tmp_path / "on")

@@ -12,7 +12,7 @@ import trl_scale
 from trl_scale.toy import COUNT_TARGET_LENGTH, counting_prompts, counting_reward
 from trl_scale.toy.demo import warm_up
 
-from .helpers import ROOT, accelerate_launch, cpu_args, step_logs, subprocess_env, token_parity_reward
+from .helpers import ROOT, accelerate_launch, cpu_args, paired, step_logs, subprocess_env, token_parity_reward
 
 ray = pytest.importorskip("ray")
 
@@ -26,17 +26,19 @@ def ray_cluster():
 
 
 @pytest.fixture(autouse=True)
-def free_placement_groups():
-    """Each test starts with the whole cluster free: remove the role groups earlier trainers left behind."""
+def no_leaked_placement_groups():
+    """A test's trainers must free their role groups once they are gone: any placement group still alive after the
+    test is a leak (GPUs a long job would never get back). Remove it, so later tests start free, and fail."""
     yield
     import gc
 
     gc.collect()
     from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
-    for group_id, info in placement_group_table().items():
-        if info["state"] != "REMOVED":
-            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id))))
+    leaked = [group_id for group_id, info in placement_group_table().items() if info["state"] != "REMOVED"]
+    for group_id in leaked:
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id))))
+    assert not leaked, f"{len(leaked)} placement group(s) outlived the test's trainers"
 
 
 def _ppo(model_path, out, reward_funcs, backend, **overrides):
@@ -94,7 +96,7 @@ def test_local_and_ray_backends_give_the_same_rewards_values_and_losses(
     keys = tuple(k.replace("tiny-reward0", name) for k in keys)
     expected, got = step_logs(local, keys), step_logs(remote, keys)
     assert len(expected) == 2 and all(f"rewards/{name}/mean" in e for e in expected)
-    for e, g in zip(expected, got):
+    for e, g in paired(expected, got):
         for key in keys:
             assert g[key] == pytest.approx(e[key], abs=1e-5), (key, g[key], e[key])
     # The critic saved from the Ray worker is the one that trained there.
@@ -233,7 +235,7 @@ def test_two_trainer_processes_share_one_set_of_groups_and_match_the_local_backe
     expected = [e for e in local["log_history"] if "loss" in e]
     got = [e for e in remote["log_history"] if "loss" in e]
     assert len(expected) == len(got) == 2
-    for e, g in zip(expected, got):
+    for e, g in paired(expected, got):
         for key in keys:
             assert g[key] == pytest.approx(e[key], abs=1e-5), (key, g[key], e[key])
     # The critic the Ray group trained equals the one the two local processes trained.
@@ -340,7 +342,7 @@ def test_a_reference_on_its_own_group_gives_the_local_kl(method, tiny_llama, tmp
     keys = ("loss", "grad_norm", "kl") if method != "ppo" else ("loss", "grad_norm", "objective/kl", "loss/value")
     expected, got = step_logs(local, keys), step_logs(remote, keys)
     assert len(expected) == 2 and all(abs(e[keys[2]]) > 0 for e in expected[1:])  # a real KL after a step
-    for e, g in zip(expected, got):
+    for e, g in paired(expected, got):
         for key in keys:
             assert g[key] == pytest.approx(e[key], abs=1e-5), (key, g[key], e[key])
 
@@ -384,6 +386,6 @@ def test_after_a_dead_critic_worker_the_checkpoint_resumes_exactly(tiny_llama, t
     resumed.train(resume_from_checkpoint=str(checkpoint))
     expected, got = step_logs(full, keys)[2:], step_logs(resumed, keys)[2:]
     assert len(expected) == len(got) == 2
-    for e, g in zip(expected, got):
+    for e, g in paired(expected, got):
         for key in keys:
             assert g[key] == pytest.approx(e[key], abs=1e-6), (key, g[key], e[key])

@@ -2,10 +2,8 @@
 load-aware routing, failover, and bounded failures. Every wait has a timeout."""
 
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -17,25 +15,40 @@ import trl_scale
 from trl_scale.rollout import RolloutClient, RolloutError
 from trl_scale.toy import counting_prompts
 
-from .helpers import cpu_args, free_port, token_parity_reward
+from .helpers import black_hole_server, cpu_args, free_port, token_parity_reward
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 
 class Server:
+    """`trl-scale serve` as a real process on 127.0.0.1. The port comes from `free_port()`, which must release it
+    before the child binds it; if another process takes it meanwhile, the server is restarted on a new port."""
+
+    BIND_RETRIES = 3
+
     def __init__(self, model_path, *extra):
+        self.command = [sys.executable, "-m", "trl_scale.cli", "serve", "--model", model_path, *extra]
+        self._start()
+
+    def _start(self):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-        command = [sys.executable, "-m", "trl_scale.cli", "serve", "--model", model_path, "--port", str(self.port)]
-        self.process = subprocess.Popen([*command, *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        command = [*self.command, "--port", str(self.port)]
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def wait_ready(self, timeout=90):
         deadline = time.monotonic() + timeout
+        retries = self.BIND_RETRIES
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited: {self.process.stderr.read().decode()[-2000:]}")
+                error = self.process.stderr.read().decode()
+                if "address already in use" in error.lower() and retries > 0:
+                    retries -= 1
+                    self._start()
+                    continue
+                raise RuntimeError(f"server exited: {error[-2000:]}")
             try:
                 if requests.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return self
@@ -188,36 +201,27 @@ def test_all_servers_down_is_a_clear_error_within_the_timeout():
     assert time.monotonic() - start < 10
 
 
+def test_hung_and_dead_servers_are_waited_on_retried_and_give_up_within_the_timeout():
+    """One server refuses connections, the other accepts and never answers: the client waits on the hung one, retries,
+    and still fails with the clear error inside its request timeout."""
+    with black_hole_server() as (hung, accepted):
+        client = RolloutClient([f"http://127.0.0.1:{free_port()}", hung], request_timeout=4, retry_after=0.5)
+        start = time.monotonic()
+        with pytest.raises(RolloutError, match="no rollout server answered within request_timeout=4"):
+            client.generate([[1, 2, 3]], max_tokens=2)
+        elapsed = time.monotonic() - start
+        assert len(accepted) >= 1  # the hung server was really tried (a refused connection is never accepted)
+    assert 3 <= elapsed < 12  # waited out the hung server, then gave up within a bounded time
+
+
 def test_stalled_weight_sync_fails_within_the_timeout():
     # A server that accepts connections and never answers: the classic hung weight sync.
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8)
-    accepted = []
-    stop = threading.Event()
-
-    def accept_forever():
-        listener.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                accepted.append(listener.accept()[0])
-            except OSError:
-                pass
-
-    thread = threading.Thread(target=accept_forever, daemon=True)
-    thread.start()
-    try:
-        client = RolloutClient([f"http://127.0.0.1:{listener.getsockname()[1]}"], request_timeout=5)
+    with black_hole_server() as (hung, accepted):
+        client = RolloutClient([hung], request_timeout=5)
         start = time.monotonic()
         with pytest.raises(RolloutError, match="weight_sync_timeout=2"):
             client.update_weights({"w": torch.zeros(4)}, timeout=2)
-        assert time.monotonic() - start < 10
-    finally:
-        stop.set()
-        thread.join(timeout=5)
-        for conn in accepted:
-            conn.close()
-        listener.close()
+        assert time.monotonic() - start < 10 and accepted
 
 
 def test_a_server_that_missed_a_sync_leaves_the_rotation(servers, tiny_llama):
@@ -406,3 +410,33 @@ def test_merged_peft_weights_carry_the_plain_models_names(tiny_llama):
     assert not torch.equal(
         merged["model.layers.0.self_attn.q_proj.weight"], plain.state_dict()["model.layers.0.self_attn.q_proj.weight"]
     )  # the adapter is in it
+
+
+def test_evaluate_reports_exact_metrics(tiny_llama):
+    """Known completions, known rewards: every eval metric has one right value."""
+    from datasets import Dataset
+
+    from trl_scale.rollout.modes import evaluate
+
+    class FakeClient:  # prompt i gets completions whose first token ids give rewards below
+        def generate(self, prompts, n=1, **sampling):
+            table = {0: (3, 9, 1, 7), 1: (2, 4, 6, 8)}
+            return [[{"token_ids": [t]} for t in table[i]] for i in range(len(prompts))]
+
+    def first_id(completion_ids, **kwargs):
+        return [ids[0] / 10 for ids in completion_ids]
+
+    def is_odd(completion_ids, **kwargs):
+        return [float(ids[0] % 2) for ids in completion_ids]
+
+    dataset = Dataset.from_list([{"prompt": "one"}, {"prompt": "two"}])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    metrics = evaluate(FakeClient(), dataset, [first_id, is_odd], tokenizer, num_samples=4, success_threshold=1.5)
+    totals = [0.3 + 1, 0.9 + 1, 0.1 + 1, 0.7 + 1, 0.2, 0.4, 0.6, 0.8]
+    mean = sum(totals) / 8
+    assert metrics["eval/num_completions"] == 8.0
+    assert metrics["eval/reward"] == pytest.approx(mean)
+    assert metrics["eval/reward_std"] == pytest.approx((sum((t - mean) ** 2 for t in totals) / 8) ** 0.5)
+    assert metrics["eval/rewards/first_id"] == pytest.approx(0.5)
+    assert metrics["eval/rewards/is_odd"] == pytest.approx(0.5)
+    assert metrics["eval/pass@4"] == pytest.approx(0.5)  # prompt 0 reaches 1.9 >= 1.5; prompt 1 tops at 0.8

@@ -20,7 +20,7 @@ from trl_scale.scoring import (
 )
 from trl_scale.toy import counting_prompts, preference_pairs
 
-from .helpers import cpu_args, max_param_diff, padded_scoring_batch, step_logs, token_parity_reward
+from .helpers import cpu_args, max_param_diff, padded_scoring_batch, paired, step_logs, token_parity_reward
 
 ALL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
@@ -228,7 +228,7 @@ def test_online_trainers_padding_free_on_vs_off(method, tiny_qwen2, tmp_path):
     off = _grpo_like(*classes[method], tiny_qwen2, tmp_path / "off", padding_free=False)
     on = _grpo_like(*classes[method], tiny_qwen2, tmp_path / "on", padding_free=True, token_budget=24)
     keys = ("loss", "grad_norm", "entropy", "kl", "reward")
-    for a, b in zip(step_logs(on, keys), step_logs(off, keys)):
+    for a, b in paired(step_logs(on, keys), step_logs(off, keys)):
         for key in keys:
             assert abs(a[key] - b[key]) <= 1e-5, (key, a[key], b[key])
     assert max_param_diff(on.model, off.model) <= 1e-5
@@ -252,7 +252,7 @@ def test_dpo_padding_free_on_vs_off(tiny_llama, tmp_path):
     off, on = run(tmp_path / "off", padding_free=False), run(tmp_path / "on", padding_free=True)
     assert on.args.padding_free is True  # TRL's constructor must not have switched it off
     keys = ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/margins", "entropy", "mean_token_accuracy")
-    for a, b in zip(step_logs(on, keys), step_logs(off, keys)):
+    for a, b in paired(step_logs(on, keys), step_logs(off, keys)):
         for key in a:
             assert abs(a[key] - b[key]) <= 1e-5, (key, a[key], b[key])
     assert max_param_diff(on.model, off.model) <= 1e-5

@@ -1,5 +1,6 @@
 """trl-scale's trainers are drop-in subclasses: with trl-scale's features off, 3 training steps give the same
-losses, gradient norms and weights as TRL's own trainers (fp32 CPU, tolerance 1e-6)."""
+losses, gradient norms and weights as TRL's own trainers, bit for bit (the same code runs), and nothing is packed.
+(A tolerance of 1e-6 would let a path that still packs slip through: packed-vs-padded rounding is ~1e-6.)"""
 
 import pytest
 import trl
@@ -9,7 +10,7 @@ from trl_scale.toy import counting_prompts, preference_pairs
 
 from .helpers import assert_logs_close, cpu_args, max_param_diff, step_logs, token_parity_reward
 
-ATOL = 1e-6
+ATOL = 0.0
 
 # trl-scale features that later issues add are switched off here; this dict grows with them.
 FEATURES_OFF: dict = {"padding_free": False}
@@ -60,6 +61,14 @@ def test_online_trainers_match_trl(method, tiny_llama, tmp_path):
     assert all(e["grad_norm"] > 0 for e in expected), "the run must produce gradients for the parity to mean anything"
     assert_logs_close(step_logs(candidate, keys), expected, ATOL)
     assert max_param_diff(candidate.model, reference.model) <= ATOL
+    _assert_nothing_packed(candidate)
+
+
+def _assert_nothing_packed(trainer):
+    assert trainer._packing_stats is None
+    assert not any("padding_free/" in key for entry in trainer.state.log_history for key in entry)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    assert not hasattr(model, "_trl_scale_packed_scoring")
 
 
 def _dpo_run(trainer_cls, config_cls, model_path, tmp_path):
@@ -85,6 +94,7 @@ def test_dpo_matches_trl(tiny_llama, tmp_path):
     assert expected[-1]["loss"] < expected[0]["loss"] or expected[0]["grad_norm"] > 0
     assert_logs_close(step_logs(candidate, keys), expected, ATOL)
     assert max_param_diff(candidate.model, reference.model) <= ATOL
+    _assert_nothing_packed(candidate)
 
 
 def test_model_card_and_tags_name_trl_scale(tiny_llama, tmp_path):

@@ -105,7 +105,10 @@ def train(method: str, argv: list[str]) -> int:
     script_type, model_config_type = _import_trl_script_types()
     trainer_cls, config_cls = _method_classes(method)
     parser = TrlParser((script_type, config_cls, model_config_type), prog=f"trl-scale {method}")
-    script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+    try:
+        script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+    except ValueError as error:  # HfArgumentParser's "arguments are not used": a usage error, not a traceback
+        parser.error(f"{error}. Fix: check the field names (`trl-scale {method} --help` lists them)")
 
     model_path = _resolve_model(model_args.model_name_or_path, training_args)
     model_init_kwargs = {"attn_implementation": model_args.attn_implementation, "dtype": model_args.dtype}

@@ -52,6 +52,23 @@ class Placement:
         return placement
 
 
+def _check_reachable(address: str, timeout: float = 10.0) -> None:
+    """`ray.init` waits minutes on an address where nothing listens; a TCP connect answers in seconds."""
+    import socket
+
+    target = address.removeprefix("ray://")
+    host, _, port = target.rpartition(":")
+    if address in ("auto", "local") or not host or not port.isdigit():
+        return  # Ray resolves these itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as error:
+        raise RuntimeError(
+            f"ray_address={address!r}: could not reach a Ray cluster ({type(error).__name__}: {error}). Fix: start "
+            "one there (`ray start --head`), correct the address, or set ray_address=None to start a local cluster"
+        ) from error
+
+
 def init_ray(address: str | None = None) -> None:
     """Connect to `address`, or start a local cluster (token auth off for it: local tests, no network)."""
     import ray
@@ -60,7 +77,16 @@ def init_ray(address: str | None = None) -> None:
         return
     if address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    else:
+        _check_reachable(address)
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        raise RuntimeError(
+            f"ray_address={address!r}: could not reach a Ray cluster ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}). Fix: start one there (`ray start --head`), correct "
+            "the address, or set ray_address=None to start a local cluster"
+        ) from error
 
 
 class RoleGroup:

@@ -14,6 +14,7 @@ from transformers.utils import logging
 
 from ..distributed.roles import RayReference, start_reference
 from ..scoring import PackingStats, install_packed_scoring
+from .reward_checks import checked_reward_funcs
 
 TRL_SCALE_TAG = "trl-scale"
 ROLLOUT_BUFFER_NAME = "rollout_buffer_rank{rank}.pt"
@@ -160,6 +161,24 @@ class RolloutArguments:
         self._validate_rollout_arguments()
 
     def _validate_rollout_arguments(self) -> None:
+        if self.vllm_server_base_urls is not None:
+            from urllib.parse import urlparse
+
+            seen = {}
+            for url in self.vllm_server_base_urls:
+                parsed = urlparse(str(url))
+                if parsed.scheme not in ("http", "https") or not parsed.hostname:
+                    raise ValueError(
+                        f"vllm_server_base_urls entry {url!r} is not a server URL. Fix: use http://HOST:PORT (e.g. "
+                        "http://10.0.0.5:8000), one entry per server"
+                    )
+                key = (parsed.scheme, parsed.hostname, parsed.port, parsed.path.rstrip("/"))
+                if key in seen:
+                    raise ValueError(
+                        f"vllm_server_base_urls lists the same server twice ({seen[key]!r} and {url!r}): it would get "
+                        "double the work and every weight sync twice. Fix: list each server once"
+                    )
+                seen[key] = url
         if self.weight_sync not in ("http", "shared_dir", "lora"):
             raise ValueError(f"weight_sync={self.weight_sync!r}: use 'http', 'shared_dir' or 'lora'")
         if self.weight_sync_timeout <= 0 or self.rollout_request_timeout <= 0:
@@ -213,6 +232,13 @@ class DistributedArguments:
         if self.backend not in ("local", "ray"):
             raise ValueError(f"backend={self.backend!r}: use 'local' or 'ray'")
         if self.backend == "ray":
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                raise ImportError(
+                    "backend='ray' needs Ray, which is not installed. Fix: pip install 'trl-scale[ray]' (or set "
+                    "backend='local' to keep every model in the trainer processes)"
+                )
             from ..distributed.ray_backend import Placement
 
             Placement.from_config(self.reward_placement, "reward_placement")
@@ -236,6 +262,49 @@ def trl_arguments(trainer, args: tuple, kwargs: dict) -> dict:
     arguments = dict(bound.arguments)
     arguments.pop(next(iter(arguments)))  # self
     return arguments
+
+
+def check_output_dir(config) -> None:
+    """Fail at construction, not at the first checkpoint an hour in, when `output_dir` cannot be written."""
+    if config is None or not getattr(config, "output_dir", None):
+        return
+    path = config.output_dir
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".trl-scale-write-check-{os.getpid()}")
+        with open(probe, "w") as handle:
+            handle.write("ok")
+        os.remove(probe)
+    except OSError as error:
+        raise ValueError(
+            f"output_dir={path!r} is not writable ({type(error).__name__}: {error}). Fix: set output_dir to a "
+            "directory this process can create and write (checkpoints, the model and its card go there)."
+        ) from error
+
+
+def check_train_dataset(dataset, required: tuple[str, ...], trainer: str) -> None:
+    """Fail at construction when the training data cannot work: no rows, or a column the trainer reads is missing."""
+    if dataset is None:
+        return
+    try:
+        size = len(dataset)
+    except TypeError:  # an IterableDataset: no length to check
+        size = None
+    if size == 0:
+        raise ValueError(f"train_dataset is empty: {trainer} has nothing to train on. Fix: pass a dataset with rows")
+    columns = getattr(dataset, "column_names", None)
+    if columns is None or isinstance(columns, dict):  # unknown (streaming) or a DatasetDict passed by mistake
+        if isinstance(columns, dict):
+            raise ValueError(
+                f"train_dataset is a DatasetDict with splits {sorted(columns)}; pass one split, e.g. dataset['train']"
+            )
+        return
+    missing = [name for name in required if name not in columns]
+    if missing:
+        raise ValueError(
+            f"train_dataset has no column {missing[0]!r}, which {trainer} reads (columns: {columns}). Fix: rename "
+            f"yours with dataset.rename_column(OLD, {missing[0]!r})"
+        )
 
 
 def with_signature_of(trl_init):
@@ -373,6 +442,28 @@ class ModelCardMixin:
     """TRL's model card with trl-scale's tags (the method, the features used) and transformers' card kwargs
     (`language`, `license`, `finetuned_from`, ...), so `push_to_hub(license=...)` works as with any Trainer."""
 
+    def _hub_error(self, action: str, error: Exception) -> RuntimeError:
+        return RuntimeError(
+            f"{action} failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). Nothing "
+            f"is lost: the model and checkpoints stay in output_dir={self.args.output_dir!r}. Fix: log in "
+            "(`hf auth login`) or set HF_TOKEN with write access, check hub_model_id, then call "
+            "trainer.push_to_hub() again"
+        )
+
+    def init_hf_repo(self, token: str | None = None):
+        try:
+            return super().init_hf_repo(token=token)
+        except Exception as error:  # before any training: say why, and how to fix it
+            raise self._hub_error("creating the Hub repo for push_to_hub=True", error) from error
+
+    def push_to_hub(self, *args, **kwargs):
+        try:
+            return super().push_to_hub(*args, **kwargs)
+        except Exception as error:
+            # The push can fail before its own save (creating the repo): save here, so the message below holds.
+            self.save_model(self.args.output_dir, _internal_call=True)
+            raise self._hub_error("push_to_hub", error) from error
+
     def trl_scale_features(self) -> list[str]:
         features = []
         if getattr(self, "_packing_stats", None) is not None:
@@ -424,6 +515,32 @@ class ModelCardMixin:
         card.save(path)
 
 
+class SafeCheckpointMixin:
+    """A checkpoint save that fails (disk full, quota, a dropped network mount) removes its partial folder, so that
+    `resume_from_checkpoint=True` picks the last complete checkpoint instead of a broken one, and says so."""
+
+    def _save_checkpoint(self, model, trial):
+        import shutil
+
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        existed = os.path.isdir(folder)
+        try:
+            super()._save_checkpoint(model, trial)
+        except OSError as error:
+            if not existed and self.args.should_save:
+                shutil.rmtree(folder, ignore_errors=True)
+            last = get_last_checkpoint(run_dir) if os.path.isdir(run_dir) else None
+            raise OSError(
+                error.errno,
+                f"saving {folder} failed ({error.strerror or error}); the partial checkpoint was removed, and the "
+                f"last complete one is {last or 'none'}. Fix: free space under {run_dir}, then train again with "
+                "resume_from_checkpoint=True",
+            ) from error
+
+
 class PhaseTimingMixin:
     """Wall time per phase of an online step (generation, reward scoring, log-prob scoring), accumulated between
     logs and read by `trl_scale.callbacks.StepTimeCallback`."""
@@ -455,14 +572,27 @@ class PhaseTimingMixin:
             return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
 
-class OnlineTrainerMixin(ServerRolloutMixin, PhaseTimingMixin, ModelCardMixin, PackedScoringMixin):
+class OnlineTrainerMixin(
+    SafeCheckpointMixin, ServerRolloutMixin, PhaseTimingMixin, ModelCardMixin, PackedScoringMixin
+):
     """Everything trl-scale adds to TRL's online trainers (GRPO, RLOO, and PPO through GRPO), wired around TRL's
     constructor: remote reward models, server rollout, packed scoring, timing and model cards."""
 
     def __init__(self, *args, **kwargs):
         arguments = trl_arguments(self, args, kwargs)
         model, config = arguments["model"], arguments.get("args")
-        arguments["reward_funcs"] = remote_reward_funcs(arguments.get("reward_funcs"), config)
+        check_output_dir(config)
+        check_train_dataset(arguments.get("train_dataset"), ("prompt",), type(self).__name__)
+        if config is not None and getattr(config, "weight_sync", None) == "lora" and uses_server_rollout(config):
+            from accelerate.utils import is_peft_model
+
+            if arguments.get("peft_config") is None and not (not isinstance(model, str) and is_peft_model(model)):
+                raise ValueError(
+                    "weight_sync='lora' sends only a LoRA adapter to the servers, but this policy has none. Fix: pass "
+                    "peft_config=LoraConfig(...) (or a PeftModel), or use weight_sync='http' / 'shared_dir'"
+                )
+        reward_funcs = remote_reward_funcs(arguments.get("reward_funcs"), config)
+        arguments["reward_funcs"] = checked_reward_funcs(reward_funcs)
         server = config is not None and uses_server_rollout(config)
         remote_reference = _wants_remote_reference(config, model, arguments.get("peft_config"))
         # With server rollout, TRL's vLLM path stays off while it builds: no vLLM import, no CUDA-only communicator.

@@ -1,0 +1,307 @@
+"""Bad input gets a clear error that names the field (or function) and the fix, early, and loses nothing already
+done. One test per row of README's "Bad input" table."""
+
+import math
+import os
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import trl_scale
+from trl_scale.toy import counting_prompts
+from trl_scale.trainers.reward_checks import RewardFunctionError
+
+from .helpers import cpu_args, paired, step_logs, token_parity_reward
+
+
+def _grpo(model_path, out, reward_funcs=token_parity_reward, dataset=None, **overrides):
+    settings = dict(num_generations=4, max_completion_length=6, max_steps=2)
+    settings.update(overrides)
+    return trl_scale.GRPOTrainer(
+        model=model_path,
+        reward_funcs=reward_funcs,
+        args=trl_scale.GRPOConfig(**cpu_args(out, **settings)),
+        train_dataset=counting_prompts(32, seed=0) if dataset is None else dataset,
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+    )
+
+
+def _fails_on_call(after: int, result):
+    """A reward function that works for `after` calls, then returns `result` (or raises it, for an exception)."""
+    calls = []
+
+    def flaky_reward(completions, **kwargs):
+        calls.append(1)
+        if len(calls) <= after:
+            return [0.5] * len(completions)
+        if isinstance(result, Exception):
+            raise result
+        return result(completions)
+
+    return flaky_reward
+
+
+@pytest.mark.parametrize(
+    "result, error, match",
+    [
+        (KeyError("answer"), RewardFunctionError, r"reward function 'flaky_reward' raised KeyError: 'answer'"),
+        (lambda c: [0.5] * (len(c) - 1), ValueError, r"'flaky_reward' returned 7 rewards for 8 completions"),
+        (lambda c: [math.inf] * len(c), ValueError, r"'flaky_reward' returned inf for completion 0.*finite"),
+        (lambda c: ["0.5"] * len(c), ValueError, r"'flaky_reward' returned '0.5' \(str\) for completion 0"),
+        (lambda c: 0.5, ValueError, r"'flaky_reward' returned float; return a list"),
+    ],
+    ids=["raises", "wrong-length", "inf", "not-a-number", "not-a-list"],
+)
+def test_bad_reward_stops_the_step_naming_the_function_and_keeps_the_checkpoint(
+    result, error, match, tiny_llama, tmp_path
+):
+    trainer = _grpo(tiny_llama, tmp_path, _fails_on_call(1, result), save_strategy="steps", save_steps=1)
+    with pytest.raises(error, match=match):
+        trainer.train()
+    checkpoint = tmp_path / "checkpoint-1"  # step 1 finished and was saved; step 2's reward failed
+    assert (checkpoint / "model.safetensors").exists() and (checkpoint / "trainer_state.json").exists()
+    AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_none_and_nan_rewards_keep_trls_meaning(tiny_llama, tmp_path):
+    """None (and NaN, which TRL reads the same way) marks "this function does not apply": GRPO trains, as in TRL."""
+
+    def partial_reward(completions, **kwargs):
+        return [None if i % 2 else 0.5 for i in range(len(completions))]
+
+    def nan_reward(completions, **kwargs):
+        return [math.nan if i % 2 == 0 else 1.0 for i in range(len(completions))]
+
+    trainer = _grpo(tiny_llama, tmp_path, [partial_reward, nan_reward, token_parity_reward])
+    trainer.train()
+    assert len(step_logs(trainer)) == 2
+    assert trainer.reward_func_names == ["partial_reward", "nan_reward", "token_parity_reward"]
+
+
+def test_async_and_callable_object_rewards_keep_their_names_and_kind(tiny_llama, tmp_path):
+    class LengthReward:
+        def __call__(self, completions, **kwargs):
+            return [len(c) / 100 for c in completions]
+
+    async def async_reward(completions, **kwargs):
+        return [0.25] * len(completions)
+
+    trainer = _grpo(tiny_llama, tmp_path, [LengthReward(), async_reward], max_steps=1)
+    assert trainer.reward_func_names == ["LengthReward", "async_reward"]
+    trainer.train()
+    (logs,) = step_logs(trainer, ("rewards/async_reward/mean",))
+    assert logs["rewards/async_reward/mean"] == pytest.approx(0.25)
+
+
+def test_token_budget_smaller_than_a_sequence_gives_that_sequence_its_own_forward(tiny_llama, tmp_path):
+    small = _grpo(tiny_llama, tmp_path / "small", token_budget=2, padding_free=True, optim="sgd")
+    small.train()
+    padded = _grpo(tiny_llama, tmp_path / "padded", padding_free=False, optim="sgd")
+    padded.train()
+    keys = ("loss", "grad_norm", "reward")
+    for a, b in paired(step_logs(small, keys), step_logs(padded, keys)):
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], abs=1e-5), key
+    logged = [e for e in small.state.log_history if "padding_free/micro_batches_per_call" in e]
+    assert logged and all(e["padding_free/micro_batches_per_call"] == 8 for e in logged)  # one per sequence
+
+
+def test_output_dir_is_checked_before_anything_runs(tiny_llama, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    with pytest.raises(ValueError, match=r"output_dir=.*file.*not writable.*Fix"):
+        _grpo(tiny_llama, blocked / "run")
+    assert os.path.isfile(blocked)
+
+
+def test_empty_dataset_is_refused_at_construction(tiny_llama, tmp_path):
+    from datasets import Dataset
+
+    empty = Dataset.from_dict({"prompt": []})
+    with pytest.raises(ValueError, match="train_dataset is empty: GRPOTrainer has nothing to train on"):
+        _grpo(tiny_llama, tmp_path, dataset=empty)
+    with pytest.raises(ValueError, match="train_dataset is empty: DPOTrainer"):
+        _dpo(tiny_llama, tmp_path, Dataset.from_dict({"chosen": [], "rejected": []}))
+
+
+def test_missing_column_is_named_with_the_fix(tiny_llama, tmp_path):
+    from datasets import Dataset
+
+    questions = Dataset.from_dict({"question": ["one two"] * 8})
+    with pytest.raises(ValueError, match=r"no column 'prompt'.*\['question'\].*rename_column\(OLD, 'prompt'\)"):
+        _grpo(tiny_llama, tmp_path, dataset=questions)
+    pairs = Dataset.from_dict({"prompt": ["one"] * 4, "chosen": [" two"] * 4, "better": [" cat"] * 4})
+    with pytest.raises(ValueError, match=r"no column 'rejected'"):
+        _dpo(tiny_llama, tmp_path, pairs)
+
+
+def test_dataset_dict_instead_of_a_split_is_named(tiny_llama, tmp_path):
+    from datasets import DatasetDict
+
+    with pytest.raises(ValueError, match=r"DatasetDict with splits \['train'\].*dataset\['train'\]"):
+        _grpo(tiny_llama, tmp_path, dataset=DatasetDict({"train": counting_prompts(8)}))
+
+
+@pytest.mark.parametrize("column", ["chosen", "rejected"])
+def test_dpo_pair_with_an_empty_answer_names_the_row(column, tiny_llama, tmp_path):
+    from trl_scale.toy import preference_pairs
+
+    pairs = preference_pairs(8, seed=0).to_list()
+    pairs[5][column] = ""
+    from datasets import Dataset
+
+    with pytest.raises(ValueError, match=rf"row 5 has an empty '{column}' answer.*dataset.filter"):
+        _dpo(tiny_llama, tmp_path, Dataset.from_list(pairs))
+
+
+@pytest.mark.parametrize(
+    "urls, match",
+    [
+        (["localhost:8000"], r"'localhost:8000' is not a server URL.*http://HOST:PORT"),
+        (["http://"], r"'http://' is not a server URL"),
+        (["http://127.0.0.1:8000", "http://127.0.0.1:8000/"], r"lists the same server twice"),
+    ],
+    ids=["no-scheme", "no-host", "duplicate"],
+)
+def test_bad_server_urls_are_refused_in_the_config(urls, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        trl_scale.GRPOConfig(**cpu_args(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_urls=urls))
+
+
+def test_lora_weight_sync_without_an_adapter_is_refused(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match=r"weight_sync='lora'.*has none.*peft_config=LoraConfig"):
+        _grpo(
+            tiny_llama,
+            tmp_path,
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_base_urls=["http://127.0.0.1:9"],
+            weight_sync="lora",
+        )
+
+
+def _dpo(model_path, out, dataset):
+    return trl_scale.DPOTrainer(
+        model=model_path,
+        args=trl_scale.DPOConfig(**cpu_args(out, max_length=64, max_steps=1)),
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+    )
+
+
+def test_disk_full_while_saving_keeps_the_last_complete_checkpoint(tiny_llama, tmp_path, monkeypatch):
+    import errno
+
+    import torch
+    from transformers.trainer_utils import get_last_checkpoint
+
+    trainer = _grpo(tiny_llama, tmp_path, save_strategy="steps", save_steps=1, max_steps=3)
+    real_save = torch.save
+
+    def save_until_full(obj, path, *args, **kwargs):
+        if "checkpoint-2" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save_until_full)
+    with pytest.raises(
+        OSError, match=r"checkpoint-2 failed \(No space left on device\).*last complete one is .*checkpoint-1"
+    ):
+        trainer.train()
+    monkeypatch.setattr(torch, "save", real_save)
+    assert not (tmp_path / "checkpoint-2").exists()  # no half-written checkpoint for a resume to pick up
+    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-1")
+    resumed = _grpo(tiny_llama, tmp_path, save_strategy="steps", save_steps=1, max_steps=3)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 3
+
+
+def test_backend_ray_without_ray_installed_names_the_extra(tmp_path, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real_find_spec(name, *a)
+    )
+    with pytest.raises(ImportError, match=r"backend='ray' needs Ray.*pip install 'trl-scale\[ray\]'"):
+        trl_scale.GRPOConfig(**cpu_args(tmp_path, backend="ray"))
+
+
+def test_unreachable_ray_address_is_a_clear_error(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from .helpers import free_port, subprocess_env
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    code = f"from trl_scale.distributed.ray_backend import init_ray; init_ray({address!r})"
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode != 0
+    assert (
+        f"ray_address={address!r}: could not reach a Ray cluster" in result.stderr
+        and "ray start --head" in result.stderr
+    )
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--not_a_field", "1"], r"not used by the HfArgumentParser: \['--not_a_field', '1'\].*--help"),
+        (["--learning_rate", "fast"], r"argument --learning_rate/--learning-rate: invalid float value: 'fast'"),
+        (["--padding_free", "maybe"], r"argument --padding_free.*Truthy value expected: got maybe"),
+    ],
+    ids=["unknown-field", "type-error", "bad-bool"],
+)
+def test_cli_names_the_bad_field(argv, match, tmp_path, capsys):
+    from trl_scale.cli import main
+
+    from .helpers import ROOT
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["grpo", "--config", str(ROOT / "examples" / "grpo_tiny_cpu.yaml"), "--output_dir", str(tmp_path), *argv])
+    assert exit_info.value.code == 2
+    assert __import__("re").search(match, capsys.readouterr().err)
+
+
+def test_yaml_type_error_names_the_field(tmp_path, capsys):
+    from trl_scale.cli import main
+
+    config = tmp_path / "bad.yaml"
+    config.write_text("model_name_or_path: toy:llama\ndataset_name: toy:counting\nmax_steps: lots\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["grpo", "--config", str(config), "--output_dir", str(tmp_path / "out")])
+    assert (
+        exit_info.value.code == 2 and "--max_steps/--max-steps: invalid int value: 'lots'" in capsys.readouterr().err
+    )
+
+
+class _HubWithoutToken:
+    """Stands in for `huggingface_hub.HfApi` on a machine with no token: every write is refused as the Hub does."""
+
+    def create_repo(self, repo_id, **kwargs):
+        from huggingface_hub.errors import LocalTokenNotFoundError
+
+        raise LocalTokenNotFoundError("Token is required (`token=True`), but no token found.")
+
+    upload_folder = create_repo
+
+
+def test_push_to_hub_without_a_token_fails_early_and_keeps_the_model(tiny_llama, tmp_path, monkeypatch):
+    import transformers.trainer
+
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: _HubWithoutToken())
+    # push_to_hub=True: the repo is created at construction, so a missing token stops the run before it trains.
+    with pytest.raises(RuntimeError, match=r"creating the Hub repo.*LocalTokenNotFoundError.*HF_TOKEN"):
+        _grpo(tiny_llama, tmp_path / "early", push_to_hub=True, hub_model_id="tiny")
+    # A push after training: the error says where the model is, and it is there.
+    trainer = _grpo(tiny_llama, tmp_path / "late", max_steps=1)
+    trainer.train()
+    with pytest.raises(RuntimeError, match=r"push_to_hub failed.*Nothing is lost.*late.*HF_TOKEN"):
+        trainer.push_to_hub()
+    assert (tmp_path / "late" / "model.safetensors").exists()
+    AutoModelForCausalLM.from_pretrained(tmp_path / "late")

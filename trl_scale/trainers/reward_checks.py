@@ -1,0 +1,102 @@
+"""Reward functions checked where they are called: a function that raises, returns the wrong number of rewards, or
+returns something that is not a finite number stops the step with an error that names it, instead of a shape error
+deep in TRL or NaN advantages many steps later. `None` (and NaN, which TRL reads the same way) keeps TRL's meaning:
+"this function does not apply to this completion"."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import numbers
+from collections.abc import Callable
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised; the original exception is its ``__cause__``."""
+
+
+def _check(name: str, rewards, num_completions: int) -> None:
+    if isinstance(rewards, (str, bytes)) or not hasattr(rewards, "__len__"):
+        raise ValueError(
+            f"reward function {name!r} returned {type(rewards).__name__}; return a list with one float (or None) "
+            f"per completion ({num_completions} here)"
+        )
+    if len(rewards) != num_completions:
+        raise ValueError(
+            f"reward function {name!r} returned {len(rewards)} rewards for {num_completions} completions; return "
+            "one float (or None) per completion, in the order of `completions`"
+        )
+    for index, reward in enumerate(rewards):
+        if reward is None:
+            continue
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+            raise ValueError(
+                f"reward function {name!r} returned {reward!r} ({type(reward).__name__}) for completion {index}; "
+                "rewards are floats, or None where the function does not apply"
+            )
+        if math.isinf(reward):
+            raise ValueError(
+                f"reward function {name!r} returned {reward} for completion {index}: an infinite reward makes every "
+                "advantage of its group NaN. Return a finite float (clip it), or None where the function does not "
+                "apply"
+            )
+
+
+def _raised(name: str, error: Exception) -> RewardFunctionError:
+    return RewardFunctionError(f"reward function {name!r} raised {type(error).__name__}: {error}")
+
+
+def checked_reward_func(func: Callable, name: str) -> Callable:
+    """``func`` with its outputs checked; same name (TRL logs rewards under it) and the same sync/async kind."""
+
+    def count(kwargs) -> int:
+        return len(kwargs["completions"]) if "completions" in kwargs else len(kwargs.get("prompts", ()))
+
+    call = type(func).__call__ if not inspect.isroutine(func) else func  # a callable instance's __call__
+    if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(call):
+
+        async def checked(*args, **kwargs):
+            try:
+                rewards = await func(*args, **kwargs)
+            except Exception as error:
+                raise RewardFunctionError(
+                    f"reward function {name!r} raised {type(error).__name__}: {error}"
+                ) from error
+            _check(name, rewards, count(kwargs))
+            return rewards
+
+    else:
+
+        def checked(*args, **kwargs):
+            try:
+                rewards = func(*args, **kwargs)
+            except Exception as error:
+                raise RewardFunctionError(
+                    f"reward function {name!r} raised {type(error).__name__}: {error}"
+                ) from error
+            _check(name, rewards, count(kwargs))
+            return rewards
+
+    if inspect.isfunction(func) or inspect.ismethod(func):
+        functools.update_wrapper(checked, func)
+    checked.__name__ = checked.__qualname__ = name
+    checked.__trl_scale_checked__ = func
+    return checked
+
+
+def checked_reward_funcs(reward_funcs):
+    """Each callable in ``reward_funcs`` (one or a list) checked; models and model paths stay as they are (TRL
+    scores them itself)."""
+    if reward_funcs is None:
+        return None
+    from torch import nn
+    from trl.trainer.utils import get_callable_name
+
+    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+    return [
+        f
+        if isinstance(f, (str, nn.Module)) or not callable(f) or hasattr(f, "__trl_scale_checked__")
+        else checked_reward_func(f, get_callable_name(f))
+        for f in funcs
+    ]
