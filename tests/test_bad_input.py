@@ -305,3 +305,72 @@ def test_push_to_hub_without_a_token_fails_early_and_keeps_the_model(tiny_llama,
         trainer.push_to_hub()
     assert (tmp_path / "late" / "model.safetensors").exists()
     AutoModelForCausalLM.from_pretrained(tmp_path / "late")
+
+
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        (b"{not json", r"JSONDecodeError"),
+        (b'{"choices": [{"token_ids": [1]}]}', r"malformed response: 1 choices for n=2"),
+    ],
+    ids=["malformed-json", "wrong-number-of-choices"],
+)
+def test_a_server_answering_garbage_leaves_the_rotation_with_the_reason(body, match):
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from trl_scale.rollout import RolloutClient, RolloutError
+
+    class Garbage(BaseHTTPRequestHandler):
+        def _send(self, payload: bytes):
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def do_GET(self):
+            self._send(json.dumps({"data": [{"id": "tiny"}]}).encode())
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._send(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Garbage)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        client = RolloutClient([f"http://127.0.0.1:{server.server_port}"], request_timeout=3, retry_after=0.5)
+        with pytest.raises(RolloutError, match=rf"no rollout server answered.*{match}"):
+            client.generate([[1, 2, 3]], n=2, max_tokens=2)
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)
+
+
+def test_prompt_beyond_the_model_context_is_named_before_it_trains(tmp_path):
+    from datasets import Dataset
+
+    from trl_scale.toy import build_tiny_model
+
+    short_context = build_tiny_model(tmp_path / "model", "llama", max_position_embeddings=24)
+    with pytest.raises(ValueError, match=r"max_completion_length=24 leaves no room.*context of 24 tokens"):
+        _grpo(short_context, tmp_path / "a", max_completion_length=24)
+    long_prompt = " ".join(["one"] * 30)
+    rows = [{"prompt": "one two"}, {"prompt": long_prompt}] * 4  # one prompt per step: step 2's is too long
+    trainer = _grpo(
+        short_context,
+        tmp_path / "b",
+        dataset=Dataset.from_list(rows),
+        shuffle_dataset=False,
+        save_strategy="steps",
+        save_steps=1,
+        per_device_train_batch_size=4,
+    )
+    with pytest.raises(ValueError, match=r"prompt 0 of this batch has 30 tokens.*context of 24 tokens.*filter"):
+        trainer.train()
+    assert (tmp_path / "b" / "checkpoint-1" / "model.safetensors").exists()

@@ -42,6 +42,15 @@ class ServerState:
     latency: float = 0.0  # moving average of seconds per request (0 until measured: tried first)
 
 
+def _check_choices(choices, n: int) -> None:
+    """A completions response must hold `n` choices with token ids; anything else is a server fault."""
+    if not isinstance(choices, list) or len(choices) != n:
+        count = len(choices) if isinstance(choices, list) else type(choices).__name__
+        raise ValueError(f"malformed response: {count} choices for n={n}")
+    if not all(isinstance(c, dict) and isinstance(c.get("token_ids"), list) for c in choices):
+        raise ValueError("malformed response: a choice without a token_ids list")
+
+
 class RolloutClient:
     def __init__(
         self,
@@ -148,7 +157,8 @@ class RolloutClient:
                     self._release(server, ok=True)
                     raise RolloutError(f"{server.url} rejected the request ({response.status_code}): {response.text}")
                 response.raise_for_status()
-                choices = response.json()["choices"]
+                choices = response.json()["choices"]  # malformed JSON raises here: a server fault, fail over
+                _check_choices(choices, n)
                 self._release(server, ok=True, seconds=time.monotonic() - sent)
                 return choices
             except RolloutError:

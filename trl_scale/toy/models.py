@@ -86,8 +86,8 @@ def tiny_config(
         pad_token_id=pad_token_id,
         eos_token_id=eos_token_id,
         bos_token_id=None,
-        **overrides,
     )
+    common.update(overrides)  # e.g. max_position_embeddings, attn_implementation
     if family == "gpt2":
         return transformers.GPT2Config(
             vocab_size=vocab_size,

@@ -602,12 +602,45 @@ class OnlineTrainerMixin(
             overridden(config if remote_reference else None, beta=0.0),
         ):
             super().__init__(**arguments)
+        self._check_completion_length()
         if server:
             self._install_server_rollout(logprobs=True)
         self._install_packed_scoring(self.temperature, ("entropy",), self.args.padding_free)
         if remote_reference:
             self.beta = config.beta
             self.ref_model = self._start_remote_reference()
+
+    # ---- lengths the model can take -----------------------------------------------------------------------
+
+    def _context_length(self) -> int | None:
+        config = self.accelerator.unwrap_model(self.model).config.get_text_config()
+        return getattr(config, "max_position_embeddings", None)
+
+    def _check_completion_length(self) -> None:
+        context = self._context_length()
+        if context is not None and self.args.max_completion_length >= context:
+            raise ValueError(
+                f"max_completion_length={self.args.max_completion_length} leaves no room for a prompt in this model's "
+                f"context of {context} tokens (max_position_embeddings). Fix: lower max_completion_length"
+            )
+
+    def _tokenize_prompts(self, prompts: list):
+        """TRL's tokenization, then a check that every prompt plus `max_completion_length` fits the model's context:
+        past it, positions the model never learned (or an index error, with learned positions) would train
+        silently on garbage."""
+        prompt_ids, *rest = super()._tokenize_prompts(prompts)
+        context = self._context_length()
+        if context is not None:
+            for index, ids in enumerate(prompt_ids):
+                if len(ids) + self.args.max_completion_length > context:
+                    raise ValueError(
+                        f"prompt {index} of this batch has {len(ids)} tokens; with max_completion_length="
+                        f"{self.args.max_completion_length} that exceeds the model's context of {context} tokens "
+                        "(max_position_embeddings). Nothing was trained on it, and earlier checkpoints are intact. "
+                        "Fix: drop or shorten long prompts (dataset.filter on their token count, at most "
+                        f"{context - self.args.max_completion_length}), or lower max_completion_length"
+                    )
+        return (prompt_ids, *rest)
 
     # ---- exact resume inside a rollout ------------------------------------------------------------------------
 
