@@ -5,12 +5,14 @@ the held-out sampled reward goes 0.11 -> 0.53 and the logged reward 0.11 -> 0.49
 gradient stays at the 0.1 of a model that speaks number words at random.
 """
 
+import pytest
 from transformers import AutoModelForCausalLM
 
 from trl_scale.cli import main as cli_main
 from trl_scale.toy.demo import run_demo
 
 
+@pytest.mark.slow  # > 20 s on 2 cores; still in CI (CI deselects only gpu and vllm)
 def test_demo_training_learns_to_count(tmp_path):
     result = run_demo(
         output_dir=str(tmp_path),

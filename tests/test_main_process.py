@@ -54,6 +54,7 @@ def _ranks(rank: int, world: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # > 20 s on 2 cores; still in CI (CI deselects only gpu and vllm)
 def test_main_process_collectives_route_answers_and_errors_to_every_rank():
     world = 2
     results = mp.Manager().dict()

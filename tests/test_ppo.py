@@ -114,6 +114,7 @@ def _ppo(model_path, out, reward=token_parity_reward, **overrides):
     )
 
 
+@pytest.mark.slow  # > 20 s on 2 cores; still in CI (CI deselects only gpu and vllm)
 def test_ppo_learns_to_count(tmp_path):
     """Calibrated: seed 0, 200 rollouts of 32, held-out reward 0.11 -> about 0.35-0.5 (0.35 at 150 rollouts)."""
     base = build_tiny_model(tmp_path / "base")

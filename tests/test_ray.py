@@ -63,6 +63,7 @@ def _ppo(model_path, out, reward_funcs, backend, **overrides):
     )
 
 
+@pytest.mark.slow  # > 20 s on 2 cores; still in CI (CI deselects only gpu and vllm)
 @pytest.mark.parametrize("num_workers", [1, 2])
 def test_local_and_ray_backends_give_the_same_rewards_values_and_losses(
     tiny_llama, tiny_reward_model, tmp_path, num_workers
@@ -109,6 +110,7 @@ def test_local_and_ray_backends_give_the_same_rewards_values_and_losses(
         assert (value - local_critic[key]).abs().max().item() <= 1e-5, key
 
 
+@pytest.mark.slow  # > 20 s on 2 cores; still in CI (CI deselects only gpu and vllm)
 def test_ppo_learns_with_its_critic_on_ray(tmp_path):
     from trl_scale.toy import build_tiny_model
 
@@ -205,6 +207,7 @@ def _launch_ppo_on_two_processes(tmp_path, backend: str, **fields) -> dict:
     return json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
 
 
+@pytest.mark.slow  # > 20 s on 2 cores; still in CI (CI deselects only gpu and vllm)
 def test_two_trainer_processes_share_one_set_of_groups_and_match_the_local_backend(
     tiny_llama, tiny_reward_model, tmp_path
 ):
@@ -356,6 +359,7 @@ def test_reference_placement_needs_the_ray_backend(tmp_path):
         )
 
 
+@pytest.mark.slow  # > 20 s on 2 cores; still in CI (CI deselects only gpu and vllm)
 def test_after_a_dead_critic_worker_the_checkpoint_resumes_exactly(tiny_llama, tmp_path):
     """The critic's state lives in its worker, so its death stops the run (on a RoleError); the last checkpoint
     holds the critic, its optimizer and scheduler, and a new trainer resumed from it continues as if nothing

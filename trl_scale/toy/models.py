@@ -88,31 +88,19 @@ def tiny_config(
         bos_token_id=None,
     )
     common.update(overrides)  # e.g. max_position_embeddings, attn_implementation
+    # Older families with their own size names; they start sequences with their EOS token.
+    tokens = dict(
+        vocab_size=vocab_size, pad_token_id=pad_token_id, eos_token_id=eos_token_id, bos_token_id=eos_token_id
+    )
     if family == "gpt2":
-        return transformers.GPT2Config(
-            vocab_size=vocab_size,
-            n_embd=hidden_size,
-            n_layer=num_layers,
-            n_head=num_heads,
-            n_positions=1024,
-            pad_token_id=pad_token_id,
-            eos_token_id=eos_token_id,
-            bos_token_id=eos_token_id,
-            **overrides,
-        )
+        sizes = dict(n_embd=hidden_size, n_layer=num_layers, n_head=num_heads, n_positions=1024)
+        return transformers.GPT2Config(**{**tokens, **sizes, **overrides})
     if family in ("opt", "falcon"):
         sizes = dict(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads)
         if family == "opt":
             sizes.update(ffn_dim=intermediate_size or 2 * hidden_size, word_embed_proj_dim=hidden_size)
         config_class = transformers.OPTConfig if family == "opt" else transformers.FalconConfig
-        return config_class(
-            vocab_size=vocab_size,
-            pad_token_id=pad_token_id,
-            eos_token_id=eos_token_id,
-            bos_token_id=eos_token_id,
-            **sizes,
-            **overrides,
-        )
+        return config_class(**{**tokens, **sizes, **overrides})
     if family not in _FAMILIES:
         raise ValueError(
             f"family={family!r} is not supported; use one of {sorted(_FAMILIES) + ['gpt2', 'opt', 'falcon']}"

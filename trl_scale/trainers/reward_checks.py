@@ -10,6 +10,7 @@ import inspect
 import math
 import numbers
 from collections.abc import Callable
+from contextlib import contextmanager
 
 
 class RewardFunctionError(RuntimeError):
@@ -43,8 +44,13 @@ def _check(name: str, rewards, num_completions: int) -> None:
             )
 
 
-def _raised(name: str, error: Exception) -> RewardFunctionError:
-    return RewardFunctionError(f"reward function {name!r} raised {type(error).__name__}: {error}")
+@contextmanager
+def _reported(name: str):
+    """An exception from a reward function, re-raised as a `RewardFunctionError` that names it."""
+    try:
+        yield
+    except Exception as error:
+        raise RewardFunctionError(f"reward function {name!r} raised {type(error).__name__}: {error}") from error
 
 
 def checked_reward_func(func: Callable, name: str) -> Callable:
@@ -57,24 +63,16 @@ def checked_reward_func(func: Callable, name: str) -> Callable:
     if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(call):
 
         async def checked(*args, **kwargs):
-            try:
+            with _reported(name):
                 rewards = await func(*args, **kwargs)
-            except Exception as error:
-                raise RewardFunctionError(
-                    f"reward function {name!r} raised {type(error).__name__}: {error}"
-                ) from error
             _check(name, rewards, count(kwargs))
             return rewards
 
     else:
 
         def checked(*args, **kwargs):
-            try:
+            with _reported(name):
                 rewards = func(*args, **kwargs)
-            except Exception as error:
-                raise RewardFunctionError(
-                    f"reward function {name!r} raised {type(error).__name__}: {error}"
-                ) from error
             _check(name, rewards, count(kwargs))
             return rewards
 
