@@ -63,6 +63,22 @@ def test_bad_reward_stops_the_step_naming_the_function_and_keeps_the_checkpoint(
     AutoModelForCausalLM.from_pretrained(checkpoint)
 
 
+def test_a_checked_reward_function_called_directly_counts_positional_completions():
+    """Users (and the Ray reward wrapper's callers) call reward functions directly as `f(prompts, completions)`:
+    the check counts the completions given positionally, not zero."""
+    from trl_scale.trainers.reward_checks import checked_reward_func
+
+    def two(prompts, completions, **kwargs):
+        return [0.5, 0.5]
+
+    checked = checked_reward_func(two, "two")
+    assert checked(["p", "q"], ["a", "b"]) == [0.5, 0.5]
+    with pytest.raises(ValueError, match="returned 2 rewards for 3 completions"):
+        checked(["p", "q", "r"], ["a", "b", "c"])
+    with pytest.raises(ValueError, match="returned 2 rewards for 3 completions"):
+        checked(prompts=["p"] * 3, completions=["a", "b", "c"])
+
+
 def test_none_and_nan_rewards_keep_trls_meaning(tiny_llama, tmp_path):
     """None (and NaN, which TRL reads the same way) marks "this function does not apply": GRPO trains, as in TRL."""
 

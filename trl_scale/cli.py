@@ -140,7 +140,19 @@ def train(method: str, argv: list[str]) -> int:
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    _end_distributed(trainer.accelerator)
     return 0
+
+
+def _end_distributed(accelerator) -> None:
+    """Leave the process group before the interpreter exits. A gloo group left to static destructors can abort a
+    rank at exit ("terminate called without an active exception", SIGABRT) after a run that finished and saved,
+    which a launcher reports as a failed run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        accelerator.wait_for_everyone()
+        dist.destroy_process_group()
 
 
 def _rollout(argv: list[str]) -> int:

@@ -108,18 +108,30 @@ class RoleGroup:
         bundle = {"CPU": placement.num_cpus_per_worker}
         if placement.num_gpus_per_worker:
             bundle["GPU"] = placement.num_gpus_per_worker
+        self.workers = []
         self.placement_group = placement_group([bundle] * placement.num_workers, strategy="PACK")
-        self._call(self.placement_group.ready(), "placement")
-        self.workers = [self._start_worker(index) for index in range(placement.num_workers)]
+        try:
+            self._call(self.placement_group.ready(), "placement")
+            self.workers = [self._start_worker(index) for index in range(placement.num_workers)]
+            self._start_workers()
+        except BaseException:
+            # A group that never started must not keep its (possibly pending) reservation: Ray would hold or grant
+            # those resources to nobody for the rest of the job.
+            self.shutdown()
+            raise
+
+    def _start_workers(self) -> None:
         try:
             self._call([w.ping.remote() for w in self.workers], "start")
-            if role == "critic" and len(self.workers) > 1:
+            if self.role == "critic" and len(self.workers) > 1:
                 address, port = self._call(self.workers[0].rendezvous_address.remote(), "rendezvous")
                 world = len(self.workers)
                 refs = [w.init_process_group.remote(i, world, address, port) for i, w in enumerate(self.workers)]
                 self._call(refs, "process group")
         except RoleError as error:
-            raise RoleError(f"{role} group could not start its workers for {model_path!r}: {error}") from error
+            raise RoleError(
+                f"{self.role} group could not start its workers for {self.model_path!r}: {error}"
+            ) from error
 
     def _start_worker(self, index: int):
         import ray

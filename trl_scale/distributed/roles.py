@@ -131,6 +131,10 @@ class RayRewardModel:
     prompt + completion), and tokenized by the worker with the model's own tokenizer. A collective across trainer
     ranks: the main process scores every rank's texts in one call."""
 
+    # One score per completion by construction: the trainer's reward-output checks leave it unwrapped, so the
+    # trainer's `reward_funcs` keep this object (and its `group`).
+    __trl_scale_checked__ = True
+
     def __init__(self, group: RoleGroup | None, name: str, chat_tokenizer=None):
         self.group, self.__name__, self.chat_tokenizer = group, name, chat_tokenizer
 

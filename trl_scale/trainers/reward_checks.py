@@ -17,13 +17,13 @@ class RewardFunctionError(RuntimeError):
     """A reward function raised; the original exception is its ``__cause__``."""
 
 
-def _check(name: str, rewards, num_completions: int) -> None:
+def _check(name: str, rewards, num_completions: int | None) -> None:
     if isinstance(rewards, (str, bytes)) or not hasattr(rewards, "__len__"):
         raise ValueError(
             f"reward function {name!r} returned {type(rewards).__name__}; return a list with one float (or None) "
             f"per completion ({num_completions} here)"
         )
-    if len(rewards) != num_completions:
+    if num_completions is not None and len(rewards) != num_completions:
         raise ValueError(
             f"reward function {name!r} returned {len(rewards)} rewards for {num_completions} completions; return "
             "one float (or None) per completion, in the order of `completions`"
@@ -56,8 +56,12 @@ def _reported(name: str):
 def checked_reward_func(func: Callable, name: str) -> Callable:
     """``func`` with its outputs checked; same name (TRL logs rewards under it) and the same sync/async kind."""
 
-    def count(kwargs) -> int:
-        return len(kwargs["completions"]) if "completions" in kwargs else len(kwargs.get("prompts", ()))
+    def count(args, kwargs) -> int | None:
+        # TRL passes keywords; a direct call may pass (prompts, completions) positionally, as TRL's signature reads.
+        completions = kwargs.get("completions", args[1] if len(args) > 1 else None)
+        prompts = kwargs.get("prompts", args[0] if args else None)
+        batch = completions if completions is not None else prompts
+        return len(batch) if hasattr(batch, "__len__") else None
 
     call = type(func).__call__ if not inspect.isroutine(func) else func  # a callable instance's __call__
     if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(call):
@@ -65,7 +69,7 @@ def checked_reward_func(func: Callable, name: str) -> Callable:
         async def checked(*args, **kwargs):
             with _reported(name):
                 rewards = await func(*args, **kwargs)
-            _check(name, rewards, count(kwargs))
+            _check(name, rewards, count(args, kwargs))
             return rewards
 
     else:
@@ -73,7 +77,7 @@ def checked_reward_func(func: Callable, name: str) -> Callable:
         def checked(*args, **kwargs):
             with _reported(name):
                 rewards = func(*args, **kwargs)
-            _check(name, rewards, count(kwargs))
+            _check(name, rewards, count(args, kwargs))
             return rewards
 
     if inspect.isfunction(func) or inspect.ismethod(func):
