@@ -79,6 +79,7 @@ def test_server_speaks_vllm_completion_shapes_and_rejects_bad_requests(servers, 
     url = servers[0].url
     model = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
     body = {"model": model, "prompt": [[432, 375], [380]], "n": 3, "max_tokens": 4, "logprobs": 0}
+    body["return_tokens_as_token_ids"] = True  # as TRL sends it
     choices = requests.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"]
     assert len(choices) == 6
     assert [c["prompt_token_ids"] for c in choices[::3]] == [[432, 375], [380]]  # prompt-major
@@ -95,8 +96,14 @@ def test_server_speaks_vllm_completion_shapes_and_rejects_bad_requests(servers, 
     for request, status, message in bad:
         response = requests.post(f"{url}/v1/completions", json=request, timeout=30)
         assert response.status_code == status and message in response.text, (request, response.text)
-    response = requests.post(f"{url}/update_weights", data=b"not safetensors", timeout=30)
-    assert response.status_code == 400 and "safetensors" in response.text
+    # vLLM's default: logprobs.tokens are the decoded tokens (completion/serving.py:668-687)
+    body = {"model": model, "prompt": [[432, 375]], "max_tokens": 3, "logprobs": 0, "temperature": 0.0}
+    (choice,) = requests.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    assert choice["logprobs"]["tokens"] == [tokenizer.decode([t]) for t in choice["token_ids"]]
+    # no route takes weights in a body: a binary /update_weights is vLLM's 400 (dev/rlhf/api_router.py:186-201)
+    response = requests.post(f"{url}/update_weights", data=b"\x00safetensors", timeout=30)
+    assert response.status_code == 400 and "Invalid JSON format" in response.text
 
 
 def test_bearer_token_is_enforced(tiny_llama):
@@ -132,7 +139,7 @@ def _grpo(model_path, out, urls, **overrides):
     )
 
 
-@pytest.mark.parametrize("weight_sync", ["http", "shared_dir"])
+@pytest.mark.parametrize("weight_sync", ["auto", "shared_dir"])
 def test_grpo_trains_on_servers_and_their_weights_follow_the_policy(servers, tiny_llama, tmp_path, weight_sync):
     trainer = _grpo(
         tiny_llama, tmp_path, [s.url for s in servers], weight_sync=weight_sync, weight_sync_dir=str(tmp_path / "sync")
@@ -140,6 +147,7 @@ def test_grpo_trains_on_servers_and_their_weights_follow_the_policy(servers, tin
     trainer.train()
     assert trainer.state.global_step == 3
     assert trainer.vllm_generation.sync_count == 3  # before each step's generation
+    assert trainer.vllm_generation.weight_sync == {"auto": "nccl", "shared_dir": "shared_dir"}[weight_sync]
     served = {s.url: s.served for s in trainer.vllm_generation.client.servers}
     assert all(count > 0 for count in served.values()), served  # both servers did work
     trainer.vllm_generation.sync_weights()  # push the final weights, then compare log-probs
@@ -214,13 +222,13 @@ def test_hung_and_dead_servers_are_waited_on_retried_and_give_up_within_the_time
     assert 3 <= elapsed < 12  # waited out the hung server, then gave up within a bounded time
 
 
-def test_stalled_weight_sync_fails_within_the_timeout():
+def test_stalled_weight_sync_fails_within_the_timeout(tmp_path):
     # A server that accepts connections and never answers: the classic hung weight sync.
     with black_hole_server() as (hung, accepted):
         client = RolloutClient([hung], request_timeout=5)
         start = time.monotonic()
         with pytest.raises(RolloutError, match="weight_sync_timeout=2"):
-            client.update_weights({"w": torch.zeros(4)}, timeout=2)
+            client.reload_weights(str(tmp_path), "v1", timeout=2)
         assert time.monotonic() - start < 10 and accepted
 
 
@@ -228,9 +236,8 @@ def test_a_server_that_missed_a_sync_leaves_the_rotation(servers, tiny_llama):
     dead = f"http://127.0.0.1:{free_port()}"
     client = RolloutClient([servers[0].url, dead], request_timeout=30, retry_after=60)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
-    client.update_weights(dict(model.state_dict()), timeout=30)  # one server takes it, the dead one is stale
-    stale = {s.url: s.stale for s in client.servers}
-    assert stale == {servers[0].url: False, dead: True}
+    version = client.push_weights(dict(model.state_dict()), timeout=30)  # one server takes it, the dead one cannot
+    assert {s.url: s.version == version for s in client.servers} == {servers[0].url: True, dead: False}
     client.generate([[432]] * 4, max_tokens=2)
     assert {s.url: s.served for s in client.servers}[dead] == 0
 
@@ -260,8 +267,10 @@ def test_rloo_and_ppo_roll_out_on_the_servers(servers, tiny_llama, tmp_path, met
     )
     trainer.train()
     assert trainer.state.global_step == 2 and trainer.vllm_generation.sync_count >= 1
-    # one request per completion; PPO (4 epochs by default) rolls out once in these 2 steps
-    assert sum(s.served for s in trainer.vllm_generation.client.servers) >= 8
+    # RLOO: one request per prompt (its 4 completions batched with n); PPO: one per completion. PPO (4 epochs by
+    # default) rolls out once in these 2 steps.
+    served = sum(s.served for s in trainer.vllm_generation.client.servers)
+    assert served == {"rloo": 2 * 8 // 4, "ppo": 8}[method], served
 
 
 def test_rejection_sampling_keeps_the_best_per_prompt(servers, tiny_llama, tmp_path):
@@ -339,7 +348,7 @@ def test_lora_weight_sync_serves_the_trained_adapter(servers, tiny_llama, tmp_pa
     # LoRA sync ships only the adapter: the server's base must be the policy's base. Earlier tests may have synced
     # other weights into this shared server, so put the base back first.
     base = AutoModelForCausalLM.from_pretrained(tiny_llama)
-    RolloutClient([servers[0].url], request_timeout=60).update_weights(dict(base.state_dict()), timeout=60)
+    RolloutClient([servers[0].url], request_timeout=60).push_weights(dict(base.state_dict()), timeout=60)
 
     trainer = trl_scale.GRPOTrainer(
         model=tiny_llama,
@@ -388,28 +397,11 @@ def test_lora_weight_sync_serves_the_trained_adapter(servers, tiny_llama, tmp_pa
 
     before = base_logprobs()
     changed = {k: v + 0.05 * torch.randn_like(v) for k, v in base.state_dict().items() if "q_proj" in k}
-    RolloutClient([servers[0].url], request_timeout=60).update_weights(changed, timeout=60)
+    RolloutClient([servers[0].url], request_timeout=60).push_weights(changed, timeout=60)
     after = base_logprobs()
     assert after["logprobs"]["token_logprobs"] != before["logprobs"]["token_logprobs"]
-    RolloutClient([servers[0].url], request_timeout=60).update_weights(dict(base.state_dict()), timeout=60)
+    RolloutClient([servers[0].url], request_timeout=60).push_weights(dict(base.state_dict()), timeout=60)
     assert base_logprobs() == before
-
-
-def test_merged_peft_weights_carry_the_plain_models_names(tiny_llama):
-    """What a full-weight sync sends for a PEFT policy must load into the server's plain model: LoRA merged in,
-    PEFT prefixes and modules_to_save copies mapped back to the original names."""
-    from peft import LoraConfig, get_peft_model
-
-    from trl_scale.rollout.generation import _merged_state_dict
-
-    plain = AutoModelForCausalLM.from_pretrained(tiny_llama)
-    config = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"], init_lora_weights=False)
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama), config)
-    merged = _merged_state_dict(peft_model)
-    assert set(merged) == set(plain.state_dict())
-    assert not torch.equal(
-        merged["model.layers.0.self_attn.q_proj.weight"], plain.state_dict()["model.layers.0.self_attn.q_proj.weight"]
-    )  # the adapter is in it
 
 
 def test_evaluate_reports_exact_metrics(tiny_llama):

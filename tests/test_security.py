@@ -110,7 +110,7 @@ def test_request_bodies_are_capped(served):
     big = {"prompt": [[10] * 2000], "max_tokens": 1}  # about 8 KB of JSON
     response = requests.post(f"{url}/v1/completions", data=json.dumps(big), timeout=30)
     assert response.status_code == 413 and "limit of 4096 bytes" in response.text
-    # Weight bodies are bounded by the model's own size (4 bytes per parameter plus a header): 64 MiB is too much.
+    # Weights never travel in a body, so /update_weights (JSON metadata) has the same cap.
     response = requests.post(f"{url}/update_weights", data=b"\0" * (64 * 2**20), timeout=60)
     assert response.status_code == 413
     assert _greedy(url)  # the server still serves
@@ -124,12 +124,13 @@ def test_only_safetensors_are_loaded(served, tmp_path):
     buffer = io.BytesIO()
     torch.save({"model.embed_tokens.weight": torch.zeros(2, 2)}, buffer)
     response = requests.post(f"{url}/update_weights", data=buffer.getvalue(), timeout=30)
-    assert response.status_code == 400 and "safetensors" in response.text
+    assert response.status_code == 400 and "Invalid JSON format" in response.text
     assert not marker.exists() and _greedy(url) == before
     # A directory with a pickled checkpoint only.
     (tmp_path / "bin").mkdir()
     torch.save({}, tmp_path / "bin" / "pytorch_model.bin")
-    response = requests.post(f"{url}/update_weights_from_path", json={"path": str(tmp_path / "bin")}, timeout=30)
+    body = {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "bin")}}
+    response = requests.post(f"{url}/collective_rpc", json=body, timeout=30)
     assert response.status_code == 400 and "no .safetensors" in response.text
     # An adapter saved as a pickle (PEFT would fall back to adapter_model.bin).
     adapter = tmp_path / "adapter"

@@ -1,11 +1,15 @@
-"""`trl-scale serve`: a transformers-backed server speaking the part of vLLM's OpenAI-compatible API that the
-rollout client uses, for CPU machines and tests.
+"""`trl-scale serve`: a transformers-backed server speaking vLLM's contract (the OpenAI-compatible routes and the
+dev-mode RL routes of vLLM 0.22-0.33), for CPU machines and tests.
 
-Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions` (token-id or text prompts, `n`, sampling
-parameters, `logprobs`, `return_token_ids`; choices prompt-major with `token_ids`, `prompt_token_ids` and
-`logprobs.{tokens,token_logprobs,top_logprobs}` as vLLM returns them), and weight updates:
-`POST /update_weights` (a safetensors body), `POST /update_weights_from_path` (`{"path": dir}`) and
-`POST /v1/load_lora_adapter` (`{"lora_name", "lora_path"}`). JSON and safetensors only, never pickle.
+Routes, with vLLM's request and response models and status codes (vLLM 0.31 source, cited where each is built):
+`GET /health`, `GET /v1/models`, `POST /v1/completions` (token-id or text prompts, `n`, sampling parameters,
+`logprobs`, `return_token_ids`; choices prompt-major; `logprobs.tokens` decoded unless
+`return_tokens_as_token_ids`), and the RL routes: `/pause` `/resume` `/is_paused`, `/reset_prefix_cache`,
+`/get_world_size`, `/server_info`, `/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights` (JSON
+`update_info`; a non-JSON body is a 400), `/finish_weight_update`, `/update_weight_version`, `/weight_info`,
+`/collective_rpc` (`reload_weights` from a directory), `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's
+LoRA rules). Its weight-transfer engine is gloo (`--world-size` ranks, one thread each), so the client's group
+orchestration runs on CPU exactly as it does against vLLM's NCCL engine. JSON and safetensors only, never pickle.
 """
 
 import argparse
@@ -47,9 +51,12 @@ def create_app(
     dtype: str = "float32",
     trust_remote_code: bool = False,
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    world_size: int = 1,
+    max_lora_rank: int = 16,
+    weight_transfer_timeout: float = 300.0,
 ):
     from fastapi import FastAPI, HTTPException, Request
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, Response
     from pydantic import BaseModel, Field
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -59,12 +66,36 @@ def create_app(
         model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
     )
     model.eval()
-    # A full-weight body carries at most the model's parameters (in any dtype up to fp32) plus a header.
-    max_weights_bytes = 4 * sum(p.numel() for p in model.parameters()) + 2**20
     model_name = os.path.basename(os.path.normpath(model_path))
     lock = threading.Lock()  # one generation or weight update at a time
-    state = {"weight_version": 0, "lora": {}}
+    running = threading.Event()  # cleared by /pause: new generations wait for /resume (vLLM's mode=keep)
+    running.set()
+    state = {
+        "weight_version": None,
+        "lora": {},
+        "engine": None,  # the weight-transfer engine: this server's gloo ranks
+        "updating": False,  # between /start_weight_update and /finish_weight_update
+        "prefix_cache_resets": 0,
+    }
     app = FastAPI(title="trl-scale serve")
+
+    def error_response(message: str, kind: str, status: int) -> JSONResponse:
+        # vLLM's ErrorResponse (entrypoints/serve/engine/protocol.py) for the OpenAI-compatible routes.
+        body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+        return JSONResponse(body, status_code=status)
+
+    async def json_body(request: Request) -> dict:
+        # vLLM's RL routes parse the body themselves and answer 400 to anything that is not JSON
+        # (entrypoints/serve/dev/rlhf/api_router.py:186-201).
+        import json
+
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise HTTPException(400, "Invalid JSON format") from error
+        if not isinstance(body, dict):
+            raise HTTPException(400, "Invalid JSON format")
+        return body
 
     class CompletionRequest(BaseModel):
         model: str | None = None
@@ -78,7 +109,7 @@ def create_app(
         repetition_penalty: float = Field(1.0, gt=0.0)
         logprobs: int | None = Field(None, ge=0, le=20)
         return_token_ids: bool = True
-        return_tokens_as_token_ids: bool = True
+        return_tokens_as_token_ids: bool = False  # vLLM's default: logprobs.tokens are decoded text
         seed: int | None = None
 
     expected_authorization = f"Bearer {api_key}".encode() if api_key else None
@@ -90,18 +121,18 @@ def create_app(
             if not hmac.compare_digest(given, expected_authorization):  # constant time: no timing oracle on the key
                 return JSONResponse({"error": {"message": "missing or wrong bearer token"}}, status_code=401)
         if request.method == "POST":
-            limit = max_weights_bytes if request.url.path == "/update_weights" else max_request_bytes
+            limit = max_request_bytes  # weights never travel in a body: they are broadcast or read from disk
             length = request.headers.get("content-length")
             if length is None:
                 return JSONResponse({"error": {"message": "send a Content-Length header"}}, status_code=411)
-            if int(length) > limit:
+            if int(length or 0) > limit:
                 message = f"request body of {int(length)} bytes is over this endpoint's limit of {limit} bytes"
                 return JSONResponse({"error": {"message": message}}, status_code=413)
         return await call_next(request)
 
     @app.get("/health")
     def health():
-        return {"status": "ok", "weight_version": state["weight_version"]}
+        return Response(status_code=200)
 
     @app.get("/v1/models")
     def models():
@@ -129,7 +160,9 @@ def create_app(
     @app.post("/v1/completions")
     def completions(request: CompletionRequest):
         if request.model not in (None, model_name, *state["lora"]):
-            raise HTTPException(404, f"model {request.model!r} is not served here (serving {model_name!r})")
+            message = f"The model `{request.model}` does not exist (not served here: serving {model_name!r})."
+            return error_response(message, "NotFoundError", 404)
+        running.wait()
         prompts = _prompts(request)
         expanded = [p for p in prompts for _ in range(request.n)]  # prompt-major, as vLLM orders choices
         width = max(len(p) for p in expanded)
@@ -189,15 +222,21 @@ def create_app(
             if request.logprobs is not None:
                 lps = step_logprobs[i, : len(tokens)]
                 chosen = lps.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+
+                def label(token: int) -> str:
+                    if request.return_tokens_as_token_ids:
+                        return f"token_id:{token}"
+                    return tokenizer.decode([token])
+
                 top = []
                 for pos, token in enumerate(tokens):
-                    entry = {f"token_id:{token}": chosen[pos]}
+                    entry = {label(token): chosen[pos]}
                     if request.logprobs > 0:
                         values, ids = lps[pos].topk(request.logprobs)
-                        entry.update({f"token_id:{j}": v for j, v in zip(ids.tolist(), values.tolist())})
+                        entry.update({label(j): v for j, v in zip(ids.tolist(), values.tolist())})
                     top.append(entry)
                 choice["logprobs"] = {
-                    "tokens": [f"token_id:{t}" for t in tokens],
+                    "tokens": [label(t) for t in tokens],
                     "token_logprobs": chosen,
                     "top_logprobs": top,
                 }
@@ -221,59 +260,243 @@ def create_app(
         with lock, torch.no_grad():
             for name, tensor in tensors.items():
                 expected[name].copy_(tensor)
-            state["weight_version"] += 1
+
+    # ---- vLLM's dev-mode RL routes (entrypoints/serve/dev/rlhf/api_router.py, cache/, rpc/, server_info/) ----
+
+    @app.post("/pause")
+    def pause(mode: str = "abort"):
+        if mode not in ("abort", "wait", "keep"):
+            raise HTTPException(422, f"mode must be one of abort, wait, keep (got {mode!r})")
+        running.clear()  # generations already running finish; new ones wait (no request is dropped here)
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    def resume():
+        running.set()
+        return {"status": "resumed"}
+
+    @app.get("/is_paused")
+    def is_paused():
+        return {"is_paused": not running.is_set()}
+
+    @app.post("/reset_prefix_cache")
+    def reset_prefix_cache():
+        state["prefix_cache_resets"] += 1  # no prefix cache here; counted so tests see the call
+        return {"success": True}
+
+    @app.get("/get_world_size")
+    def get_world_size(include_dp: bool = True):
+        return {"world_size": world_size}
+
+    @app.get("/server_info")
+    def server_info(config_format: str = "text"):
+        config = {
+            "weight_transfer_config": {"backend": "gloo"},
+            "model_config": {"model": model_path, "dtype": dtype, "logprobs_mode": "processed_logprobs"},
+            "lora_config": {"max_lora_rank": max_lora_rank},
+            "parallel_config": {"world_size": world_size},
+            "trl_scale": {"prefix_cache_resets": state["prefix_cache_resets"]},
+        }
+        return {"vllm_config": config if config_format == "json" else str(config), "vllm_env": {}, "system_env": {}}
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(request: Request):
+        init_info = (await json_body(request)).get("init_info")
+        if init_info is None:
+            raise HTTPException(400, "Missing 'init_info' in request body")
+        try:
+            address, port = init_info["master_address"], int(init_info["master_port"])
+            offset, total = int(init_info["rank_offset"]), int(init_info["world_size"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise HTTPException(
+                400, f"init_info needs master_address, master_port, rank_offset, world_size: {error}"
+            ) from error
+        if init_info.get("packed"):
+            raise HTTPException(400, "this server's gloo engine takes unpacked broadcasts: send packed=false")
+        if offset < 1 or offset + world_size > total:
+            raise HTTPException(400, f"ranks {offset}..{offset + world_size - 1} do not fit a group of {total}")
+        import anyio
+
+        return await anyio.to_thread.run_sync(_open_engine, address, port, offset, total)
+
+    def _open_engine(address: str, port: int, offset: int, total: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .weight_transfer import open_gloo_group
+
+        # One member per rank of this server (a TP x DP vLLM server has that many workers in the group).
+        with ThreadPoolExecutor(world_size) as pool:
+            opened = list(
+                pool.map(
+                    lambda r: open_gloo_group(address, port, offset + r, total, weight_transfer_timeout),
+                    range(world_size),
+                )
+            )
+        state["engine"] = [group for group, _ in opened]
+        return {"message": "Weight transfer initialized"}
+
+    @app.post("/start_weight_update")
+    def start_weight_update():
+        state["updating"] = True
+        return {"message": "Weight update started"}
 
     @app.post("/update_weights")
     async def update_weights(request: Request):
-        from safetensors.torch import load
-
-        body = await request.body()
+        update_info = (await json_body(request)).get("update_info")
+        if update_info is None:
+            raise HTTPException(400, "Missing 'update_info' in request body")
+        if state["engine"] is None:
+            raise HTTPException(400, "no weight-transfer engine: call /init_weight_transfer_engine first")
+        if not state["updating"]:
+            raise HTTPException(400, "call /start_weight_update before /update_weights")
         try:
-            tensors = load(body)
-        except Exception as error:  # a malformed body is the client's error
-            raise HTTPException(400, f"body is not a safetensors payload: {error}") from error
-        _load_state_dict(tensors)
-        return {"success": True, "weight_version": state["weight_version"], "updated": len(tensors)}
+            names, dtype_names, shapes = update_info["names"], update_info["dtype_names"], update_info["shapes"]
+        except (KeyError, TypeError) as error:
+            raise HTTPException(400, f"update_info needs names, dtype_names and shapes: {error}") from error
+        if not len(names) == len(dtype_names) == len(shapes):
+            raise HTTPException(400, "`names`, `dtype_names` and `shapes` must have the same length")
+        import anyio
 
-    class PathRequest(BaseModel):
-        path: str
+        received = await anyio.to_thread.run_sync(_receive, names, dtype_names, shapes)
+        _load_state_dict(received)
+        return {"message": "Weights updated"}
 
-    @app.post("/update_weights_from_path")
-    def update_weights_from_path(request: PathRequest):
+    def _receive(names, dtype_names, shapes) -> dict[str, torch.Tensor]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .weight_transfer import receive_gloo
+
+        def rank(group):
+            return dict(receive_gloo(group, names, dtype_names, shapes, weight_transfer_timeout))
+
+        try:
+            with ThreadPoolExecutor(len(state["engine"])) as pool:
+                per_rank = list(pool.map(rank, state["engine"]))
+        except Exception as error:  # a member left mid-broadcast: this group is over
+            state["engine"] = None
+            raise HTTPException(500, f"weight broadcast failed: {error}") from error
+        return per_rank[0]  # every rank got the same tensors; rank 0's go into this (unsharded) model
+
+    class FinishRequest(BaseModel):
+        weight_version: str | None = None
+
+    @app.post("/finish_weight_update")
+    def finish_weight_update(request: FinishRequest | None = None):
+        state["updating"] = False
+        if request is not None and request.weight_version is not None:
+            state["weight_version"] = request.weight_version
+        return {"message": "Weight update finished"}
+
+    class VersionRequest(BaseModel):
+        new_version: str
+
+    @app.post("/update_weight_version")
+    def update_weight_version(request: VersionRequest):
+        state["weight_version"] = request.new_version
+        return {"success": True, "new_version": request.new_version}
+
+    @app.get("/weight_info")
+    def weight_info():
+        return {"weight_version": state["weight_version"]}
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(request: Request):
+        body = await json_body(request)
+        method = body.get("method")
+        if method is None:
+            raise HTTPException(400, "Missing 'method' in request body")
+        if method != "reload_weights":
+            raise HTTPException(400, f"collective_rpc method {method!r}: this server implements reload_weights only")
+        path = (body.get("kwargs") or {}).get("weights_path") or model_path
+        _reload_weights(path)
+        return {"results": [None] * world_size}
+
+    def _reload_weights(path: str) -> None:
         from safetensors.torch import load_file
 
-        files = (
-            [f for f in sorted(os.listdir(request.path)) if f.endswith(".safetensors")]
-            if os.path.isdir(request.path)
-            else []
-        )
+        files = [f for f in sorted(os.listdir(path)) if f.endswith(".safetensors")] if os.path.isdir(path) else []
         if not files:
-            raise HTTPException(400, f"no .safetensors files in {request.path!r}")
+            raise HTTPException(400, f"no .safetensors files in {path!r} (reload_weights reads safetensors only)")
         tensors = {}
         for name in files:
-            tensors.update(load_file(os.path.join(request.path, name)))
+            tensors.update(load_file(os.path.join(path, name)))
         _load_state_dict(tensors)
-        return {"success": True, "weight_version": state["weight_version"], "updated": len(tensors)}
+
+    # ---- LoRA (entrypoints/openai/models/serving.py:167-300, lora/peft_helper.py:41-56,128-134) ----
 
     class LoraRequest(BaseModel):
         lora_name: str
         lora_path: str
         load_inplace: bool = False
+        is_3d_lora_weight: bool = False
+
+    def _lora_problems(path: str) -> list[str]:
+        import json
+
+        with open(os.path.join(path, "adapter_config.json")) as handle:
+            config = json.load(handle)
+        problems = []
+        unsupported = [m for m in (config.get("modules_to_save") or []) if m not in ("classifier", "score")]
+        if unsupported:
+            problems.append(
+                'vLLM only supports modules_to_save being either None or ["classifier", "score"] for classification '
+                f"models. Unsupported modules_to_save: {unsupported}"
+            )
+        if config.get("use_dora"):
+            problems.append("vLLM does not yet support DoRA.")
+        if int(config.get("r", 0)) > max_lora_rank:
+            problems.append(f"LoRA rank {config.get('r')} is greater than max_lora_rank {max_lora_rank}.")
+        if config.get("bias", "none") != "none":
+            problems.append("Adapter bias is not supported.")
+        return problems
 
     @app.post("/v1/load_lora_adapter")
     def load_lora_adapter(request: LoraRequest):
+        if not request.lora_name or not request.lora_path:
+            return error_response("Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput", 400)
+        if request.lora_name == model_name:
+            message = f"The lora adapter '{request.lora_name}' conflicts with a served base model."
+            return error_response(message, "InvalidUserInput", 400)
+        if not request.load_inplace and request.lora_name in state["lora"]:
+            message = (
+                f"The lora adapter '{request.lora_name}' has already been loaded. If you want to load the adapter "
+                "in place, set 'load_inplace' to True."
+            )
+            return error_response(message, "InvalidUserInput", 400)
         if not os.path.isfile(os.path.join(request.lora_path, "adapter_config.json")):
-            raise HTTPException(400, f"no adapter_config.json in {request.lora_path!r}")
+            message = f"Loading lora {request.lora_name} failed: No adapter found for {request.lora_path}"
+            return error_response(message, "NotFoundError", 404)
         if not os.path.isfile(os.path.join(request.lora_path, "adapter_model.safetensors")):
             # PEFT would fall back to a pickled adapter_model.bin; this server loads safetensors only.
-            raise HTTPException(400, f"no adapter_model.safetensors in {request.lora_path!r} (safetensors only)")
+            message = f"no adapter_model.safetensors in {request.lora_path!r} (safetensors only)"
+            return error_response(message, "InvalidUserInput", 400)
+        problems = _lora_problems(request.lora_path)
+        if problems:  # vLLM raises these while adding the adapter: a 500 carrying the message
+            return error_response(" ".join(problems), "InternalServerError", 500)
         with lock:
             if request.lora_name in state["lora"]:
                 model.delete_adapter(request.lora_name)
             model.load_adapter(request.lora_path, adapter_name=request.lora_name)
             state["lora"][request.lora_name] = request.lora_path
-            state["weight_version"] += 1
-        return {"success": True, "lora_name": request.lora_name}
+        return Response(f"Success: LoRA adapter '{request.lora_name}' added successfully.", status_code=200)
+
+    class UnloadRequest(BaseModel):
+        lora_name: str
+        lora_int_id: int | None = None
+
+    @app.post("/v1/unload_lora_adapter")
+    def unload_lora_adapter(request: UnloadRequest):
+        if not request.lora_name:
+            return error_response(
+                "'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput", 400
+            )
+        if request.lora_name not in state["lora"]:
+            message = f"The lora adapter '{request.lora_name}' cannot be found."
+            return error_response(message, "NotFoundError", 404)
+        with lock:
+            model.delete_adapter(request.lora_name)
+            del state["lora"][request.lora_name]
+        return Response(f"Success: LoRA adapter '{request.lora_name}' removed successfully.", status_code=200)
 
     return app
 
@@ -297,6 +520,13 @@ def serve(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--token-delay", type=float, default=0.0, help="seconds per generated token (benchmarks)")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--world-size", type=int, default=1, help="ranks this server brings to the weight-transfer group (as TP x DP)"
+    )
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank accepted (vLLM's default)")
+    parser.add_argument(
+        "--weight-transfer-timeout", type=float, default=300.0, help="seconds a weight broadcast may take"
+    )
     args = parser.parse_args(argv)
     try:
         check_bind(args.host, args.api_key, args.allow_unauthenticated)  # before minutes of model loading
@@ -311,6 +541,9 @@ def serve(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         trust_remote_code=args.trust_remote_code,
         max_request_bytes=int(args.max_request_mb * 2**20),
+        world_size=args.world_size,
+        max_lora_rank=args.max_lora_rank,
+        weight_transfer_timeout=args.weight_transfer_timeout,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -119,8 +119,11 @@ class RolloutArguments:
 
     vllm_server_base_urls (`list[str]` or `None`):
         Completion servers (vLLM or `trl-scale serve`), routed by least outstanding work, with failover.
-    weight_sync (`str`, defaults to `"http"`), weight_sync_dir (`str` or `None`):
-        `"http"` (safetensors body), `"shared_dir"` (a directory the servers read) or `"lora"` (adapter loading).
+    weight_sync (`str`, defaults to `"auto"`), weight_sync_dir (`str` or `None`):
+        `"nccl"` (one weight-transfer group over every server, vLLM's `/update_weights` route; NCCL needs vLLM and
+        CUDA in the trainer, `trl-scale serve` offers gloo), `"shared_dir"` (safetensors in a directory the servers
+        read, then vLLM's `/collective_rpc reload_weights`), `"lora"` (adapter loading), or `"auto"`: `"nccl"` when
+        every server offers a weight-transfer engine this trainer can drive, else `"shared_dir"`.
     weight_sync_timeout (`float`, defaults to `120`), rollout_request_timeout (`float`, defaults to `120`):
         Bounds in seconds: a stalled sync or an unreachable fleet fails with a clear error, never hangs.
     rollout_api_key (`str` or `None`): bearer token for the servers.
@@ -135,8 +138,13 @@ class RolloutArguments:
         },
     )
     weight_sync: str = field(
-        default="http",
-        metadata={"help": "How weights reach the servers: 'http' (safetensors body), 'shared_dir', or 'lora'."},
+        default="auto",
+        metadata={
+            "help": "How weights reach the servers: 'nccl' (a weight-transfer group over every server: vLLM's NCCL "
+            "engine, which needs vLLM and CUDA here, or trl-scale serve's gloo engine), 'shared_dir' (safetensors in "
+            "weight_sync_dir, reloaded with vLLM's /collective_rpc reload_weights), 'lora' (an adapter per sync), or "
+            "'auto' ('nccl' where every server offers an engine this trainer can drive, else 'shared_dir')."
+        },
     )
     weight_sync_dir: str | None = field(
         default=None, metadata={"help": "Directory the servers can read, for weight_sync='shared_dir' or 'lora'."}
@@ -151,8 +159,9 @@ class RolloutArguments:
     rollout_max_inflight_per_server: int = field(
         default=8,
         metadata={
-            "help": "Requests in flight per server; more wait in the client for the first server to free up "
-            "(load-aware routing). Raise it for vLLM servers that batch many requests."
+            "help": "Requests in flight per server (one request = one prompt's num_generations completions); more "
+            "wait in the client for the first server to free up (load-aware routing). Raise it for vLLM servers "
+            "that batch many requests."
         },
     )
 
@@ -179,10 +188,17 @@ class RolloutArguments:
                         "double the work and every weight sync twice. Fix: list each server once"
                     )
                 seen[key] = url
-        if self.weight_sync not in ("http", "shared_dir", "lora"):
-            raise ValueError(f"weight_sync={self.weight_sync!r}: use 'http', 'shared_dir' or 'lora'")
-        if self.weight_sync_timeout <= 0 or self.rollout_request_timeout <= 0:
-            raise ValueError("weight_sync_timeout and rollout_request_timeout must be positive (seconds)")
+        if self.weight_sync == "http":
+            raise ValueError(
+                "weight_sync='http' is gone: no vLLM route takes weights in a request body (its /update_weights takes "
+                "JSON metadata and a broadcast). Fix: weight_sync='auto' (default), 'nccl', 'shared_dir' or 'lora'"
+            )
+        if self.weight_sync not in ("auto", "nccl", "shared_dir", "lora"):
+            raise ValueError(f"weight_sync={self.weight_sync!r}: use 'auto', 'nccl', 'shared_dir' or 'lora'")
+        if self.weight_sync_timeout <= 0 or self.rollout_request_timeout <= 0 or self.vllm_server_timeout <= 0:
+            raise ValueError(
+                "weight_sync_timeout, rollout_request_timeout and vllm_server_timeout must be positive (seconds)"
+            )
 
 
 @dataclass
@@ -382,6 +398,7 @@ class ServerRolloutMixin:
             weight_sync=args.weight_sync,
             weight_sync_dir=args.weight_sync_dir,
             weight_sync_timeout=args.weight_sync_timeout,
+            ready_timeout=args.vllm_server_timeout,
             logprobs=logprobs,
         )
         self.use_vllm = True
@@ -589,7 +606,8 @@ class OnlineTrainerMixin(
             if arguments.get("peft_config") is None and not (not isinstance(model, str) and is_peft_model(model)):
                 raise ValueError(
                     "weight_sync='lora' sends only a LoRA adapter to the servers, but this policy has none. Fix: pass "
-                    "peft_config=LoraConfig(...) (or a PeftModel), or use weight_sync='http' / 'shared_dir'"
+                    "peft_config=LoraConfig(...) (or a PeftModel), or use weight_sync='nccl' / 'shared_dir' (full "
+                    "weights)"
                 )
         reward_funcs = remote_reward_funcs(arguments.get("reward_funcs"), config)
         arguments["reward_funcs"] = checked_reward_funcs(reward_funcs)
