@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import requests
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,3 +141,55 @@ def accelerate_launch(num_processes: int = 2) -> list[str]:
     ]
     command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     return command + ["--main_process_port", str(free_port())]
+
+
+class Server:
+    """`trl-scale serve` as a real process on 127.0.0.1. The port comes from `free_port()`, which must release it
+    before the child binds it; if another process takes it meanwhile, the server is restarted on a new port."""
+
+    BIND_RETRIES = 3
+
+    def __init__(self, model_path, *extra):
+        self.command = [sys.executable, "-m", "trl_scale.cli", "serve", "--model", model_path, *extra]
+        self._start()
+
+    def _start(self, port=None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        command = [*self.command, "--port", str(self.port)]
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def wait_ready(self, timeout=90):
+        deadline = time.monotonic() + timeout
+        retries = self.BIND_RETRIES
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                error = self.process.stderr.read().decode()
+                if "address already in use" in error.lower() and retries > 0:
+                    retries -= 1
+                    self._start()
+                    continue
+                raise RuntimeError(f"server exited: {error[-2000:]}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"server {self.url} not ready in {timeout}s")
+
+    def stop(self):
+        self.process.kill()
+        self.process.wait(timeout=10)
+
+    def restart(self):
+        """Kill it and start it again on the same port: a server that came back with its original weights."""
+        self.stop()
+        self._start(port=self.port)
+        return self.wait_ready()
+
+
+def start_servers(model_path, count, *extra_per_server):
+    servers = [Server(model_path, *(extra_per_server[i] if i < len(extra_per_server) else ())) for i in range(count)]
+    return [s.wait_ready() for s in servers]

@@ -1,9 +1,6 @@
 """Rollout over real `trl-scale serve` processes on 127.0.0.1: the API, GRPO training with weight sync,
 load-aware routing, failover, and bounded failures. Every wait has a timeout."""
 
-import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -15,56 +12,10 @@ import trl_scale
 from trl_scale.rollout import RolloutClient, RolloutError
 from trl_scale.toy import counting_prompts
 
-from .helpers import black_hole_server, cpu_args, free_port, token_parity_reward
+from .helpers import black_hole_server, cpu_args, free_port, start_servers, token_parity_reward
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
-
-
-class Server:
-    """`trl-scale serve` as a real process on 127.0.0.1. The port comes from `free_port()`, which must release it
-    before the child binds it; if another process takes it meanwhile, the server is restarted on a new port."""
-
-    BIND_RETRIES = 3
-
-    def __init__(self, model_path, *extra):
-        self.command = [sys.executable, "-m", "trl_scale.cli", "serve", "--model", model_path, *extra]
-        self._start()
-
-    def _start(self):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-        command = [*self.command, "--port", str(self.port)]
-        self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-    def wait_ready(self, timeout=90):
-        deadline = time.monotonic() + timeout
-        retries = self.BIND_RETRIES
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                error = self.process.stderr.read().decode()
-                if "address already in use" in error.lower() and retries > 0:
-                    retries -= 1
-                    self._start()
-                    continue
-                raise RuntimeError(f"server exited: {error[-2000:]}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return self
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"server {self.url} not ready in {timeout}s")
-
-    def stop(self):
-        self.process.kill()
-        self.process.wait(timeout=10)
-
-
-def start_servers(model_path, count, *extra_per_server):
-    servers = [Server(model_path, *(extra_per_server[i] if i < len(extra_per_server) else ())) for i in range(count)]
-    return [s.wait_ready() for s in servers]
 
 
 @pytest.fixture(scope="module")

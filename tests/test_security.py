@@ -16,8 +16,7 @@ import torch
 from trl_scale.rollout import server as server_module
 from trl_scale.rollout.server import check_bind, create_app
 
-from .helpers import free_port, subprocess_env
-from .test_rollout import Server
+from .helpers import Server, free_port, subprocess_env
 
 pytest.importorskip("uvicorn")
 

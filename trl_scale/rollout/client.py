@@ -35,6 +35,9 @@ import requests
 logger = logging.getLogger(__name__)
 
 
+LORA_PREFIX = "trl-scale-"  # the adapters a LoRA sync loads; older ones with it are unloaded
+
+
 class RolloutError(RuntimeError):
     """A rollout or weight sync that cannot complete; the message names the servers and the cause."""
 
@@ -333,7 +336,8 @@ class RolloutClient:
     def _paused(self, servers: list[ServerState], timeout: float, work: Callable[[list[ServerState]], list]) -> list:
         """`/pause?mode=keep` (queued requests wait, none is lost), `work(paused servers)`, then `/resume` on every
         paused server, also when the work failed."""
-        paused = [s for s in servers if s.url not in self._each(servers, self._pause, timeout)]
+        refused = self._each(servers, self._pause, timeout)
+        paused = [s for s in servers if s.url not in refused]
         try:
             return work(paused)
         finally:
@@ -365,17 +369,17 @@ class RolloutClient:
 
     def load_lora_adapter(self, name: str, path: str, version: str, timeout: float = 120.0) -> None:
         """LoRA sync by vLLM's rules: a new adapter name per sync (vLLM refuses a second load under a name unless in
-        place, and keeps prefix blocks computed under the old one), then the superseded adapter unloaded."""
-        previous = {s.url: s.version for s in self.servers}
+        place, and keeps prefix blocks computed under the old one), then the superseded adapters unloaded: ours
+        from earlier syncs and from the run this one resumed (every name with the `trl-scale-` prefix)."""
 
         def load(server):
             body = {"lora_name": name, "lora_path": path, "load_inplace": False}
             self._post(server, "/v1/load_lora_adapter", timeout, json=body)
-            old = previous.get(server.url)
-            if old and old != name:
+            listed = self._get(server, "/v1/models", timeout=timeout).json()["data"][1:]
+            for old in [m["id"] for m in listed if m["id"].startswith(LORA_PREFIX) and m["id"] != name]:
                 try:
                     self._post(server, "/v1/unload_lora_adapter", timeout, json={"lora_name": old})
-                except RolloutError as error:  # already gone (e.g. the server restarted): nothing to free
+                except RolloutError as error:  # gone meanwhile: nothing to free
                     logger.info("unloading adapter %s on %s: %s", old, server.url, error)
 
         live = self._live(timeout)

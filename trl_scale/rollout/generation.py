@@ -25,7 +25,7 @@ import uuid
 from accelerate.utils import broadcast_object_list
 from trl.generation.vllm_generation import VLLMGeneration
 
-from .client import RolloutClient, RolloutError
+from .client import LORA_PREFIX, RolloutClient, RolloutError
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class ServerRolloutGeneration(VLLMGeneration):
         is a collective); the main process sends. Its outcome reaches every rank, so a failed sync raises on all
         of them instead of leaving the others waiting."""
         accelerator = self.accelerator
-        version = f"{self._run_id}-{self.sync_count + 1}"
+        version = f"{LORA_PREFIX}{self._run_id}-{self.sync_count + 1}"
         outcome = [("ok", version)]
         try:
             if self.weight_sync == "lora":

@@ -44,6 +44,20 @@ def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> N
         )
 
 
+def weights_digest_of(named_tensors) -> dict[str, str]:
+    """sha256 of each tensor's fp32 bytes, by name (LoRA wrappers' `base_layer` names mapped back)."""
+    import hashlib
+
+    items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+    digest = {}
+    for name, tensor in items:
+        if "lora_" in name:
+            continue
+        data = tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+        digest[name.replace(".base_layer", "")] = hashlib.sha256(data).hexdigest()
+    return digest
+
+
 def create_app(
     model_path: str,
     api_key: str | None = None,
@@ -76,6 +90,7 @@ def create_app(
         "engine": None,  # the weight-transfer engine: this server's gloo ranks
         "updating": False,  # between /start_weight_update and /finish_weight_update
         "prefix_cache_resets": 0,
+        "engine_layout": None,  # {"rank_offset", "world_size"} of the group it joined
     }
     app = FastAPI(title="trl-scale serve")
 
@@ -295,7 +310,7 @@ def create_app(
             "model_config": {"model": model_path, "dtype": dtype, "logprobs_mode": "processed_logprobs"},
             "lora_config": {"max_lora_rank": max_lora_rank},
             "parallel_config": {"world_size": world_size},
-            "trl_scale": {"prefix_cache_resets": state["prefix_cache_resets"]},
+            "trl_scale": {"prefix_cache_resets": state["prefix_cache_resets"], "engine": state["engine_layout"]},
         }
         return {"vllm_config": config if config_format == "json" else str(config), "vllm_env": {}, "system_env": {}}
 
@@ -333,6 +348,7 @@ def create_app(
                 )
             )
         state["engine"] = [group for group, _ in opened]
+        state["engine_layout"] = {"rank_offset": offset, "world_size": total}
         return {"message": "Weight transfer initialized"}
 
     @app.post("/start_weight_update")
@@ -421,6 +437,13 @@ def create_app(
         for name in files:
             tensors.update(load_file(os.path.join(path, name)))
         _load_state_dict(tensors)
+
+    @app.get("/trl_scale/weights_digest")
+    def weights_digest():
+        """A hash per base parameter (vLLM has no such route; a name it does not use), so tests can check a sync
+        gave this server exactly the trainer's weights."""
+        with lock:
+            return {"digest": weights_digest_of(model.state_dict())}
 
     # ---- LoRA (entrypoints/openai/models/serving.py:167-300, lora/peft_helper.py:41-56,128-134) ----
 

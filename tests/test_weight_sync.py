@@ -1,0 +1,409 @@
+"""Weight sync against vLLM's contract, end to end over real `trl-scale serve` processes: one weight-transfer group
+over servers of different world sizes, the shared-directory route, weight versions (a restarted server leaves the
+rotation until a sync reaches it), a member dying mid-broadcast, LoRA by vLLM's rules, readiness, and the request
+and response shapes vLLM's own protocol models define.
+
+The fixtures below are written from vLLM 0.31.0's source (`pip download --no-deps vllm==0.31.0`, unzipped):
+- `entrypoints/serve/dev/rlhf/api_router.py` (pause/resume, init/start/update/finish, weight_info, get_world_size),
+- `distributed/weight_transfer/nccl_common.py:71-100` (`NCCLWeightTransferInitInfo`: master_address, master_port,
+  rank_offset, world_size, packed) and `nccl_engine.py:85-96` (`NCCLWeightTransferUpdateInfo`: names, dtype_names,
+  shapes),
+- `entrypoints/serve/dev/rpc/api_router.py` (collective_rpc), `dev/cache/api_router.py` (reset_prefix_cache),
+- `entrypoints/serve/lora/protocol.py` and `entrypoints/openai/models/serving.py:167-300` (LoRA load/unload)."""
+
+import time
+
+import pytest
+import requests
+import torch
+from transformers import AutoTokenizer, TrainerCallback
+
+import trl_scale
+from trl_scale.rollout import RolloutClient, RolloutError
+from trl_scale.rollout.server import weights_digest_of
+from trl_scale.toy import counting_prompts
+
+from .helpers import cpu_args, start_servers, token_parity_reward
+
+pytest.importorskip("fastapi")
+
+# Request bodies, as vLLM's routes parse them: route -> {field: type}; nested dicts are nested models.
+VLLM_REQUESTS = {
+    "/init_weight_transfer_engine": {
+        "init_info": {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int, "packed": bool}
+    },
+    "/start_weight_update": {},
+    "/update_weights": {"update_info": {"names": list, "dtype_names": list, "shapes": list}},
+    "/finish_weight_update": {"weight_version": str},
+    "/update_weight_version": {"new_version": str},
+    "/collective_rpc": {"method": str, "kwargs": {"weights_path": str}},
+    "/v1/load_lora_adapter": {"lora_name": str, "lora_path": str, "load_inplace": bool},
+    "/v1/unload_lora_adapter": {"lora_name": str},
+    "/v1/completions": {"model": str, "prompt": list, "n": int, "max_tokens": int, "return_token_ids": bool},
+}
+# Routes called without a body (query parameters only).
+VLLM_BODYLESS = {"/pause", "/resume", "/reset_prefix_cache"}
+# Responses: route -> the JSON vLLM returns on success.
+VLLM_RESPONSES = {
+    "/pause": {"status": "paused"},
+    "/resume": {"status": "resumed"},
+    "/start_weight_update": {"message": "Weight update started"},
+    "/finish_weight_update": {"message": "Weight update finished"},
+    "/reset_prefix_cache": {"success": True},
+}
+
+
+def _matches(body, schema) -> list[str]:
+    problems = []
+    for key, kind in schema.items():
+        if key not in body:
+            problems.append(f"missing {key}")
+        elif isinstance(kind, dict):
+            problems += [f"{key}.{p}" for p in _matches(body[key], kind)]
+        elif not isinstance(body[key], kind) or (kind is int and isinstance(body[key], bool)):
+            problems.append(f"{key} is {type(body[key]).__name__}, vLLM takes {kind.__name__}")
+    return problems
+
+
+class Recorder:
+    """Every request a client sends, with its body kind: the contract is checked on what really went out."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        original = requests.Session.request
+
+        def request(session, method, url, **kwargs):
+            response = original(session, method, url, **kwargs)
+            self.calls.append((method, url, kwargs.get("json"), kwargs.get("data"), response))
+            return response
+
+        monkeypatch.setattr(requests.Session, "request", request)
+
+    def routes(self):
+        return [requests.utils.urlparse(url).path for _, url, _, _, _ in self.calls]
+
+
+def _grpo(model_path, out, urls, **overrides):
+    settings = dict(
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=3,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_urls=urls,
+        weight_sync_timeout=60,
+        rollout_request_timeout=60,
+    )
+    config = cpu_args(out, **{**settings, **overrides})
+    peft_config = config.pop("peft_config", None)
+    return trl_scale.GRPOTrainer(
+        model=model_path,
+        reward_funcs=token_parity_reward,
+        args=trl_scale.GRPOConfig(**config),
+        train_dataset=counting_prompts(64),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+        peft_config=peft_config,
+    )
+
+
+def _policy_digest(trainer) -> dict[str, str]:
+    return weights_digest_of(list(trainer.vllm_generation._iter_named_params()))
+
+
+def _server_digest(url) -> dict[str, str]:
+    return requests.get(f"{url}/trl_scale/weights_digest", timeout=30).json()["digest"]
+
+
+def _check_every_sync(trainer, urls, seen):
+    """After each sync, every server on the current version holds exactly the policy's weights."""
+    generation = trainer.vllm_generation
+    sync = generation.sync_weights
+
+    def checked_sync():
+        sync()
+        policy = _policy_digest(trainer)
+        for url in urls:
+            server = _server_digest(url)
+            assert {name: server[name] for name in policy} == policy, url
+        seen.append(generation.version)
+
+    generation.sync_weights = checked_sync
+
+
+@pytest.mark.parametrize("weight_sync", ["nccl", "shared_dir"])
+def test_grpo_over_servers_of_world_sizes_1_2_1_gets_exact_weights_at_every_sync(
+    tiny_llama, tmp_path, weight_sync, monkeypatch
+):
+    servers = start_servers(tiny_llama, 3, ("--world-size", "1"), ("--world-size", "2"), ("--world-size", "1"))
+    try:
+        recorder = Recorder(monkeypatch)
+        urls = [s.url for s in servers]
+        trainer = _grpo(tiny_llama, tmp_path, urls, weight_sync=weight_sync, weight_sync_dir=str(tmp_path / "w"))
+        seen = []
+        _check_every_sync(trainer, urls, seen)
+        trainer.train()
+        assert len(seen) == 3 and len(set(seen)) == 3  # a new version per step
+        for url in urls:  # each server reports the version it took
+            assert requests.get(f"{url}/weight_info", timeout=10).json() == {"weight_version": seen[-1]}
+        infos = [requests.get(f"{u}/server_info?config_format=json", timeout=10).json()["vllm_config"] for u in urls]
+        assert all(i["trl_scale"]["prefix_cache_resets"] == 3 for i in infos)
+        if weight_sync == "nccl":  # W = 1 + 1 + 2 + 1, offsets 1, 2, 4; the group formed once
+            assert [i["trl_scale"]["engine"] for i in infos] == [
+                {"rank_offset": 1, "world_size": 5},
+                {"rank_offset": 2, "world_size": 5},
+                {"rank_offset": 4, "world_size": 5},
+            ]
+            assert recorder.routes().count("/init_weight_transfer_engine") == 3
+        # Contract: every request went out as vLLM parses it, nothing was POSTed as bytes, and the order of one
+        # sync on one server is vLLM's.
+        for method, url, body, data, response in recorder.calls:
+            path = requests.utils.urlparse(url).path
+            assert data is None, f"{path} was sent a raw body"
+            if path in VLLM_REQUESTS and method == "POST":
+                assert not _matches(body or {}, VLLM_REQUESTS[path]), (
+                    path,
+                    body,
+                    _matches(body or {}, VLLM_REQUESTS[path]),
+                )
+            if path in VLLM_BODYLESS:
+                assert body is None, path
+            if path in VLLM_RESPONSES:
+                assert response.json() == VLLM_RESPONSES[path], path
+        on_first = [
+            requests.utils.urlparse(u).path
+            for m, u, *_ in recorder.calls
+            if m == "POST" and u.startswith(urls[0]) and "/v1/" not in u
+        ]
+        expected = {
+            "nccl": [
+                "/pause",
+                "/start_weight_update",
+                "/update_weights",
+                "/finish_weight_update",
+                "/reset_prefix_cache",
+                "/resume",
+            ],
+            "shared_dir": ["/pause", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache", "/resume"],
+        }[weight_sync]
+        assert [p for p in on_first if p != "/init_weight_transfer_engine"] == expected * 3
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_a_restarted_server_is_left_out_until_a_sync_reaches_it_then_rejoins(tiny_llama, tmp_path):
+    steady, restarted = start_servers(tiny_llama, 2)
+    seen_during_gap = {}
+
+    class RestartAfterStep1(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step != 1:
+                return
+            restarted.restart()  # back on its original weights, out of the group, version None
+            client = trainer.vllm_generation.client
+            before = {s.url: s.served for s in client.servers}
+            client.generate([[432, 375]] * 6, max_tokens=2)
+            after = {s.url: s.served for s in client.servers}
+            seen_during_gap.update({url: after[url] - before[url] for url in after})
+
+    try:
+        urls = [steady.url, restarted.url]
+        trainer = _grpo(tiny_llama, tmp_path, urls, weight_sync="nccl")
+        trainer.add_callback(RestartAfterStep1())
+        trainer.train()
+        assert seen_during_gap == {steady.url: 6, restarted.url: 0}  # excluded while on stale weights
+        # The step-2 sync rebuilt the group with it: it holds the policy's weights and serves again.
+        trainer.vllm_generation.sync_weights()
+        policy = _policy_digest(trainer)
+        for url in urls:
+            server = _server_digest(url)
+            assert {name: server[name] for name in policy} == policy
+        client = trainer.vllm_generation.client
+        assert all(client._current(s) for s in client.servers)
+        before = {s.url: s.served for s in client.servers}
+        client.generate([[432, 375]] * 40, max_tokens=2)  # more than one server's in-flight cap: both work
+        assert {s.url: s.served for s in client.servers}[restarted.url] > before[restarted.url]
+    finally:
+        steady.stop()
+        restarted.stop()
+
+
+def test_a_server_killed_mid_broadcast_fails_the_sync_within_the_timeout(tiny_llama, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from trl_scale.rollout import weight_transfer
+
+    survivor, victim = start_servers(tiny_llama, 2)
+    try:
+        client = RolloutClient([survivor.url, victim.url], request_timeout=30)
+        state = dict(AutoModelForCausalLM.from_pretrained(tiny_llama).state_dict())
+        client.push_weights(state, timeout=20)  # the group forms and a first sync goes through
+        send = weight_transfer.GlooSender.send
+
+        def send_then_kill(self, named_tensors):
+            def killing():
+                for index, item in enumerate(named_tensors):
+                    if index == 3:
+                        victim.stop()
+                    yield item
+
+            return send(self, killing())
+
+        monkeypatch.setattr(weight_transfer.GlooSender, "send", send_then_kill)
+        start = time.monotonic()
+        with pytest.raises(RolloutError, match="weight broadcast failed|weight sync failed"):
+            client.push_weights(state, timeout=20)
+        assert time.monotonic() - start < 20 + 10
+        monkeypatch.setattr(weight_transfer.GlooSender, "send", send)
+        version = client.push_weights(state, timeout=20)  # the group is rebuilt without it
+        assert {s.url: s.version == version for s in client.servers} == {survivor.url: True, victim.url: False}
+    finally:
+        survivor.stop()
+        if victim.process.poll() is None:
+            victim.stop()
+
+
+def test_lora_sync_follows_vllms_rules_across_resyncs_and_resume(tiny_llama, tmp_path):
+    from peft import LoraConfig
+
+    (server,) = start_servers(tiny_llama, 1)
+    try:
+        lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+        fields = dict(
+            weight_sync="lora",
+            weight_sync_dir=str(tmp_path / "adapters"),
+            max_steps=2,
+            save_strategy="steps",
+            save_steps=2,
+            peft_config=lora,
+        )
+        trainer = _grpo(tiny_llama, tmp_path / "run", [server.url], **fields)
+        trainer.train()
+        generation = trainer.vllm_generation
+        first = generation.lora_name
+        generation.sync_weights()  # again at the same step: a new name, never a refused reload of the old one
+        assert generation.lora_name != first
+
+        def adapters():
+            return [m["id"] for m in requests.get(f"{server.url}/v1/models", timeout=10).json()["data"][1:]]
+
+        assert adapters() == [generation.lora_name]  # superseded adapters are unloaded, not piled up
+        resumed = _grpo(tiny_llama, tmp_path / "run", [server.url], **{**fields, "max_steps": 3})
+        resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+        assert resumed.state.global_step == 3
+        assert adapters() == [resumed.vllm_generation.lora_name]
+        # vLLM's rule the client follows: a second load under one name is refused unless in place
+        body = {"lora_name": adapters()[0], "lora_path": str(tmp_path / "adapters" / adapters()[0])}
+        response = requests.post(f"{server.url}/v1/load_lora_adapter", json=body, timeout=30)
+        assert response.status_code == 400 and "has already been loaded" in response.json()["error"]["message"]
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    "lora_fields, match",
+    [
+        ({"modules_to_save": ["lm_head"]}, r"peft_config.modules_to_save=\['lm_head'\]"),
+        ({"use_dora": True}, r"peft_config.use_dora=True"),
+        ({"bias": "lora_only"}, r"peft_config.bias='lora_only'"),
+        ({"r": 16}, r"peft_config.r=16 is above .* --max-lora-rank 8"),
+    ],
+    ids=["modules_to_save", "dora", "bias", "rank"],
+)
+def test_an_adapter_vllm_would_refuse_is_refused_at_construction(tiny_llama, tmp_path, lora_fields, match):
+    from peft import LoraConfig
+
+    (server,) = start_servers(tiny_llama, 1, ("--max-lora-rank", "8"))
+    try:
+        lora = LoraConfig(**{"r": 4, "target_modules": ["q_proj"], **lora_fields})
+        with pytest.raises(ValueError, match=match):
+            _grpo(tiny_llama, tmp_path, [server.url], weight_sync="lora", peft_config=lora)
+        # and the server itself refuses it as vLLM does (a 500 carrying vLLM's message)
+    finally:
+        server.stop()
+
+
+def test_serve_answers_like_vllm_to_out_of_order_and_malformed_weight_calls(tiny_llama):
+    (server,) = start_servers(tiny_llama, 1)
+    url = server.url
+    try:
+        no_engine = requests.post(f"{url}/update_weights", json={"update_info": {"names": []}}, timeout=10)
+        assert no_engine.status_code == 400 and "init_weight_transfer_engine" in no_engine.text
+        assert requests.post(f"{url}/init_weight_transfer_engine", json={}, timeout=10).status_code == 400
+        assert requests.post(f"{url}/update_weights", json={}, timeout=10).status_code == 400  # no update_info
+        assert requests.post(f"{url}/collective_rpc", json={}, timeout=10).status_code == 400  # no method
+        assert requests.get(f"{url}/get_world_size", timeout=10).json() == {"world_size": 1}
+        assert requests.get(f"{url}/weight_info", timeout=10).json() == {"weight_version": None}
+        assert requests.post(f"{url}/update_weight_version", json={"new_version": "7"}, timeout=10).ok
+        assert requests.get(f"{url}/weight_info", timeout=10).json() == {"weight_version": "7"}
+        assert requests.post(f"{url}/pause?mode=keep", timeout=10).json() == {"status": "paused"}
+        assert requests.get(f"{url}/is_paused", timeout=10).json() == {"is_paused": True}
+        assert requests.post(f"{url}/resume", timeout=10).json() == {"status": "resumed"}
+        missing = requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "nope"}, timeout=10)
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"
+    finally:
+        server.stop()
+
+
+def test_a_paused_server_holds_new_requests_until_resumed(tiny_llama):
+    (server,) = start_servers(tiny_llama, 1)
+    try:
+        client = RolloutClient([server.url], request_timeout=30)
+        requests.post(f"{server.url}/pause?mode=keep", timeout=10)
+        pending = client._pool.submit(client.generate, [[432]], 1, None, max_tokens=2)
+        time.sleep(1.0)
+        assert not pending.done()  # held, not refused or dropped (vLLM's mode=keep)
+        requests.post(f"{server.url}/resume", timeout=10)
+        assert pending.result(timeout=30)[0][0]["token_ids"]
+    finally:
+        server.stop()
+
+
+def test_the_client_waits_for_servers_still_loading_and_names_those_that_never_come(tiny_llama):
+    from .helpers import Server, free_port
+
+    loading = Server(tiny_llama)  # not waited on: the client must wait for its /health itself
+    try:
+        client = RolloutClient([loading.url], request_timeout=30)
+        client.wait_until_ready(timeout=90)
+        assert client.generate([[432]], max_tokens=2)[0][0]["token_ids"]
+    finally:
+        loading.stop()
+    never = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(RolloutError, match=r"not ready within vllm_server_timeout=2.*" + never.replace(".", r"\.")):
+        RolloutClient([never]).wait_until_ready(timeout=2)
+    assert time.monotonic() - start < 8
+
+
+def test_a_prompts_completions_go_as_one_request_with_n(tiny_llama, tmp_path, monkeypatch):
+    (server,) = start_servers(tiny_llama, 1)
+    try:
+        recorder = Recorder(monkeypatch)
+        trainer = _grpo(tiny_llama, tmp_path, [server.url], max_steps=1)
+        trainer.train()
+        completions = [body for _, url, body, _, _ in recorder.calls if url.endswith("/v1/completions")]
+        assert len(completions) == 8 // 4 and all(body["n"] == 4 for body in completions)
+        assert all(body["return_tokens_as_token_ids"] is True for body in completions)  # as TRL sends it
+    finally:
+        server.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_nccl_weight_sync_to_real_vllm_servers(tiny_llama, tmp_path):  # pragma: no cover - needs vLLM and CUDA
+    """The same orchestration against `vllm serve` (VLLM_SERVER_DEV_MODE=1, --weight-transfer-config
+    '{"backend":"nccl"}'): the trainer joins the NCCL group through vLLM's own helpers."""
+    pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.skip("start vLLM servers with the flags in README's 'Weight sync with real vLLM' to run this check")
+
+
+def test_group_layout_puts_the_trainer_at_rank_0_and_each_server_after_the_previous():
+    from trl_scale.rollout.weight_transfer import group_layout
+
+    assert group_layout([1, 2, 1]) == (5, [1, 2, 4])
+    assert group_layout([4]) == (5, [1])  # TRL's one-server case: rank_offset 1, world_size TP x DP + 1
+    with pytest.raises(ValueError, match="world_size=0"):
+        group_layout([1, 0])
