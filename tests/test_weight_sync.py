@@ -407,3 +407,13 @@ def test_group_layout_puts_the_trainer_at_rank_0_and_each_server_after_the_previ
     assert group_layout([4]) == (5, [1])  # TRL's one-server case: rank_offset 1, world_size TP x DP + 1
     with pytest.raises(ValueError, match="world_size=0"):
         group_layout([1, 0])
+
+
+def test_removed_and_unusable_sync_modes_are_clear_errors(tmp_path):
+    from trl_scale.rollout.weight_transfer import check_nccl_sender
+
+    with pytest.raises(ValueError, match=r"weight_sync='http' is gone.*Fix: weight_sync='auto'"):
+        trl_scale.GRPOConfig(**cpu_args(tmp_path), weight_sync="http")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match=r"needs vLLM and CUDA in the trainer: no CUDA device.*shared_dir"):
+            check_nccl_sender()
