@@ -1,6 +1,7 @@
 """PPOTrainer: its algebra against plain references, learning on the toy task, exact resume, the critic's
 save/load, and clear errors for bad input."""
 
+import copy
 import math
 import os
 
@@ -43,6 +44,71 @@ def test_gae_and_returns_match_python_loops():
     ref_adv, ref_ret = _gae_reference(rewards.tolist(), values.tolist(), mask.tolist(), 0.9, 0.8)
     assert torch.allclose(advantages, torch.tensor(ref_adv, dtype=torch.float64), atol=1e-12, rtol=0)
     assert torch.allclose(returns, torch.tensor(ref_ret, dtype=torch.float64), atol=1e-12, rtol=0)
+
+
+def _gae_with_holes_reference(rewards, values, mask, gamma, lam):
+    """GAE as a plain loop over each row's real tokens only (mask 1): tool-result tokens (holes) are not steps, so
+    the step before a hole bootstraps from the value after it; holes carry the advantage of the next real token."""
+    advantages = []
+    for r_row, v_row, m_row in zip(rewards, values, mask):
+        steps = [t for t, m in enumerate(m_row) if m]
+        adv = [0.0] * len(r_row)
+        gae = 0.0
+        for i in reversed(range(len(steps))):
+            t = steps[i]
+            next_value = v_row[steps[i + 1]] if i + 1 < len(steps) else 0.0
+            gae = r_row[t] + gamma * next_value - v_row[t] + gamma * lam * gae
+            adv[t] = gae
+        for t in reversed(range(len(r_row))):  # holes take the advantage of the next real token (0 after the end)
+            if not m_row[t]:
+                later = [u for u in steps if u > t]
+                adv[t] = adv[later[0]] if later else 0.0
+        advantages.append(adv)
+    return advantages
+
+
+def test_gae_passes_over_tool_result_holes_like_a_loop_over_real_tokens():
+    generator = torch.Generator().manual_seed(1)
+    rewards = torch.randn(3, 7, generator=generator, dtype=torch.float64)
+    values = torch.randn(3, 7, generator=generator, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 0, 1, 0, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1]])
+    advantages, returns = ppo_core.compute_gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    reference = torch.tensor(
+        _gae_with_holes_reference(rewards.tolist(), values.tolist(), mask.tolist(), 0.9, 0.8), dtype=torch.float64
+    )
+    assert torch.allclose(advantages, reference, atol=1e-12, rtol=0)
+    assert torch.allclose(returns, (reference + values * mask) * mask, atol=1e-12, rtol=0)
+
+
+def test_the_score_lands_on_the_last_real_token_and_reaches_every_turn():
+    """verl's example: mask [1,1,0,0,1,1,0] (a tool result at 2-3, padding at 6), score 1, zero values, no KL:
+    every real token and the hole between them get advantage 1, the padding 0."""
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0]])
+    rewards, _ = ppo_core.shaped_rewards(torch.tensor([1.0]), torch.zeros(1, 7), mask, kl_coef=0.1)
+    assert rewards.tolist() == [[0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]]  # not at mask.sum() - 1 = 3, a tool token
+    advantages, _ = ppo_core.compute_gae(rewards, torch.zeros(1, 7), mask, gamma=1.0, lam=1.0)
+    assert advantages.tolist() == [[1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0]]
+
+
+def test_a_completion_ends_with_eos_only_at_its_last_real_token():
+    eos, pad = 2, 2  # padding that reuses the EOS id
+    ids = torch.tensor([[5, 6, eos, pad], [5, eos, 7, 8], [5, 6, 7, 8], [pad, pad, pad, pad]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]])
+    # row 1: an EOS inside (a tool turn), not at the end; row 3: nothing generated
+    assert ppo_core.ends_with(ids, mask, [eos]).tolist() == [True, False, False, False]
+
+
+def test_value_clipping_is_around_the_old_values():
+    old = torch.tensor([[2.0, 2.0, -1.0, 0.5]])
+    returns = torch.tensor([[3.0, 1.0, -3.0, 0.5]])
+    values = torch.tensor([[2.5, 1.9, -1.5, 0.9]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    loss, clipfrac = ppo_core.clipped_value_loss(values, old, returns, mask, cliprange=0.2)
+    # token 0: clipped to 2.2 -> (0.8)^2 > (0.5)^2; token 1: inside [1.8, 2.2]; token 2: clipped to -1.2 ->
+    # (1.8)^2 > (1.5)^2; token 3 is masked out
+    expected = 0.5 * (0.8**2 + 0.9**2 + 1.8**2) / 3
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert clipfrac.item() == pytest.approx(2 / 3, abs=1e-6)
 
 
 def test_kl_estimators_from_their_formulas():
@@ -165,10 +231,10 @@ def test_ppo_learns_to_count(tmp_path):
 
 
 def test_resume_from_checkpoint_continues_exactly(tiny_llama, tmp_path):
-    """A run that checkpoints at step 2, and a fresh trainer resumed from that checkpoint, give the same steps
-    3 and 4: policy, critic, both optimizers and schedulers, and RNG all come back."""
+    """A run that checkpoints at step 2, and a fresh trainer resumed from that checkpoint, give the same three
+    steps after it: losses, the final policy and critic weights, both optimizers and the critic's scheduler."""
     keys = ("loss", "grad_norm", "reward", "loss/value", "val/vpred", "objective/kl")
-    settings = dict(num_ppo_epochs=1, num_mini_batches=1, save_strategy="steps", save_steps=2)
+    settings = dict(num_ppo_epochs=1, num_mini_batches=1, save_strategy="steps", save_steps=2, max_steps=5)
     full = _ppo(tiny_llama, tmp_path / "full", **settings)
     full.train()
     checkpoint = tmp_path / "full" / "checkpoint-2"
@@ -176,12 +242,20 @@ def test_resume_from_checkpoint_continues_exactly(tiny_llama, tmp_path):
     assert (checkpoint / "critic_optimizer.pt").exists() and (checkpoint / "critic_scheduler.pt").exists()
     resumed = _ppo(tiny_llama, tmp_path / "resumed", **settings)
     resumed.train(resume_from_checkpoint=str(checkpoint))
-    # The resumed history holds the checkpoint's two steps, then the two it ran.
+    # The resumed history holds the checkpoint's two steps, then the three it ran.
     expected, got = step_logs(full, keys)[2:], step_logs(resumed, keys)[2:]
-    assert len(got) == 2 and len(expected) == 2
+    assert len(got) == 3 and len(expected) == 3
     for e, g in zip(expected, got):
         for key in keys:
             assert g[key] == pytest.approx(e[key], abs=1e-6), (key, g[key], e[key])
+    for a, b in ((full.model, resumed.model), (full.value_model, resumed.value_model)):
+        for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+            assert torch.allclose(x, y, atol=1e-6), name
+    for a, b in ((full.critic.optimizer, resumed.critic.optimizer), (full.optimizer, resumed.optimizer)):
+        for x, y in zip(a.state_dict()["state"].values(), b.state_dict()["state"].values(), strict=True):
+            assert torch.allclose(x["exp_avg"], y["exp_avg"], atol=1e-6)
+    assert full.critic.scheduler.state_dict() == resumed.critic.scheduler.state_dict()
+    assert full.critic.scheduler.get_last_lr() == resumed.critic.scheduler.get_last_lr()
 
 
 def test_critic_is_saved_beside_the_policy_and_loads_back(tiny_llama, tmp_path):
@@ -233,6 +307,126 @@ def test_ppo_config_rejects_bad_fields(tmp_path):
         trl_scale.PPOConfig(output_dir=str(tmp_path), bf16=False, beta=0.1)
     config = trl_scale.PPOConfig(output_dir=str(tmp_path), bf16=False, num_ppo_epochs=3, num_mini_batches=2)
     assert (config.num_iterations, config.steps_per_generation, config.num_generations) == (3, 2, 1)
+    # TRL <= 1.12: a mini-batch is gradient_accumulation_steps micro-batches, one optimizer step
+    config = trl_scale.PPOConfig(
+        output_dir=str(tmp_path), bf16=False, num_mini_batches=2, gradient_accumulation_steps=4
+    )
+    assert config.steps_per_generation == 8
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_entropy_quantile", 0.2),
+        ("entropy_coef", 0.01),
+        ("off_policy_mask_threshold", 0.5),
+        ("delta", 2.0),
+        ("importance_sampling_level", "sequence"),
+        ("router_aux_loss_coef", 0.001),
+    ],
+)
+def test_grpo_loss_options_ppo_does_not_apply_are_rejected_by_name(tmp_path, field, value):
+    with pytest.raises(ValueError, match=rf"PPOTrainer does not apply {field}="):
+        trl_scale.PPOConfig(output_dir=str(tmp_path), bf16=False, **{field: value})
+
+
+def test_gradient_accumulation_gives_each_epoch_new_micro_batches(tiny_llama, tmp_path):
+    """GA=2, one mini-batch, 2 epochs: each optimizer step sees the rollout's 2 different micro-batches, and the
+    second epoch's ratios move off 1 (the first epoch's step changed the policy)."""
+    seen = []
+    trainer = _ppo(
+        tiny_llama,
+        tmp_path,
+        max_steps=2,
+        num_ppo_epochs=2,
+        num_mini_batches=1,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=5e-2,
+    )
+    compute_loss = trainer._compute_loss
+
+    def recording(model, inputs):
+        seen.append(inputs["completion_ids"].clone())
+        return compute_loss(model, inputs)
+
+    trainer._compute_loss = recording
+    trainer.train()
+    assert len(seen) == 4  # 2 optimizer steps x 2 micro-batches
+    assert not torch.equal(seen[0], seen[1])  # one step's micro-batches are different rows
+    assert torch.equal(seen[0], seen[2]) and torch.equal(seen[1], seen[3])  # the second epoch, same rollout
+    ratios = [e["val/ratio"] for e in trainer.state.log_history if "val/ratio" in e]
+    assert ratios and abs(ratios[-1] - 1.0) > 1e-6
+
+
+def test_the_trainer_uses_the_advantages_its_rollout_defines(tiny_llama, tmp_path, monkeypatch):
+    """Wiring: values recomputed with a plain critic forward (value of the state before each token), k1 KL from the
+    policy's and reference's log-probs, the score (minus the EOS penalty where the completion does not end in EOS)
+    on the last token, GAE by a plain loop, whitening: equal to what the trainer trains on."""
+    from trl_scale.trainers import ppo_trainer
+
+    captured = {}
+    kl_penalty = ppo_trainer.ppo_core.kl_penalty
+
+    def spy_kl(logprobs, ref_logprobs, estimator="k1"):
+        captured["logps"], captured["ref"] = logprobs.clone(), ref_logprobs.clone()
+        return kl_penalty(logprobs, ref_logprobs, estimator)
+
+    monkeypatch.setattr(ppo_trainer.ppo_core, "kl_penalty", spy_kl)
+    # Three steps with two mini-batches per rollout: the last rollout comes after two updates, so the policy has left
+    # the reference (a non-zero KL) and the critic has trained.
+    trainer = _ppo(
+        tiny_llama,
+        tmp_path,
+        max_steps=3,
+        num_ppo_epochs=1,
+        missing_eos_penalty=1.0,
+        kl_coef=0.2,
+        lam=0.9,
+        gamma=0.95,
+        learning_rate=1e-2,
+    )
+    generate = trainer._generate_and_score_completions
+
+    def keep(inputs):
+        critic_state = {k: v.clone() for k, v in trainer.value_model.state_dict().items()}
+        batch = generate(inputs)
+        captured["critic"] = critic_state
+        captured["batch"] = {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
+        captured["rewards"] = trainer._last_rewards_per_func.clone()
+        return batch
+
+    trainer._generate_and_score_completions = keep
+    trainer.train()
+    batch = captured["batch"]
+    prompt_ids, completion_ids = batch["prompt_ids"], batch["completion_ids"]
+    mask = batch["completion_mask"].float()
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    values = batch["values"]
+    critic = copy.deepcopy(trainer.value_model).eval()
+    critic.load_state_dict(captured["critic"])  # the critic as it was at that rollout
+    with torch.no_grad():
+        hidden = critic.base_model(input_ids=input_ids, attention_mask=attention).last_hidden_state
+        expected_values = critic.score(hidden).squeeze(-1)[:, prompt_ids.size(1) - 1 : -1] * mask
+    assert torch.allclose(values, expected_values, atol=1e-5), (values - expected_values).abs().max()
+    assert (captured["logps"] - captured["ref"]).abs().max() > 1e-3  # the KL term is really exercised
+
+    kl = (captured["logps"] - captured["ref"]) * mask
+    scores = captured["rewards"].nansum(1)
+    lengths = mask.sum(1).long()
+    final = completion_ids[torch.arange(len(lengths)), (lengths - 1).clamp(min=0)]
+    ends_with_eos = (lengths > 0) & torch.isin(final, torch.tensor(trainer.eos_token_ids))
+    scores = scores - 1.0 * (~ends_with_eos).float()
+    rewards = -0.2 * kl
+    for row, n in enumerate(lengths.tolist()):
+        if n:
+            rewards[row, n - 1] += scores[row]
+    advantages, returns = _gae_reference(rewards.tolist(), values.tolist(), mask.tolist(), 0.95, 0.9)
+    advantages, returns = torch.tensor(advantages), torch.tensor(returns)
+    advantages = ppo_core.masked_whiten(advantages, mask) * mask
+    assert torch.allclose(batch["advantages"], advantages, atol=1e-5), (batch["advantages"] - advantages).abs().max()
+    assert torch.allclose(batch["returns"], returns, atol=1e-5)
 
 
 def test_ppo_packed_and_padded_critic_agree(tiny_llama, tmp_path):

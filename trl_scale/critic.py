@@ -28,13 +28,20 @@ def load_critic(source, seed: int):
     """The critic from a path (a sequence-classification model with one output) or as given (a model object).
     Weights the checkpoint lacks (a policy's new value head) are initialised from ``seed`` on a forked RNG, so the
     local and Ray backends build the same critic and the trainer's own random stream (sampling) is untouched."""
-    if not isinstance(source, str):
-        return source
-    from transformers import AutoModelForSequenceClassification
+    from trl.trainer.utils import disable_dropout_in_model
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return AutoModelForSequenceClassification.from_pretrained(source, num_labels=1)
+    if isinstance(source, str):
+        from transformers import AutoModelForSequenceClassification
+
+        from .distributed.zero import whole_parameters
+
+        # Whole, not ZeRO-3 partitions: no DeepSpeed engine manages the critic, each rank holds a replica.
+        with torch.random.fork_rng(devices=[]), whole_parameters():
+            torch.manual_seed(seed)
+            source = AutoModelForSequenceClassification.from_pretrained(source, num_labels=1)
+    # Values for clipping come from eval mode, training from train mode: with dropout on they would differ.
+    disable_dropout_in_model(source)
+    return source
 
 
 class Finished:

@@ -38,17 +38,32 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"kl_estimator={estimator!r} is not supported; use 'k1' or 'k3'")
 
 
+def last_token_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the index of the last position where ``mask`` is 1 (a completion's last real token, also when tool
+    results leave holes in the mask), and whether the row has one at all."""
+    positions = torch.arange(mask.size(1), device=mask.device).expand_as(mask)
+    last = torch.where(mask.bool(), positions, -1).amax(dim=1)
+    return last.clamp(min=0), last >= 0
+
+
+def ends_with(token_ids: torch.Tensor, mask: torch.Tensor, end_ids: list[int]) -> torch.Tensor:
+    """Per row, whether the last real token (the last 1 of ``mask``) is one of ``end_ids``: an EOS inside a tool
+    turn, or padding that reuses the EOS id, does not end a completion."""
+    last, has_tokens = last_token_index(mask)
+    final = token_ids.gather(1, last.unsqueeze(1)).squeeze(1)
+    return has_tokens & torch.isin(final, torch.tensor(end_ids, device=token_ids.device))
+
+
 def shaped_rewards(
     scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards: ``-kl_coef * kl`` on every completion token, plus the sequence score on its last real
-    token. Returns ``(rewards, non_score_rewards)``, zero where ``mask`` is 0."""
+    token (the last 1 of ``mask``, not ``mask.sum() - 1``: tool-result holes come before it). Returns
+    ``(rewards, non_score_rewards)``, zero where ``mask`` is 0."""
     mask = mask.to(kl.dtype)
     non_score = -kl_coef * kl * mask
     rewards = non_score.clone()
-    lengths = mask.sum(1).long()
-    has_tokens = lengths > 0
-    last = (lengths - 1).clamp(min=0)
+    last, has_tokens = last_token_index(mask)
     rows = torch.arange(rewards.size(0), device=rewards.device)
     rewards[rows[has_tokens], last[has_tokens]] += scores[has_tokens].to(rewards.dtype)
     return rewards, non_score
@@ -58,15 +73,22 @@ def compute_gae(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over completion tokens; the value after the last real token is 0.
-    Returns ``(advantages, returns)``, both zero where ``mask`` is 0."""
+
+    Positions where ``mask`` is 0 inside a completion (tool results in a multi-turn rollout) are not steps of the
+    policy: the recursion passes over them, carrying the next value and the running advantage across (as verl does),
+    so the tokens before a tool call see the reward after it. Returns ``(advantages, returns)``; masked positions
+    carry the running advantage and take no loss (every loss is masked)."""
     mask = mask.to(values.dtype)
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])
     last_gae = torch.zeros_like(values[:, 0])
     for t in reversed(range(values.size(1))):
-        next_value = values[:, t + 1] if t + 1 < values.size(1) else torch.zeros_like(last_gae)
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last_gae = (delta + gamma * lam * last_gae) * mask[:, t]
+        step = delta + gamma * lam * last_gae
+        keep = mask[:, t]
+        next_value = keep * values[:, t] + (1 - keep) * next_value
+        last_gae = keep * step + (1 - keep) * last_gae
         advantages[:, t] = last_gae
     return advantages, (advantages + values) * mask
 

@@ -4,7 +4,6 @@ runs the real loading code with no Hub access."""
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from typing import Literal
 
 import torch
@@ -16,6 +15,7 @@ from transformers import (
     PretrainedConfig,
 )
 
+from ..distributed.zero import whole_parameters
 from .tokenizer import build_tokenizer
 
 ModelFamily = Literal[
@@ -135,7 +135,7 @@ def build_tiny_model(
         **config_kwargs,
     )
     torch.manual_seed(seed)
-    with _whole_parameters():
+    with whole_parameters():
         if kind == "causal-lm":
             model = AutoModelForCausalLM.from_config(config)
             model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -151,22 +151,6 @@ def build_tiny_model(
     tokenizer.save_pretrained(output_dir)
     check_tokenizer_round_trip(output_dir, tokenizer)
     return output_dir
-
-
-@contextmanager
-def _whole_parameters():
-    """Build a model whole, even in a process whose TrainingArguments enabled DeepSpeed ZeRO-3: transformers would
-    otherwise create it under `deepspeed.zero.Init`, which partitions each parameter with a collective broadcast.
-    The toy builder runs on the main process alone (the others wait at a barrier), so that broadcast never returns;
-    and a model written to disk wants its whole weights anyway."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def check_tokenizer_round_trip(path: str, tokenizer=None, text: str | None = None) -> None:

@@ -13,10 +13,15 @@ class PPOConfig(GRPOConfig):
     Configuration class for [`trl_scale.PPOTrainer`]: every field of [`trl_scale.GRPOConfig`] (generation, vLLM,
     rewards, logging, packed scoring) plus the PPO fields below, named as in TRL <= 1.12's `PPOConfig`.
 
-    Mapped onto GRPO's fields: `num_ppo_epochs` sets `num_iterations` (passes over each rollout),
-    `num_mini_batches` sets `steps_per_generation` (optimizer-visible mini-batches per rollout), `cliprange` sets
-    `epsilon`. `num_generations` defaults to 1 (PPO needs no group); `beta` must stay 0: PPO's KL penalty lives
-    in the reward (`kl_coef`).
+    Mapped onto GRPO's fields as TRL <= 1.12 defined them: one rollout is `per_device_train_batch_size ×
+    gradient_accumulation_steps × num_mini_batches` completions per process, split into `num_mini_batches`
+    mini-batches of `gradient_accumulation_steps` micro-batches; each mini-batch is one optimizer step, and
+    `num_ppo_epochs` passes go over the rollout (`steps_per_generation = num_mini_batches ×
+    gradient_accumulation_steps`, `num_iterations = num_ppo_epochs`). Unlike TRL <= 1.12 the mini-batches are not
+    reshuffled between epochs. `cliprange` sets `epsilon`. `num_generations` defaults to 1 (PPO needs no group);
+    `beta` must stay 0: PPO's KL penalty lives in the reward (`kl_coef`). GRPO loss options PPO does not apply
+    (`top_entropy_quantile`, `entropy_coef`, `off_policy_mask_threshold`, `delta`, sequence-level importance
+    sampling, `router_aux_loss_coef`, `use_liger_kernel`) are rejected; vLLM importance-sampling correction applies.
 
     kl_coef (`float`, defaults to `0.05`): weight of the per-token KL penalty against the reference, in the reward.
     kl_estimator (`str`, defaults to `"k1"`): `"k1"` (log-ratio) or `"k3"` (unbiased, non-negative).
@@ -55,21 +60,44 @@ class PPOConfig(GRPOConfig):
             raise ValueError("num_ppo_epochs and num_mini_batches must be at least 1")
         if self.beta not in (0, 0.0):
             raise ValueError(f"beta={self.beta}: PPO puts the KL penalty in the reward; set kl_coef instead, beta=0")
+        self._reject_unsupported_grpo_options()
         self.num_iterations = self.num_ppo_epochs
-        self.steps_per_generation = self.num_mini_batches
+        # A mini-batch is GA micro-batches (one optimizer step): without the factor, GA > 1 would make every
+        # "epoch" the same micro-batch accumulated GA times (ratio 1, clipping never acting).
+        self.steps_per_generation = self.num_mini_batches * self.gradient_accumulation_steps
         self.epsilon = self.cliprange
         self.loss_type = "bnpo"
         num_generations = self.num_generations
         if num_generations == 1:
             # GRPOConfig insists on >= 2 generations (it normalises within groups); PPO does not use groups. Check
             # GRPO's batch rules with the local generation batch, which divides the global one.
-            local = self.per_device_train_batch_size * self.num_mini_batches
+            local = self.per_device_train_batch_size * self.steps_per_generation
             if local < 2:
                 raise ValueError(
-                    "per_device_train_batch_size * num_mini_batches must be at least 2 with num_generations=1"
+                    "per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches (the rollout per "
+                    "process) must be at least 2 with num_generations=1"
                 )
             self.num_generations = local
         try:
             super().__post_init__()
         finally:
             self.num_generations = num_generations
+
+    def _reject_unsupported_grpo_options(self) -> None:
+        """GRPO loss options PPO's loss does not apply: an error naming each, never a silently ignored field.
+        (`vllm_importance_sampling_correction` is applied; `mask_truncated_completions` acts on the rollout.)"""
+        unsupported = {
+            "top_entropy_quantile": (self.top_entropy_quantile, 1.0),
+            "entropy_coef": (self.entropy_coef, 0.0),
+            "off_policy_mask_threshold": (self.off_policy_mask_threshold, None),
+            "delta": (self.delta, None),
+            "importance_sampling_level": (self.importance_sampling_level, "token"),
+            "router_aux_loss_coef": (self.router_aux_loss_coef, None),
+            "use_liger_kernel": (self.use_liger_kernel, False),
+        }
+        set_fields = [f"{name}={value!r}" for name, (value, default) in unsupported.items() if value != default]
+        if set_fields:
+            raise ValueError(
+                f"PPOTrainer does not apply {', '.join(set_fields)} (GRPO loss options; PPO's loss is the clipped "
+                "surrogate with a critic). Fix: leave them at their defaults, or use GRPOTrainer for them"
+            )

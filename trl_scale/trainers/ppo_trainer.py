@@ -26,6 +26,7 @@ from transformers import (
 
 from .. import ppo_core
 from ..critic import CriticUpdater, load_critic
+from ..distributed.zero import gathered, whole_parameters
 from .common import TRL_SCALE_TAG, overridden
 from .grpo_trainer import GRPOTrainer
 from .ppo_config import PPOConfig
@@ -135,10 +136,13 @@ class PPOTrainer(GRPOTrainer):
         base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
         config = copy.deepcopy(base.config)
         config.num_labels = 1
-        with torch.random.fork_rng(devices=[]):  # as `load_critic`: a seeded head, the trainer's RNG untouched
+        # As `load_critic`: a seeded head, the trainer's RNG untouched, whole parameters (under ZeRO-3 the policy's
+        # are partitions: read them gathered).
+        with torch.random.fork_rng(devices=[]), whole_parameters():
             torch.manual_seed(self.args.seed)
             critic = AutoModelForSequenceClassification.from_config(config)
-        critic.base_model.load_state_dict(base.base_model.state_dict())
+        with gathered(base):
+            critic.base_model.load_state_dict({k: v.clone() for k, v in base.base_model.state_dict().items()})
         return critic
 
     def _check_value_model_tokenizer(self, value_model) -> None:
@@ -226,8 +230,9 @@ class PPOTrainer(GRPOTrainer):
             weights = self.reward_weights.to(device).unsqueeze(0)
             scores = (self._last_rewards_per_func * weights).nansum(dim=1)[process_slice]
             if args.missing_eos_penalty is not None:
-                has_eos = torch.isin(completion_ids, torch.tensor(self.eos_token_ids, device=device)).any(dim=1)
-                scores = scores - args.missing_eos_penalty * (~has_eos).float()
+                # EOS counts where it ends the completion (its last real token), not inside a tool turn or as padding
+                ends_with_eos = ppo_core.ends_with(completion_ids, completion_mask, self.eos_token_ids)
+                scores = scores - args.missing_eos_penalty * (~ends_with_eos).float()
 
             kl = ppo_core.kl_penalty(old_logps, ref_logps, args.kl_estimator) * mask
             rewards, non_score = ppo_core.shaped_rewards(scores, kl, mask, args.kl_coef)
@@ -276,6 +281,9 @@ class PPOTrainer(GRPOTrainer):
         per_token_loss, stats = ppo_core.clipped_policy_loss(
             logps, inputs["old_per_token_logps"], inputs["advantages"], mask, self.epsilon_low, self.epsilon_high
         )
+        if self.use_vllm and self.vllm_importance_sampling_correction and "importance_sampling_ratio" in inputs:
+            # TRL's truncated importance weights for the sampler/trainer mismatch (as GRPO applies them)
+            per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]
         policy_loss = ppo_core.masked_mean(per_token_loss, mask)
         # Like GRPO's token-mean losses, scaled here for gradient accumulation (loss_is_scaled_for_ga).
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
