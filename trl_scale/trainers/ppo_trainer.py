@@ -70,6 +70,7 @@ class PPOTrainer(GRPOTrainer):
             args = PPOConfig(f"{name.split('/')[-1]}-PPO")
         if not isinstance(args, PPOConfig):
             raise TypeError(f"PPOTrainer needs a PPOConfig, got {type(args).__name__}")
+        _refuse_images(train_dataset, eval_dataset)
         reward_list = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
         # GRPO creates a reference model only when beta != 0; PPO needs it for the KL in the reward, not in the loss.
         with overridden(args, beta=args.kl_coef):
@@ -364,3 +365,18 @@ class PPOTrainer(GRPOTrainer):
         if os.path.isfile(scheduler_path):
             state["scheduler"] = torch.load(scheduler_path)
         self.critic.load_state(state)
+
+
+def _refuse_images(*datasets) -> None:
+    """PPO's old log-probs, loss and critic do not take image inputs yet: refuse image datasets at construction
+    instead of training a vision-language policy on text-only forwards."""
+    for dataset in datasets:
+        datasets_ = dataset.values() if isinstance(dataset, dict) else [dataset]
+        for part in datasets_:
+            columns = set(getattr(part, "column_names", None) or [])
+            if columns & {"image", "images"}:
+                raise ValueError(
+                    f"PPOTrainer does not pass images to the policy or the critic yet, and this dataset has "
+                    f"{sorted(columns & {'image', 'images'})} columns. Fix: use GRPOTrainer or RLOOTrainer for "
+                    "vision-language policies, or drop the image column"
+                )
