@@ -131,11 +131,9 @@ class ServerRolloutGeneration(VLLMGeneration):
         sampling.update(args.generation_kwargs or {})
         return sampling
 
-    def generate(self, prompts, images=None, num_generations=1, profiler=None):
-        """Each rank sends its own prompts: consecutive copies of a prompt (TRL's sampler puts a prompt's
-        generations next to each other) go as one request with `n`, so the server batches them."""
-        if images is not None and any(image is not None for image in images):
-            raise NotImplementedError("server rollout with images is not supported yet; use vLLM's own server mode")
+    def _request(self, prompts) -> list[list[dict]]:
+        """One batch's completions from the servers: consecutive copies of a prompt (TRL's sampler puts a prompt's
+        generations next to each other) go as one request with `n`, so the server batches them. Choices in order."""
         groups: list[list] = []
         for prompt in prompts:
             prompt = list(prompt)
@@ -146,16 +144,45 @@ class ServerRolloutGeneration(VLLMGeneration):
         results = self.client.generate(
             [p for p, _ in groups], n=[n for _, n in groups], model=self.lora_name, **self._sampling()
         )
+        return [choice for choices in results for choice in choices]
+
+    def enable_async(self, staleness: int, tokenize) -> None:
+        """Prefetch up to `staleness` generation batches ahead (see `async_rollout`)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .async_rollout import RolloutPrefetcher
+
+        # Its own threads: a prefetch waits on the client's request pool, which must never wait on itself.
+        self._prefetch_pool = ThreadPoolExecutor(max_workers=max(1, staleness), thread_name_prefix="prefetch")
+        self.prefetcher = RolloutPrefetcher(
+            staleness, tokenize, lambda ids: self._prefetch_pool.submit(self._request, [list(p) for p in ids])
+        )
+
+    prefetcher = None
+    last_versions: list[int] = []  # per completion of the last batch: the sync count its weights came from
+
+    def generate(self, prompts, images=None, num_generations=1, profiler=None):
+        """Each rank sends its own prompts. With async rollout, a batch prefetched at most `staleness` syncs ago
+        is served from its request, then the next batches are requested with the weights just synced."""
+        if images is not None and any(image is not None for image in images):
+            raise NotImplementedError("server rollout with images is not supported yet; use vLLM's own server mode")
+        taken = self.prefetcher.take(prompts, self.sync_count) if self.prefetcher is not None else None
+        if taken is not None:
+            choices, version = taken
+        else:
+            choices, version = self._request(prompts), self.sync_count
+        if self.prefetcher is not None:
+            self.prefetcher.submit_upcoming(self.sync_count)
+        self.last_versions = [version] * len(choices)
         completion_ids, logprobs, logprob_ids = [], [], []
-        for choices in results:
-            for choice in choices:
-                completion_ids.append(choice["token_ids"])
-                if self.logprobs is not None and choice.get("logprobs"):
-                    values = [float("nan") if v is None else v for v in choice["logprobs"]["token_logprobs"]]
-                    logprobs.append([[v] for v in values])
-                else:
-                    logprobs.append([[float("nan")] for _ in choice["token_ids"]])
-                logprob_ids.append([[t] for t in choice["token_ids"]])
+        for choice in choices:
+            completion_ids.append(choice["token_ids"])
+            if self.logprobs is not None and choice.get("logprobs"):
+                values = [float("nan") if v is None else v for v in choice["logprobs"]["token_logprobs"]]
+                logprobs.append([[v] for v in values])
+            else:
+                logprobs.append([[float("nan")] for _ in choice["token_ids"]])
+            logprob_ids.append([[t] for t in choice["token_ids"]])
         return [list(p) for p in prompts], completion_ids, logprobs, logprob_ids
 
     # ---- weight sync ------------------------------------------------------------------------------------

@@ -127,6 +127,10 @@ class RolloutArguments:
     weight_sync_timeout (`float`, defaults to `120`), rollout_request_timeout (`float`, defaults to `120`):
         Bounds in seconds: a stalled sync or an unreachable fleet fails with a clear error, never hangs.
     rollout_api_key (`str` or `None`): bearer token for the servers.
+    async_rollout_staleness (`int`, defaults to `0`):
+        0: generate each batch when it is needed (synchronous, TRL's behaviour). k ≥ 1: the servers generate the
+        next k generation batches while the trainer trains; no completion more than k weight versions old is
+        trained on, and TRL's vLLM importance-sampling correction corrects the off-policy gap.
 """  # its section of each config's docstring (`config_docstring`)
 
     vllm_server_base_urls: list[str] | None = field(
@@ -156,6 +160,13 @@ class RolloutArguments:
         default=120.0, metadata={"help": "Seconds one completion request may take, failovers included."}
     )
     rollout_api_key: str | None = field(default=None, metadata={"help": "Bearer token for the servers."})
+    async_rollout_staleness: int = field(
+        default=0,
+        metadata={
+            "help": "0: synchronous rollout. k >= 1: the servers generate the next k generation batches while the "
+            "trainer trains; completions are at most k weight versions old (importance-sampling corrected)."
+        },
+    )
     rollout_max_inflight_per_server: int = field(
         default=8,
         metadata={
@@ -188,6 +199,15 @@ class RolloutArguments:
                         "double the work and every weight sync twice. Fix: list each server once"
                     )
                 seen[key] = url
+        if self.async_rollout_staleness < 0:
+            raise ValueError(f"async_rollout_staleness={self.async_rollout_staleness}: use 0 (synchronous) or k >= 1")
+        if self.async_rollout_staleness and not (
+            getattr(self, "use_vllm", False) and getattr(self, "vllm_mode", None) == "server"
+        ):
+            raise ValueError(
+                "async_rollout_staleness > 0 overlaps server generation with training: it needs use_vllm=True, "
+                "vllm_mode='server' and vllm_server_base_urls. Fix: set those, or async_rollout_staleness=0"
+            )
         if self.weight_sync == "http":
             raise ValueError(
                 "weight_sync='http' is gone: no vLLM route takes weights in a request body (its /update_weights takes "
@@ -404,6 +424,29 @@ class ServerRolloutMixin:
         self.use_vllm = True
         self.vllm_mode = "server"
         self._last_loaded_step = -1
+        if args.async_rollout_staleness:
+            if getattr(self, "rollout_func", None) is not None or getattr(self, "tools", None):
+                raise ValueError(
+                    "async_rollout_staleness > 0 prefetches plain prompt -> completion generations; this trainer has "
+                    "a rollout_func or tools (multi-turn rollouts). Fix: async_rollout_staleness=0"
+                )
+            self.vllm_generation.enable_async(
+                args.async_rollout_staleness, lambda prompts: self._tokenize_prompts(prompts)[0]
+            )
+            self._lookahead = None
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """With async rollout, the epoch's batch iterator is read ahead so upcoming generation batches are known
+        (also after `skip_first_batches` on resume: whatever iterator the epoch uses is wrapped)."""
+        prefetcher = getattr(getattr(self, "vllm_generation", None), "prefetcher", None)
+        if prefetcher is not None:
+            from ..rollout.async_rollout import LookaheadIterator
+
+            if self._lookahead is None or self._lookahead.source is not epoch_iterator:
+                every = self.args.steps_per_generation * self.num_iterations
+                self._lookahead = LookaheadIterator(epoch_iterator, prefetcher, every)
+            epoch_iterator = self._lookahead
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
 
 
 class PackedScoringMixin:

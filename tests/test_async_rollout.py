@@ -1,0 +1,111 @@
+"""Asynchronous rollout over real `trl-scale serve` processes: staleness 0 is the synchronous run, staleness k
+trains only on completions at most k weight versions old (read from the versions each batch carries), most
+batches come from requests sent while the trainer trained, and training still learns."""
+
+import pytest
+from transformers import AutoTokenizer
+
+import trl_scale
+from trl_scale.toy import counting_prompts
+
+from .helpers import cpu_args, start_servers, step_logs, token_parity_reward
+
+pytest.importorskip("fastapi")
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_llama):
+    running = start_servers(tiny_llama, 2)
+    yield running
+    for server in running:
+        server.stop()
+
+
+def _grpo(model_path, out, urls, **overrides):
+    settings = dict(
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=6,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_urls=urls,
+        weight_sync_timeout=60,
+        rollout_request_timeout=60,
+        generation_kwargs={"seed": 0},  # the servers sample reproducibly: runs are comparable
+    )
+    return trl_scale.GRPOTrainer(
+        model=model_path,
+        reward_funcs=token_parity_reward,
+        args=trl_scale.GRPOConfig(**cpu_args(out, **{**settings, **overrides})),
+        train_dataset=counting_prompts(64),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+    )
+
+
+def _record_versions(trainer):
+    """Per generated batch: the sync count when it was trained on, and the versions its completions came from."""
+    generation = trainer.vllm_generation
+    seen = []
+    generate = generation.generate
+
+    def recording(*args, **kwargs):
+        result = generate(*args, **kwargs)
+        seen.append((generation.sync_count, list(generation.last_versions)))
+        return result
+
+    generation.generate = recording
+    return seen
+
+
+def test_staleness_0_is_the_synchronous_run(servers, tiny_llama, tmp_path):
+    urls = [s.url for s in servers]
+    keys = ("loss", "reward", "grad_norm")
+    sync = _grpo(tiny_llama, tmp_path / "sync", urls, max_steps=3)
+    sync.train()
+    zero = _grpo(tiny_llama, tmp_path / "zero", urls, max_steps=3, async_rollout_staleness=0)
+    seen = _record_versions(zero)
+    zero.train()
+    assert zero.vllm_generation.prefetcher is None
+    assert step_logs(zero, keys) == step_logs(sync, keys)
+    assert all(set(versions) == {now} for now, versions in seen)  # every batch from the weights just synced
+
+
+@pytest.mark.parametrize("staleness, steps_per_generation", [(1, 1), (2, 1), (1, 2)])
+def test_no_trained_completion_is_older_than_the_bound(servers, tiny_llama, tmp_path, staleness, steps_per_generation):
+    trainer = _grpo(
+        tiny_llama,
+        tmp_path,
+        [s.url for s in servers],
+        async_rollout_staleness=staleness,
+        steps_per_generation=steps_per_generation,  # a generation batch serves this many steps (TRL repeats it)
+    )
+    seen = _record_versions(trainer)
+    trainer.train()
+    generations = 6 // steps_per_generation
+    assert len(seen) == generations
+    ages = [now - version for now, versions in seen for version in versions]
+    assert max(ages) <= staleness and min(ages) >= 0
+    assert max(ages) == staleness  # the bound is reached: batches really were generated ahead
+    prefetcher = trainer.vllm_generation.prefetcher
+    assert prefetcher.served_from_prefetch >= generations - staleness  # all but the first came from prefetches
+    assert len(step_logs(trainer, ("loss",))) == 6
+
+
+def test_a_batch_whose_prompts_were_not_prefetched_is_generated_in_turn(servers, tiny_llama, tmp_path):
+    """The prefetched request is matched by prompt ids: a batch that differs is generated now, never served the
+    completions of other prompts."""
+    trainer = _grpo(tiny_llama, tmp_path, [s.url for s in servers], async_rollout_staleness=1, max_steps=3)
+    prefetcher = trainer.vllm_generation.prefetcher
+    tokenize = prefetcher.tokenize
+    prefetcher.tokenize = lambda prompts: [ids + [7] for ids in tokenize(prompts)]  # never matches a real batch
+    seen = _record_versions(trainer)
+    trainer.train()
+    assert prefetcher.served_from_prefetch == 0 and prefetcher.generated_now == 3
+    assert all(set(versions) == {now} for now, versions in seen)
+
+
+def test_async_rollout_needs_server_rollout(tmp_path):
+    with pytest.raises(ValueError, match="async_rollout_staleness > 0 .* needs use_vllm=True, vllm_mode='server'"):
+        trl_scale.GRPOConfig(**cpu_args(tmp_path), async_rollout_staleness=1)
+    with pytest.raises(ValueError, match="async_rollout_staleness=-1"):
+        trl_scale.GRPOConfig(**cpu_args(tmp_path), async_rollout_staleness=-1)
