@@ -109,3 +109,59 @@ def test_async_rollout_needs_server_rollout(tmp_path):
         trl_scale.GRPOConfig(**cpu_args(tmp_path), async_rollout_staleness=1)
     with pytest.raises(ValueError, match="async_rollout_staleness=-1"):
         trl_scale.GRPOConfig(**cpu_args(tmp_path), async_rollout_staleness=-1)
+
+
+@pytest.mark.slow  # two 300-step runs, about 80 s on 2 cores
+def test_staleness_1_learns_about_as_well_as_synchronous(tmp_path):
+    """Calibrated (seed 0, SFT warm-up, 300 steps of 32): the mean training reward of the last 10 steps rises from
+    0.11 by about 0.23 synchronously and 0.18 with staleness 1. Stated margin: staleness 1 gains at least 60% of
+    the synchronous gain, and at least 0.1."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trl_scale.toy import build_tiny_model, counting_reward
+    from trl_scale.toy.demo import warm_up
+    from trl_scale.toy.tasks import COUNT_TARGET_LENGTH
+
+    base = build_tiny_model(tmp_path / "base")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    torch.manual_seed(0)
+    warm_up(model, tokenizer, steps=60)
+    sft = str(tmp_path / "sft")
+    model.save_pretrained(sft)
+    tokenizer.save_pretrained(sft)
+    servers = start_servers(sft, 2)
+    gains = {}
+    try:
+        for staleness in (0, 1):
+            trainer = trl_scale.GRPOTrainer(
+                model=sft,
+                reward_funcs=counting_reward,
+                args=trl_scale.GRPOConfig(
+                    **cpu_args(
+                        tmp_path / f"run-{staleness}",
+                        per_device_train_batch_size=32,
+                        num_generations=8,
+                        max_completion_length=COUNT_TARGET_LENGTH,
+                        max_steps=300,
+                        lr_scheduler_type="constant",
+                        use_vllm=True,
+                        vllm_mode="server",
+                        vllm_server_base_urls=[s.url for s in servers],
+                        async_rollout_staleness=staleness,
+                        generation_kwargs={"seed": 0},
+                    )
+                ),
+                train_dataset=counting_prompts(8192, seed=0),
+                processing_class=tokenizer,
+            )
+            trainer.train()
+            rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
+            assert len(rewards) == 300
+            gains[staleness] = sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10
+    finally:
+        for server in servers:
+            server.stop()
+    assert gains[0] > 0.15, gains  # the synchronous run learns (the baseline the margin is taken against)
+    assert gains[1] >= max(0.1, 0.6 * gains[0]), gains
