@@ -165,3 +165,35 @@ def test_staleness_1_learns_about_as_well_as_synchronous(tmp_path):
             server.stop()
     assert gains[0] > 0.15, gains  # the synchronous run learns (the baseline the margin is taken against)
     assert gains[1] >= max(0.1, 0.6 * gains[0]), gains
+
+
+@pytest.mark.parametrize("method", ["rloo", "ppo"])
+def test_rloo_and_ppo_train_on_prefetched_rollouts_within_the_bound(servers, tiny_llama, tmp_path, method):
+    trainer_cls, config_cls = {
+        "rloo": (trl_scale.RLOOTrainer, trl_scale.RLOOConfig),
+        "ppo": (trl_scale.PPOTrainer, trl_scale.PPOConfig),
+    }[method]
+    settings = dict(
+        max_completion_length=6,
+        max_steps=4,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_urls=[s.url for s in servers],
+        async_rollout_staleness=1,
+    )
+    if method == "rloo":
+        settings["num_generations"] = 4
+    else:
+        settings.update(num_ppo_epochs=1, num_mini_batches=1)
+    trainer = trainer_cls(
+        model=tiny_llama,
+        reward_funcs=token_parity_reward,
+        args=config_cls(**cpu_args(tmp_path, **settings)),
+        train_dataset=counting_prompts(64),
+        processing_class=AutoTokenizer.from_pretrained(tiny_llama),
+    )
+    seen = _record_versions(trainer)
+    trainer.train()
+    ages = [now - version for now, versions in seen for version in versions]
+    assert len(seen) == 4 and max(ages) == 1 and min(ages) >= 0
+    assert trainer.vllm_generation.prefetcher.served_from_prefetch == 3
