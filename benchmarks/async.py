@@ -15,47 +15,17 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
-import requests
-
-
-def start_server(model_path: str, port: int, delay: float) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    command = [sys.executable, "-m", "trl_scale.cli", "serve", "--model", model_path, "--port", str(port)]
-    command += ["--token-delay", str(delay)]
-    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def wait_ready(url: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{url} not ready")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from rollout import start_server, wait_ready  # benchmarks/rollout.py: `trl-scale serve` processes
 
 
 def servers(model_path: str, delay: float) -> tuple[list[subprocess.Popen], list[str]]:
-    ports = [free_port(), free_port()]
-    processes = [start_server(model_path, port, delay) for port in ports]
-    urls = [f"http://127.0.0.1:{port}" for port in ports]
-    for url in urls:
+    started = [start_server(model_path, delay) for _ in range(2)]
+    for _, url in started:
         wait_ready(url)
-    return processes, urls
+    return [process for process, _ in started], [url for _, url in started]
 
 
 def step_times(

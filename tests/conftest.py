@@ -44,3 +44,14 @@ def tiny_reward_model(tmp_path_factory) -> str:
 @pytest.fixture(params=["llama", "qwen2"])
 def tiny_model_path(request, tiny_llama, tiny_qwen2) -> str:
     return {"llama": tiny_llama, "qwen2": tiny_qwen2}[request.param]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_llama):
+    """Two `trl-scale serve` processes on the tiny Llama, shared by a test module."""
+    from .helpers import start_servers
+
+    running = start_servers(tiny_llama, 2)
+    yield running
+    for server in running:
+        server.stop()

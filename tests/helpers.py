@@ -193,3 +193,82 @@ class Server:
 def start_servers(model_path, count, *extra_per_server):
     servers = [Server(model_path, *(extra_per_server[i] if i < len(extra_per_server) else ())) for i in range(count)]
     return [s.wait_ready() for s in servers]
+
+
+def server_grpo(model_path, out, urls, **overrides):
+    """A small GRPO run generating on `urls` (server rollout): 3 steps of 8 completions, 4 per prompt. Fields in
+    `overrides` go to GRPOConfig, except `peft_config`, which goes to the trainer."""
+    from transformers import AutoTokenizer
+
+    import trl_scale
+    from trl_scale.toy import counting_prompts
+
+    settings = dict(
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=3,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_urls=urls,
+        weight_sync_timeout=60,
+        rollout_request_timeout=60,
+    )
+    config = cpu_args(out, **{**settings, **overrides})
+    peft_config = config.pop("peft_config", None)
+    return trl_scale.GRPOTrainer(
+        model=model_path,
+        reward_funcs=token_parity_reward,
+        args=trl_scale.GRPOConfig(**config),
+        train_dataset=counting_prompts(64),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+        peft_config=peft_config,
+    )
+
+
+def server_rloo_or_ppo(method, model_path, out, urls, **overrides):
+    """RLOO (4 completions per prompt) or PPO generating on `urls`: 2 steps unless `overrides` say otherwise."""
+    from transformers import AutoTokenizer
+
+    import trl_scale
+    from trl_scale.toy import counting_prompts
+
+    trainer_cls, config_cls = {
+        "rloo": (trl_scale.RLOOTrainer, trl_scale.RLOOConfig),
+        "ppo": (trl_scale.PPOTrainer, trl_scale.PPOConfig),
+    }[method]
+    settings = dict(
+        max_completion_length=6,
+        max_steps=2,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_urls=urls,
+        weight_sync_timeout=60,
+    )
+    if method == "rloo":
+        settings["num_generations"] = 4
+    return trainer_cls(
+        model=model_path,
+        reward_funcs=token_parity_reward,
+        args=config_cls(**cpu_args(out, **{**settings, **overrides})),
+        train_dataset=counting_prompts(64),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+    )
+
+
+def sft_counting_model(directory) -> str:
+    """The learning tests' starting point: a tiny Llama after a short supervised warm-up on counting text (seed 0),
+    saved with its tokenizer under `directory/sft`; returns that path."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_scale.toy import build_tiny_model
+    from trl_scale.toy.demo import warm_up
+
+    base = build_tiny_model(os.path.join(directory, "base"))
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    torch.manual_seed(0)
+    warm_up(model, tokenizer, steps=60)
+    sft = os.path.join(directory, "sft")
+    model.save_pretrained(sft)
+    tokenizer.save_pretrained(sft)
+    return sft

@@ -8,38 +8,14 @@ from transformers import AutoTokenizer
 import trl_scale
 from trl_scale.toy import counting_prompts
 
-from .helpers import cpu_args, start_servers, step_logs, token_parity_reward
+from .helpers import cpu_args, server_grpo, server_rloo_or_ppo, sft_counting_model, start_servers, step_logs
 
 pytest.importorskip("fastapi")
 
 
-@pytest.fixture(scope="module")
-def servers(tiny_llama):
-    running = start_servers(tiny_llama, 2)
-    yield running
-    for server in running:
-        server.stop()
-
-
 def _grpo(model_path, out, urls, **overrides):
-    settings = dict(
-        num_generations=4,
-        max_completion_length=6,
-        max_steps=6,
-        use_vllm=True,
-        vllm_mode="server",
-        vllm_server_base_urls=urls,
-        weight_sync_timeout=60,
-        rollout_request_timeout=60,
-        generation_kwargs={"seed": 0},  # the servers sample reproducibly: runs are comparable
-    )
-    return trl_scale.GRPOTrainer(
-        model=model_path,
-        reward_funcs=token_parity_reward,
-        args=trl_scale.GRPOConfig(**cpu_args(out, **{**settings, **overrides})),
-        train_dataset=counting_prompts(64),
-        processing_class=AutoTokenizer.from_pretrained(model_path),
-    )
+    # The servers sample reproducibly (a seed per request), so runs are comparable; 6 steps.
+    return server_grpo(model_path, out, urls, **{"max_steps": 6, "generation_kwargs": {"seed": 0}, **overrides})
 
 
 def _record_versions(trainer):
@@ -116,21 +92,11 @@ def test_staleness_1_learns_about_as_well_as_synchronous(tmp_path):
     """Calibrated (seed 0, SFT warm-up, 300 steps of 32): the mean training reward of the last 10 steps rises from
     0.11 by about 0.23 synchronously and 0.18 with staleness 1. Stated margin: staleness 1 gains at least 60% of
     the synchronous gain, and at least 0.1."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from trl_scale.toy import build_tiny_model, counting_reward
-    from trl_scale.toy.demo import warm_up
+    from trl_scale.toy import counting_reward
     from trl_scale.toy.tasks import COUNT_TARGET_LENGTH
 
-    base = build_tiny_model(tmp_path / "base")
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base)
-    torch.manual_seed(0)
-    warm_up(model, tokenizer, steps=60)
-    sft = str(tmp_path / "sft")
-    model.save_pretrained(sft)
-    tokenizer.save_pretrained(sft)
+    sft = sft_counting_model(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(sft)
     servers = start_servers(sft, 2)
     gains = {}
     try:
@@ -169,29 +135,9 @@ def test_staleness_1_learns_about_as_well_as_synchronous(tmp_path):
 
 @pytest.mark.parametrize("method", ["rloo", "ppo"])
 def test_rloo_and_ppo_train_on_prefetched_rollouts_within_the_bound(servers, tiny_llama, tmp_path, method):
-    trainer_cls, config_cls = {
-        "rloo": (trl_scale.RLOOTrainer, trl_scale.RLOOConfig),
-        "ppo": (trl_scale.PPOTrainer, trl_scale.PPOConfig),
-    }[method]
-    settings = dict(
-        max_completion_length=6,
-        max_steps=4,
-        use_vllm=True,
-        vllm_mode="server",
-        vllm_server_base_urls=[s.url for s in servers],
-        async_rollout_staleness=1,
-    )
-    if method == "rloo":
-        settings["num_generations"] = 4
-    else:
-        settings.update(num_ppo_epochs=1, num_mini_batches=1)
-    trainer = trainer_cls(
-        model=tiny_llama,
-        reward_funcs=token_parity_reward,
-        args=config_cls(**cpu_args(tmp_path, **settings)),
-        train_dataset=counting_prompts(64),
-        processing_class=AutoTokenizer.from_pretrained(tiny_llama),
-    )
+    extra = {"num_ppo_epochs": 1, "num_mini_batches": 1} if method == "ppo" else {}
+    urls = [s.url for s in servers]
+    trainer = server_rloo_or_ppo(method, tiny_llama, tmp_path, urls, max_steps=4, async_rollout_staleness=1, **extra)
     seen = _record_versions(trainer)
     trainer.train()
     ages = [now - version for now, versions in seen for version in versions]

@@ -6,13 +6,21 @@ import os
 import subprocess
 
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 import trl_scale
 from trl_scale.toy import COUNT_TARGET_LENGTH, counting_prompts, counting_reward
-from trl_scale.toy.demo import warm_up
 
-from .helpers import ROOT, accelerate_launch, cpu_args, paired, step_logs, subprocess_env, token_parity_reward
+from .helpers import (
+    ROOT,
+    accelerate_launch,
+    cpu_args,
+    paired,
+    sft_counting_model,
+    step_logs,
+    subprocess_env,
+    token_parity_reward,
+)
 
 ray = pytest.importorskip("ray")
 
@@ -112,18 +120,7 @@ def test_local_and_ray_backends_give_the_same_rewards_values_and_losses(
 
 @pytest.mark.slow  # > 20 s on 2 cores; still in CI (CI deselects only gpu and vllm)
 def test_ppo_learns_with_its_critic_on_ray(tmp_path):
-    from trl_scale.toy import build_tiny_model
-
-    base = build_tiny_model(tmp_path / "base")
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base)
-    import torch
-
-    torch.manual_seed(0)
-    warm_up(model, tokenizer, steps=60)
-    sft = str(tmp_path / "sft")
-    model.save_pretrained(sft)
-    tokenizer.save_pretrained(sft)
+    sft = sft_counting_model(tmp_path)
     trainer = _ppo(
         sft,
         tmp_path / "ppo",

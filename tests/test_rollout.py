@@ -12,18 +12,18 @@ import trl_scale
 from trl_scale.rollout import RolloutClient, RolloutError
 from trl_scale.toy import counting_prompts
 
-from .helpers import black_hole_server, cpu_args, free_port, start_servers, token_parity_reward
+from .helpers import (
+    black_hole_server,
+    cpu_args,
+    free_port,
+    server_grpo,
+    server_rloo_or_ppo,
+    start_servers,
+    token_parity_reward,
+)
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
-
-
-@pytest.fixture(scope="module")
-def servers(tiny_llama):
-    running = start_servers(tiny_llama, 2)
-    yield running
-    for server in running:
-        server.stop()
 
 
 def test_server_speaks_vllm_completion_shapes_and_rejects_bad_requests(servers, tiny_llama):
@@ -69,30 +69,9 @@ def test_bearer_token_is_enforced(tiny_llama):
         server.stop()
 
 
-def _grpo(model_path, out, urls, **overrides):
-    settings = dict(
-        num_generations=4,
-        max_completion_length=6,
-        max_steps=3,
-        use_vllm=True,
-        vllm_mode="server",
-        vllm_server_base_urls=urls,
-        weight_sync_timeout=60,
-        rollout_request_timeout=60,
-    )
-    config = cpu_args(out, **{**settings, **overrides})
-    return trl_scale.GRPOTrainer(
-        model=model_path,
-        reward_funcs=token_parity_reward,
-        args=trl_scale.GRPOConfig(**config),
-        train_dataset=counting_prompts(64),
-        processing_class=AutoTokenizer.from_pretrained(model_path),
-    )
-
-
 @pytest.mark.parametrize("weight_sync", ["auto", "shared_dir"])
 def test_grpo_trains_on_servers_and_their_weights_follow_the_policy(servers, tiny_llama, tmp_path, weight_sync):
-    trainer = _grpo(
+    trainer = server_grpo(
         tiny_llama, tmp_path, [s.url for s in servers], weight_sync=weight_sync, weight_sync_dir=str(tmp_path / "sync")
     )
     trainer.train()
@@ -139,7 +118,7 @@ def test_killing_a_server_mid_run_loses_no_step(tiny_llama, tmp_path):
                 victim.stop()
 
     try:
-        trainer = _grpo(tiny_llama, tmp_path, [survivor.url, victim.url], max_steps=4)
+        trainer = server_grpo(tiny_llama, tmp_path, [survivor.url, victim.url], max_steps=4)
         trainer.add_callback(KillAtStep2())
         trainer.train()
         assert trainer.state.global_step == 4
@@ -195,27 +174,7 @@ def test_a_server_that_missed_a_sync_leaves_the_rotation(servers, tiny_llama):
 
 @pytest.mark.parametrize("method", ["rloo", "ppo"])
 def test_rloo_and_ppo_roll_out_on_the_servers(servers, tiny_llama, tmp_path, method):
-    trainer_cls, config_cls = {
-        "rloo": (trl_scale.RLOOTrainer, trl_scale.RLOOConfig),
-        "ppo": (trl_scale.PPOTrainer, trl_scale.PPOConfig),
-    }[method]
-    settings = dict(
-        max_completion_length=6,
-        max_steps=2,
-        use_vllm=True,
-        vllm_mode="server",
-        vllm_server_base_urls=[s.url for s in servers],
-        weight_sync_timeout=60,
-    )
-    if method == "rloo":
-        settings["num_generations"] = 4
-    trainer = trainer_cls(
-        model=tiny_llama,
-        reward_funcs=token_parity_reward,
-        args=config_cls(**cpu_args(tmp_path, **settings)),
-        train_dataset=counting_prompts(64),
-        processing_class=AutoTokenizer.from_pretrained(tiny_llama),
-    )
+    trainer = server_rloo_or_ppo(method, tiny_llama, tmp_path, [s.url for s in servers])
     trainer.train()
     assert trainer.state.global_step == 2 and trainer.vllm_generation.sync_count >= 1
     # RLOO: one request per prompt (its 4 completions batched with n); PPO: one per completion. PPO (4 epochs by

@@ -16,14 +16,13 @@ import time
 import pytest
 import requests
 import torch
-from transformers import AutoTokenizer, TrainerCallback
+from transformers import TrainerCallback
 
 import trl_scale
 from trl_scale.rollout import RolloutClient, RolloutError
 from trl_scale.rollout.server import weights_digest_of
-from trl_scale.toy import counting_prompts
 
-from .helpers import cpu_args, start_servers, token_parity_reward
+from .helpers import cpu_args, server_grpo, start_servers
 
 pytest.importorskip("fastapi")
 
@@ -83,29 +82,6 @@ class Recorder:
         return [requests.utils.urlparse(url).path for _, url, _, _, _ in self.calls]
 
 
-def _grpo(model_path, out, urls, **overrides):
-    settings = dict(
-        num_generations=4,
-        max_completion_length=6,
-        max_steps=3,
-        use_vllm=True,
-        vllm_mode="server",
-        vllm_server_base_urls=urls,
-        weight_sync_timeout=60,
-        rollout_request_timeout=60,
-    )
-    config = cpu_args(out, **{**settings, **overrides})
-    peft_config = config.pop("peft_config", None)
-    return trl_scale.GRPOTrainer(
-        model=model_path,
-        reward_funcs=token_parity_reward,
-        args=trl_scale.GRPOConfig(**config),
-        train_dataset=counting_prompts(64),
-        processing_class=AutoTokenizer.from_pretrained(model_path),
-        peft_config=peft_config,
-    )
-
-
 def _policy_digest(trainer) -> dict[str, str]:
     return weights_digest_of(list(trainer.vllm_generation._iter_named_params()))
 
@@ -138,7 +114,7 @@ def test_grpo_over_servers_of_world_sizes_1_2_1_gets_exact_weights_at_every_sync
     try:
         recorder = Recorder(monkeypatch)
         urls = [s.url for s in servers]
-        trainer = _grpo(tiny_llama, tmp_path, urls, weight_sync=weight_sync, weight_sync_dir=str(tmp_path / "w"))
+        trainer = server_grpo(tiny_llama, tmp_path, urls, weight_sync=weight_sync, weight_sync_dir=str(tmp_path / "w"))
         seen = []
         _check_every_sync(trainer, urls, seen)
         trainer.train()
@@ -208,7 +184,7 @@ def test_a_restarted_server_is_left_out_until_a_sync_reaches_it_then_rejoins(tin
 
     try:
         urls = [steady.url, restarted.url]
-        trainer = _grpo(tiny_llama, tmp_path, urls, weight_sync="nccl")
+        trainer = server_grpo(tiny_llama, tmp_path, urls, weight_sync="nccl")
         trainer.add_callback(RestartAfterStep1())
         trainer.train()
         assert seen_during_gap == {steady.url: 6, restarted.url: 0}  # excluded while on stale weights
@@ -277,7 +253,7 @@ def test_lora_sync_follows_vllms_rules_across_resyncs_and_resume(tiny_llama, tmp
             save_steps=2,
             peft_config=lora,
         )
-        trainer = _grpo(tiny_llama, tmp_path / "run", [server.url], **fields)
+        trainer = server_grpo(tiny_llama, tmp_path / "run", [server.url], **fields)
         trainer.train()
         generation = trainer.vllm_generation
         first = generation.lora_name
@@ -288,7 +264,7 @@ def test_lora_sync_follows_vllms_rules_across_resyncs_and_resume(tiny_llama, tmp
             return [m["id"] for m in requests.get(f"{server.url}/v1/models", timeout=10).json()["data"][1:]]
 
         assert adapters() == [generation.lora_name]  # superseded adapters are unloaded, not piled up
-        resumed = _grpo(tiny_llama, tmp_path / "run", [server.url], **{**fields, "max_steps": 3})
+        resumed = server_grpo(tiny_llama, tmp_path / "run", [server.url], **{**fields, "max_steps": 3})
         resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
         assert resumed.state.global_step == 3
         assert adapters() == [resumed.vllm_generation.lora_name]
@@ -317,7 +293,7 @@ def test_an_adapter_vllm_would_refuse_is_refused_at_construction(tiny_llama, tmp
     try:
         lora = LoraConfig(**{"r": 4, "target_modules": ["q_proj"], **lora_fields})
         with pytest.raises(ValueError, match=match):
-            _grpo(tiny_llama, tmp_path, [server.url], weight_sync="lora", peft_config=lora)
+            server_grpo(tiny_llama, tmp_path, [server.url], weight_sync="lora", peft_config=lora)
         # and the server itself refuses it as vLLM does (a 500 carrying vLLM's message)
     finally:
         server.stop()
@@ -380,7 +356,7 @@ def test_a_prompts_completions_go_as_one_request_with_n(tiny_llama, tmp_path, mo
     (server,) = start_servers(tiny_llama, 1)
     try:
         recorder = Recorder(monkeypatch)
-        trainer = _grpo(tiny_llama, tmp_path, [server.url], max_steps=1)
+        trainer = server_grpo(tiny_llama, tmp_path, [server.url], max_steps=1)
         trainer.train()
         completions = [body for _, url, body, _, _ in recorder.calls if url.endswith("/v1/completions")]
         assert len(completions) == 8 // 4 and all(body["n"] == 4 for body in completions)
