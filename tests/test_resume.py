@@ -117,3 +117,19 @@ def test_resume_across_a_changed_packing_setting(change, tiny_llama, tmp_path):
         for key in KEYS["grpo"]:
             assert g[key] == pytest.approx(e[key], abs=1e-4), (key, g[key], e[key])
     assert _max_diff(_states(full)["policy"], _states(resumed)["policy"]) <= 1e-4
+
+
+def test_a_rank_that_reaches_the_checkpoint_before_its_folder_exists_still_saves_its_rollout(
+    tiny_llama, tmp_path, monkeypatch
+):
+    """Under several processes, rank 1 saves its rollout while rank 0 may still be writing the model, before the
+    checkpoint folder exists. (A two-process PPO run in CI lost rank 1 to FileNotFoundError this way.)"""
+    from transformers import TrainingArguments
+
+    trainer = _trainer("grpo", tiny_llama, tmp_path / "run", max_steps=1)
+    trainer.train()
+    assert trainer._buffered_inputs is not None
+    monkeypatch.setattr(TrainingArguments, "should_save", property(lambda self: False))  # as on rank 1
+    folder = tmp_path / "run" / "checkpoint-not-yet-created"
+    trainer._save_optimizer_and_scheduler(str(folder))
+    assert (folder / "rollout_buffer_rank0.pt").exists()

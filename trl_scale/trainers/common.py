@@ -713,6 +713,9 @@ class OnlineTrainerMixin(
         if self._buffered_inputs is not None:
             import torch
 
+            # Ranks other than the main one get here while it may still be writing the model: the folder it creates
+            # may not exist yet (transformers' own per-rank RNG file makes it the same way).
+            os.makedirs(output_dir, exist_ok=True)
             path = os.path.join(output_dir, ROLLOUT_BUFFER_NAME.format(rank=self.accelerator.process_index))
             torch.save({"step": self._step, "inputs": self._buffered_inputs}, path)
 
