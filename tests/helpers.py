@@ -272,3 +272,10 @@ def sft_counting_model(directory) -> str:
     model.save_pretrained(sft)
     tokenizer.save_pretrained(sft)
     return sft
+
+
+def launcher_failure(output: str, tail: int = 2500) -> str:
+    """What a failed multi-process run says: every line naming an error (the rank that failed first is often not the
+    one whose traceback ends the output), then the output's tail."""
+    errors = [line for line in output.splitlines() if "Error" in line or "Exception" in line][:40]
+    return "\n".join(["-- lines naming errors --", *errors, "-- tail --", output[-tail:]])

@@ -7,7 +7,7 @@ import pytest
 
 from trl_scale.cli import main
 
-from .helpers import ROOT, accelerate_launch, free_port, subprocess_env
+from .helpers import ROOT, accelerate_launch, free_port, launcher_failure, subprocess_env
 
 EXAMPLES = ROOT / "examples"
 
@@ -22,7 +22,7 @@ def test_each_trainer_runs_with_two_processes(method, tmp_path):
     command += [method, "--config", str(EXAMPLES / f"{method}_tiny_cpu.yaml"), *overrides]
     result = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-3000:]
+    assert result.returncode == 0, launcher_failure(output)
     assert f"trl-scale {method}: training on 2 process(es)" in output
     assert "'grad_norm'" in output and "padding_free/tokens_per_micro_batch" in output
     assert (tmp_path / "model.safetensors").exists()
@@ -109,7 +109,7 @@ def test_toy_model_under_a_deepspeed_zero3_launcher_trains_instead_of_hanging(me
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"hung for {error.timeout} s: {((error.stderr or b'')[-2000:])!r}")
     output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-3000:]
+    assert result.returncode == 0, launcher_failure(output)
     assert f"trl-scale {method}: training on 2 process(es)" in output and "'grad_norm'" in output
     if method == "ppo":
         assert "'loss/value'" in output

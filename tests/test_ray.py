@@ -15,6 +15,7 @@ from .helpers import (
     ROOT,
     accelerate_launch,
     cpu_args,
+    launcher_failure,
     paired,
     sft_counting_model,
     step_logs,
@@ -199,7 +200,7 @@ def _launch_ppo_on_two_processes(tmp_path, backend: str, **fields) -> dict:
     env = subprocess_env(RAY_AUTH_MODE="disabled")
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
+    assert result.returncode == 0, launcher_failure(output)
     assert "training on 2 process(es)" in output
     return json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
 
