@@ -728,7 +728,9 @@ class OnlineTrainerMixin(
             import torch
 
             # Our own file in our own checkpoint (tensors in lists and dicts), loaded as the Trainer loads RNG state.
-            saved = torch.load(path, map_location=self.accelerator.device, weights_only=False)
+            # Plain "cpu" for CPU runs: under DeepSpeed the device is "cpu:0", a location torch.load cannot restore.
+            device = self.accelerator.device
+            saved = torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=False)
             self._step, self._buffered_inputs = saved["step"], saved["inputs"]
 
     def _start_remote_reference(self) -> RayReference:
