@@ -87,7 +87,7 @@ use_cpu: true
 
 
 @pytest.mark.slow  # the first DeepSpeed run on a machine JIT-builds its CPU communication op (80-140 s)
-@pytest.mark.parametrize("method, init_flag", [("grpo", "false"), ("grpo", "true"), ("ppo", "true")])
+@pytest.mark.parametrize("method, init_flag", [("grpo", "false"), ("grpo", "true")])  # PPO: test_ppo_sharded.py
 def test_toy_model_under_a_deepspeed_zero3_launcher_trains_instead_of_hanging(method, init_flag, tmp_path):
     """`accelerate launch --config_file <ZeRO-3>` with `model_name_or_path: toy:llama`: the main process builds the
     toy model while the other waits at a barrier. It used to build it under ZeRO-3's `zero.Init`, whose collective
@@ -100,8 +100,6 @@ def test_toy_model_under_a_deepspeed_zero3_launcher_trains_instead_of_hanging(me
     command += ["--main_process_port", str(free_port()), "-m", "trl_scale.cli", method]
     command += ["--config", str(EXAMPLES / f"{method}_tiny_cpu.yaml"), "--output_dir", str(tmp_path / "out")]
     command += ["--max_steps", "2", "--logging_steps", "1", "--disable_tqdm", "true"]
-    if method == "ppo":  # PPO's critic used to be built from ZeRO-3 partitions: "'weight' must be 2-D" at step 1
-        command += ["--per_device_train_batch_size", "4"]
     try:
         result = subprocess.run(
             command, cwd=ROOT, env=subprocess_env(DS_BUILD_OPS="0"), capture_output=True, text=True, timeout=400
@@ -111,7 +109,5 @@ def test_toy_model_under_a_deepspeed_zero3_launcher_trains_instead_of_hanging(me
     output = result.stdout + result.stderr
     assert result.returncode == 0, launcher_failure(output)
     assert f"trl-scale {method}: training on 2 process(es)" in output and "'grad_norm'" in output
-    if method == "ppo":
-        assert "'loss/value'" in output
     assert (tmp_path / "out" / "base-model" / "config.json").exists()
     assert (tmp_path / "out" / "model.safetensors").exists()

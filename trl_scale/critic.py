@@ -44,6 +44,21 @@ def load_critic(source, seed: int):
     return source
 
 
+class CriticModule(torch.nn.Module):
+    """The critic as one module whose forward is the completion tokens' values. A sharding wrapper (a DeepSpeed
+    engine, FSDP2) then sees every submodule used inside one root forward, as it does for the policy."""
+
+    def __init__(self, critic, padding_free: bool | None, token_budget: int | None):
+        super().__init__()
+        self.critic = critic
+        self.padding_free, self.token_budget = padding_free, token_budget
+
+    def forward(self, input_ids, attention_mask, prompt_len: int, num_tokens: int) -> torch.Tensor:
+        return completion_values(
+            self.critic, input_ids, attention_mask, prompt_len, num_tokens, self.padding_free, self.token_budget
+        )
+
+
 class Finished:
     """An already-computed result with the `.result()` of a future."""
 
@@ -54,26 +69,11 @@ class Finished:
         return self.value
 
 
-def _average_gradients_across_ranks(model) -> None:
-    """Data parallelism for the critic without a DDP wrapper (its forward goes through the packed engine, not
-    through a wrapper's forward): average the gradients over the process group."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    world = dist.get_world_size()
-    for parameter in model.parameters():
-        if not parameter.requires_grad:
-            continue
-        if parameter.grad is None:  # a rank that had no rows this step still takes part in the sum
-            parameter.grad = torch.zeros_like(parameter)
-        dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
-        parameter.grad.div_(world)
-
-
 class CriticUpdater:
-    """A critic with its own optimizer (and scheduler once the step count is known): clipped value loss,
-    gradient accumulation, clipping, stepping."""
+    """A critic with its own optimizer and scheduler: values, clipped value loss, gradient accumulation, stepping.
+    ``sharding`` holds it as the launcher holds the policy (see `distributed.critic_sharding`): "replicated",
+    "fsdp2", or "deepspeed" (its engine is built with the scheduler, once the step count is known; until then the
+    critic is whole)."""
 
     def __init__(
         self,
@@ -88,27 +88,45 @@ class CriticUpdater:
         vf_coef: float = 0.1,
         gradient_accumulation_steps: int = 1,
         max_grad_norm: float | None = 1.0,
+        sharding: str = "replicated",
+        deepspeed_config=None,
+        fsdp_plugin=None,
     ):
+        from .distributed.critic_sharding import FSDP2Critic, ReplicatedCritic
+
         self.critic = critic
-        self.optimizer = torch.optim.AdamW(
-            critic.parameters(), lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay
-        )
-        self.scheduler = None
-        self.padding_free, self.token_budget = padding_free, token_budget
+        self.padding_free = padding_free
         self.cliprange_value, self.vf_coef = cliprange_value, vf_coef
-        self.gradient_accumulation_steps, self.max_grad_norm = gradient_accumulation_steps, max_grad_norm
+        self.gradient_accumulation_steps = gradient_accumulation_steps
         self.micro_steps = 0
+        self.sharding = sharding
+        self._optimizer_settings = dict(lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
+        self._deepspeed_config = deepspeed_config  # (num_training_steps) -> config, for the "deepspeed" engine
+        module = CriticModule(critic, padding_free, token_budget)
+        if sharding == "fsdp2":
+            self.holder = FSDP2Critic(module, self._optimizer_settings, max_grad_norm, fsdp_plugin)
+        elif sharding in ("replicated", "deepspeed"):
+            self.holder = ReplicatedCritic(module, self._optimizer_settings, max_grad_norm)
+        else:
+            raise ValueError(f"unknown critic sharding {sharding!r}")
+
+    @property
+    def optimizer(self):
+        return self.holder.optimizer
+
+    @property
+    def scheduler(self):
+        return self.holder.scheduler
 
     def set_scheduler(self, scheduler_type: str, num_warmup_steps: int, num_training_steps: int, kwargs=None):
-        from transformers import get_scheduler
+        args = (scheduler_type, num_warmup_steps, num_training_steps, kwargs)
+        if self.sharding == "deepspeed":
+            from .distributed.critic_sharding import DeepSpeedCritic
 
-        self.scheduler = get_scheduler(
-            scheduler_type,
-            optimizer=self.optimizer,
-            num_warmup_steps=num_warmup_steps,
-            num_training_steps=num_training_steps,
-            scheduler_specific_kwargs=kwargs or {},
-        )
+            config = self._deepspeed_config(num_training_steps)
+            self.holder = DeepSpeedCritic(self.holder.module, self._optimizer_settings, config, args)
+        else:
+            self.holder.set_scheduler(*args)
 
     def _empty_padded_shard(self, input_ids) -> bool:
         """An empty shard (fewer rows than workers) on the padded path has nothing to run. The packed path still
@@ -117,12 +135,10 @@ class CriticUpdater:
 
     @torch.no_grad()
     def values(self, input_ids, attention_mask, prompt_len: int, num_tokens: int) -> torch.Tensor:
-        self.critic.eval()
+        self.holder.module.eval()
         if self._empty_padded_shard(input_ids):
             return torch.zeros(0, num_tokens, device=input_ids.device)
-        return completion_values(
-            self.critic, input_ids, attention_mask, prompt_len, num_tokens, self.padding_free, self.token_budget
-        )
+        return self.holder.module(input_ids, attention_mask, prompt_len, num_tokens)
 
     def step(self, *args, train: bool = True, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """A whole micro-step on one batch: `loss_and_backward` (same arguments), then in training the end of the
@@ -141,7 +157,6 @@ class CriticUpdater:
         returns,
         mask,
         train: bool = True,
-        backward=None,
         loss_scale: float = 1.0,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The value loss of some rows and, in training, its backward (no optimizer step): a micro-step may take
@@ -151,14 +166,11 @@ class CriticUpdater:
             zero = mask.new_zeros(())
             return zero, {"val/vpred": zero, "val/error": zero, "val/clipfrac": zero}
         with torch.set_grad_enabled(train):
-            self.critic.train(train)
-            vpred = completion_values(
-                self.critic, input_ids, attention_mask, prompt_len, mask.size(1), self.padding_free, self.token_budget
-            )
+            self.holder.module.train(train)
+            vpred = self.holder.module(input_ids, attention_mask, prompt_len, mask.size(1))
             loss, clipfrac = ppo_core.clipped_value_loss(vpred, old_values, returns, mask, self.cliprange_value)
             if train and loss.requires_grad:
-                scaled = loss_scale * self.vf_coef * loss / self.gradient_accumulation_steps
-                (backward or torch.Tensor.backward)(scaled)
+                self.holder.backward(loss_scale * self.vf_coef * loss / self.gradient_accumulation_steps)
         stats = {
             "val/vpred": ppo_core.masked_mean(vpred.detach(), mask),
             "val/error": ppo_core.masked_mean((vpred.detach() - returns) ** 2, mask),
@@ -167,35 +179,46 @@ class CriticUpdater:
         return loss.detach(), stats
 
     def end_micro_step(self) -> None:
-        """Count a micro-step; at the end of an accumulation window average gradients, clip and step."""
+        """Count a micro-step; at the end of an accumulation window the holder reduces, clips and steps."""
         self.micro_steps += 1
-        if self.micro_steps % self.gradient_accumulation_steps == 0:
-            _average_gradients_across_ranks(self.critic)
-            if self.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.max_grad_norm)
-            self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        self.holder.end_micro_step(boundary=self.micro_steps % self.gradient_accumulation_steps == 0)
 
     def step_async(self, *args, **kwargs) -> Finished:
         """`step`, as a handle with `.result()`: in-process the work is done here; a remote critic overlaps it."""
         return Finished(self.step(*args, **kwargs))
 
-    # state for checkpoints (the same calls whether the critic is in-process or remote)
+    # ---- state: the same calls whether the critic is in-process (any sharding) or remote --------------------
+
+    def weights(self) -> dict:
+        """The whole critic's weights (a collective where sharded; whole on the main process)."""
+        return self.holder.full_state_dict()
+
+    def save_training_state(self, directory: str, is_main_process: bool) -> None:
+        """Optimizer and scheduler into a checkpoint folder (a collective where sharded)."""
+        self.holder.save(directory, is_main_process)
+
+    def load_training_state(self, directory: str, weights: dict) -> None:
+        self.holder.load_full_state_dict(weights)
+        self.holder.load(directory)  # checkpoints are saved at accumulation boundaries: micro_steps stays valid
+
     def state(self) -> dict:
+        """Weights, optimizer and scheduler in one dict (a Ray critic worker's, sent to the main process)."""
         return {
-            "model": {k: v.detach().cpu() for k, v in self.critic.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
+            "model": self.weights(),
+            "optimizer": self.holder.optimizer_state(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "micro_steps": self.micro_steps,
         }
 
     def load_state(self, state: dict) -> None:
         if state.get("model") is not None:
-            self.critic.load_state_dict(state["model"])
+            self.holder.load_full_state_dict(state["model"])
         if state.get("optimizer") is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.holder.load_optimizer_state(state["optimizer"])
         if state.get("scheduler") is not None and self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.micro_steps = state.get("micro_steps", self.micro_steps)
+
+    def shard_bytes(self) -> dict[str, int]:
+        """Bytes of the critic's parameters and optimizer state held by this rank."""
+        return self.holder.shard_bytes()

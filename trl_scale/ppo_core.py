@@ -17,12 +17,23 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """Normalise to unit (unbiased) variance over the masked entries; zero-mean too when ``shift_mean``."""
-    mean = masked_mean(values, mask)
+def masked_whiten(
+    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, sum_across_ranks=None
+) -> torch.Tensor:
+    """Normalise to unit (unbiased) variance over the masked entries; zero-mean too when ``shift_mean``.
+    ``sum_across_ranks`` (a sum all-reduce) takes the statistics over the whole data-parallel batch, so a run's
+    advantages do not depend on how many processes share it."""
+
+    def total(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.sum()
+        return sum_across_ranks(tensor) if sum_across_ranks is not None else tensor
+
+    mask = mask.to(values.dtype)
+    count = total(mask)
+    mean = total(values * mask) / count.clamp(min=1.0)
     centered = values - mean
-    count = mask.sum().clamp(min=2.0)
-    variance = masked_mean(centered**2, mask) * count / (count - 1)
+    unbiased = count.clamp(min=2.0)
+    variance = total(centered**2 * mask) / count.clamp(min=1.0) * unbiased / (unbiased - 1)
     whitened = centered * torch.rsqrt(variance + 1e-8)
     return whitened if shift_mean else whitened + mean
 

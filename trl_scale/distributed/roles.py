@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..scoring.packing import UnpaddedRows
+from .critic_sharding import read_optimizer_files, write_optimizer_files
 from .main_process import call_on_main, run_on_main, start_on_main
 from .ray_backend import Placement, RoleGroup, init_ray
 from .role_workers import RoleRows
@@ -109,6 +110,20 @@ class RayCritic:
 
     def load_state(self, state: dict) -> None:
         run_on_main(lambda: self.group.call_all("load_state", state))
+
+    def weights(self) -> dict | None:
+        state = self.state()
+        return state["model"] if state is not None else None
+
+    def save_training_state(self, directory: str, is_main_process: bool) -> None:
+        """The workers' optimizer and scheduler, in the files a local replicated critic writes."""
+        state = self.state()
+        if is_main_process:
+            write_optimizer_files(directory, state["optimizer"], state["scheduler"])
+
+    def load_training_state(self, directory: str, weights: dict) -> None:
+        optimizer, scheduler = read_optimizer_files(directory)
+        self.load_state({"model": weights, "optimizer": optimizer, "scheduler": scheduler})
 
 
 class RayReference:

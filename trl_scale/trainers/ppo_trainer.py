@@ -26,14 +26,13 @@ from transformers import (
 
 from .. import ppo_core
 from ..critic import CriticUpdater, load_critic
+from ..distributed.critic_sharding import critic_sharding, deepspeed_critic_config
 from ..distributed.zero import gathered, whole_parameters
 from .common import TRL_SCALE_TAG, overridden
 from .grpo_trainer import GRPOTrainer
 from .ppo_config import PPOConfig
 
 VALUE_MODEL_DIR = "value_model"
-CRITIC_OPTIMIZER_NAME = "critic_optimizer.pt"
-CRITIC_SCHEDULER_NAME = "critic_scheduler.pt"
 
 
 class PPOTrainer(GRPOTrainer):
@@ -115,9 +114,15 @@ class PPOTrainer(GRPOTrainer):
             self._check_value_model_tokenizer(value_model)
             self.value_model.to(self.accelerator.device)
             self._critic_config = self.value_model.config
-            # Not wrapped (DDP/DeepSpeed): its forward runs through the packed engine, and the updater averages
-            # its gradients across ranks.
-            self.critic = CriticUpdater(self.value_model, **updater_settings)
+            # Held as the launcher holds the policy: replicated (DDP), its own DeepSpeed engine, or FSDP2.
+            sharding = critic_sharding(self.accelerator)
+            self.critic = CriticUpdater(
+                self.value_model,
+                **updater_settings,
+                sharding=sharding,
+                deepspeed_config=partial(deepspeed_critic_config, self.accelerator, args, self.value_model),
+                fsdp_plugin=self.accelerator.state.fsdp_plugin if sharding == "fsdp2" else None,
+            )
 
     # ---- critic construction -------------------------------------------------------------------------------
 
@@ -237,10 +242,12 @@ class PPOTrainer(GRPOTrainer):
 
             kl = ppo_core.kl_penalty(old_logps, ref_logps, args.kl_estimator) * mask
             rewards, non_score = ppo_core.shaped_rewards(scores, kl, mask, args.kl_coef)
+            # Whitened over the whole batch (all ranks), as one process would: results do not depend on world size.
+            sum_across_ranks = partial(self.accelerator.reduce, reduction="sum")
             if args.whiten_rewards:
-                rewards = ppo_core.masked_whiten(rewards, mask, shift_mean=False) * mask
+                rewards = ppo_core.masked_whiten(rewards, mask, False, sum_across_ranks) * mask
             advantages, returns = ppo_core.compute_gae(rewards, values, mask, args.gamma, args.lam)
-            advantages = ppo_core.masked_whiten(advantages, mask) * mask
+            advantages = ppo_core.masked_whiten(advantages, mask, sum_across_ranks=sum_across_ranks) * mask
 
         batch["advantages"] = advantages
         batch["values"] = values
@@ -314,6 +321,13 @@ class PPOTrainer(GRPOTrainer):
         self._metrics[mode]["loss/value"].append(reduce(value_loss).mean().item())
         for key, value in value_stats.items():
             self._metrics[mode][key].append(reduce(value).mean().item())
+        if mode == "train" and hasattr(self.critic, "shard_bytes"):
+            # What each rank holds of the critic (mean over ranks): sharding shows as 1/world of one process's.
+            held = self.critic.shard_bytes()
+            device = self.accelerator.device
+            for key in ("parameters", "optimizer"):
+                held_here = torch.tensor([float(held[key])], device=device)
+                self._metrics[mode][f"critic/{key}_bytes_per_rank"].append(reduce(held_here).mean().item())
 
     # ---- saving, checkpoints, resuming ---------------------------------------------------------------------
 
@@ -321,14 +335,14 @@ class PPOTrainer(GRPOTrainer):
         """Save the policy as TRL does, and the critic beside it in `value_model/` (with a model card)."""
         super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
-        state = self.critic.state()  # from the critic wherever it lives (in-process or a Ray worker)
+        weights = self.critic.weights()  # wherever it lives (sharded: gathered; a Ray worker: fetched)
         if self.accelerator.is_main_process:
             critic_dir = os.path.join(output_dir, VALUE_MODEL_DIR)
             from safetensors.torch import save_file
 
             os.makedirs(critic_dir, exist_ok=True)
             self._critic_config.save_pretrained(critic_dir)
-            weights = {k: v.contiguous() for k, v in state["model"].items()}
+            weights = {k: v.contiguous() for k, v in weights.items()}
             save_file(weights, os.path.join(critic_dir, "model.safetensors"), metadata={"format": "pt"})
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(critic_dir)
@@ -342,11 +356,7 @@ class PPOTrainer(GRPOTrainer):
 
     def _save_optimizer_and_scheduler(self, output_dir):
         super()._save_optimizer_and_scheduler(output_dir)
-        state = self.critic.state()
-        if self.accelerator.is_main_process:
-            torch.save(state["optimizer"], os.path.join(output_dir, CRITIC_OPTIMIZER_NAME))
-            if state["scheduler"] is not None:
-                torch.save(state["scheduler"], os.path.join(output_dir, CRITIC_SCHEDULER_NAME))
+        self.critic.save_training_state(output_dir, self.accelerator.is_main_process)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -357,14 +367,9 @@ class PPOTrainer(GRPOTrainer):
             raise FileNotFoundError(
                 f"checkpoint {checkpoint} has no {VALUE_MODEL_DIR}/: it was not saved by PPOTrainer"
             )
-        state = {"model": AutoModelForSequenceClassification.from_pretrained(critic_dir).state_dict()}
-        optimizer_path = os.path.join(checkpoint, CRITIC_OPTIMIZER_NAME)
-        if os.path.isfile(optimizer_path):
-            state["optimizer"] = torch.load(optimizer_path, map_location="cpu")
-        scheduler_path = os.path.join(checkpoint, CRITIC_SCHEDULER_NAME)
-        if os.path.isfile(scheduler_path):
-            state["scheduler"] = torch.load(scheduler_path)
-        self.critic.load_state(state)
+        from safetensors.torch import load_file
+
+        self.critic.load_training_state(checkpoint, load_file(os.path.join(critic_dir, "model.safetensors")))
 
 
 def _refuse_images(*datasets) -> None:

@@ -1,0 +1,97 @@
+"""One rank of a critic-sharding check, run by `torch.distributed.run` (or alone): a `CriticUpdater` with the
+given sharding takes 4 micro-steps (GA 2) on its slice of a fixed batch, saves its training state, takes 2 more;
+a fresh updater loads the saved state and takes the same 2. Rank 0 writes what it saw to ``out``.
+
+    python -m torch.distributed.run --nproc_per_node 2 -m tests.critic_sharding_worker MODEL SHARDING OUT
+"""
+
+import copy
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from trl_scale.critic import CriticUpdater, load_critic
+
+ROWS, PROMPT, COMPLETION = 8, 4, 6
+
+
+def _batches(vocab: int):
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        input_ids = torch.randint(3, vocab, (ROWS, PROMPT + COMPLETION), generator=generator)
+        returns = torch.randn(ROWS, COMPLETION, generator=generator)
+        yield input_ids, returns
+
+
+def _updater(model_path: str, sharding: str) -> CriticUpdater:
+    updater = CriticUpdater(
+        load_critic(model_path, seed=0),
+        learning_rate=1e-2,
+        gradient_accumulation_steps=2,
+        max_grad_norm=1.0,
+        cliprange_value=0.5,
+        sharding=sharding,
+    )
+    updater.set_scheduler("linear", 1, 10, None)
+    return updater
+
+
+def _micro_step(updater: CriticUpdater, input_ids, returns, rank: int, world: int) -> float:
+    rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
+    input_ids, returns = input_ids[rows], returns[rows]
+    mask = torch.ones_like(returns)
+    attention_mask = torch.ones_like(input_ids)
+    old_values = updater.values(input_ids, attention_mask, PROMPT, COMPLETION)
+    loss, _ = updater.step(input_ids, attention_mask, PROMPT, old_values, returns, mask)
+    if world > 1:  # the whole batch's loss: ranks hold equal token counts
+        dist.all_reduce(loss)
+        loss /= world
+    return loss.item()
+
+
+def main(model_path: str, sharding: str, out: str) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    updater = _updater(model_path, sharding)
+    batches = list(_batches(updater.critic.config.vocab_size))
+    losses = [_micro_step(updater, *batch, rank, world) for batch in batches[:4]]
+    checkpoint = os.path.join(os.path.dirname(out), f"checkpoint-{sharding}-{world}")
+    os.makedirs(checkpoint, exist_ok=True)
+    saved_weights = copy.deepcopy(updater.weights())  # not the live parameters
+    updater.save_training_state(checkpoint, rank == 0)
+    result = {
+        "losses": losses,
+        "weights_at_checkpoint": saved_weights,
+        "optimizer_at_checkpoint": copy.deepcopy(updater.state()["optimizer"]),  # not the live tensors
+        "shard_bytes": updater.shard_bytes(),
+    }
+    for batch in batches[4:]:
+        _micro_step(updater, *batch, rank, world)
+    result["weights"] = updater.weights()
+    if world > 1:
+        dist.barrier()  # the checkpoint is written
+    resumed = _updater(model_path, sharding)
+    resumed.load_training_state(checkpoint, _broadcast(saved_weights) if world > 1 else saved_weights)
+    for batch in batches[4:]:
+        _micro_step(resumed, *batch, rank, world)
+    result["resumed_weights"] = resumed.weights()
+    if rank == 0:
+        torch.save(result, out)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _broadcast(state: dict) -> dict:
+    """Rank 0's gathered weights, for a rank that got none (the trainer reads them from the checkpoint's file)."""
+    holder = [state]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
