@@ -92,6 +92,11 @@ def test_local_and_ray_backends_give_the_same_rewards_values_and_losses(
     )
     assert remote.value_model is None  # the trainer process does not hold the critic
     remote.train()
+    # 2 workers shard the critic with FSDP2: each holds half of the parameters and AdamW state of the local one
+    for held in remote.critic.worker_shard_bytes():
+        whole = local.critic.shard_bytes()
+        for key in ("parameters", "optimizer"):
+            assert held[key] / whole[key] == pytest.approx(1 / num_workers, abs=0.05), (key, held, whole)
     keys = (
         "loss",
         "grad_norm",
@@ -152,6 +157,14 @@ def test_a_dead_critic_worker_is_a_clear_error(tiny_llama, tmp_path):
 def test_bad_placement_names_the_field(tmp_path):
     with pytest.raises(ValueError, match="critic_placement has unknown keys"):
         trl_scale.PPOConfig(output_dir=str(tmp_path), bf16=False, backend="ray", critic_placement={"gpus": 1})
+    with pytest.raises(ValueError, match="critic_placement.sharding='zero3'.*'fsdp2'"):
+        trl_scale.PPOConfig(
+            output_dir=str(tmp_path), bf16=False, backend="ray", critic_placement={"sharding": "zero3"}
+        )
+    with pytest.raises(ValueError, match="reward_placement has unknown keys \\['sharding'\\]"):
+        trl_scale.PPOConfig(
+            output_dir=str(tmp_path), bf16=False, backend="ray", reward_placement={"sharding": "fsdp2"}
+        )
     with pytest.raises(ValueError, match="backend='spark'"):
         trl_scale.GRPOConfig(output_dir=str(tmp_path), bf16=False, backend="spark")
 

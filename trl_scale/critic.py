@@ -133,10 +133,21 @@ class CriticUpdater:
         runs a dummy forward there, because its forwards are counted across workers."""
         return input_ids.size(0) == 0 and not use_packing(self.critic.base_model, self.padding_free, probe_now=True)
 
+    def _must_run(self) -> bool:
+        """Sharded, every rank runs every forward and backward (they gather and reduce collectively)."""
+        return self.sharding != "replicated"
+
+    def _dummy_forward(self, input_ids, prompt_len: int, num_tokens: int) -> torch.Tensor:
+        """An empty shard's share in a sharded critic's collectives: one all-padding-free row of zeros."""
+        dummy = input_ids.new_zeros((1, input_ids.size(1)))
+        return self.holder.module(dummy, torch.ones_like(dummy), prompt_len, num_tokens)
+
     @torch.no_grad()
     def values(self, input_ids, attention_mask, prompt_len: int, num_tokens: int) -> torch.Tensor:
         self.holder.module.eval()
         if self._empty_padded_shard(input_ids):
+            if self._must_run():
+                self._dummy_forward(input_ids, prompt_len, num_tokens)
             return torch.zeros(0, num_tokens, device=input_ids.device)
         return self.holder.module(input_ids, attention_mask, prompt_len, num_tokens)
 
@@ -164,6 +175,12 @@ class CriticUpdater:
         (its share of the tokens, times the data-parallel world size that averages the gradients)."""
         if self._empty_padded_shard(input_ids):
             zero = mask.new_zeros(())
+            if self._must_run():
+                with torch.set_grad_enabled(train):
+                    self.holder.module.train(train)
+                    vpred = self._dummy_forward(input_ids, prompt_len, mask.size(1))
+                    if train:
+                        self.holder.backward(vpred.sum() * 0.0)
             return zero, {"val/vpred": zero, "val/error": zero, "val/clipfrac": zero}
         with torch.set_grad_enabled(train):
             self.holder.module.train(train)

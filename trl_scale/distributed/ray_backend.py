@@ -5,7 +5,9 @@ CPUs each) holding one `RoleWorker` actor per bundle. Every remote call has a ti
 is reported as an error naming its role (`RoleError`), and a stateless role's dead worker is restarted.
 
 With several workers, a role is data parallel inside its group: rows are split over the workers, and the critic's
-workers form their own torch.distributed group (gloo on CPU, NCCL on GPU) to average gradients. What the trainer
+workers form their own torch.distributed group (gloo on CPU, NCCL on GPU) in which the critic is sharded with
+FSDP2 (each worker holds 1/num_workers of its parameters, gradients and AdamW state; `sharding: "replicated"`
+keeps whole replicas that average gradients). What the trainer
 holds in place of each model (`RayCritic`, `RayRewardModel`, `RayReference`) is in `roles`.
 """
 
@@ -34,19 +36,25 @@ class Placement:
     num_workers: int = 1
     num_gpus_per_worker: float = 0.0
     num_cpus_per_worker: float = 1.0
+    sharding: str = "fsdp2"  # the critic's, across its workers: "fsdp2" or "replicated" (critic_placement only)
 
     @classmethod
     def from_config(cls, value: dict | None, field_name: str) -> Placement:
         value = dict(value or {})
-        unknown = set(value) - {"num_workers", "num_gpus_per_worker", "num_cpus_per_worker"}
+        keys = {"num_workers", "num_gpus_per_worker", "num_cpus_per_worker"}
+        if field_name == "critic_placement":
+            keys.add("sharding")
+        unknown = set(value) - keys
         if unknown:
-            raise ValueError(
-                f"{field_name} has unknown keys {sorted(unknown)}; use num_workers, "
-                "num_gpus_per_worker, num_cpus_per_worker"
-            )
+            raise ValueError(f"{field_name} has unknown keys {sorted(unknown)}; use {', '.join(sorted(keys))}")
         placement = cls(**value)
         if placement.num_workers < 1:
             raise ValueError(f"{field_name}.num_workers={placement.num_workers}: use at least 1")
+        if placement.sharding not in ("fsdp2", "replicated"):
+            raise ValueError(
+                f"{field_name}.sharding={placement.sharding!r}: use 'fsdp2' (the critic sharded across its "
+                "workers) or 'replicated' (a whole critic on each worker)"
+            )
         # GPUs are not checked here: on a cluster they may exist only on worker nodes. A placement the cluster
         # cannot satisfy fails as a RoleError when its placement group is not ready within ray_call_timeout.
         return placement

@@ -39,7 +39,7 @@ class RoleWorker:
         torch.set_num_threads(max(1, int(settings.get("num_threads", 1))))
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        self.role = role
+        self.role, self.settings = role, settings
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if role == "reference":
             self._load_reference(model_path, settings)
@@ -54,7 +54,9 @@ class RoleWorker:
             from ..critic import CriticUpdater, load_critic
 
             critic = load_critic(model_path, settings["seed"]).to(self.device)
+            # Replicated until the group's process group exists (`init_process_group`): FSDP2 shards over it.
             self.updater = CriticUpdater(critic, **settings["updater"])
+            self.sharding = settings.get("sharding", "replicated")
 
     def _load_reference(self, model_path: str, settings: dict) -> None:
         """The frozen reference policy, scored as TRL scores its `ref_model`: its fused log-prob head (and
@@ -108,6 +110,10 @@ class RoleWorker:
         with torch.no_grad():
             for parameter in self.updater.critic.parameters():
                 dist.broadcast(parameter.data, src=0)
+        if self.sharding != "replicated":
+            from ..critic import CriticUpdater
+
+            self.updater = CriticUpdater(self.updater.critic, **self.settings["updater"], sharding=self.sharding)
 
     @torch.no_grad()
     def rewards(self, texts: list[str]) -> list[float]:
@@ -170,6 +176,9 @@ class RoleWorker:
 
     def state(self):
         return self.updater.state()
+
+    def shard_bytes(self) -> dict[str, int]:
+        return self.updater.shard_bytes()
 
     def load_state(self, state):
         self.updater.load_state(state)

@@ -105,11 +105,22 @@ class RayCritic:
         self.scheduler = True
 
     def state(self) -> dict | None:
-        """The critic's state on the main process (workers hold identical weights), None elsewhere."""
-        return run_on_main(lambda: self.group.call("state"))
+        """The critic's state on the main process, None elsewhere. Replicas are identical: the first worker's.
+        Sharded, gathering is a collective of all workers, and the first one holds the whole."""
+
+        def fetch() -> dict:
+            if self.group.settings.get("sharding", "replicated") == "replicated":
+                return self.group.call("state")
+            return self.group.call_all("state")[0]
+
+        return run_on_main(fetch)
 
     def load_state(self, state: dict) -> None:
         run_on_main(lambda: self.group.call_all("load_state", state))
+
+    def worker_shard_bytes(self) -> list[dict[str, int]] | None:
+        """What each critic worker holds of the critic's parameters and AdamW state (main process; None elsewhere)."""
+        return run_on_main(lambda: self.group.call_all("shard_bytes"))
 
     def weights(self) -> dict | None:
         state = self.state()
@@ -198,7 +209,9 @@ def start_critic(model_source: Callable[[], Any], updater_settings: dict, args, 
         if check is not None:
             check(path)
         placement = Placement.from_config(args.critic_placement, "critic_placement")
-        settings = {"updater": updater_settings, "seed": args.seed}  # the seed of a new value head, as locally
+        # the seed of a new value head, as locally; FSDP2 needs the workers' process group, so only with several
+        sharding = placement.sharding if placement.num_workers > 1 else "replicated"
+        settings = {"updater": updater_settings, "seed": args.seed, "sharding": sharding}
         return RoleGroup("critic", path, placement, settings, timeout=args.ray_call_timeout)
 
     return RayCritic(run_on_main(start))
