@@ -182,7 +182,9 @@ def _ppo(model_path, out, reward=token_parity_reward, **overrides):
 
 @pytest.mark.slow  # > 20 s on 2 cores; still in CI (CI deselects only gpu and vllm)
 def test_ppo_learns_to_count(tmp_path):
-    """Calibrated: seed 0, 200 rollouts of 32, held-out reward 0.11 -> about 0.35-0.5 (0.35 at 150 rollouts)."""
+    """Calibrated (seed 0, 200 rollouts of 32): training reward 0.11 -> 0.79, held-out 0.11 -> 0.83. Broken on purpose
+    the same run stops far lower: values read one token off, 0.28 / 0.36; the KL penalty's sign flipped, 0.30 / 0.32.
+    Both thresholds (+0.45) sit between."""
     base = build_tiny_model(tmp_path / "base")
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base)
@@ -212,9 +214,11 @@ def test_ppo_learns_to_count(tmp_path):
     )
     trainer.train()
     rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
-    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.1, rewards
+    print(f"training reward {sum(rewards[:10]) / 10:.3f} -> {sum(rewards[-10:]) / 10:.3f}")
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.45, rewards
     after = evaluate_counting(trainer.model, tokenizer)
-    assert after > before + 0.15, (before, after)
+    print(f"held-out counting reward {before:.3f} -> {after:.3f}")
+    assert after > before + 0.45, (before, after)
     logged = trainer.state.log_history[0]
     for key in (
         "objective/kl",
