@@ -84,6 +84,11 @@ def main(model_path: str, sharding: str, out: str) -> None:
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+        # As `trl-scale` does at the end of a multi-process run: no native teardown of the process groups that
+        # FSDP2 still holds (it can abort a rank at exit).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _broadcast(state: dict) -> dict:
