@@ -36,7 +36,7 @@ LAUNCHERS = {
 }
 STEPS = 3
 # The policy loss is ~0 (whitened advantages at ratio 1); its gradient norm and the KL it moves carry the update.
-KEYS = ("grad_norm", "objective/kl", "objective/scores", "loss/value", "val/vpred", "val/error")
+KEYS = ("grad_norm", "critic/grad_norm", "objective/kl", "objective/scores", "loss/value", "val/vpred", "val/error")
 
 
 def _ppo_command(output_dir, per_device_batch: int, save_steps: int = STEPS) -> list[str]:
@@ -179,3 +179,13 @@ def test_an_fsdp2_critic_on_two_processes_updates_as_one_process_and_resumes(tin
         share = sharded["shard_bytes"][key] / whole["shard_bytes"][key]
         print(f"fsdp2 critic: each rank holds {share:.2f} of the {key} bytes of one process")
         assert 0.45 <= share <= 0.55, (key, share)
+
+
+@pytest.mark.launchers  # outside CI: bash scripts/test.sh -m launchers
+def test_ppo_with_a_zero3_critic_and_gradient_accumulation_takes_the_steps_of_one_process(one_process, tmp_path):
+    """2 processes × 2 micro-batches of 2 rows accumulate to the 8 rows one process takes at once: the critic's
+    engine accumulates as many micro-steps as the policy's (its config's GA), the loss divided once."""
+    pytest.importorskip("deepspeed")
+    accumulate = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+    output_dir = _sharded_run("zero3", tmp_path, extra=accumulate)
+    _check_same_steps(one_process, output_dir)

@@ -99,6 +99,7 @@ class CriticUpdater:
         self.cliprange_value, self.vf_coef = cliprange_value, vf_coef
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.micro_steps = 0
+        self.grad_norm: float | None = None
         self.sharding = sharding
         self._optimizer_settings = dict(lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
         self._deepspeed_config = deepspeed_config  # (num_training_steps) -> config, for the "deepspeed" engine
@@ -198,7 +199,8 @@ class CriticUpdater:
     def end_micro_step(self) -> None:
         """Count a micro-step; at the end of an accumulation window the holder reduces, clips and steps."""
         self.micro_steps += 1
-        self.holder.end_micro_step(boundary=self.micro_steps % self.gradient_accumulation_steps == 0)
+        # the gradient norm (before clipping) of the optimizer step just taken, None inside a window
+        self.grad_norm = self.holder.end_micro_step(boundary=self.micro_steps % self.gradient_accumulation_steps == 0)
 
     def step_async(self, *args, **kwargs) -> Finished:
         """`step`, as a handle with `.result()`: in-process the work is done here; a remote critic overlaps it."""

@@ -98,16 +98,18 @@ class ReplicatedCritic:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def end_micro_step(self, boundary: bool) -> None:
+    def end_micro_step(self, boundary: bool) -> float | None:
+        """At the end of an accumulation window: reduce, clip, step. Returns the gradient norm before clipping
+        (None inside a window)."""
         if not boundary:
-            return
+            return None
         self._reduce_gradients()
-        if self.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.max_grad_norm or float("inf"))
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def _reduce_gradients(self) -> None:
         import torch.distributed as dist
@@ -239,9 +241,13 @@ class DeepSpeedCritic:
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)  # the updater already divided by the accumulation steps
 
-    def end_micro_step(self, boundary: bool) -> None:
+    def end_micro_step(self, boundary: bool) -> float | None:
         # DeepSpeed counts micro-steps itself and steps at the same boundary (its config has the same GA).
         self.engine.step()
+        if not boundary:
+            return None
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
 
     def _parameters(self) -> list[torch.nn.Parameter]:
         return list(self.engine.module.parameters())

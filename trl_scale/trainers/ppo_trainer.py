@@ -321,6 +321,10 @@ class PPOTrainer(GRPOTrainer):
         self._metrics[mode]["loss/value"].append(reduce(value_loss).mean().item())
         for key, value in value_stats.items():
             self._metrics[mode][key].append(reduce(value).mean().item())
+        grad_norm = getattr(self.critic, "grad_norm", None) if mode == "train" else None
+        if grad_norm is not None:  # an optimizer step of the critic ended this micro-step
+            norm = torch.tensor([grad_norm], device=self.accelerator.device)
+            self._metrics[mode]["critic/grad_norm"].append(reduce(norm).mean().item())
         if mode == "train" and hasattr(self.critic, "shard_bytes"):
             # What each rank holds of the critic (mean over ranks): sharding shows as 1/world of one process's.
             held = self.critic.shard_bytes()
