@@ -279,3 +279,20 @@ def launcher_failure(output: str, tail: int = 2500) -> str:
     one whose traceback ends the output), then the output's tail."""
     errors = [line for line in output.splitlines() if "Error" in line or "Exception" in line][:40]
     return "\n".join(["-- lines naming errors --", *errors, "-- tail --", output[-tail:]])
+
+
+def deepspeed_launcher_config(stage: int, init_flag: str) -> str:
+    """An accelerate config for DeepSpeed ZeRO-``stage`` on 2 CPU processes (gloo), no offload, fp32."""
+    return f"""compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  zero_stage: {stage}
+  offload_optimizer_device: none
+  offload_param_device: none
+  zero3_init_flag: {init_flag}
+  zero3_save_16bit_model: true
+num_machines: 1
+num_processes: 2
+mixed_precision: 'no'
+use_cpu: true
+"""

@@ -7,7 +7,7 @@ import pytest
 
 from trl_scale.cli import main
 
-from .helpers import ROOT, accelerate_launch, free_port, launcher_failure, subprocess_env
+from .helpers import ROOT, accelerate_launch, deepspeed_launcher_config, free_port, launcher_failure, subprocess_env
 
 EXAMPLES = ROOT / "examples"
 
@@ -71,21 +71,6 @@ def test_realistic_gpu_yamls_parse(tmp_path):
             assert args.reference_placement == args.reward_placement == args.critic_placement
 
 
-DEEPSPEED_ZERO3_CPU = """compute_environment: LOCAL_MACHINE
-distributed_type: DEEPSPEED
-deepspeed_config:
-  zero_stage: 3
-  offload_optimizer_device: none
-  offload_param_device: none
-  zero3_init_flag: {init_flag}
-  zero3_save_16bit_model: true
-num_machines: 1
-num_processes: 2
-mixed_precision: 'no'
-use_cpu: true
-"""
-
-
 @pytest.mark.slow  # the first DeepSpeed run on a machine JIT-builds its CPU communication op (80-140 s)
 @pytest.mark.parametrize("method, init_flag", [("grpo", "false"), ("grpo", "true")])  # PPO: test_ppo_sharded.py
 def test_toy_model_under_a_deepspeed_zero3_launcher_trains_instead_of_hanging(method, init_flag, tmp_path):
@@ -95,7 +80,7 @@ def test_toy_model_under_a_deepspeed_zero3_launcher_trains_instead_of_hanging(me
     import deepspeed  # noqa: F401  (installed by the README's test command; this path must be tested)
 
     launcher_config = tmp_path / "zero3.yaml"
-    launcher_config.write_text(DEEPSPEED_ZERO3_CPU.format(init_flag=init_flag))
+    launcher_config.write_text(deepspeed_launcher_config(stage=3, init_flag=init_flag))
     command = [*accelerate_launch(2)[:3], "--config_file", str(launcher_config), "--num_processes", "2"]
     command += ["--main_process_port", str(free_port()), "-m", "trl_scale.cli", method]
     command += ["--config", str(EXAMPLES / f"{method}_tiny_cpu.yaml"), "--output_dir", str(tmp_path / "out")]

@@ -11,28 +11,14 @@ import subprocess
 
 import pytest
 
-from .helpers import ROOT, accelerate_launch, free_port, launcher_failure, subprocess_env
+from .helpers import ROOT, accelerate_launch, deepspeed_launcher_config, free_port, launcher_failure, subprocess_env
 
 EXAMPLES = ROOT / "examples"
 
-DEEPSPEED = """compute_environment: LOCAL_MACHINE
-distributed_type: DEEPSPEED
-deepspeed_config:
-  zero_stage: {stage}
-  offload_optimizer_device: none
-  offload_param_device: none
-  zero3_init_flag: {init_flag}
-  zero3_save_16bit_model: true
-num_machines: 1
-num_processes: 2
-mixed_precision: 'no'
-use_cpu: true
-"""
-
 # ZeRO-3 with `zero3_init_flag: true`: the policy is built partitioned, and the default critic is built from it.
 LAUNCHERS = {
-    "zero2": DEEPSPEED.format(stage=2, init_flag="false"),
-    "zero3": DEEPSPEED.format(stage=3, init_flag="true"),
+    "zero2": deepspeed_launcher_config(stage=2, init_flag="false"),
+    "zero3": deepspeed_launcher_config(stage=3, init_flag="true"),
 }
 STEPS = 3
 # The policy loss is ~0 (whitened advantages at ratio 1); its gradient norm and the KL it moves carry the update.
