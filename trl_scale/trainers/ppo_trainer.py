@@ -322,16 +322,16 @@ class PPOTrainer(GRPOTrainer):
         for key, value in value_stats.items():
             self._metrics[mode][key].append(reduce(value).mean().item())
         grad_norm = getattr(self.critic, "grad_norm", None) if mode == "train" else None
-        if grad_norm is not None:  # an optimizer step of the critic ended this micro-step
-            norm = torch.tensor([grad_norm], device=self.accelerator.device)
-            self._metrics[mode]["critic/grad_norm"].append(reduce(norm).mean().item())
-        if mode == "train" and hasattr(self.critic, "shard_bytes"):
-            # What each rank holds of the critic (mean over ranks): sharding shows as 1/world of one process's.
-            held = self.critic.shard_bytes()
-            device = self.accelerator.device
-            for key in ("parameters", "optimizer"):
-                held_here = torch.tensor([float(held[key])], device=device)
-                self._metrics[mode][f"critic/{key}_bytes_per_rank"].append(reduce(held_here).mean().item())
+        if grad_norm is None:  # no optimizer step of the critic ended this micro-step (or it is remote)
+            return
+        # Its gradient norm, and what each rank holds of it (sharding shows as 1/world of one process's): once per
+        # critic optimizer step, in one gather, averaged over ranks.
+        held = self.critic.shard_bytes()
+        figures = [grad_norm, float(held["parameters"]), float(held["optimizer"])]
+        means = reduce(torch.tensor([figures], device=self.accelerator.device)).mean(0).tolist()
+        names = ("critic/grad_norm", "critic/parameters_bytes_per_rank", "critic/optimizer_bytes_per_rank")
+        for name, value in zip(names, means):
+            self._metrics[mode][name].append(value)
 
     # ---- saving, checkpoints, resuming ---------------------------------------------------------------------
 
