@@ -220,10 +220,11 @@ class CriticUpdater:
         self.holder.load_full_state_dict(weights)
         self.holder.load(directory)  # checkpoints are saved at accumulation boundaries: micro_steps stays valid
 
-    def state(self) -> dict:
-        """Weights, optimizer and scheduler in one dict (a Ray critic worker's, sent to the main process)."""
+    def state(self, with_weights: bool = True) -> dict:
+        """Weights (unless ``with_weights`` is False), optimizer and scheduler in one dict (a Ray critic worker's,
+        sent to the main process)."""
         return {
-            "model": self.weights(),
+            "model": self.weights() if with_weights else None,
             "optimizer": self.holder.optimizer_state(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "micro_steps": self.micro_steps,

@@ -174,8 +174,8 @@ class RoleWorker:
     def set_scheduler(self, *args):
         self.updater.set_scheduler(*args)
 
-    def state(self):
-        return self.updater.state()
+    def state(self, with_weights: bool = True):
+        return self.updater.state(with_weights)
 
     def shard_bytes(self) -> dict[str, int]:
         return self.updater.shard_bytes()

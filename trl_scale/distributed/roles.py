@@ -104,14 +104,14 @@ class RayCritic:
         run_on_main(lambda: self.group.call_all("set_scheduler", *args))
         self.scheduler = True
 
-    def state(self) -> dict | None:
+    def state(self, with_weights: bool = True) -> dict | None:
         """The critic's state on the main process, None elsewhere. Replicas are identical: the first worker's.
         Sharded, gathering is a collective of all workers, and the first one holds the whole."""
 
         def fetch() -> dict:
             if self.group.settings.get("sharding", "replicated") == "replicated":
-                return self.group.call("state")
-            return self.group.call_all("state")[0]
+                return self.group.call("state", with_weights)
+            return self.group.call_all("state", with_weights)[0]
 
         return run_on_main(fetch)
 
@@ -127,8 +127,9 @@ class RayCritic:
         return state["model"] if state is not None else None
 
     def save_training_state(self, directory: str, is_main_process: bool) -> None:
-        """The workers' optimizer and scheduler, in the files a local replicated critic writes."""
-        state = self.state()
+        """The workers' optimizer and scheduler, in the files a local replicated critic writes (not the weights:
+        `save_model` fetched those for the same checkpoint)."""
+        state = self.state(with_weights=False)
         if is_main_process:
             write_optimizer_files(directory, state["optimizer"], state["scheduler"])
 
