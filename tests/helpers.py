@@ -281,6 +281,28 @@ def launcher_failure(output: str, tail: int = 2500) -> str:
     return "\n".join(["-- lines naming errors --", *errors, "-- tail --", output[-tail:]])
 
 
+def accelerate_launch_with_config(config_file) -> list[str]:
+    """`accelerate launch --config_file CONFIG` with 2 processes on a free port."""
+    command = [*accelerate_launch(2)[:3], "--config_file", str(config_file), "--num_processes", "2"]
+    return command + ["--main_process_port", str(free_port())]
+
+
+def run_to_completion(command: list[str], timeout: int = 400) -> str:
+    """Run a (launcher) command that must finish: a hang fails with its stderr's tail, a non-zero exit with every
+    line naming an error. Returns the output."""
+    import pytest
+
+    try:
+        result = subprocess.run(
+            command, cwd=ROOT, env=subprocess_env(DS_BUILD_OPS="0"), capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"hung for {error.timeout} s: {((error.stderr or b'')[-2000:])!r}")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, launcher_failure(output)
+    return output
+
+
 def deepspeed_launcher_config(stage: int, init_flag: str) -> str:
     """An accelerate config for DeepSpeed ZeRO-``stage`` on 2 CPU processes (gloo), no offload, fp32."""
     return f"""compute_environment: LOCAL_MACHINE

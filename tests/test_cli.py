@@ -7,7 +7,15 @@ import pytest
 
 from trl_scale.cli import main
 
-from .helpers import ROOT, accelerate_launch, deepspeed_launcher_config, free_port, launcher_failure, subprocess_env
+from .helpers import (
+    ROOT,
+    accelerate_launch,
+    accelerate_launch_with_config,
+    deepspeed_launcher_config,
+    launcher_failure,
+    run_to_completion,
+    subprocess_env,
+)
 
 EXAMPLES = ROOT / "examples"
 
@@ -81,18 +89,10 @@ def test_toy_model_under_a_deepspeed_zero3_launcher_trains_instead_of_hanging(me
 
     launcher_config = tmp_path / "zero3.yaml"
     launcher_config.write_text(deepspeed_launcher_config(stage=3, init_flag=init_flag))
-    command = [*accelerate_launch(2)[:3], "--config_file", str(launcher_config), "--num_processes", "2"]
-    command += ["--main_process_port", str(free_port()), "-m", "trl_scale.cli", method]
+    command = accelerate_launch_with_config(launcher_config) + ["-m", "trl_scale.cli", method]
     command += ["--config", str(EXAMPLES / f"{method}_tiny_cpu.yaml"), "--output_dir", str(tmp_path / "out")]
     command += ["--max_steps", "2", "--logging_steps", "1", "--disable_tqdm", "true"]
-    try:
-        result = subprocess.run(
-            command, cwd=ROOT, env=subprocess_env(DS_BUILD_OPS="0"), capture_output=True, text=True, timeout=400
-        )
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"hung for {error.timeout} s: {((error.stderr or b'')[-2000:])!r}")
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, launcher_failure(output)
+    output = run_to_completion(command)
     assert f"trl-scale {method}: training on 2 process(es)" in output and "'grad_norm'" in output
     assert (tmp_path / "out" / "base-model" / "config.json").exists()
     assert (tmp_path / "out" / "model.safetensors").exists()

@@ -7,11 +7,10 @@ logged losses agree to 1e-4 (relative; sums in another order). The ZeRO-3 and FS
 marked `launchers` and runs with `bash scripts/test.sh -m launchers`."""
 
 import json
-import subprocess
 
 import pytest
 
-from .helpers import ROOT, accelerate_launch, deepspeed_launcher_config, free_port, launcher_failure, subprocess_env
+from .helpers import ROOT, accelerate_launch_with_config, deepspeed_launcher_config, free_port, run_to_completion
 
 EXAMPLES = ROOT / "examples"
 
@@ -35,18 +34,6 @@ def _ppo_command(output_dir, per_device_batch: int, save_steps: int = STEPS) -> 
     return command
 
 
-def _run(command: list[str], timeout: int = 400) -> str:
-    try:
-        result = subprocess.run(
-            command, cwd=ROOT, env=subprocess_env(DS_BUILD_OPS="0"), capture_output=True, text=True, timeout=timeout
-        )
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"hung for {error.timeout} s: {((error.stderr or b'')[-2000:])!r}")
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, launcher_failure(output)
-    return output
-
-
 def _logged(output_dir) -> list[dict]:
     state = json.loads((output_dir / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
     return [entry for entry in state["log_history"] if "loss" in entry]
@@ -58,16 +45,16 @@ def one_process(tmp_path_factory):
     import sys
 
     output_dir = tmp_path_factory.mktemp("ppo-one-process")
-    _run([sys.executable, *_ppo_command(output_dir, per_device_batch=8)])
+    run_to_completion([sys.executable, *_ppo_command(output_dir, per_device_batch=8)])
     return output_dir
 
 
 def _sharded_run(launcher: str, tmp_path, name: str = "out", save_steps: int = STEPS, extra=()):
     config = tmp_path / f"{launcher}.yaml"
     config.write_text(LAUNCHERS[launcher])
-    command = [*accelerate_launch(2)[:3], "--config_file", str(config), "--num_processes", "2"]
-    command += ["--main_process_port", str(free_port())]
-    _run(command + _ppo_command(tmp_path / name, 4, save_steps) + list(extra))
+    run_to_completion(
+        accelerate_launch_with_config(config) + _ppo_command(tmp_path / name, 4, save_steps) + list(extra)
+    )
     return tmp_path / name
 
 
@@ -132,7 +119,7 @@ def _critic_worker(model_path: str, sharding: str, processes: int, out) -> dict:
         command += ["-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
         command += ["--master_port", str(free_port())]
     command += ["-m", "tests.critic_sharding_worker", model_path, sharding, str(out)]
-    _run(command, timeout=300)
+    run_to_completion(command, timeout=300)
     import torch
 
     return torch.load(out, weights_only=False)
