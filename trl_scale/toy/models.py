@@ -10,13 +10,14 @@ import torch
 import transformers
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     PretrainedConfig,
 )
 
 from ..distributed.zero import whole_parameters
-from .tokenizer import build_tokenizer
+from .tokenizer import build_tokenizer, vlm_chat_template
 
 ModelFamily = Literal[
     "llama",
@@ -150,6 +151,66 @@ def build_tiny_model(
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     check_tokenizer_round_trip(output_dir, tokenizer)
+    return output_dir
+
+
+# Gemma 3's named image tokens (its processor reads them from the tokenizer).
+_GEMMA3_IMAGE_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "image_token": "<image_soft_token>",
+    "eoi_token": "<end_of_image>",
+}
+
+
+def build_tiny_vlm(
+    output_dir: str | os.PathLike, words: list[str] | None = None, seed: int = 0, **text_config_kwargs
+) -> str:
+    """Create a tiny random Gemma 3 vision-language model and its processor, save both to ``output_dir``.
+
+    A one-layer SigLIP tower reads 28x28 images as 4x4 patches, pooled into 4 image tokens. The processor is
+    Gemma 3's own (image processor + the toy tokenizer with Gemma 3's image tokens + a chat template for content
+    lists), so ``AutoProcessor``, ``AutoModelForImageTextToText`` and ``AutoModelForSequenceClassification`` (a
+    critic or reward model that sees the images) all load it from ``output_dir``.
+    """
+    output_dir = os.fspath(output_dir)
+    tokenizer = build_tokenizer(words, model_special_tokens=_GEMMA3_IMAGE_TOKENS)
+    tokenizer.chat_template = vlm_chat_template(tokenizer.boi_token)
+    text_config = tiny_config(
+        "gemma3",
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **text_config_kwargs,
+    )
+    vision_config = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=7
+    )
+    image_tokens_per_image = 4
+    config = transformers.Gemma3Config(
+        text_config=text_config.to_dict(),
+        vision_config=vision_config.to_dict(),
+        mm_tokens_per_image=image_tokens_per_image,
+        boi_token_index=tokenizer.boi_token_id,
+        image_token_index=tokenizer.image_token_id,
+        eoi_token_index=tokenizer.eoi_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    with whole_parameters():
+        model = AutoModelForImageTextToText.from_config(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = None
+    image_processor = transformers.Gemma3ImageProcessorPil(size={"height": 28, "width": 28}, do_pan_and_scan=False)
+    processor = transformers.Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+        image_seq_length=image_tokens_per_image,
+    )
+    os.makedirs(output_dir, exist_ok=True)
+    model.save_pretrained(output_dir)
+    processor.save_pretrained(output_dir)
     return output_dir
 
 

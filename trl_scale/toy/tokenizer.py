@@ -43,10 +43,32 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(words: list[str] | None = None) -> PreTrainedTokenizerFast:
+def vlm_chat_template(image_placeholder: str) -> str:
+    """The toy chat template for vision-language prompts (TRL turns an image column into content lists): an image
+    item becomes ``image_placeholder``, which the processor expands into the image's tokens."""
+    return _VLM_CHAT_TEMPLATE.replace("IMAGE_PLACEHOLDER", image_placeholder)
+
+
+_VLM_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}<|assistant|>{%- else -%}<|{{ message['role'] }}|>{%- endif -%}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}IMAGE_PLACEHOLDER"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}<|end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+
+
+def build_tokenizer(
+    words: list[str] | None = None, model_special_tokens: dict[str, str] | None = None
+) -> PreTrainedTokenizerFast:
     """Build the toy tokenizer: every word of ``words`` (default: the toy vocabulary) is one token.
 
-    Words must be letters only, so that Qwen2's split regex keeps each one whole.
+    Words must be letters only, so that Qwen2's split regex keeps each one whole. ``model_special_tokens`` adds
+    named special tokens a processor reads as attributes (e.g. Gemma 3's ``{"image_token": "<image_soft_token>"}``).
     """
     words = list(words) if words is not None else list(TOY_WORDS)
     bad = [w for w in words if not w.isalpha()]
@@ -69,7 +91,7 @@ def build_tokenizer(words: list[str] | None = None) -> PreTrainedTokenizerFast:
     trainer = trainers.BpeTrainer(
         vocab_size=100_000,
         min_frequency=1,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + list((model_special_tokens or {}).values()),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -84,6 +106,7 @@ def build_tokenizer(words: list[str] | None = None) -> PreTrainedTokenizerFast:
         chat_template=CHAT_TEMPLATE,
         padding_side="left",
         truncation_side="left",
+        **({"extra_special_tokens": dict(model_special_tokens)} if model_special_tokens else {}),
     )
     for word in words:
         for text in (word, f" {word}"):
