@@ -444,17 +444,3 @@ def test_ppo_packed_and_padded_critic_agree(tiny_llama, tmp_path):
         for key in keys:
             assert a[key] == pytest.approx(b[key], abs=1e-5), key
     assert os.path.isdir(tmp_path / "on")
-
-
-def test_an_image_dataset_is_refused_at_construction(tiny_llama, tmp_path):
-    from datasets import Dataset
-
-    images = Dataset.from_list([{"prompt": "one two", "image": None}] * 4)
-    with pytest.raises(ValueError, match=r"PPOTrainer does not pass images.*\['image'\].*GRPOTrainer"):
-        trl_scale.PPOTrainer(
-            model=tiny_llama,
-            reward_funcs=token_parity_reward,
-            args=trl_scale.PPOConfig(**cpu_args(tmp_path, max_completion_length=8)),
-            train_dataset=images,
-            processing_class=AutoTokenizer.from_pretrained(tiny_llama),
-        )

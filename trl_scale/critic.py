@@ -17,10 +17,14 @@ def completion_values(
     num_tokens: int,
     padding_free: bool | None,
     token_budget: int | None,
+    multimodal_inputs: dict | None = None,
 ) -> torch.Tensor:
     """Values of each completion token's state, ``[B, num_tokens]``: the critic's output at the position before
-    the token (prompts are left-padded to ``prompt_len``, completions follow)."""
-    values = token_scores(critic.base_model, critic.score, input_ids, attention_mask, padding_free, token_budget)
+    the token (prompts are left-padded to ``prompt_len``, completions follow). ``multimodal_inputs`` are the
+    policy's image inputs for these rows (``pixel_values``, ``token_type_ids``, ...), passed to the backbone."""
+    values = token_scores(
+        critic.base_model, critic.score, input_ids, attention_mask, padding_free, token_budget, multimodal_inputs
+    )
     return values[:, prompt_len - 1 : prompt_len - 1 + num_tokens]
 
 
@@ -53,9 +57,18 @@ class CriticModule(torch.nn.Module):
         self.critic = critic
         self.padding_free, self.token_budget = padding_free, token_budget
 
-    def forward(self, input_ids, attention_mask, prompt_len: int, num_tokens: int) -> torch.Tensor:
+    def forward(
+        self, input_ids, attention_mask, prompt_len: int, num_tokens: int, multimodal_inputs: dict | None = None
+    ) -> torch.Tensor:
         return completion_values(
-            self.critic, input_ids, attention_mask, prompt_len, num_tokens, self.padding_free, self.token_budget
+            self.critic,
+            input_ids,
+            attention_mask,
+            prompt_len,
+            num_tokens,
+            self.padding_free,
+            self.token_budget,
+            multimodal_inputs,
         )
 
 
@@ -144,13 +157,15 @@ class CriticUpdater:
         return self.holder.module(dummy, torch.ones_like(dummy), prompt_len, num_tokens)
 
     @torch.no_grad()
-    def values(self, input_ids, attention_mask, prompt_len: int, num_tokens: int) -> torch.Tensor:
+    def values(
+        self, input_ids, attention_mask, prompt_len: int, num_tokens: int, multimodal_inputs: dict | None = None
+    ) -> torch.Tensor:
         self.holder.module.eval()
         if self._empty_padded_shard(input_ids):
             if self._must_run():
                 self._dummy_forward(input_ids, prompt_len, num_tokens)
             return torch.zeros(0, num_tokens, device=input_ids.device)
-        return self.holder.module(input_ids, attention_mask, prompt_len, num_tokens)
+        return self.holder.module(input_ids, attention_mask, prompt_len, num_tokens, multimodal_inputs)
 
     def step(self, *args, train: bool = True, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """A whole micro-step on one batch: `loss_and_backward` (same arguments), then in training the end of the
@@ -170,10 +185,12 @@ class CriticUpdater:
         mask,
         train: bool = True,
         loss_scale: float = 1.0,
+        multimodal_inputs: dict | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The value loss of some rows and, in training, its backward (no optimizer step): a micro-step may take
         several calls, one per part of the batch. ``loss_scale`` weights this part's loss in the micro-step's
-        (its share of the tokens, times the data-parallel world size that averages the gradients)."""
+        (its share of the tokens, times the data-parallel world size that averages the gradients).
+        ``multimodal_inputs``: these rows' image inputs, as for `values`."""
         if self._empty_padded_shard(input_ids):
             zero = mask.new_zeros(())
             if self._must_run():
@@ -185,7 +202,7 @@ class CriticUpdater:
             return zero, {"val/vpred": zero, "val/error": zero, "val/clipfrac": zero}
         with torch.set_grad_enabled(train):
             self.holder.module.train(train)
-            vpred = self.holder.module(input_ids, attention_mask, prompt_len, mask.size(1))
+            vpred = self.holder.module(input_ids, attention_mask, prompt_len, mask.size(1), multimodal_inputs)
             loss, clipfrac = ppo_core.clipped_value_loss(vpred, old_values, returns, mask, self.cliprange_value)
             if train and loss.requires_grad:
                 self.holder.backward(loss_scale * self.vf_coef * loss / self.gradient_accumulation_steps)

@@ -43,6 +43,15 @@ class _MovedTo:
         return loss.to(self.device), {k: v.to(self.device) for k, v in stats.items()}
 
 
+def _refuse_multimodal(multimodal_inputs: dict | None) -> None:
+    """Role groups receive token rows only; image inputs would be dropped (PPOTrainer refuses them earlier)."""
+    if multimodal_inputs:
+        raise ValueError(
+            f"a critic on a Ray role group does not take image inputs ({sorted(multimodal_inputs)}). Fix: "
+            "backend='local' for vision-language PPO"
+        )
+
+
 class RayCritic:
     """The `CriticUpdater` interface, served by a critic role group held by the main trainer process.
 
@@ -55,13 +64,19 @@ class RayCritic:
         self.group = group  # None on every process but the main one
         self.scheduler = None  # mirrors CriticUpdater: set once the step count is known
 
-    def values(self, input_ids, attention_mask, prompt_len: int, num_tokens: int) -> torch.Tensor:
+    def values(
+        self, input_ids, attention_mask, prompt_len: int, num_tokens: int, multimodal_inputs: dict | None = None
+    ) -> torch.Tensor:
+        _refuse_multimodal(multimodal_inputs)
         piece = RoleRows(UnpaddedRows.from_padded(input_ids, attention_mask), prompt_len, num_tokens)
         return call_on_main(piece, lambda pieces: _per_row_forward(self.group, "values", pieces)).to(input_ids.device)
 
-    def step_async(self, input_ids, attention_mask, prompt_len, old_values, returns, mask, train=True):
+    def step_async(
+        self, input_ids, attention_mask, prompt_len, old_values, returns, mask, train=True, multimodal_inputs=None
+    ):
         """Start the critic's update on its group and return at once; `.result()` waits (bounded) for it, so the
         policy's update runs meanwhile. A collective: every rank calls it, then `.result()`, in the same order."""
+        _refuse_multimodal(multimodal_inputs)
         piece = RoleRows(
             UnpaddedRows.from_padded(input_ids, attention_mask),
             prompt_len,

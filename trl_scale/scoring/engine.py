@@ -244,16 +244,20 @@ def token_scores(
     attention_mask: torch.Tensor,
     padding_free: bool | None = None,
     token_budget: int | None = None,
+    multimodal_inputs: dict | None = None,
 ) -> torch.Tensor:
     """Per-token scalar outputs ``head(hidden)`` of a backbone, as ``[B, T]`` (0 at padding): a critic's values.
 
     Where packing is on and exact for this backbone (:func:`.support.use_packing`), the real tokens go through it
     packed, in micro-batches of at most ``token_budget`` tokens, the same way the policy is scored; otherwise one
-    padded forward.
+    padded forward. ``multimodal_inputs`` (``pixel_values``, ``token_type_ids``, ...) go to that padded forward:
+    packed rows cannot carry images, as on the policy's side.
     """
     batch_size, seq_len = input_ids.shape
-    if not use_packing(backbone, padding_free, probe_now=True):
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    if multimodal_inputs or not use_packing(backbone, padding_free, probe_now=True):
+        hidden = backbone(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **(multimodal_inputs or {})
+        ).last_hidden_state
         return head(hidden).squeeze(-1).float() * attention_mask
     _, outputs, anchor = packed_backbone_forward(backbone, input_ids, attention_mask, token_budget)
     values = [head(hidden).squeeze(-1).float() for _, hidden in outputs]

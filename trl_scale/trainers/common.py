@@ -349,6 +349,15 @@ def check_train_dataset(dataset, required: tuple[str, ...], trainer: str) -> Non
         )
 
 
+def image_columns(*datasets) -> list[str]:
+    """The image columns TRL reads ("image", "images") found in these datasets (or dicts of eval datasets)."""
+    found = set()
+    for dataset in datasets:
+        for part in dataset.values() if isinstance(dataset, dict) else [dataset]:
+            found |= set(getattr(part, "column_names", None) or []) & {"image", "images"}
+    return sorted(found)
+
+
 def with_signature_of(trl_init):
     """Give a trl-scale constructor the signature of the TRL constructor it accepts (see `trl_arguments`), so
     `inspect.signature`, IDEs and `help()` show TRL's parameters."""
@@ -662,6 +671,13 @@ class OnlineTrainerMixin(
         arguments["reward_funcs"] = checked_reward_funcs(reward_funcs)
         server = config is not None and uses_server_rollout(config)
         remote_reference = _wants_remote_reference(config, model, arguments.get("peft_config"))
+        images = image_columns(arguments.get("train_dataset"), arguments.get("eval_dataset"))
+        if remote_reference and images:
+            raise ValueError(
+                f"this dataset has image columns {images}, and reference_placement puts the reference model on a Ray "
+                "group that scores token rows only: its KL would ignore the images. Fix: reference_placement=None "
+                "(the reference stays in the trainer and gets the images, as in TRL)"
+            )
         # With server rollout, TRL's vLLM path stays off while it builds: no vLLM import, no CUDA-only communicator.
         # With a remote reference, TRL builds none (beta=0 while it builds) and the reference group stands in.
         with (

@@ -13,6 +13,7 @@ scoring, metrics and `push_to_hub` are TRL's own. It overrides two hooks:
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 from functools import partial
 
@@ -28,11 +29,27 @@ from .. import ppo_core
 from ..critic import CriticUpdater, load_critic
 from ..distributed.critic_sharding import critic_sharding, deepspeed_critic_config
 from ..distributed.zero import gathered, whole_parameters
-from .common import TRL_SCALE_TAG, overridden
+from .common import TRL_SCALE_TAG, image_columns, overridden
 from .grpo_trainer import GRPOTrainer
 from .ppo_config import PPOConfig
 
 VALUE_MODEL_DIR = "value_model"
+
+# The image inputs TRL's GRPO keeps in a rollout batch and passes to every log-prob forward (grpo_trainer.py
+# `_compute_loss`). The last two only say how to slice the others by rows; the rest are model inputs.
+MULTIMODAL_FIELDS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+    "num_images",
+    "num_tiles",
+)
+_ROW_SLICING_FIELDS = ("num_images", "num_tiles")
 
 
 class PPOTrainer(GRPOTrainer):
@@ -69,7 +86,12 @@ class PPOTrainer(GRPOTrainer):
             args = PPOConfig(f"{name.split('/')[-1]}-PPO")
         if not isinstance(args, PPOConfig):
             raise TypeError(f"PPOTrainer needs a PPOConfig, got {type(args).__name__}")
-        _refuse_images(train_dataset, eval_dataset)
+        images = image_columns(train_dataset, eval_dataset)
+        if images and args.backend == "ray":
+            raise ValueError(
+                f"this dataset has image columns {images}, and backend='ray' sends the critic token rows only. Fix: "
+                "backend='local' for vision-language PPO (its critic may still be sharded by the launcher)"
+            )
         reward_list = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
         # GRPO creates a reference model only when beta != 0; PPO needs it for the KL in the reward, not in the loss.
         with overridden(args, beta=args.kl_coef):
@@ -112,6 +134,8 @@ class PPOTrainer(GRPOTrainer):
         else:
             self.value_model = load_critic(self._value_model_source(value_model, model, reward_list), args.seed)
             self._check_value_model_tokenizer(value_model)
+            if images:
+                _check_critic_takes_images(self.value_model, images, value_model is None)
             self.value_model.to(self.accelerator.device)
             self._critic_config = self.value_model.config
             # Held as the launcher holds the policy: replicated (DDP), its own DeepSpeed engine, or FSDP2.
@@ -146,13 +170,21 @@ class PPOTrainer(GRPOTrainer):
         # are partitions: read them gathered).
         with torch.random.fork_rng(devices=[]), whole_parameters():
             torch.manual_seed(self.args.seed)
-            critic = AutoModelForSequenceClassification.from_config(config)
+            try:
+                critic = AutoModelForSequenceClassification.from_config(config)
+            except ValueError as error:
+                raise ValueError(
+                    f"PPOTrainer cannot build a critic from this policy: transformers has no sequence-classification "
+                    f"class for model type {config.model_type!r} ({error}). Fix: pass value_model= (a "
+                    "sequence-classification model with one label that shares the policy's tokenizer)"
+                ) from error
         with gathered(base):
             critic.base_model.load_state_dict({k: v.clone() for k, v in base.base_model.state_dict().items()})
         return critic
 
     def _check_value_model_tokenizer(self, value_model) -> None:
-        policy_vocab = self.processing_class.get_vocab() if hasattr(self.processing_class, "get_vocab") else None
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)  # a VLM's processor holds one
+        policy_vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else None
         if isinstance(value_model, str) and policy_vocab is not None:
             try:
                 critic_vocab = AutoTokenizer.from_pretrained(value_model).get_vocab()
@@ -167,10 +199,10 @@ class PPOTrainer(GRPOTrainer):
         critic = getattr(self, "value_model", None)
         if critic is None:
             return
-        if critic.get_input_embeddings().num_embeddings < len(self.processing_class):
+        if critic.get_input_embeddings().num_embeddings < len(tokenizer):
             raise ValueError(
                 f"value_model's embedding has {critic.get_input_embeddings().num_embeddings} rows but the policy's "
-                f"tokenizer has {len(self.processing_class)} tokens: the critic must share the policy's tokenizer."
+                f"tokenizer has {len(tokenizer)} tokens: the critic must share the policy's tokenizer."
             )
         if getattr(critic.config, "num_labels", 1) != 1:
             raise ValueError(f"value_model must have one output (num_labels=1), not {critic.config.num_labels}")
@@ -217,17 +249,26 @@ class PPOTrainer(GRPOTrainer):
         mask = completion_mask.float()
         if "tool_mask" in batch:
             mask = mask * batch["tool_mask"]
+        images = _multimodal_inputs(batch)
 
         with torch.no_grad():
             if batch.get("old_per_token_logps") is None:
                 batch["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, input_ids, attention_mask, logits_to_keep, batch_size=args.per_device_train_batch_size
+                    self.model,
+                    input_ids,
+                    attention_mask,
+                    logits_to_keep,
+                    batch_size=args.per_device_train_batch_size,
+                    **images,
                 )
             old_logps = batch["old_per_token_logps"]
             ref_logps = batch.pop("ref_per_token_logps", None)
             if ref_logps is None:
                 ref_logps = old_logps  # kl_coef == 0: no reference model, no penalty
-            values = self.critic.values(input_ids, attention_mask, prompt_ids.size(1), logits_to_keep) * mask
+            values = self.critic.values(
+                input_ids, attention_mask, prompt_ids.size(1), logits_to_keep, _critic_inputs(images)
+            )
+            values = values * mask
 
             process_slice = slice(
                 self.accelerator.process_index * len(prompt_ids),
@@ -272,6 +313,7 @@ class PPOTrainer(GRPOTrainer):
         mask = inputs["completion_mask"].float()
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
+        images = _multimodal_inputs(inputs)
         # The critic's update starts first: on a Ray group it runs while the policy's forward/backward runs here.
         critic_update = self.critic.step_async(
             input_ids,
@@ -281,10 +323,11 @@ class PPOTrainer(GRPOTrainer):
             inputs["returns"],
             mask,
             train=mode == "train",
+            multimodal_inputs=_critic_inputs(images),
         )
 
         logps, entropies, _ = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True
+            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True, **images
         )
         per_token_loss, stats = ppo_core.clipped_policy_loss(
             logps, inputs["old_per_token_logps"], inputs["advantages"], mask, self.epsilon_low, self.epsilon_high
@@ -376,16 +419,29 @@ class PPOTrainer(GRPOTrainer):
         self.critic.load_training_state(checkpoint, load_file(os.path.join(critic_dir, "model.safetensors")))
 
 
-def _refuse_images(*datasets) -> None:
-    """PPO's old log-probs, loss and critic do not take image inputs yet: refuse image datasets at construction
-    instead of training a vision-language policy on text-only forwards."""
-    for dataset in datasets:
-        datasets_ = dataset.values() if isinstance(dataset, dict) else [dataset]
-        for part in datasets_:
-            columns = set(getattr(part, "column_names", None) or [])
-            if columns & {"image", "images"}:
-                raise ValueError(
-                    f"PPOTrainer does not pass images to the policy or the critic yet, and this dataset has "
-                    f"{sorted(columns & {'image', 'images'})} columns. Fix: use GRPOTrainer or RLOOTrainer for "
-                    "vision-language policies, or drop the image column"
-                )
+def _multimodal_inputs(batch: dict) -> dict:
+    """The rollout batch's image inputs, as TRL's GRPO passes them to a log-prob forward."""
+    return {key: batch[key] for key in MULTIMODAL_FIELDS if batch.get(key) is not None}
+
+
+def _critic_inputs(images: dict) -> dict | None:
+    """What the critic's backbone takes of them: the model inputs, for the whole rows it scores at once."""
+    return {key: value for key, value in images.items() if key not in _ROW_SLICING_FIELDS} or None
+
+
+def _check_critic_takes_images(critic, images: list[str], default_critic: bool) -> None:
+    """A text-only critic would value an image prompt without its image: refuse it at construction."""
+    forward = critic.base_model.forward
+    if "pixel_values" in inspect.signature(forward).parameters:
+        return
+    source = (
+        "the critic was initialised from the first reward model in reward_funcs (value_model=None)"
+        if default_critic
+        else "value_model"
+    )
+    raise ValueError(
+        f"the dataset has image columns {images}, but {source} is a {type(critic).__name__}, whose backbone takes no "
+        "pixel_values: it would value each completion without its image. Fix: pass value_model= a "
+        "sequence-classification model of a vision-language architecture (e.g. Gemma3ForSequenceClassification), "
+        "or leave value_model=None with no reward model in reward_funcs to build the critic from the policy"
+    )
