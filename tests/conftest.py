@@ -8,7 +8,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from trl_scale.toy import build_tiny_model  # noqa: E402
+from trl_scale.toy import build_tiny_model, build_tiny_vlm  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -34,6 +34,12 @@ def tiny_llama(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> str:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), family="qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> str:
+    """A tiny Gemma 3 vision-language model and its processor."""
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"))
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """One rank of a critic-sharding check, run by `torch.distributed.run` (or alone): a `CriticUpdater` with the
 given sharding takes 4 micro-steps (GA 2) on its slice of a fixed batch, saves its training state, takes 2 more;
-a fresh updater loads the saved state and takes the same 2. Rank 0 writes what it saw to ``out``.
+a fresh updater loads the saved state and takes the same 2. Rank 0 writes what it saw to ``out``. For a
+vision-language critic (a processor saved with the model) each row's prompt carries an image.
 
     python -m torch.distributed.run --nproc_per_node 2 -m tests.critic_sharding_worker MODEL SHARDING OUT
 """
@@ -17,12 +18,33 @@ from trl_scale.critic import CriticUpdater, load_critic
 ROWS, PROMPT, COMPLETION = 8, 4, 6
 
 
-def _batches(vocab: int):
+def _batches(model_path: str, vocab: int):
+    """Six batches of (token ids, returns, image inputs or None, prompt length)."""
     generator = torch.Generator().manual_seed(0)
     for _ in range(6):
-        input_ids = torch.randint(3, vocab, (ROWS, PROMPT + COMPLETION), generator=generator)
+        images, prompt_ids = _image_prompts(model_path, generator)
+        prompt_len = PROMPT if prompt_ids is None else prompt_ids.size(1)
+        input_ids = torch.randint(10, vocab, (ROWS, prompt_len + COMPLETION), generator=generator)
+        if images is not None:
+            input_ids[:, :prompt_len] = prompt_ids
+            completion_types = images["token_type_ids"].new_zeros(ROWS, COMPLETION)
+            images["token_type_ids"] = torch.cat([images["token_type_ids"], completion_types], 1)
         returns = torch.randn(ROWS, COMPLETION, generator=generator)
-        yield input_ids, returns
+        yield input_ids, returns, images, prompt_len
+
+
+def _image_prompts(model_path: str, generator):
+    """A random image per row through the model's processor, or (None, None) for a text-only critic."""
+    if not os.path.exists(os.path.join(model_path, "processor_config.json")):
+        return None, None
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_path)
+    message = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " one two"}]}]
+    text = processor.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
+    pixels = (torch.rand(ROWS, 28, 28, 3, generator=generator) * 255).to(torch.uint8).numpy()
+    inputs = processor(images=[[image] for image in pixels], text=[text] * ROWS, return_tensors="pt")
+    return {"pixel_values": inputs["pixel_values"], "token_type_ids": inputs["token_type_ids"]}, inputs["input_ids"]
 
 
 def _updater(model_path: str, sharding: str) -> CriticUpdater:
@@ -38,13 +60,14 @@ def _updater(model_path: str, sharding: str) -> CriticUpdater:
     return updater
 
 
-def _micro_step(updater: CriticUpdater, input_ids, returns, rank: int, world: int) -> float:
+def _micro_step(updater: CriticUpdater, input_ids, returns, images, prompt_len, rank: int, world: int) -> float:
     rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
     input_ids, returns = input_ids[rows], returns[rows]
+    images = {key: value[rows] for key, value in images.items()} if images else None  # one image per row
     mask = torch.ones_like(returns)
     attention_mask = torch.ones_like(input_ids)
-    old_values = updater.values(input_ids, attention_mask, PROMPT, COMPLETION)
-    loss, _ = updater.step(input_ids, attention_mask, PROMPT, old_values, returns, mask)
+    old_values = updater.values(input_ids, attention_mask, prompt_len, COMPLETION, images)
+    loss, _ = updater.step(input_ids, attention_mask, prompt_len, old_values, returns, mask, multimodal_inputs=images)
     if world > 1:  # the whole batch's loss: ranks hold equal token counts
         dist.all_reduce(loss)
         loss /= world
@@ -57,7 +80,7 @@ def main(model_path: str, sharding: str, out: str) -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
     updater = _updater(model_path, sharding)
-    batches = list(_batches(updater.critic.config.vocab_size))
+    batches = list(_batches(model_path, updater.critic.get_input_embeddings().num_embeddings))
     losses = [_micro_step(updater, *batch, rank, world) for batch in batches[:4]]
     checkpoint = os.path.join(os.path.dirname(out), f"checkpoint-{sharding}-{world}")
     os.makedirs(checkpoint, exist_ok=True)

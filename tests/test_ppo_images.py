@@ -9,16 +9,10 @@ from PIL import Image
 from transformers import AutoProcessor, LlamaConfig, LlamaForSequenceClassification
 
 import trl_scale
-from trl_scale.toy import build_tiny_vlm
 
 from .helpers import cpu_args, step_logs
 
 IMAGE_INPUTS = ("pixel_values", "token_type_ids")  # what Gemma 3's processor adds to a prompt's token ids
-
-
-@pytest.fixture(scope="module")
-def tiny_vlm(tmp_path_factory) -> str:
-    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"))
 
 
 def _image_prompts(n: int) -> Dataset:

@@ -131,9 +131,11 @@ def _max_difference(a: dict, b: dict) -> float:
 
 
 @pytest.mark.slow
-def test_an_fsdp2_critic_on_two_processes_updates_as_one_process_and_resumes(tiny_llama, tmp_path):
-    whole = _critic_worker(tiny_llama, "replicated", 1, tmp_path / "whole.pt")
-    sharded = _critic_worker(tiny_llama, "fsdp2", 2, tmp_path / "fsdp2.pt")
+@pytest.mark.parametrize("critic", ["text", "vision-language"])  # the latter: an image per row, to every forward
+def test_an_fsdp2_critic_on_two_processes_updates_as_one_process_and_resumes(critic, request, tmp_path):
+    model_path = request.getfixturevalue("tiny_llama" if critic == "text" else "tiny_vlm")
+    whole = _critic_worker(model_path, "replicated", 1, tmp_path / "whole.pt")
+    sharded = _critic_worker(model_path, "fsdp2", 2, tmp_path / "fsdp2.pt")
     assert sharded["losses"] == pytest.approx(whole["losses"], rel=1e-5)
     # the same updates: weights to float32 round-off after 3 optimizer steps
     assert _max_difference(sharded["weights"], whole["weights"]) < 1e-5

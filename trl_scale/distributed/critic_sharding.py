@@ -216,7 +216,9 @@ class FSDP2Critic(ReplicatedCritic):
                 {**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]
             ],
         }
-        options = StateDictOptions(full_state_dict=True)
+        # Not strict: a parameter no forward uses (a vision tower's unused pooling head) never got a gradient, so
+        # AdamW saved no state for it, and it has none to restore either.
+        options = StateDictOptions(full_state_dict=True, strict=False)
         set_optimizer_state_dict(self.module, self.optimizer, optim_state_dict=by_name, options=options)
 
 
