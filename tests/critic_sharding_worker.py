@@ -47,6 +47,25 @@ def _image_prompts(model_path: str, generator):
     return {"pixel_values": inputs["pixel_values"], "token_type_ids": inputs["token_type_ids"]}, inputs["input_ids"]
 
 
+def _deepspeed_config(sharding: str):
+    """For "zero2"/"zero3": the critic engine's config as a launcher would give it (GA 2, clipping 1)."""
+    if not sharding.startswith("zero"):
+        return None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+
+    def config(num_training_steps: int) -> dict:
+        return {
+            "train_micro_batch_size_per_gpu": ROWS // world,
+            "gradient_accumulation_steps": 2,
+            "train_batch_size": 2 * ROWS,
+            "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": int(sharding[-1])},
+            "zero_allow_untested_optimizer": True,
+        }
+
+    return config
+
+
 def _updater(model_path: str, sharding: str) -> CriticUpdater:
     updater = CriticUpdater(
         load_critic(model_path, seed=0),
@@ -54,7 +73,8 @@ def _updater(model_path: str, sharding: str) -> CriticUpdater:
         gradient_accumulation_steps=2,
         max_grad_norm=1.0,
         cliprange_value=0.5,
-        sharding=sharding,
+        sharding="deepspeed" if sharding.startswith("zero") else sharding,
+        deepspeed_config=_deepspeed_config(sharding),
     )
     updater.set_scheduler("linear", 1, 10, None)
     return updater
@@ -89,7 +109,10 @@ def main(model_path: str, sharding: str, out: str) -> None:
     result = {
         "losses": losses,
         "weights_at_checkpoint": saved_weights,
-        "optimizer_at_checkpoint": copy.deepcopy(updater.state()["optimizer"]),  # not the live tensors
+        # not the live tensors; a DeepSpeed engine keeps its own sharded files instead
+        "optimizer_at_checkpoint": None
+        if sharding.startswith("zero")
+        else copy.deepcopy(updater.state()["optimizer"]),
         "shard_bytes": updater.shard_bytes(),
     }
     for batch in batches[4:]:

@@ -130,30 +130,46 @@ def _max_difference(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-@pytest.mark.slow
+# The ZeRO cases are the engines PPOTrainer builds under a DeepSpeed launcher, here with a vision-language critic
+# (an image per row) and resume, which the CLI launcher tests (text only) do not cover.
+SHARDINGS = [
+    pytest.param("fsdp2", marks=pytest.mark.slow),
+    pytest.param("zero3", marks=pytest.mark.launchers),  # outside CI: bash scripts/test.sh -m launchers
+    pytest.param("zero2", marks=pytest.mark.launchers),
+]
+
+
+@pytest.mark.parametrize("sharding", SHARDINGS)
 @pytest.mark.parametrize("critic", ["text", "vision-language"])  # the latter: an image per row, to every forward
-def test_an_fsdp2_critic_on_two_processes_updates_as_one_process_and_resumes(critic, request, tmp_path):
+def test_a_sharded_critic_on_two_processes_updates_as_one_process_and_resumes(sharding, critic, request, tmp_path):
+    if sharding.startswith("zero"):
+        pytest.importorskip("deepspeed")
     model_path = request.getfixturevalue("tiny_llama" if critic == "text" else "tiny_vlm")
     whole = _critic_worker(model_path, "replicated", 1, tmp_path / "whole.pt")
-    sharded = _critic_worker(model_path, "fsdp2", 2, tmp_path / "fsdp2.pt")
+    sharded = _critic_worker(model_path, sharding, 2, tmp_path / f"{sharding}.pt")
     assert sharded["losses"] == pytest.approx(whole["losses"], rel=1e-5)
     # the same updates: weights to float32 round-off after 3 optimizer steps
-    assert _max_difference(sharded["weights"], whole["weights"]) < 1e-5
-    # the checkpoint's optimizer state is the whole one, in the replicated layout, so either resumes from it
-    moments = zip(
-        sharded["optimizer_at_checkpoint"]["state"].values(), whole["optimizer_at_checkpoint"]["state"].values()
-    )
-    for a, b in moments:
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert (a[key] - b[key]).abs().max() <= 1e-4 * b[key].abs().max(), key
+    assert _max_difference(sharded["weights"], whole["weights"]) < 2e-5
+    if sharding == "fsdp2":
+        # the checkpoint's optimizer state is the whole one, in the replicated layout, so either resumes from it
+        moments = zip(
+            sharded["optimizer_at_checkpoint"]["state"].values(), whole["optimizer_at_checkpoint"]["state"].values()
+        )
+        for a, b in moments:
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert (a[key] - b[key]).abs().max() <= 1e-4 * b[key].abs().max(), key
     # resuming from the checkpoint continues exactly (a skipped optimizer or scheduler load would not)
     assert _max_difference(sharded["resumed_weights"], sharded["weights"]) == 0.0
     assert _max_difference(whole["resumed_weights"], whole["weights"]) == 0.0
-    # each of the 2 ranks holds half the parameters and half of AdamW's moments
+    # each of the 2 ranks holds half of AdamW's moments, and half the parameters unless ZeRO-2 (whole parameters).
+    # DeepSpeed also keeps moments for parameters no forward uses (a vision tower's pooling head): up to 0.55.
     for key in ("parameters", "optimizer"):
         share = sharded["shard_bytes"][key] / whole["shard_bytes"][key]
-        print(f"fsdp2 critic: each rank holds {share:.2f} of the {key} bytes of one process")
-        assert 0.45 <= share <= 0.55, (key, share)
+        print(f"{sharding} {critic} critic: each rank holds {share:.2f} of the {key} bytes of one process")
+        if sharding == "zero2" and key == "parameters":
+            assert share == 1.0
+        else:
+            assert 0.45 <= share <= 0.55, (key, share)
 
 
 @pytest.mark.launchers  # outside CI: bash scripts/test.sh -m launchers
