@@ -131,16 +131,25 @@ def _max_difference(a: dict, b: dict) -> float:
 
 
 # The ZeRO cases are the engines PPOTrainer builds under a DeepSpeed launcher, here with a vision-language critic
-# (an image per row) and resume, which the CLI launcher tests (text only) do not cover.
-SHARDINGS = [
-    pytest.param("fsdp2", marks=pytest.mark.slow),
-    pytest.param("zero3", marks=pytest.mark.launchers),  # outside CI: bash scripts/test.sh -m launchers
-    pytest.param("zero2", marks=pytest.mark.launchers),
+# (an image per row, to every forward) and resume, which the CLI launcher tests (text only) do not cover. CI runs
+# FSDP2 with the vision-language critic (a superset of the text case: sharding, resume, bytes, and the images);
+# the rest run with `bash scripts/test.sh -m launchers`.
+SHARDED_CRITICS = [
+    pytest.param("fsdp2", "vision-language", marks=pytest.mark.slow),
+    *[
+        pytest.param(sharding, critic, marks=pytest.mark.launchers)
+        for sharding, critic in [
+            ("fsdp2", "text"),
+            ("zero3", "text"),
+            ("zero3", "vision-language"),
+            ("zero2", "text"),
+            ("zero2", "vision-language"),
+        ]
+    ],
 ]
 
 
-@pytest.mark.parametrize("sharding", SHARDINGS)
-@pytest.mark.parametrize("critic", ["text", "vision-language"])  # the latter: an image per row, to every forward
+@pytest.mark.parametrize(("sharding", "critic"), SHARDED_CRITICS)
 def test_a_sharded_critic_on_two_processes_updates_as_one_process_and_resumes(sharding, critic, request, tmp_path):
     if sharding.startswith("zero"):
         pytest.importorskip("deepspeed")
