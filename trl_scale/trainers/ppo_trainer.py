@@ -60,7 +60,9 @@ class PPOTrainer(GRPOTrainer):
         reward_funcs: as in GRPO: callables and/or sequence-classification reward models (objects or paths).
         value_model: the critic, a path or a `AutoModelForSequenceClassification` with one label. By default it is
             initialised from the first reward model in `reward_funcs`, else from the policy's backbone with a new
-            scalar head. It must share the policy's tokenizer (it reads the policy's token ids).
+            scalar head. It must share the policy's tokenizer (it reads the policy's token ids). With an image
+            dataset (a vision-language policy) it gets the prompts' images, so its backbone must take
+            `pixel_values` (a critic built from a Gemma 3 policy does).
         args: a `PPOConfig`.
         Other arguments are GRPO's.
     """
