@@ -126,7 +126,7 @@ def test_vision_language_ppo_saves_a_critic_that_reads_images(tiny_vlm, tmp_path
         torch.testing.assert_close(parameter, weights[name], rtol=0, atol=0)
 
 
-def test_a_text_only_critic_is_refused_for_an_image_dataset(tiny_vlm, tmp_path):
+def test_a_text_only_critic_is_refused_for_an_image_dataset(tiny_vlm, tiny_llama, tmp_path):
     processor = AutoProcessor.from_pretrained(tiny_vlm)
     text_critic = LlamaForSequenceClassification(
         LlamaConfig(
@@ -147,6 +147,14 @@ def test_a_text_only_critic_is_refused_for_an_image_dataset(tiny_vlm, tmp_path):
             args=trl_scale.PPOConfig(**cpu_args(tmp_path, max_completion_length=6)),
             train_dataset=_image_prompts(4),
             processing_class=processor,
+        )
+    # value_model=None on a text-only policy: the default critic, built from it, takes no images either
+    with pytest.raises(ValueError, match=r"but the critic \(from the policy, as value_model=None\) is a Llama"):
+        trl_scale.PPOTrainer(
+            model=tiny_llama,
+            reward_funcs=_length_reward,
+            args=trl_scale.PPOConfig(**cpu_args(tmp_path, max_completion_length=6)),
+            train_dataset=_image_prompts(4),
         )
 
 

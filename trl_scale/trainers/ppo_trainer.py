@@ -137,7 +137,13 @@ class PPOTrainer(GRPOTrainer):
             self.value_model = load_critic(self._value_model_source(value_model, model, reward_list), args.seed)
             self._check_value_model_tokenizer(value_model)
             if images:
-                _check_critic_takes_images(self.value_model, images, value_model is None)
+                if value_model is not None:
+                    origin = "value_model"
+                elif _first_reward_model(reward_list) is not None:
+                    origin = "the critic (from the first reward model in reward_funcs, as value_model=None)"
+                else:
+                    origin = "the critic (from the policy, as value_model=None)"
+                _check_critic_takes_images(self.value_model, images, origin)
             self.value_model.to(self.accelerator.device)
             self._critic_config = self.value_model.config
             # Held as the launcher holds the policy: replicated (DDP), its own DeepSpeed engine, or FSDP2.
@@ -157,11 +163,11 @@ class PPOTrainer(GRPOTrainer):
         else the policy (its backbone with a new scalar head). A path or a model object."""
         if value_model is not None:
             return value_model
-        for reward in reward_list:
-            if isinstance(reward, str):
-                return reward
-            if isinstance(reward, PreTrainedModel):  # a copy: the critic trains, the reward model must not
-                return copy.deepcopy(self.accelerator.unwrap_model(reward))
+        reward = _first_reward_model(reward_list)
+        if isinstance(reward, str):
+            return reward
+        if reward is not None:  # a copy: the critic trains, the reward model must not
+            return copy.deepcopy(self.accelerator.unwrap_model(reward))
         if isinstance(policy, str):
             return policy
         unwrapped = self.accelerator.unwrap_model(self.model)
@@ -431,18 +437,20 @@ def _critic_inputs(images: dict) -> dict | None:
     return {key: value for key, value in images.items() if key not in _ROW_SLICING_FIELDS} or None
 
 
-def _check_critic_takes_images(critic, images: list[str], default_critic: bool) -> None:
-    """A text-only critic would value an image prompt without its image: refuse it at construction."""
+def _first_reward_model(reward_list: list):
+    """The first reward model of `reward_funcs` (a path or a model object), the default critic's source; None if
+    every reward is a function."""
+    return next((reward for reward in reward_list if isinstance(reward, (str, PreTrainedModel))), None)
+
+
+def _check_critic_takes_images(critic, images: list[str], origin: str) -> None:
+    """A text-only critic would value an image prompt without its image: refuse it at construction. ``origin``
+    says where the critic came from, for the message."""
     forward = critic.base_model.forward
     if "pixel_values" in inspect.signature(forward).parameters:
         return
-    source = (
-        "the critic was initialised from the first reward model in reward_funcs (value_model=None)"
-        if default_critic
-        else "value_model"
-    )
     raise ValueError(
-        f"the dataset has image columns {images}, but {source} is a {type(critic).__name__}, whose backbone takes no "
+        f"the dataset has image columns {images}, but {origin} is a {type(critic).__name__}, whose backbone takes no "
         "pixel_values: it would value each completion without its image. Fix: pass value_model= a "
         "sequence-classification model of a vision-language architecture (e.g. Gemma3ForSequenceClassification), "
         "or leave value_model=None with no reward model in reward_funcs to build the critic from the policy"
