@@ -21,8 +21,9 @@ ROWS, PROMPT, COMPLETION = 8, 4, 6
 def _batches(model_path: str, vocab: int):
     """Six batches of (token ids, returns, image inputs or None, prompt length)."""
     generator = torch.Generator().manual_seed(0)
+    processor = _processor(model_path)
     for _ in range(6):
-        images, prompt_ids = _image_prompts(model_path, generator)
+        images, prompt_ids = _image_prompts(processor, generator)
         prompt_len = PROMPT if prompt_ids is None else prompt_ids.size(1)
         input_ids = torch.randint(10, vocab, (ROWS, prompt_len + COMPLETION), generator=generator)
         if images is not None:
@@ -33,13 +34,19 @@ def _batches(model_path: str, vocab: int):
         yield input_ids, returns, images, prompt_len
 
 
-def _image_prompts(model_path: str, generator):
-    """A random image per row through the model's processor, or (None, None) for a text-only critic."""
+def _processor(model_path: str):
+    """The model's processor (loaded once), or None for a text-only critic."""
     if not os.path.exists(os.path.join(model_path, "processor_config.json")):
-        return None, None
+        return None
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(model_path)
+    return AutoProcessor.from_pretrained(model_path)
+
+
+def _image_prompts(processor, generator):
+    """A random image per row through the processor, or (None, None) for a text-only critic."""
+    if processor is None:
+        return None, None
     message = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " one two"}]}]
     text = processor.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
     pixels = (torch.rand(ROWS, 28, 28, 3, generator=generator) * 255).to(torch.uint8).numpy()
