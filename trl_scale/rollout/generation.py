@@ -104,7 +104,9 @@ class ServerRolloutGeneration(VLLMGeneration):
                 check_nccl_sender()
             return "nccl", backend
         # auto
-        if backend == "gloo":
+        from .weight_transfer import GLOO_BACKEND
+
+        if backend == GLOO_BACKEND:
             return "nccl", backend
         if backend == "nccl":
             try:

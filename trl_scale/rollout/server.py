@@ -8,8 +8,8 @@ Routes, with vLLM's request and response models and status codes (vLLM 0.31 sour
 `/get_world_size`, `/server_info`, `/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights` (JSON
 `update_info`; a non-JSON body is a 400), `/finish_weight_update`, `/update_weight_version`, `/weight_info`,
 `/collective_rpc` (`reload_weights` from a directory), `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's
-LoRA rules). Its weight-transfer engine is gloo (`--world-size` ranks, one thread each), so the client's group
-orchestration runs on CPU exactly as it does against vLLM's NCCL engine. JSON and safetensors only, never pickle.
+LoRA rules). Its weight-transfer engine is `trl_scale_gloo` (`--world-size` ranks, one thread each), the very code
+real vLLM runs with trl-scale's plugin (`trl_scale_vllm_plugin.gloo`). JSON and safetensors only, never pickle.
 """
 
 import argparse
@@ -20,6 +20,8 @@ import threading
 import time
 
 import torch
+from trl_scale_vllm_plugin.gloo import BACKEND as GLOO_BACKEND
+from trl_scale_vllm_plugin.gloo import GlooInitInfo, GlooUpdateInfo, open_gloo_group, receive
 
 MAX_REQUEST_BYTES = 16 * 2**20  # JSON requests; weight bodies are bounded by the model's own size
 
@@ -306,7 +308,7 @@ def create_app(
     @app.get("/server_info")
     def server_info(config_format: str = "text"):
         config = {
-            "weight_transfer_config": {"backend": "gloo"},
+            "weight_transfer_config": {"backend": GLOO_BACKEND},
             "model_config": {"model": model_path, "dtype": dtype, "logprobs_mode": "processed_logprobs"},
             "lora_config": {"max_lora_rank": max_lora_rank},
             "parallel_config": {"world_size": world_size},
@@ -319,16 +321,12 @@ def create_app(
         init_info = (await json_body(request)).get("init_info")
         if init_info is None:
             raise HTTPException(400, "Missing 'init_info' in request body")
-        try:
-            address, port = init_info["master_address"], int(init_info["master_port"])
-            offset, total = int(init_info["rank_offset"]), int(init_info["world_size"])
-        except (KeyError, TypeError, ValueError) as error:
-            raise HTTPException(
-                400, f"init_info needs master_address, master_port, rank_offset, world_size: {error}"
-            ) from error
-        if init_info.get("packed"):
-            raise HTTPException(400, "this server's gloo engine takes unpacked broadcasts: send packed=false")
-        if offset < 1 or offset + world_size > total:
+        try:  # the same init_info as the vLLM plugin's engine takes
+            info = GlooInitInfo(**init_info)
+        except (TypeError, ValueError) as error:
+            raise HTTPException(400, f"Invalid init_info for {GLOO_BACKEND}: {error}") from error
+        address, port, offset, total = info.master_address, int(info.master_port), info.rank_offset, info.world_size
+        if offset + world_size > total:
             raise HTTPException(400, f"ranks {offset}..{offset + world_size - 1} do not fit a group of {total}")
         import anyio
 
@@ -336,8 +334,6 @@ def create_app(
 
     def _open_engine(address: str, port: int, offset: int, total: int):
         from concurrent.futures import ThreadPoolExecutor
-
-        from .weight_transfer import open_gloo_group
 
         # One member per rank of this server (a TP x DP vLLM server has that many workers in the group).
         with ThreadPoolExecutor(world_size) as pool:
@@ -366,24 +362,20 @@ def create_app(
         if not state["updating"]:
             raise HTTPException(400, "call /start_weight_update before /update_weights")
         try:
-            names, dtype_names, shapes = update_info["names"], update_info["dtype_names"], update_info["shapes"]
-        except (KeyError, TypeError) as error:
-            raise HTTPException(400, f"update_info needs names, dtype_names and shapes: {error}") from error
-        if not len(names) == len(dtype_names) == len(shapes):
-            raise HTTPException(400, "`names`, `dtype_names` and `shapes` must have the same length")
+            update = GlooUpdateInfo(**update_info)
+        except (TypeError, ValueError) as error:
+            raise HTTPException(400, f"Invalid update_info for {GLOO_BACKEND}: {error}") from error
         import anyio
 
-        received = await anyio.to_thread.run_sync(_receive, names, dtype_names, shapes)
+        received = await anyio.to_thread.run_sync(_receive, update)
         _load_state_dict(received)
         return {"message": "Weights updated"}
 
-    def _receive(names, dtype_names, shapes) -> dict[str, torch.Tensor]:
+    def _receive(update: GlooUpdateInfo) -> dict[str, torch.Tensor]:
         from concurrent.futures import ThreadPoolExecutor
 
-        from .weight_transfer import receive_gloo
-
         def rank(group):
-            return dict(receive_gloo(group, names, dtype_names, shapes, weight_transfer_timeout))
+            return dict(receive(group, update, weight_transfer_timeout))
 
         try:
             with ThreadPoolExecutor(len(state["engine"])) as pool:

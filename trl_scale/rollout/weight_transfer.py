@@ -3,16 +3,18 @@
 `distributed/weight_transfer/nccl_common.py:71-100`: a worker's rank is its index plus `rank_offset`).
 
 Two engines behind the same HTTP calls: vLLM's NCCL engine (trainer side from vLLM's own helpers, so it needs
-vLLM and CUDA in the trainer, as TRL's does) and a gloo engine that `trl-scale serve` offers, so the same
-orchestration (offsets, ordering, versions, timeouts) runs on CPU. Tensors go out in exactly the order of the
-announced `update_info` (names, dtype_names, shapes)."""
+vLLM and CUDA in the trainer, as TRL's does) and the `trl_scale_gloo` engine (package `trl_scale_vllm_plugin`), which
+real vLLM loads as a plugin and `trl-scale serve` runs too, so the same orchestration (offsets, ordering, versions,
+timeouts) runs on CPU against real vLLM. Tensors go out in exactly the order of the announced `update_info`
+(names, dtype_names, shapes)."""
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Iterable, Iterator
 
 import torch
+from trl_scale_vllm_plugin.gloo import BACKEND as GLOO_BACKEND
+from trl_scale_vllm_plugin.gloo import open_gloo_group, send
 
 
 def group_layout(world_sizes: list[int]) -> tuple[int, list[int]]:
@@ -26,36 +28,10 @@ def group_layout(world_sizes: list[int]) -> tuple[int, list[int]]:
     return next_rank, offsets
 
 
-def open_gloo_group(address: str, port: int, rank: int, world_size: int, timeout: float):
-    """A gloo process group outside `torch.distributed`'s default group (the trainer's own ranks keep theirs).
-    Rank 0 hosts the rendezvous store; every collective is bounded by `timeout` seconds."""
-    from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
-
-    delta = datetime.timedelta(seconds=timeout)
-    store = TCPStore(address, port, world_size, is_master=rank == 0, timeout=delta, wait_for_workers=False)
-    return ProcessGroupGloo(PrefixStore("trl-scale-weights/", store), rank, world_size, delta), store
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype name {name!r} in update_info.dtype_names")
-    return dtype
-
-
-def receive_gloo(group, names: list[str], dtype_names: list[str], shapes: list[list[int]], timeout: float):
-    """A server rank's side of one update: the tensors rank 0 broadcasts, in the announced order."""
-    delta = datetime.timedelta(seconds=timeout)
-    for name, dtype_name, shape in zip(names, dtype_names, shapes, strict=True):
-        tensor = torch.empty(shape, dtype=dtype_from_name(dtype_name))
-        group.broadcast(tensor, 0, delta).wait()
-        yield name, tensor
-
-
 class GlooSender:
-    """Rank 0 of a gloo weight-transfer group (CPU trainers, `trl-scale serve`)."""
+    """Rank 0 of a `trl_scale_gloo` weight-transfer group (CPU trainers; vLLM with the plugin, `trl-scale serve`)."""
 
-    backend = "gloo"
+    backend = GLOO_BACKEND
     packed = False
 
     def __init__(self, timeout: float):
@@ -66,9 +42,7 @@ class GlooSender:
         self.group, self._store = open_gloo_group(address, port, 0, world_size, self.timeout)
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        delta = datetime.timedelta(seconds=self.timeout)
-        for _, tensor in named_tensors:
-            self.group.broadcast(tensor.detach().contiguous().cpu(), 0, delta).wait()
+        send(self.group, (tensor for _, tensor in named_tensors), self.timeout)
 
     def close(self) -> None:
         self.group = self._store = None
@@ -129,12 +103,13 @@ def check_nccl_sender() -> None:
 
 
 def make_sender(backend: str, timeout: float):
-    if backend == "gloo":
+    if backend == GLOO_BACKEND:
         return GlooSender(timeout)
     if backend == "nccl":
         return NcclSender(timeout)
     raise RuntimeError(
-        f"the servers' weight-transfer backend is {backend!r}; trl-scale drives 'nccl' (vLLM) and 'gloo' "
-        '(trl-scale serve). Fix: start vLLM with --weight-transfer-config \'{"backend":"nccl"}\', or use '
-        "weight_sync='shared_dir'"
+        f"the servers' weight-transfer backend is {backend!r}; trl-scale drives 'nccl' (vLLM's) and "
+        f"'{GLOO_BACKEND}' (trl-scale's vLLM plugin, and trl-scale serve). Fix: start vLLM with "
+        '--weight-transfer-config \'{"backend":"nccl"}\' (CUDA trainer) or \'{"backend":"trl_scale_gloo"}\' (with '
+        "the plugin: pip install trl-scale-vllm-plugin), or use weight_sync='shared_dir'"
     )

