@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Set up (if needed) and run the CPU test suite: the README's test command, and what CI runs.
+# It also builds .venv-vllm (real vLLM, CPU build) for the real-vLLM tests; TRL_SCALE_SKIP_VLLM=1 skips that (those
+# tests then skip, naming the command that installs it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test || exit 1
+if [ "${TRL_SCALE_SKIP_VLLM:-0}" != "1" ]; then
+    bash scripts/setup_vllm.sh || { echo "setting up .venv-vllm failed (TRL_SCALE_SKIP_VLLM=1 skips it)" >&2; exit 1; }
+fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 .venv/bin/python -m pytest -m "not gpu and not vllm and not launchers" -p no:cacheprovider -q "$@"

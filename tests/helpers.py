@@ -172,9 +172,9 @@ class Server:
                     continue
                 raise RuntimeError(f"server exited: {error[-2000:]}")
             try:
-                if requests.get(f"{self.url}/health", timeout=1).status_code == 200:
+                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
                     return self
-            except requests.ConnectionError:
+            except requests.RequestException:  # not listening yet, or busy loading on a loaded machine
                 pass
             time.sleep(0.3)
         raise TimeoutError(f"server {self.url} not ready in {timeout}s")

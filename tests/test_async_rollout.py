@@ -133,13 +133,57 @@ def test_staleness_1_learns_about_as_well_as_synchronous(tmp_path):
     assert gains[1] >= max(0.1, 0.6 * gains[0]), gains
 
 
-@pytest.mark.parametrize("method", ["rloo", "ppo"])
-def test_rloo_and_ppo_train_on_prefetched_rollouts_within_the_bound(servers, tiny_llama, tmp_path, method):
-    extra = {"num_ppo_epochs": 1, "num_mini_batches": 1} if method == "ppo" else {}
+def test_ppo_trains_on_prefetched_rollouts_within_the_bound(servers, tiny_llama, tmp_path):
+    extra = {"num_ppo_epochs": 1, "num_mini_batches": 1}
     urls = [s.url for s in servers]
-    trainer = server_rloo_or_ppo(method, tiny_llama, tmp_path, urls, max_steps=4, async_rollout_staleness=1, **extra)
+    trainer = server_rloo_or_ppo("ppo", tiny_llama, tmp_path, urls, max_steps=4, async_rollout_staleness=1, **extra)
     seen = _record_versions(trainer)
     trainer.train()
     ages = [now - version for now, versions in seen for version in versions]
     assert len(seen) == 4 and max(ages) == 1 and min(ages) >= 0
     assert trainer.vllm_generation.prefetcher.served_from_prefetch == 3
+
+
+def test_stale_completions_without_an_off_policy_correction_are_refused(tmp_path):
+    """RLOO (TRL recomputes its old log-probs with the current weights: ratio 1 whatever the sampler) and GRPO with
+    the importance-sampling correction off would train prefetched completions uncorrected."""
+    import trl_scale
+
+    server = dict(
+        use_vllm=True, vllm_mode="server", vllm_server_base_urls=["http://127.0.0.1:1"], use_cpu=True, bf16=False
+    )
+    with pytest.raises(
+        ValueError, match="RLOO trains prefetched .* no off-policy correction.*async_rollout_staleness=0"
+    ):
+        trl_scale.RLOOConfig(output_dir=str(tmp_path), async_rollout_staleness=1, **server)
+    with pytest.raises(ValueError, match="vllm_importance_sampling_correction=False nothing corrects"):
+        trl_scale.GRPOConfig(
+            output_dir=str(tmp_path), async_rollout_staleness=1, vllm_importance_sampling_correction=False, **server
+        )
+    trl_scale.GRPOConfig(output_dir=str(tmp_path), async_rollout_staleness=1, **server)  # corrected: accepted
+
+
+def test_the_prefetcher_never_serves_a_batch_older_than_the_bound():
+    """The bound itself: a request made at version v is served at versions v .. v + staleness and regenerated
+    after; a batch is matched by its prompt ids only."""
+    from concurrent.futures import Future
+
+    from trl_scale.rollout.async_rollout import RolloutPrefetcher
+
+    def done(value):
+        future = Future()
+        future.set_result(value)
+        return future
+
+    for staleness in (1, 2):
+        prefetcher = RolloutPrefetcher(staleness, lambda prompts: prompts, lambda ids: done(f"result of {ids}"))
+        for age in range(4):
+            prefetcher.note_upcoming([{"prompt": [age, age]}])
+            prefetcher.submit_upcoming(version=10)
+            taken = prefetcher.take([[age, age]], version=10 + age)
+            if age <= staleness:
+                assert taken == (f"result of {[[age, age]]}", 10), (staleness, age, taken)
+            else:
+                assert taken is None, (staleness, age, taken)
+        assert prefetcher.take([[9, 9]], version=10) is None  # never requested
+        assert prefetcher.served_from_prefetch == staleness + 1 and prefetcher.generated_now == 4 - staleness

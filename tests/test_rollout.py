@@ -134,18 +134,22 @@ def test_all_servers_down_is_a_clear_error_within_the_timeout():
         [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"], request_timeout=3, retry_after=0.5
     )
     start = time.monotonic()
-    with pytest.raises(RolloutError, match="no rollout server answered within request_timeout=3"):
+    with pytest.raises(
+        RolloutError, match="no rollout server answered: none took the request within rollout_request_timeout=3s"
+    ):
         client.generate([[1, 2, 3]], max_tokens=2)
     assert time.monotonic() - start < 10
 
 
 def test_hung_and_dead_servers_are_waited_on_retried_and_give_up_within_the_timeout():
-    """One server refuses connections, the other accepts and never answers: the client waits on the hung one, retries,
-    and still fails with the clear error inside its request timeout."""
+    """One server refuses connections, the other accepts and never answers: the client waits on the hung one (for
+    at most the generation timeout), retries, and fails with the clear error, all within a bounded time."""
     with black_hole_server() as (hung, accepted):
-        client = RolloutClient([f"http://127.0.0.1:{free_port()}", hung], request_timeout=4, retry_after=0.5)
+        client = RolloutClient(
+            [f"http://127.0.0.1:{free_port()}", hung], request_timeout=4, retry_after=0.5, generation_timeout=3
+        )
         start = time.monotonic()
-        with pytest.raises(RolloutError, match="no rollout server answered within request_timeout=4"):
+        with pytest.raises(RolloutError, match="no rollout server answered: .*rollout_generation_timeout: 3s"):
             client.generate([[1, 2, 3]], max_tokens=2)
         elapsed = time.monotonic() - start
         assert len(accepted) >= 1  # the hung server was really tried (a refused connection is never accepted)
@@ -342,3 +346,22 @@ def test_evaluate_reports_exact_metrics(tiny_llama):
     assert metrics["eval/rewards/first_id"] == pytest.approx(0.5)
     assert metrics["eval/rewards/is_odd"] == pytest.approx(0.5)
     assert metrics["eval/pass@4"] == pytest.approx(0.5)  # prompt 0 reaches 1.9 >= 1.5; prompt 1 tops at 0.8
+
+
+def test_a_generation_longer_than_the_request_timeout_completes_on_a_healthy_server(tiny_llama):
+    """Waiting for a server (rollout_request_timeout) and generating (rollout_generation_timeout) are bounded apart:
+    a healthy server that takes 2 s or more to generate is not cut off by a 1.5 s request timeout (the old single
+    timeout cut it off, vLLM aborted the request and every failover timed out the same way), and a generation
+    timeout shorter than the generation does fail, naming both timeouts."""
+    (server,) = start_servers(tiny_llama, 1, ("--token-delay", "1.0"))  # held 1 s x tokens x n per request
+    try:
+        client = RolloutClient([server.url], request_timeout=1.5, generation_timeout=30)
+        start = time.monotonic()
+        (choices,) = client.generate([[5, 6, 7]], n=2, max_tokens=4, temperature=1.0)
+        assert len(choices) == 2 and all(c["token_ids"] for c in choices)
+        assert time.monotonic() - start >= 2.0  # at least 1 token x 2 completions x 1 s: over the request timeout
+        hasty = RolloutClient([server.url], request_timeout=1.5, generation_timeout=1.0)
+        with pytest.raises(RolloutError, match=r"rollout_request_timeout=1.5s .*rollout_generation_timeout: 1s"):
+            hasty.generate([[5, 6, 7]], n=2, max_tokens=4, temperature=1.0)
+    finally:
+        server.stop()

@@ -11,6 +11,7 @@ The fixtures below are written from vLLM 0.31.0's source (`pip download --no-dep
 - `entrypoints/serve/dev/rpc/api_router.py` (collective_rpc), `dev/cache/api_router.py` (reset_prefix_cache),
 - `entrypoints/serve/lora/protocol.py` and `entrypoints/openai/models/serving.py:167-300` (LoRA load/unload)."""
 
+import threading
 import time
 
 import pytest
@@ -227,7 +228,7 @@ def test_a_server_killed_mid_broadcast_fails_the_sync_within_the_timeout(tiny_ll
 
         monkeypatch.setattr(weight_transfer.GlooSender, "send", send_then_kill)
         start = time.monotonic()
-        with pytest.raises(RolloutError, match="weight broadcast failed|weight sync failed"):
+        with pytest.raises(RolloutError, match="weight broadcast abandoned: .*update_weights failed"):
             client.push_weights(state, timeout=20)
         assert time.monotonic() - start < 20 + 10
         monkeypatch.setattr(weight_transfer.GlooSender, "send", send)
@@ -282,7 +283,7 @@ def test_lora_sync_follows_vllms_rules_across_resyncs_and_resume(tiny_llama, tmp
         ({"modules_to_save": ["lm_head"]}, r"peft_config.modules_to_save=\['lm_head'\]"),
         ({"use_dora": True}, r"peft_config.use_dora=True"),
         ({"bias": "lora_only"}, r"peft_config.bias='lora_only'"),
-        ({"r": 16}, r"peft_config.r=16 is above .* --max-lora-rank 8"),
+        ({"r": 16}, r"peft_config.r has rank 16, above the server's --max-lora-rank 8"),
     ],
     ids=["modules_to_save", "dora", "bias", "rank"],
 )
@@ -355,8 +356,8 @@ def test_the_client_waits_for_servers_still_loading_and_names_those_that_never_c
 def test_a_prompts_completions_go_as_one_request_with_n(tiny_llama, tmp_path, monkeypatch):
     (server,) = start_servers(tiny_llama, 1)
     try:
-        recorder = Recorder(monkeypatch)
         trainer = server_grpo(tiny_llama, tmp_path, [server.url], max_steps=1)
+        recorder = Recorder(monkeypatch)  # generation only (construction's preflight sends a probe)
         trainer.train()
         completions = [body for _, url, body, _, _ in recorder.calls if url.endswith("/v1/completions")]
         assert len(completions) == 8 // 4 and all(body["n"] == 4 for body in completions)
@@ -393,3 +394,76 @@ def test_removed_and_unusable_sync_modes_are_clear_errors(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match=r"needs vLLM and CUDA in the trainer: no CUDA device.*shared_dir"):
             check_nccl_sender()
+
+
+def _walk(walked: list, count: int = 20):
+    for index in range(count):
+        walked.append(index)  # under ZeRO-3/FSDP each step is a gather the other ranks are in
+        yield f"p{index}", torch.full((2,), float(index))
+
+
+class _StuckSender:
+    """A sender whose broadcast never returns from its 4th tensor (NCCL's broadcast has no timeout)."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.received = []
+
+    def send(self, named_tensors):
+        for index, (name, tensor) in enumerate(named_tensors):
+            if index == 3:
+                self.release.wait(60)
+            self.received.append((name, tensor.clone()))
+
+
+def test_a_broadcast_is_abandoned_on_a_failed_receiver_or_a_stall_and_every_parameter_is_still_walked():
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from trl_scale.rollout.client import _broadcast
+
+    pool = ThreadPoolExecutor(4)
+    # a server dies mid-broadcast while the trainer's sender is stuck
+    walked, sender, receiving = [], _StuckSender(), Future()
+    threading.Timer(0.3, lambda: receiving.set_exception(ConnectionError("server died"))).start()
+    start = time.monotonic()
+    failure = _broadcast(sender, _walk(walked), {"http://a": receiving}, pool, time.monotonic() + 60)
+    assert "update_weights failed" in failure and "server died" in failure
+    assert walked == list(range(20)) and time.monotonic() - start < 5
+    sender.release.set()
+    # healthy receivers, a broadcast that stalls: the deadline ends it
+    walked, sender = [], _StuckSender()
+    failure = _broadcast(sender, _walk(walked), {"http://a": Future()}, pool, time.monotonic() + 1)
+    assert "did not finish within weight_load_timeout" in failure and walked == list(range(20))
+    sender.release.set()
+    # all well: every tensor reaches the sender in order, each while its gather is open
+    walked, sender, receiving = [], _StuckSender(), Future()
+    sender.release.set()
+    threading.Timer(0.2, lambda: receiving.set_result("ok")).start()
+    assert _broadcast(sender, _walk(walked), {"http://a": receiving}, pool, time.monotonic() + 30) is None
+    assert [name for name, _ in sender.received] == [f"p{i}" for i in range(20)]
+    assert all(tensor[0].item() == i for i, (_, tensor) in enumerate(sender.received))
+
+
+def test_a_sync_that_fails_before_its_broadcast_still_walks_every_parameter():
+    """Rank 0 raising before the walk (no server answers, the group does not form) must not leave the other
+    ranks waiting in their ZeRO-3/FSDP gathers: the walk is finished in any case."""
+    from types import SimpleNamespace
+
+    from trl_scale.rollout.generation import ServerRolloutGeneration
+
+    walked = []
+
+    def refuse(*args, **kwargs):
+        raise RolloutError("weight sync: no server answers /health")
+
+    fake = SimpleNamespace(
+        _metadata=lambda: [],
+        _iter_named_params=lambda: _walk(walked),
+        accelerator=SimpleNamespace(is_main_process=True),
+        client=SimpleNamespace(update_weights=refuse),
+        weight_backend="trl_scale_gloo",
+        weight_sync_timeout=5,
+    )
+    with pytest.raises(RolloutError, match="no server answers"):
+        ServerRolloutGeneration._sync_collective(fake, "v1")
+    assert walked == list(range(20))

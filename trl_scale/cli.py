@@ -248,9 +248,54 @@ METHODS = ("grpo", "rloo", "dpo", "ppo")
 USAGE = (
     "usage: trl-scale {grpo,rloo,dpo,ppo} --config file.yaml [--field value ...]\n"
     "       trl-scale serve --model PATH [--host 127.0.0.1] [--port N]\n"
+    "       trl-scale check-servers URL... [--weight-sync MODE] [--max-completion-length N] [--json]\n"
     "       trl-scale rollout {rejection-sample,eval} --servers URL... --tokenizer PATH --dataset D --reward-funcs F\n"
     "       trl-scale demo [options]"
 )
+
+
+def check_servers(argv: list[str]) -> int:
+    """What each rollout server offers (a table), and what a run with the given settings would trip over. Exit 1
+    when a server is unreachable or a problem was found."""
+    import argparse
+    import json
+
+    from .rollout.client import RolloutClient
+    from .rollout.preflight import RunNeeds, format_table, inspect_all, problems_of
+
+    parser = argparse.ArgumentParser(prog="trl-scale check-servers")
+    parser.add_argument("urls", nargs="+", metavar="URL")
+    parser.add_argument("--weight-sync", choices=["auto", "nccl", "shared_dir", "lora"], default=None)
+    parser.add_argument("--max-completion-length", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=1.0, help="checks the log-prob mode against it")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--json", action="store_true", help="one JSON list of rows instead of the table")
+    args = parser.parse_args(argv)
+    client = RolloutClient(args.urls, request_timeout=30, api_key=args.api_key)
+    try:
+        reports = inspect_all(client.get_url, client.post_url, [s.url for s in client.servers])
+    finally:
+        client.close()
+    needs = RunNeeds(
+        weight_sync=args.weight_sync,
+        max_completion_length=args.max_completion_length,
+        importance_sampling=True,
+        sampling={"temperature": args.temperature},
+    )
+    errors, warnings = [], []
+    for report in reports:
+        found, cautions = problems_of(report, needs)
+        errors += found
+        warnings += cautions
+    if args.json:
+        print(json.dumps([r.row() for r in reports]))
+    else:
+        print(format_table(reports))
+    for line in errors:
+        print(f"problem: {line}", file=sys.stderr)
+    for line in warnings:
+        print(f"warning: {line}", file=sys.stderr)
+    return 1 if errors else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         from .rollout.server import serve
 
         return serve(rest)
+    if command == "check-servers":
+        return check_servers(rest)
     if command in METHODS:
         return train(command, rest)
     print(f"unknown command {command!r}\n{USAGE}", file=sys.stderr)

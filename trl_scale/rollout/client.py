@@ -6,6 +6,10 @@
   before the faster servers could clear the queue: not an even split.
 - Failover: a server that errors or times out leaves the rotation for `retry_after` seconds and its request is
   re-sent to another; with every server down the call fails with `RolloutError` within `request_timeout`.
+- Timeouts, apart because they bound different waits: `request_timeout` bounds waiting for a server to take a
+  request (a free slot, a failover); `generation_timeout` bounds one server generating it (None: no limit, as
+  TRL's client); `load_timeout` bounds a server receiving or loading weights (`/update_weights`,
+  `/collective_rpc reload_weights`, `/v1/load_lora_adapter`); the short weight-sync calls take their own timeout.
 - Weight sync, by vLLM's own routes (vLLM 0.22-0.33, dev mode): one weight-transfer group over every server
   (`/init_weight_transfer_engine`, then per sync `/pause`, `/start_weight_update`, `/update_weights` with JSON
   `update_info` while the trainer broadcasts, `/finish_weight_update`, `/reset_prefix_cache`, `/resume`); or a
@@ -36,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 
 LORA_PREFIX = "trl-scale-"  # the adapters a LoRA sync loads; older ones with it are unloaded
+SERVER_KEY = "_trl_scale_server"  # set on each returned choice: the server that generated it
 
 
 class RolloutError(RuntimeError):
@@ -74,11 +79,15 @@ class RolloutClient:
         api_key: str | None = None,
         max_workers: int | None = None,
         max_inflight_per_server: int = 8,
+        generation_timeout: float | None = None,
+        load_timeout: float = 900.0,
     ):
         if not base_urls:
             raise ValueError("vllm_server_base_urls is empty: give at least one server URL")
         self.servers = [ServerState(url.rstrip("/")) for url in base_urls]
         self.request_timeout = request_timeout
+        self.generation_timeout = generation_timeout
+        self.load_timeout = load_timeout
         self.retry_after = retry_after
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # Requests beyond this many per server wait in the client and go to whichever server frees up first: that
@@ -148,7 +157,8 @@ class RolloutClient:
 
     def _model_name(self, server: ServerState) -> str | None:
         if server.url not in self._model_names:
-            response = self._session.get(f"{server.url}/v1/models", headers=self.headers, timeout=10)
+            timeout = min(10.0, self.request_timeout)
+            response = self._session.get(f"{server.url}/v1/models", headers=self.headers, timeout=timeout)
             response.raise_for_status()
             self._model_names[server.url] = response.json()["data"][0]["id"]
         return self._model_names[server.url]
@@ -156,7 +166,9 @@ class RolloutClient:
     # ---- generation ---------------------------------------------------------------------------------------
 
     def complete(self, prompt: list[int], n: int = 1, model: str | None = None, **sampling) -> list[dict]:
-        """One `/v1/completions` request for one prompt, routed and retried; returns vLLM-shaped choices."""
+        """One `/v1/completions` request for one prompt, routed and retried; returns vLLM-shaped choices. Waiting
+        for a server to take it is bounded by `request_timeout` (again after each failover), its generation by
+        `generation_timeout`; each server is tried at most once per round."""
         deadline = time.monotonic() + self.request_timeout
         tried: set[str] = set()
         errors = []
@@ -172,10 +184,12 @@ class RolloutClient:
             try:
                 payload = {"prompt": [prompt], "n": n, "return_token_ids": True, **sampling}
                 payload["model"] = model or self._model_name(server)
-                timeout = max(0.1, deadline - time.monotonic())
                 sent = time.monotonic()
                 response = self._session.post(
-                    f"{server.url}/v1/completions", json=payload, headers=self.headers, timeout=timeout
+                    f"{server.url}/v1/completions",
+                    json=payload,
+                    headers=self.headers,
+                    timeout=(min(10.0, self.request_timeout), self.generation_timeout),
                 )
                 if 400 <= response.status_code < 500:
                     self._release(server, ok=True)
@@ -184,6 +198,8 @@ class RolloutClient:
                 choices = response.json()["choices"]  # malformed JSON raises here: a server fault, fail over
                 _check_choices(choices, n)
                 self._release(server, ok=True, seconds=time.monotonic() - sent)
+                for choice in choices:
+                    choice[SERVER_KEY] = server.url
                 return choices
             except RolloutError:
                 raise
@@ -191,10 +207,37 @@ class RolloutClient:
                 self._release(server, ok=False, error=repr(error))
                 tried.add(server.url)
                 errors.append(f"{server.url}: {error!r}")
+                deadline = time.monotonic() + self.request_timeout  # the failover waits afresh
+        limit = "no limit" if self.generation_timeout is None else f"{self.generation_timeout:g}s"
         raise RolloutError(
-            f"no rollout server answered within request_timeout={self.request_timeout}s. "
-            f"Servers: {[s.url for s in self.servers]}. Errors: {errors[-3:] or 'all servers down or stale'}"
+            f"no rollout server answered: none took the request within rollout_request_timeout="
+            f"{self.request_timeout:g}s (each generation may take rollout_generation_timeout: {limit}). Servers: "
+            f"{[s.url for s in self.servers]}. Errors: {errors[-3:] or 'all servers down or stale'}"
         )
+
+    # ---- plain calls by URL (preflight, `trl-scale check-servers`) --------------------------------------------
+
+    def get_url(self, url: str, path: str) -> requests.Response:
+        return self._session.get(f"{url}{path}", headers=self.headers, timeout=min(30.0, self.request_timeout))
+
+    def post_url(self, url: str, path: str, json=None) -> requests.Response:
+        return self._session.post(
+            f"{url}{path}", json=json, headers=self.headers, timeout=min(30.0, self.request_timeout)
+        )
+
+    def complete_url(self, url: str, model: str, prompt: list[int]) -> dict:
+        """One greedy token for `prompt` from this server alone (no routing); raises for an HTTP error."""
+        body = {
+            "model": model,
+            "prompt": [prompt],
+            "n": 1,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "return_token_ids": True,
+        }
+        response = self.post_url(url, "/v1/completions", body)
+        response.raise_for_status()
+        return response.json()
 
     def _any_may_return(self, deadline: float) -> bool:
         with self._lock:
@@ -356,12 +399,12 @@ class RolloutClient:
         body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
 
         def reload(server):
-            self._post(server, "/collective_rpc", timeout, json=body)
+            self._post(server, "/collective_rpc", self.load_timeout, json=body)
             self._post(server, "/update_weight_version", timeout, json={"new_version": version})
             self._reset_prefix_cache(server, timeout)
 
         def work(paused):
-            failed = self._each(paused, reload, timeout)
+            failed = self._each(paused, reload, self.load_timeout + 2 * timeout)
             return [s for s in paused if s.url not in failed], failed
 
         took, failed = self._paused(self._live(timeout), timeout, work)
@@ -374,7 +417,7 @@ class RolloutClient:
 
         def load(server):
             body = {"lora_name": name, "lora_path": path, "load_inplace": False}
-            self._post(server, "/v1/load_lora_adapter", timeout, json=body)
+            self._post(server, "/v1/load_lora_adapter", self.load_timeout, json=body)
             listed = self._get(server, "/v1/models", timeout=timeout).json()["data"][1:]
             for old in [m["id"] for m in listed if m["id"].startswith(LORA_PREFIX) and m["id"] != name]:
                 try:
@@ -383,7 +426,7 @@ class RolloutClient:
                     logger.info("unloading adapter %s on %s: %s", old, server.url, error)
 
         live = self._live(timeout)
-        failed = self._each(live, load, timeout)
+        failed = self._each(live, load, self.load_timeout + 2 * timeout)
         self._finish("weight sync (LoRA adapter)", version, [s for s in live if s.url not in failed], failed, timeout)
 
     def lora_version(self, server: ServerState) -> str | None:
@@ -483,29 +526,22 @@ class RolloutClient:
         def work(paused):
             if len(paused) != len(live):
                 raise RolloutError(f"weight sync: {len(live) - len(paused)} group member(s) did not pause")
-            self._each(paused, lambda s: self._post(s, "/start_weight_update", timeout, json={}), timeout)
+            refused = self._each(paused, lambda s: self._post(s, "/start_weight_update", timeout, json={}), timeout)
+            if refused:
+                raise RolloutError(f"weight sync: /start_weight_update failed on {refused}; nothing was sent")
             receiving = {
-                s.url: self._pool.submit(self._post, s, "/update_weights", timeout, {"update_info": update_info})
+                s.url: self._pool.submit(
+                    self._post, s, "/update_weights", self.load_timeout, {"update_info": update_info}
+                )
                 for s in paused
             }
-            try:
-                sender.send(named_tensors)
-            except Exception as error:
+            failure = _broadcast(sender, named_tensors, receiving, self._pool, time.monotonic() + self.load_timeout)
+            if failure:
                 self._close_group()
-                dead = [url for url, f in receiving.items() if f.done() and f.exception() is not None]
                 raise RolloutError(
-                    f"weight broadcast failed within weight_sync_timeout={timeout}s ({error!r}); a member left the "
-                    f"group: {dead or 'see the servers logs'}. The next sync rebuilds the group without it"
-                ) from error
-            failed = {}
-            for url, future in receiving.items():
-                try:
-                    future.result(timeout=timeout)
-                except Exception as error:
-                    failed[url] = repr(error)
-            if failed:
-                self._close_group()
-                raise RolloutError(f"weight sync failed on {failed}; the next sync rebuilds the group")
+                    f"weight broadcast abandoned: {failure}. Every rank finished its parameter walk; the next sync "
+                    "rebuilds the group without the servers that left"
+                )
 
             def finish(server):
                 self._post(server, "/finish_weight_update", timeout, json={"weight_version": version})
@@ -540,6 +576,56 @@ class RolloutClient:
         self._close_group()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._session.close()
+
+
+def _broadcast(sender, named_tensors: Iterable, receiving: dict, pool, deadline: float) -> str | None:
+    """Broadcast `named_tensors` while the servers' `/update_weights` calls (`receiving`, futures by URL) receive.
+
+    The parameter walk (`named_tensors`: ZeRO-3/FSDP gathers, collectives the other trainer ranks are in) runs here
+    and always to its end; the sender runs on its own thread and is handed one tensor at a time, each still inside
+    its gather until sent. So a receiver that fails, a broadcast that stalls (NCCL's has no timeout) or `deadline`
+    passing abandons the sender without leaving any rank waiting. Returns what went wrong, or None."""
+    import queue
+
+    handoff: queue.Queue = queue.Queue(maxsize=1)
+    sent: queue.Queue = queue.Queue()
+
+    def feed():
+        while (item := handoff.get()) is not None:
+            yield item
+            sent.put(True)  # the sender asked for the next tensor: this one is out
+
+    sending = pool.submit(sender.send, feed())
+
+    def trouble() -> str | None:
+        failed = {url: f.exception() for url, f in receiving.items() if f.done() and f.exception() is not None}
+        if failed:
+            return f"/update_weights failed on {failed}"
+        if sending.done() and sending.exception() is not None:
+            return f"the trainer's broadcast failed ({sending.exception()!r})"
+        if time.monotonic() > deadline:
+            return "the broadcast did not finish within weight_load_timeout"
+        return None
+
+    failure = None
+    for item in named_tensors:
+        if failure is not None:
+            continue  # keep walking: the other ranks' gathers need this one
+        handoff.put(item)
+        while failure is None:
+            try:
+                sent.get(timeout=0.05)
+                break
+            except queue.Empty:
+                failure = trouble()
+    try:
+        handoff.put_nowait(None)
+    except queue.Full:
+        pass  # the sender is stuck with a tensor: it is abandoned
+    while failure is None and not (sending.done() and all(f.done() for f in receiving.values())):
+        failure = trouble()
+        time.sleep(0.02)
+    return failure or trouble()
 
 
 def _free_port() -> int:

@@ -15,7 +15,6 @@ Weight sync modes (`weight_sync`):
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -25,7 +24,7 @@ import uuid
 from accelerate.utils import broadcast_object_list
 from trl.generation.vllm_generation import VLLMGeneration
 
-from .client import LORA_PREFIX, RolloutClient, RolloutError
+from .client import LORA_PREFIX, SERVER_KEY, RolloutClient, RolloutError
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +39,7 @@ class ServerRolloutGeneration(VLLMGeneration):
         weight_sync_timeout: float = 120.0,
         ready_timeout: float = 240.0,
         logprobs: bool = True,
+        require_logprobs: bool = False,
     ):
         self.trainer = trainer
         self.client = client
@@ -47,6 +47,10 @@ class ServerRolloutGeneration(VLLMGeneration):
         self.weight_sync_dir = weight_sync_dir
         self.weight_sync_timeout = weight_sync_timeout
         self.ready_timeout = ready_timeout
+        # The sampler's log-probs feed an importance-sampling correction: a choice without them is an error (TRL
+        # would turn NaN into a ratio of 1, silently switching the correction off).
+        self.require_logprobs = require_logprobs
+        self.server_max_model_len: int | None = None
         self.lora_name: str | None = None
         self.sync_count = 0
         self.version: str | None = None  # the weights the servers serve, as the last sync named them
@@ -63,58 +67,80 @@ class ServerRolloutGeneration(VLLMGeneration):
             logprobs=0 if logprobs else None,
         )
 
-    # TRL's `_init_vllm` imports vLLM and builds its one-server client; ours waits for every server instead.
+    # TRL's `_init_vllm` imports vLLM and builds its one-server client; ours waits for every server and checks
+    # them against this run (`preflight`) before the first step.
     def _init_vllm(self) -> None:
         self.client.wait_until_ready(self.ready_timeout)
         accelerator = self.accelerator
         decision = [None]
         if accelerator.is_main_process:
             try:
-                decision = [("ok", self._choose_weight_sync())]
+                decision = [("ok", self._preflight())]
             except Exception as error:  # every rank raises it, none waits forever
                 decision = [("error", f"{type(error).__name__}: {error}")]
         decision = broadcast_object_list(decision, from_process=0) if accelerator.num_processes > 1 else decision
         status, value = decision[0]
         if status == "error":
             raise ValueError(value)
-        self.weight_sync, self.weight_backend = value
+        self.weight_sync, self.weight_backend, self.server_max_model_len = value
         if self.weight_sync == "lora":
             self.client.version_reader = self.client.lora_version
 
-    def _choose_weight_sync(self) -> tuple[str, str | None]:
-        """The mode and, for "nccl", the servers' engine backend; LoRA adapters checked against vLLM's rules."""
-        from .weight_transfer import check_nccl_sender
+    def _preflight(self) -> tuple[str, str | None, int | None]:
+        """Every server inspected once; all problems raised together (one line each: server, flag, fix), warnings
+        logged. Returns the weight-sync mode, the servers' engine backend for "nccl", and the smallest
+        `max_model_len`."""
+        from .preflight import RunNeeds, check_vocabulary, inspect_all, problems_of
+        from .weight_transfer import GLOO_BACKEND, check_nccl_sender
 
         mode = self.requested_weight_sync
-        if mode == "lora":
-            check_lora_adapter(self.model, self.client)
-            return "lora", None
-        if mode == "shared_dir":
-            return "shared_dir", None
-        backend = self.client.weight_transfer_backend()
+        model = self.accelerator.unwrap_model(self.model)
+        peft_config = getattr(model, "peft_config", {}).get("default") if hasattr(model, "peft_config") else None
+        needs = RunNeeds(
+            weight_sync=mode,
+            max_completion_length=self.trainer.args.max_completion_length,
+            importance_sampling=self.require_logprobs,
+            sampling=self._sampling(),
+            lora_config=peft_config if mode == "lora" else None,
+            vocab_size=model.config.get_text_config().vocab_size,
+        )
+        reports = inspect_all(self.client.get_url, self.client.post_url, [s.url for s in self.client.servers])
+        errors, warnings = [], []
+        for report in reports:
+            found, cautions = problems_of(report, needs)
+            if report.reachable and needs.vocab_size:
+                wrong_model = check_vocabulary(self.client.complete_url, report, needs.vocab_size)
+                found += [wrong_model] if wrong_model else []
+            errors += found
+            warnings += cautions
+        backends = {r.weight_transfer for r in reports if r.reachable}
+        if mode in ("nccl", "auto") and len(backends) > 1:
+            errors.append(f"the servers offer different weight-transfer engines {sorted(map(str, backends))}")
+        if errors:
+            raise RolloutError(
+                "the rollout servers cannot serve this run:\n  - " + "\n  - ".join(dict.fromkeys(errors))
+            )
+        for warning in dict.fromkeys(warnings):
+            logger.warning(warning)
+        lengths = [r.max_model_len for r in reports if r.max_model_len]
+        max_model_len = min(lengths) if lengths else None
+        backend = backends.pop() if len(backends) == 1 else None
+        if mode in ("lora", "shared_dir"):
+            return mode, None, max_model_len
         if mode == "nccl":
-            if backend is None:
-                raise RolloutError(
-                    "weight_sync='nccl': the servers offer no weight-transfer engine (/server_info has no "
-                    "weight_transfer_config). Fix: start vLLM with VLLM_SERVER_DEV_MODE=1 and "
-                    '--weight-transfer-config \'{"backend":"nccl"}\' (as `trl vllm-serve` does), or use '
-                    "weight_sync='shared_dir'"
-                )
             if backend == "nccl":
                 check_nccl_sender()
-            return "nccl", backend
-        # auto
-        from .weight_transfer import GLOO_BACKEND
-
+            return "nccl", backend, max_model_len
+        # auto: a group where the servers offer an engine this trainer can drive, else a shared directory
         if backend == GLOO_BACKEND:
-            return "nccl", backend
+            return "nccl", backend, max_model_len
         if backend == "nccl":
             try:
                 check_nccl_sender()
-                return "nccl", backend
+                return "nccl", backend, max_model_len
             except RuntimeError as error:
                 logger.warning("weight_sync='auto' uses 'shared_dir': %s", error)
-        return "shared_dir", None
+        return "shared_dir", None, max_model_len
 
     # ---- generation -------------------------------------------------------------------------------------
 
@@ -131,6 +157,9 @@ class ServerRolloutGeneration(VLLMGeneration):
             "return_tokens_as_token_ids": True,  # as TRL sends it
         }
         sampling.update(args.generation_kwargs or {})
+        regex = getattr(args, "vllm_structured_outputs_regex", None)
+        if regex is not None:  # as TRL's client sends it (vllm_client.py:441-442), taking precedence
+            sampling["structured_outputs"] = {"regex": regex}
         return sampling
 
     def _request(self, prompts) -> list[list[dict]]:
@@ -179,11 +208,16 @@ class ServerRolloutGeneration(VLLMGeneration):
         completion_ids, logprobs, logprob_ids = [], [], []
         for choice in choices:
             completion_ids.append(choice["token_ids"])
-            if self.logprobs is not None and choice.get("logprobs"):
-                values = [float("nan") if v is None else v for v in choice["logprobs"]["token_logprobs"]]
-                logprobs.append([[v] for v in values])
-            else:
-                logprobs.append([[float("nan")] for _ in choice["token_ids"]])
+            values = sampler_logprobs(choice) if self.logprobs is not None else None
+            if values is None and self.require_logprobs:
+                raise RolloutError(
+                    f"{choice.get(SERVER_KEY, 'a server')} returned a completion without the log-probs asked for "
+                    f"(logprobs=0): the importance-sampling correction needs them. Fix: serve with vLLM (or trl-scale "
+                    "serve), whose /v1/completions returns them, or set vllm_importance_sampling_correction=False"
+                )
+            logprobs.append(
+                [[v] for v in values] if values is not None else [[float("nan")] for _ in choice["token_ids"]]
+            )
             logprob_ids.append([[t] for t in choice["token_ids"]])
         return [list(p) for p in prompts], completion_ids, logprobs, logprob_ids
 
@@ -198,8 +232,7 @@ class ServerRolloutGeneration(VLLMGeneration):
         outcome = [("ok", version)]
         try:
             if self.weight_sync == "lora":
-                if accelerator.is_main_process:
-                    self._sync_lora(version)
+                self._sync_lora(version)
             elif self.weight_sync == "nccl":
                 self._sync_collective(version)
             else:
@@ -230,16 +263,20 @@ class ServerRolloutGeneration(VLLMGeneration):
         from .weight_transfer import make_sender
 
         metadata = self._metadata()
-        if self.accelerator.is_main_process:
-            self.client.update_weights(
-                metadata,
-                self._iter_named_params(),
-                version,
-                lambda: make_sender(self.weight_backend, self.weight_sync_timeout),
-                timeout=self.weight_sync_timeout,
-            )
-        else:
-            for _ in self._iter_named_params():  # take part in the gathers
+        params = self._iter_named_params()
+        try:
+            if self.accelerator.is_main_process:
+                self.client.update_weights(
+                    metadata,
+                    params,
+                    version,
+                    lambda: make_sender(self.weight_backend, self.weight_sync_timeout),
+                    timeout=self.weight_sync_timeout,
+                )
+        finally:
+            # The rest of the walk, whatever happened above (a sync that failed before its broadcast, too): the other
+            # ranks wait in its ZeRO-3/FSDP gathers until this rank has walked every parameter.
+            for _ in params:
                 pass
 
     def _sync_shared_dir(self, version: str) -> None:
@@ -264,59 +301,54 @@ class ServerRolloutGeneration(VLLMGeneration):
                 shutil.rmtree(os.path.join(self.weight_sync_dir, entry), ignore_errors=True)
 
     def _sync_lora(self, version: str) -> None:
+        """Every rank gathers the adapter (a ZeRO-3 or FSDP2 policy holds only shards of it); the main process
+        writes it as PEFT saves adapters and has the servers load it."""
+        from safetensors.torch import save_file
+
         model = self.accelerator.unwrap_model(self.model)
+        state = adapter_state_dict(model)
+        if not self.accelerator.is_main_process:
+            return
         if self.weight_sync_dir is None:
             self.weight_sync_dir = tempfile.mkdtemp(prefix="trl-scale-lora-")
         path = os.path.join(self.weight_sync_dir, version)
-        model.save_pretrained(path)
+        os.makedirs(path, exist_ok=True)
+        model.peft_config["default"].save_pretrained(path)
+        save_file(state, os.path.join(path, "adapter_model.safetensors"))
         self.client.load_lora_adapter(version, path, version, timeout=self.weight_sync_timeout)
         if self.lora_name and self.lora_name != version:
             shutil.rmtree(os.path.join(self.weight_sync_dir, self.lora_name), ignore_errors=True)
 
 
-def check_lora_adapter(model, client: RolloutClient | None = None) -> None:
-    """Refuse, before training, a LoRA adapter vLLM would refuse at the first sync (vLLM 0.31
-    `lora/peft_helper.py:41-56,128-134`): `modules_to_save`, DoRA, a bias, a rank above the server's
-    `--max-lora-rank`, or servers without LoRA enabled."""
-    config = getattr(model, "peft_config", {}).get("default") if hasattr(model, "peft_config") else None
-    if config is None:
-        return  # no adapter: the trainer's own check names the fix
-    problems = []
-    if getattr(config, "modules_to_save", None):
-        problems.append(f"peft_config.modules_to_save={list(config.modules_to_save)} (vLLM loads no extra modules)")
-    if getattr(config, "use_dora", False):
-        problems.append("peft_config.use_dora=True (vLLM does not support DoRA)")
-    if getattr(config, "bias", "none") != "none":
-        problems.append(f"peft_config.bias={config.bias!r} (vLLM supports bias='none' only)")
-    if client is not None:
-        for server in client.servers:
-            limit = _server_max_lora_rank(client, server)
-            if limit is None:
-                problems.append(
-                    f"{server.url} has LoRA off: start vLLM with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
-                )
-            elif config.r > limit:
-                problems.append(
-                    f"peft_config.r={config.r} is above {server.url}'s --max-lora-rank {limit} (raise it, or r)"
-                )
-    if problems:
-        raise ValueError(
-            "weight_sync='lora' sends this adapter to vLLM, which would refuse it: "
-            + "; ".join(dict.fromkeys(problems))
-            + ". Fix the adapter (or the servers' flags), or use weight_sync='nccl' / 'shared_dir' (full weights)"
-        )
+def adapter_state_dict(model) -> dict:
+    """The default adapter's tensors under PEFT's saved names, whole and on CPU. Under ZeRO-3 its partitions are
+    gathered, under FSDP2 its DTensors: collectives, so every rank calls this, in the same order."""
+    from contextlib import nullcontext
+
+    from peft import get_peft_model_state_dict
+
+    partitioned = [p for name, p in model.named_parameters() if "lora_" in name and hasattr(p, "ds_id")]
+    if partitioned:
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
+    else:
+        gather = nullcontext()
+    with gather:
+        state = get_peft_model_state_dict(model)
+        whole = {}
+        for name, tensor in state.items():
+            if hasattr(tensor, "full_tensor"):  # an FSDP2 shard
+                tensor = tensor.full_tensor()
+            whole[name] = tensor.detach().to("cpu", copy=True).contiguous()
+    return whole
 
 
-def _server_max_lora_rank(client: RolloutClient, server) -> int | None:
-    try:
-        response = client._get(server, "/server_info?config_format=json", timeout=30)
-        response.raise_for_status()
-        info = response.json().get("vllm_config") or {}
-        if isinstance(info, str):
-            info = json.loads(info)
-    except Exception:
-        return 16  # no dev-mode info: assume vLLM's default rank limit, the load call will tell otherwise
-    lora_config = info.get("lora_config")
-    if not lora_config:
+def sampler_logprobs(choice: dict) -> list[float] | None:
+    """The sampled tokens' log-probs of one vLLM choice, one per completion token, or None where the server sent
+    none (or not one per token)."""
+    logprobs = choice.get("logprobs") or {}
+    values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+    if not isinstance(values, list) or len(values) != len(choice["token_ids"]) or any(v is None for v in values):
         return None
-    return int(lora_config.get("max_lora_rank", 16))
+    return [float(v) for v in values]

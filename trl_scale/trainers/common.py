@@ -124,13 +124,20 @@ class RolloutArguments:
         CUDA in the trainer, `trl-scale serve` offers gloo), `"shared_dir"` (safetensors in a directory the servers
         read, then vLLM's `/collective_rpc reload_weights`), `"lora"` (adapter loading), or `"auto"`: `"nccl"` when
         every server offers a weight-transfer engine this trainer can drive, else `"shared_dir"`.
-    weight_sync_timeout (`float`, defaults to `120`), rollout_request_timeout (`float`, defaults to `120`):
-        Bounds in seconds: a stalled sync or an unreachable fleet fails with a clear error, never hangs.
+    weight_sync_timeout (`float`, defaults to `120`), weight_load_timeout (`float`, defaults to `900`):
+        Seconds for a weight sync's control calls and each broadcast collective; seconds a server may take to
+        receive or load the weights (`/update_weights`, `/collective_rpc reload_weights`, a LoRA load).
+    rollout_request_timeout (`float`, defaults to `120`), rollout_generation_timeout (`float` or `None`):
+        Seconds a request may wait for a server to take it (a free slot, failovers); seconds one server may take to
+        generate it, `None` meaning `120 + 0.25 × max_completion_length` (1144 s for 4096 tokens).
     rollout_api_key (`str` or `None`): bearer token for the servers.
     async_rollout_staleness (`int`, defaults to `0`):
         0: generate each batch when it is needed (synchronous, TRL's behaviour). k ≥ 1: the servers generate the
-        next k generation batches while the trainer trains; no completion more than k weight versions old is
-        trained on, and TRL's vLLM importance-sampling correction corrects the off-policy gap.
+        next k generation batches while the trainer trains; no completion is trained on more than k weight syncs
+        after the weights it was sampled from, and TRL's vLLM importance-sampling correction (GRPO, PPO) corrects
+        the off-policy gap. A sync happens once per generation batch, so with `steps_per_generation` × epochs
+        optimizer steps per batch, k syncs are k × that many optimizer steps. Needs
+        `vllm_importance_sampling_correction=True`; RLOO, which TRL gives no such correction, refuses it.
 """  # its section of each config's docstring (`config_docstring`)
 
     vllm_server_base_urls: list[str] | None = field(
@@ -154,17 +161,35 @@ class RolloutArguments:
         default=None, metadata={"help": "Directory the servers can read, for weight_sync='shared_dir' or 'lora'."}
     )
     weight_sync_timeout: float = field(
-        default=120.0, metadata={"help": "Seconds a weight sync may take before it fails with a clear error."}
+        default=120.0,
+        metadata={"help": "Seconds a weight sync's control calls and each broadcast collective may take."},
+    )
+    weight_load_timeout: float = field(
+        default=900.0,
+        metadata={
+            "help": "Seconds a server may take to receive or load the weights of one sync (/update_weights, "
+            "/collective_rpc reload_weights, /v1/load_lora_adapter): large models need minutes."
+        },
     )
     rollout_request_timeout: float = field(
-        default=120.0, metadata={"help": "Seconds one completion request may take, failovers included."}
+        default=120.0,
+        metadata={"help": "Seconds a completion request may wait for a server to take it (free slot, failovers)."},
+    )
+    rollout_generation_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds one server may take to generate one request (a prompt's completions). None: "
+            "120 + 0.25 x max_completion_length (a 4096-token completion gets 1144 s)."
+        },
     )
     rollout_api_key: str | None = field(default=None, metadata={"help": "Bearer token for the servers."})
     async_rollout_staleness: int = field(
         default=0,
         metadata={
             "help": "0: synchronous rollout. k >= 1: the servers generate the next k generation batches while the "
-            "trainer trains; completions are at most k weight versions old (importance-sampling corrected)."
+            "trainer trains; a completion is trained on at most k weight syncs after the weights it was sampled from "
+            "(one sync per generation batch: k x steps_per_generation x epochs optimizer steps), importance-sampling "
+            "corrected (GRPO, PPO; RLOO refuses it)."
         },
     )
     rollout_max_inflight_per_server: int = field(
@@ -215,10 +240,36 @@ class RolloutArguments:
             )
         if self.weight_sync not in ("auto", "nccl", "shared_dir", "lora"):
             raise ValueError(f"weight_sync={self.weight_sync!r}: use 'auto', 'nccl', 'shared_dir' or 'lora'")
-        if self.weight_sync_timeout <= 0 or self.rollout_request_timeout <= 0 or self.vllm_server_timeout <= 0:
+        for name in (
+            "weight_sync_timeout",
+            "weight_load_timeout",
+            "rollout_request_timeout",
+            "rollout_generation_timeout",
+            "vllm_server_timeout",
+        ):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"{name}={value!r}: use a positive number of seconds")
+        inflight = self.rollout_max_inflight_per_server
+        if isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 1:
             raise ValueError(
-                "weight_sync_timeout, rollout_request_timeout and vllm_server_timeout must be positive (seconds)"
+                f"rollout_max_inflight_per_server={inflight!r}: use a positive whole number of requests (default 8); "
+                "with 0 no request could ever be sent"
             )
+        if self.async_rollout_staleness:
+            if not hasattr(self, "vllm_importance_sampling_correction"):  # RLOO
+                raise ValueError(
+                    f"async_rollout_staleness={self.async_rollout_staleness}: RLOO trains prefetched (stale) "
+                    "completions with no off-policy correction (TRL's RLOO recomputes its old log-probs with the "
+                    "current weights, so its ratio starts at 1). Fix: async_rollout_staleness=0, or GRPOTrainer / "
+                    "PPOTrainer, whose vLLM importance-sampling correction covers it"
+                )
+            if not self.vllm_importance_sampling_correction:
+                raise ValueError(
+                    f"async_rollout_staleness={self.async_rollout_staleness} trains completions sampled from older "
+                    "weights; with vllm_importance_sampling_correction=False nothing corrects for it. Fix: "
+                    "vllm_importance_sampling_correction=True (default), or async_rollout_staleness=0"
+                )
 
 
 @dataclass
@@ -421,12 +472,16 @@ class ServerRolloutMixin:
         urls = args.vllm_server_base_urls or [
             args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         ]
+        generation_timeout = args.rollout_generation_timeout or 120.0 + 0.25 * args.max_completion_length
         client = RolloutClient(
             urls,
             request_timeout=args.rollout_request_timeout,
             api_key=args.rollout_api_key,
             max_inflight_per_server=args.rollout_max_inflight_per_server,
+            generation_timeout=generation_timeout,
+            load_timeout=args.weight_load_timeout,
         )
+        correction = bool(getattr(self, "vllm_importance_sampling_correction", False))  # GRPO, PPO; not RLOO
         self.vllm_generation = ServerRolloutGeneration(
             self,
             client,
@@ -434,7 +489,8 @@ class ServerRolloutMixin:
             weight_sync_dir=args.weight_sync_dir,
             weight_sync_timeout=args.weight_sync_timeout,
             ready_timeout=args.vllm_server_timeout,
-            logprobs=logprobs,
+            logprobs=logprobs and hasattr(self, "vllm_importance_sampling_correction"),  # as TRL: GRPO asks, RLOO not
+            require_logprobs=correction,
         )
         self.use_vllm = True
         self.vllm_mode = "server"
@@ -712,15 +768,20 @@ class OnlineTrainerMixin(
         past it, positions the model never learned (or an index error, with learned positions) would train
         silently on garbage."""
         prompt_ids, *rest = super()._tokenize_prompts(prompts)
-        context = self._context_length()
-        if context is not None:
+        limits = [(self._context_length(), "the model's context", "max_position_embeddings")]
+        served = getattr(getattr(self, "vllm_generation", None), "server_max_model_len", None)
+        if served is not None:  # vLLM would answer 400 for the whole batch
+            limits.append((served, "the rollout servers' context", "their --max-model-len"))
+        limits = [limit for limit in limits if limit[0] is not None]
+        if limits:
+            context, what, source = min(limits)
             for index, ids in enumerate(prompt_ids):
                 if len(ids) + self.args.max_completion_length > context:
                     raise ValueError(
                         f"prompt {index} of this batch has {len(ids)} tokens; with max_completion_length="
-                        f"{self.args.max_completion_length} that exceeds the model's context of {context} tokens "
-                        "(max_position_embeddings). Nothing was trained on it, and earlier checkpoints are intact. "
-                        "Fix: drop or shorten long prompts (dataset.filter on their token count, at most "
+                        f"{self.args.max_completion_length} that exceeds {what} of {context} tokens ({source}). "
+                        "Nothing was trained on it, and earlier checkpoints are intact. Fix: drop or shorten long "
+                        "prompts (dataset.filter on their token count, at most "
                         f"{context - self.args.max_completion_length}), or lower max_completion_length"
                     )
         return (prompt_ids, *rest)

@@ -1,0 +1,340 @@
+"""Rollout against real vLLM (the CPU build of vLLM 0.32 in .venv-vllm; `bash scripts/setup_vllm.sh`).
+
+One fleet per module, started in parallel: two dev-mode servers with LoRA and trl-scale's gloo weight-transfer
+plugin (`A` with `--logprobs-mode processed_logprobs`, `B` with vLLM's default `raw_logprobs`), and a plain
+`vllm serve` of another model (no dev mode, no LoRA). Each training test first reloads A and B with the base
+weights. The last test kills B and restarts it; teardown checks no vLLM process is left."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import requests
+import torch
+
+from trl_scale.rollout import RolloutClient
+from trl_scale.toy import build_tiny_model
+
+from .helpers import cpu_args, subprocess_env, token_parity_reward
+from .real_vllm import DEV_FLAGS, LORA_FLAGS, prompt_logprobs, served_models, start_vllm_servers, weight_version
+
+pytestmark = pytest.mark.vllm_cpu
+
+PROBE = [5, 17, 33, 42, 8, 99, 120, 7, 64, 250, 11]  # prompt-logprob probe: 10 scored tokens
+SYNC_TOLERANCE = 1e-4  # |server - policy| prompt log-prob after a sync (fp32 both sides; measured ~1e-6)
+PROCESSED = ("--logprobs-mode", "processed_logprobs")
+
+
+class Fleet:
+    def __init__(self, model_path, a, b, plain):
+        self.model_path, self.a, self.b, self.plain = model_path, a, b, plain
+
+    @property
+    def rl_urls(self) -> list[str]:
+        return [self.a.url, self.b.url]
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_llama_hd64, tmp_path_factory):
+    other = build_tiny_model(
+        tmp_path_factory.mktemp("other-model"),
+        words=["one", "two", "three"],
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+    )
+    rl_flags = ("--logprobs-mode", "processed_logprobs", *DEV_FLAGS[2:], *LORA_FLAGS)
+    raw_flags = (*DEV_FLAGS[2:], *LORA_FLAGS)  # vLLM's default log-prob mode: raw_logprobs
+    servers = start_vllm_servers(
+        [(tiny_llama_hd64, rl_flags, {}), (tiny_llama_hd64, raw_flags, {}), (other, (), {"dev_mode": False})]
+    )
+    yield Fleet(tiny_llama_hd64, *servers)
+    for server in servers:
+        server.stop()
+    left = {server.url: server.group_pids() for server in servers}
+    assert not any(left.values()), f"vLLM processes left running: {left}"
+
+
+@pytest.fixture
+def rl_urls(fleet) -> list[str]:
+    """A and B serving the base weights again, with no adapter loaded (an earlier test synced its policy)."""
+    client = RolloutClient(fleet.rl_urls)
+    try:
+        client.reload_weights(fleet.model_path, "base")
+    finally:
+        client.close()
+    for url in fleet.rl_urls:
+        for adapter in served_models(url)[1:]:
+            requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": adapter}, timeout=30).raise_for_status()
+    return fleet.rl_urls
+
+
+def _trainer(method: str, model_path: str, out, urls: list[str], weight_sync: str, **overrides):
+    from peft import LoraConfig
+    from transformers import AutoTokenizer
+
+    import trl_scale
+    from trl_scale.toy import counting_prompts
+
+    trainer_cls, config_cls = {
+        "grpo": (trl_scale.GRPOTrainer, trl_scale.GRPOConfig),
+        "rloo": (trl_scale.RLOOTrainer, trl_scale.RLOOConfig),
+        "ppo": (trl_scale.PPOTrainer, trl_scale.PPOConfig),
+    }[method]
+    settings = dict(
+        max_completion_length=6,
+        max_steps=3,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_urls=urls,
+        weight_sync=weight_sync,
+        weight_sync_timeout=60,
+        rollout_request_timeout=60,
+        learning_rate=3e-3,  # the policy moves visibly between syncs
+    )
+    if method == "ppo":  # one optimizer step per generation batch, so one sync per step as in GRPO and RLOO
+        settings.update(num_ppo_epochs=1, num_mini_batches=1)
+    else:
+        settings["num_generations"] = 4
+    peft_config = overrides.pop("peft_config", None)
+    settings.update(overrides)
+    if weight_sync == "lora" and peft_config is None:
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    if peft_config is not None:
+        peft_config.target_modules = peft_config.target_modules or ["q_proj", "v_proj"]
+    return trainer_cls(
+        model=model_path,
+        reward_funcs=token_parity_reward,
+        args=config_cls(**cpu_args(out, **settings)),
+        train_dataset=counting_prompts(64),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+        peft_config=peft_config,
+    )
+
+
+@torch.no_grad()
+def _policy_logprobs(trainer, prompt: list[int]) -> list[float]:
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    logits = model(input_ids=torch.tensor([prompt])).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+
+
+def _check_every_sync(trainer, urls: list[str]) -> list[dict]:
+    """After each sync: every server's prompt log-probs against the policy's, and the version each reports."""
+    generation = trainer.vllm_generation
+    sync = generation.sync_weights
+    records = []
+
+    def checked_sync():
+        sync()
+        expected = _policy_logprobs(trainer, PROBE)
+        record = {"policy": expected, "diff": {}, "version": generation.version}
+        for url in urls:
+            served = served_models(url)
+            model = generation.lora_name or served[0]
+            got = prompt_logprobs(url, PROBE, model)
+            assert len(got) == len(expected) > 0
+            record["diff"][url] = max(abs(a - b) for a, b in zip(got, expected))
+            if generation.weight_sync == "lora":
+                record[url] = served[1:]  # the adapters it holds: only the current one
+            else:
+                record[url] = weight_version(url)
+        records.append(record)
+
+    generation.sync_weights = checked_sync
+    return records
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weight_sync", ["shared_dir", "lora", "nccl"])
+@pytest.mark.parametrize("method", ["grpo", "rloo", "ppo"])
+def test_every_sync_reaches_every_real_vllm_server(fleet, rl_urls, tmp_path, method, weight_sync):
+    """GRPO, RLOO and PPO × shared_dir / lora / nccl (trl-scale's gloo engine loaded into vLLM as a plugin): after
+    every sync, both servers' prompt log-probs equal the policy's (<= 1e-4) and they report the sync's version."""
+    trainer = _trainer(method, fleet.model_path, tmp_path, rl_urls, weight_sync)
+    assert trainer.vllm_generation.weight_sync == weight_sync
+    records = _check_every_sync(trainer, rl_urls)
+    trainer.train()
+    assert trainer.state.global_step == 3
+    assert len(records) == 3  # one sync before each generation batch
+    for record in records:
+        for url in rl_urls:
+            assert record["diff"][url] <= SYNC_TOLERANCE, (url, record["diff"])
+            if weight_sync == "lora":
+                assert record[url] == [record["version"]], record
+            else:
+                assert record[url] == record["version"], record
+    # the check is not vacuous: the policy the servers followed moved between the first and last sync
+    moved = max(abs(a - b) for a, b in zip(records[0]["policy"], records[-1]["policy"]))
+    assert moved > 100 * SYNC_TOLERANCE, moved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["grpo", "ppo"])
+def test_sampler_logprobs_from_real_vllm_feed_the_importance_sampling_correction(fleet, rl_urls, tmp_path, method):
+    """Async rollout (staleness 1) at temperature 0.8 against the processed-log-prob server: each batch's
+    `sampling_per_token_logps` are real vLLM's log-probs of the weights the batch was sampled from (checked against
+    a forward of that very checkpoint), and TRL's token-level ratio is exp(old - sampling), clipped at 3: red when
+    the sampler's log-probs are dropped or the ratio inverted. Stale batches make the ratio differ from 1."""
+    trainer = _trainer(
+        method,
+        fleet.model_path,
+        tmp_path,
+        [fleet.a.url],
+        "shared_dir",
+        max_steps=5,
+        temperature=0.8,
+        async_rollout_staleness=1,
+        vllm_importance_sampling_mode="token_truncate",
+    )
+    generation = trainer.vllm_generation
+    checkpoints, batches = {}, []
+    sync = generation.sync_weights
+
+    def recording_sync():
+        sync()
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        checkpoints[generation.sync_count] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    generation.sync_weights = recording_sync
+    score = trainer._generate_and_score_completions
+
+    def recording_score(inputs):
+        batch = score(inputs)
+        batches.append(({k: v for k, v in batch.items() if torch.is_tensor(v)}, list(generation.last_versions)))
+        return batch
+
+    trainer._generate_and_score_completions = recording_score
+    trainer.train()
+
+    from transformers import AutoModelForCausalLM
+
+    sampler = AutoModelForCausalLM.from_pretrained(fleet.model_path, dtype=torch.float32)
+    assert len(batches) >= 4
+    lags, worst_logprob, worst_ratio = [], 0.0, 0.0
+    for batch, versions in batches:
+        mask = batch["completion_mask"].bool()
+        assert mask.any()
+        sampler.load_state_dict(checkpoints[versions[0]])
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        positions = (attention.cumsum(1) - 1).clamp(min=0)
+        with torch.no_grad():
+            logits = sampler(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+        width = batch["completion_ids"].size(1)
+        logits = logits[:, -width - 1 : -1] / 0.8
+        expected = logits.log_softmax(-1).gather(2, batch["completion_ids"][..., None])[..., 0]
+        sampling = batch["sampling_per_token_logps"]
+        worst_logprob = max(worst_logprob, (sampling - expected)[mask].abs().max().item())
+        ratio = torch.exp(batch["old_per_token_logps"] - expected).clamp(max=3.0)
+        worst_ratio = max(worst_ratio, (batch["importance_sampling_ratio"] - ratio)[mask].abs().max().item())
+        lags.append(((ratio - 1)[mask].abs().max().item(), generation.sync_count))
+    assert worst_logprob <= 1e-4, worst_logprob
+    assert worst_ratio <= 1e-4, worst_ratio
+    # off-policy batches were trained: some ratio is far from 1 (on-policy ones are within float noise)
+    assert max(lag for lag, _ in lags) > 1e-2, lags
+    assert generation.prefetcher.served_from_prefetch >= 2
+
+
+def test_preflight_names_every_problem_of_each_server(fleet, rl_urls, tmp_path):
+    """One error at construction, one line per problem, each naming the server, the flag and the fix: a plain
+    `vllm serve` of another model, LoRA above the server's rank, raw log-probs under temperature 0.7, and a
+    --max-model-len too short for the completions."""
+    plain = fleet.plain.url
+    for mode in ("auto", "shared_dir", "nccl"):  # 'auto' used to pick shared_dir silently and die at /pause
+        with pytest.raises(ValueError) as caught:
+            _trainer("grpo", fleet.model_path, tmp_path / mode, [fleet.a.url, plain], mode)
+        message = str(caught.value)
+        assert f"{plain}: vLLM's RL routes are off" in message and "VLLM_SERVER_DEV_MODE=1" in message
+        assert f"{plain}: serves" in message and "vocabulary is smaller" in message  # another model
+        assert fleet.a.url not in message  # A is fine
+    with pytest.raises(ValueError) as caught:
+        _trainer("grpo", fleet.model_path, tmp_path / "lora", [plain], "lora")
+    assert f"{plain}: LoRA loading is off" in str(caught.value) and "--enable-lora" in str(caught.value)
+
+    from peft import LoraConfig
+
+    with pytest.raises(ValueError, match=r"peft_config.r has rank 16, above the server's --max-lora-rank 8"):
+        _trainer("grpo", fleet.model_path, tmp_path / "r16", [fleet.a.url], "lora", peft_config=LoraConfig(r=16))
+    # the same rules read from the real /server_info, for the rank vLLM 0.32 takes the maximum of
+    from trl_scale.rollout.preflight import RunNeeds, inspect_all, problems_of
+
+    client = RolloutClient([fleet.a.url])
+    (report,) = inspect_all(client.get_url, client.post_url, [fleet.a.url])
+    client.close()
+    pattern = LoraConfig(r=4, rank_pattern={"v_proj": 32}, init_lora_weights="pissa")
+    errors, _ = problems_of(report, RunNeeds(weight_sync="lora", lora_config=pattern))
+    assert any("peft_config.rank_pattern has rank 32, above the server's --max-lora-rank 8" in e for e in errors)
+    assert any("init_lora_weights='pissa'" in e for e in errors), errors
+
+    with pytest.raises(ValueError) as caught:
+        _trainer("grpo", fleet.model_path, tmp_path / "raw", rl_urls, "shared_dir", temperature=0.7)
+    message = str(caught.value)
+    assert f"{fleet.b.url}: --logprobs-mode raw_logprobs" in message and "temperature=0.7" in message
+    assert "--logprobs-mode processed_logprobs" in message and fleet.a.url not in message
+
+    with pytest.raises(ValueError, match=r"--max-model-len 256 leaves no room .* max_completion_length=300"):
+        _trainer("grpo", fleet.model_path, tmp_path / "len", [fleet.a.url], "shared_dir", max_completion_length=300)
+
+
+def test_check_servers_prints_what_each_real_server_offers(fleet):
+    command = [sys.executable, "-m", "trl_scale.cli", "check-servers", fleet.a.url, fleet.b.url, fleet.plain.url]
+    command += ["--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=subprocess_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {row["server"]: row for row in json.loads(done.stdout)}
+    assert rows[fleet.a.url]["logprobs mode"] == "processed_logprobs"
+    assert rows[fleet.b.url]["logprobs mode"] == "raw_logprobs"
+    assert rows[fleet.a.url]["LoRA"] == "max rank 8" and rows[fleet.a.url]["weight transfer"] == "trl_scale_gloo"
+    assert rows[fleet.plain.url]["dev mode"] == "no" and rows[fleet.plain.url]["LoRA"] == "?"
+    assert rows[fleet.a.url]["max_model_len"] == "256" and rows[fleet.a.url]["world size"] == "1"
+
+
+@pytest.mark.slow
+def test_a_killed_server_fails_over_then_rejoins_after_restart(fleet, rl_urls, tmp_path):
+    """kill -9 of server B's whole process group after step 2: no step is lost (A serves alone), B restarts on its
+    original weights, is kept out until a sync reaches it, then serves the current weights again. Last test of
+    the module: it restarts B."""
+    from transformers import TrainerCallback
+
+    trainer = _trainer("grpo", fleet.model_path, tmp_path, rl_urls, "shared_dir", max_steps=6)
+    generation = trainer.vllm_generation
+    state_b = next(s for s in generation.client.servers if s.url == fleet.b.url)
+    seen = {}
+
+    class KillThenRestart(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                fleet.b.kill()
+                fleet.b.start()  # loads meanwhile (about a minute); A serves alone
+            if state.global_step == 4:
+                fleet.b.wait_ready()
+                seen["version_after_restart"] = weight_version(fleet.b.url)
+                seen["in_rotation_after_restart"] = generation.client._current(state_b)
+
+    trainer.add_callback(KillThenRestart())
+    records = _check_every_sync(trainer, [fleet.a.url])
+    sync = generation.sync_weights
+    rejoined = []
+
+    def sync_and_look_at_b():
+        sync()
+        if fleet.b.alive() and generation.sync_count >= 5:  # the syncs after B came back
+            got = prompt_logprobs(fleet.b.url, PROBE, served_models(fleet.b.url)[0])
+            diff = max(abs(a - b) for a, b in zip(got, records[-1]["policy"]))
+            rejoined.append(
+                (weight_version(fleet.b.url) == generation.version, generation.client._current(state_b), diff)
+            )
+
+    generation.sync_weights = sync_and_look_at_b
+    trainer.train()
+    assert trainer.state.global_step == 6  # no step lost
+    assert len(records) == 6
+    assert seen["version_after_restart"] != generation.version  # back on its original weights...
+    assert seen["in_rotation_after_restart"] is False  # ...so out of the rotation until a sync reaches it
+    assert len(rejoined) == 2, rejoined  # syncs 5 and 6 reached it: current version, back in the rotation, exact
+    assert all(version_ok and current and diff <= SYNC_TOLERANCE for version_ok, current, diff in rejoined), rejoined
