@@ -84,3 +84,21 @@ def test_unknown_card_argument_is_a_clear_error(tiny_llama, tmp_path):
     )
     with pytest.raises(TypeError, match="colour"):
         trainer.create_model_card(colour="blue")
+
+
+def test_push_to_hub_works_when_the_config_did_not_ask_for_it(tiny_llama, tmp_path, hub):
+    """`trainer.push_to_hub()` after a run with push_to_hub=False: transformers creates the repo then, passing
+    `private` to `init_hf_repo` (a TypeError, reported as "log in", before)."""
+    trainer = trl_scale.GRPOTrainer(
+        model=tiny_llama,
+        reward_funcs=token_parity_reward,
+        args=trl_scale.GRPOConfig(
+            **cpu_args(tmp_path, max_steps=1, num_generations=4, max_completion_length=4, hub_model_id="tiny-grpo")
+        ),
+        train_dataset=counting_prompts(16),
+        processing_class=AutoTokenizer.from_pretrained(tiny_llama),
+    )
+    trainer.train()
+    trainer.push_to_hub(private=True)
+    assert hub.repos == ["tiny-grpo"] and len(hub.uploads) == 1
+    assert "model.safetensors" in hub.uploads[0]["files"]

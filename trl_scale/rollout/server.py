@@ -457,10 +457,25 @@ def create_app(
                 'vLLM only supports modules_to_save being either None or ["classifier", "score"] for classification '
                 f"models. Unsupported modules_to_save: {unsupported}"
             )
+        # vLLM 0.32 lora/peft_helper.py `_validate_features` and `validate_legal`, in its order and words
         if config.get("use_dora"):
             problems.append("vLLM does not yet support DoRA.")
-        if int(config.get("r", 0)) > max_lora_rank:
-            problems.append(f"LoRA rank {config.get('r')} is greater than max_lora_rank {max_lora_rank}.")
+        if config.get("lora_bias"):
+            problems.append("vLLM does not support LoRA bias (lora_bias).")
+        init = config.get("init_lora_weights", True)
+        if isinstance(init, str) and init.lower() not in ("gaussian", "eva", "orthogonal", "mica", "lora_ga"):
+            problems.append(f"vLLM does not support init_lora_weights={init!r}.")
+        if config.get("alora_invocation_tokens"):
+            problems.append("vLLM does not support Activated LoRA (aLoRA).")
+        if config.get("layer_replication"):
+            problems.append("vLLM does not support layer_replication.")
+        if config.get("use_bdlora"):
+            problems.append("vLLM does not support block-diagonal LoRA (BD-LoRA).")
+        if config.get("use_qalora"):
+            problems.append("vLLM does not support QALoRA.")
+        rank = max([int(config.get("r", 0)), *[int(r) for r in (config.get("rank_pattern") or {}).values()]])
+        if rank > max_lora_rank:
+            problems.append(f"LoRA rank {rank} is greater than max_lora_rank {max_lora_rank}.")
         if config.get("bias", "none") != "none":
             problems.append("Adapter bias is not supported.")
         return problems

@@ -581,9 +581,10 @@ class ModelCardMixin:
             "trainer.push_to_hub() again"
         )
 
-    def init_hf_repo(self, token: str | None = None):
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None):
+        # transformers' signature: `push_to_hub(private=...)` on a run configured with push_to_hub=False calls it so
         try:
-            return super().init_hf_repo(token=token)
+            return super().init_hf_repo(token=token, private=private)
         except Exception as error:  # before any training: say why, and how to fix it
             raise self._hub_error("creating the Hub repo for push_to_hub=True", error) from error
 
