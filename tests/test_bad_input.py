@@ -390,3 +390,35 @@ def test_prompt_beyond_the_model_context_is_named_before_it_trains(tmp_path):
     with pytest.raises(ValueError, match=r"prompt 0 of this batch has 30 tokens.*context of 24 tokens.*filter"):
         trainer.train()
     assert (tmp_path / "b" / "checkpoint-1" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"rollout_max_inflight_per_server": 0}, r"rollout_max_inflight_per_server=0: use a positive whole number"),
+        ({"rollout_max_inflight_per_server": -2}, r"rollout_max_inflight_per_server=-2"),
+        ({"rollout_generation_timeout": 0}, r"rollout_generation_timeout=0: use a positive number of seconds"),
+        ({"weight_load_timeout": "10"}, r"weight_load_timeout='10': use a positive number of seconds"),
+        ({"token_budget": True}, r"token_budget=True: use a positive number of tokens"),
+        ({"critic_placement": {"num_worker": 2}}, r"critic_placement has unknown keys \['num_worker'\]"),
+        ({"critic_placement": {"num_workers": "2"}}, r"critic_placement.num_workers='2': use a whole number"),
+        ({"reward_placement": {"num_gpus_per_worker": -1}}, r"reward_placement.num_gpus_per_worker=-1: use a number"),
+    ],
+    ids=[
+        "inflight-0",
+        "inflight-negative",
+        "generation-timeout",
+        "load-timeout-str",
+        "budget-bool",
+        "placement-key",
+        "workers-str",
+        "gpus-negative",
+    ],
+)
+def test_config_values_that_cannot_work_are_named_with_the_fix(fields, match, tmp_path):
+    """Each used to be accepted: a run that stalled 120 s then blamed a healthy server (in-flight 0), a budget of 1
+    token (True), a placement typo ignored until backend='ray', a TypeError deep in Ray's setup ('2')."""
+    import trl_scale
+
+    with pytest.raises(ValueError, match=match):
+        trl_scale.PPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **fields)

@@ -48,8 +48,14 @@ class Placement:
         if unknown:
             raise ValueError(f"{field_name} has unknown keys {sorted(unknown)}; use {', '.join(sorted(keys))}")
         placement = cls(**value)
+        if isinstance(placement.num_workers, bool) or not isinstance(placement.num_workers, int):
+            raise ValueError(f"{field_name}.num_workers={placement.num_workers!r}: use a whole number, e.g. 2")
         if placement.num_workers < 1:
             raise ValueError(f"{field_name}.num_workers={placement.num_workers}: use at least 1")
+        for name in ("num_gpus_per_worker", "num_cpus_per_worker"):
+            amount = getattr(placement, name)
+            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount < 0:
+                raise ValueError(f"{field_name}.{name}={amount!r}: use a number >= 0, e.g. 1")
         if placement.sharding not in ("fsdp2", "replicated"):
             raise ValueError(
                 f"{field_name}.sharding={placement.sharding!r}: use 'fsdp2' (the critic sharded across its "

@@ -100,7 +100,9 @@ class ScoringArguments:
         self._validate_scoring_arguments()
 
     def _validate_scoring_arguments(self) -> None:
-        if self.token_budget is not None and (not isinstance(self.token_budget, int) or self.token_budget < 1):
+        if self.token_budget is not None and (
+            isinstance(self.token_budget, bool) or not isinstance(self.token_budget, int) or self.token_budget < 1
+        ):
             raise ValueError(
                 f"token_budget={self.token_budget!r}: use a positive number of tokens, or None for no limit"
             )
@@ -340,6 +342,13 @@ class DistributedArguments:
                 Placement.from_config(self.reference_placement, "reference_placement")
         elif self.reference_placement is not None:
             raise ValueError("reference_placement places the reference on a Ray group: set backend='ray' too")
+        else:
+            from ..distributed.ray_backend import Placement
+
+            for name in ("reward_placement", "critic_placement"):
+                if getattr(self, name, None) is not None:  # checked anyway: a typo must not wait for backend='ray'
+                    Placement.from_config(getattr(self, name), name)
+                    logger.warning(f"{name} is unused with backend='local': every model stays in the trainers")
         if self.reference_placement is not None and getattr(self, "sync_ref_model", False):
             raise ValueError(
                 "sync_ref_model=True is not supported with reference_placement (the reference lives on a Ray group); "
