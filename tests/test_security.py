@@ -162,3 +162,17 @@ def test_remote_code_in_a_model_directory_never_runs_unless_asked(tiny_llama, tm
     code = code.replace(")", ", trust_remote_code=True)")
     subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert marker.exists() and os.path.getsize(marker) > 0  # the opt-in works, so the first check could fail
+
+
+def test_serve_without_its_extra_names_the_install_command(monkeypatch, capsys):
+    import importlib.util
+
+    from trl_scale.rollout.server import serve
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    with pytest.raises(SystemExit) as exited:
+        serve(["--model", "/nonexistent"])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert "needs uvicorn" in error and "pip install 'trl-scale[serve]'" in error

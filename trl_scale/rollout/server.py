@@ -562,6 +562,11 @@ def serve(argv: list[str] | None = None) -> int:
         check_bind(args.host, args.api_key, args.allow_unauthenticated)  # before minutes of model loading
     except ValueError as error:
         parser.error(str(error))
+    import importlib.util
+
+    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:  # before minutes of model loading, and with the fix
+        parser.error(f"needs {' and '.join(missing)}, not installed here. Fix: pip install 'trl-scale[serve]'")
     import uvicorn
 
     app = create_app(
