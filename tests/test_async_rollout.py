@@ -87,7 +87,9 @@ def test_async_rollout_needs_server_rollout(tmp_path):
         trl_scale.GRPOConfig(**cpu_args(tmp_path), async_rollout_staleness=-1)
 
 
-@pytest.mark.slow  # two 300-step runs, about 80 s on 2 cores
+# Two 300-step runs (80-130 s on 2 cores) whose gap depends on load (issue 20): outside CI. In CI, the real-vLLM
+# importance-sampling test and the prefetcher's bound test guard the same code.
+@pytest.mark.learning
 def test_staleness_1_learns_about_as_well_as_synchronous(tmp_path):
     """Calibrated (seed 0, SFT warm-up, 300 steps of 32): the mean training reward of the last 10 steps rises from
     0.11 by about 0.23 synchronously and 0.18 with staleness 1. Stated margin: staleness 1 gains at least 60% of

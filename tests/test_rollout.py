@@ -357,11 +357,11 @@ def test_a_generation_longer_than_the_request_timeout_completes_on_a_healthy_ser
     try:
         client = RolloutClient([server.url], request_timeout=1.5, generation_timeout=30)
         start = time.monotonic()
-        (choices,) = client.generate([[5, 6, 7]], n=2, max_tokens=4, temperature=1.0)
+        (choices,) = client.generate([[5, 6, 7]], n=2, max_tokens=2, temperature=1.0)
         assert len(choices) == 2 and all(c["token_ids"] for c in choices)
         assert time.monotonic() - start >= 2.0  # at least 1 token x 2 completions x 1 s: over the request timeout
         hasty = RolloutClient([server.url], request_timeout=1.5, generation_timeout=1.0)
         with pytest.raises(RolloutError, match=r"rollout_request_timeout=1.5s .*rollout_generation_timeout: 1s"):
-            hasty.generate([[5, 6, 7]], n=2, max_tokens=4, temperature=1.0)
+            hasty.generate([[5, 6, 7]], n=2, max_tokens=2, temperature=1.0)
     finally:
         server.stop()
