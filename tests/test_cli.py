@@ -2,6 +2,7 @@
 2 processes under `accelerate launch` (gloo on CPU)."""
 
 import subprocess
+import sys
 
 import pytest
 
@@ -96,3 +97,16 @@ def test_toy_model_under_a_deepspeed_zero3_launcher_trains_instead_of_hanging(me
     assert f"trl-scale {method}: training on 2 process(es)" in output and "'grad_norm'" in output
     assert (tmp_path / "out" / "base-model" / "config.json").exists()
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_help_and_check_servers_import_no_trl():
+    """`trl-scale --help` printed four lines after importing TRL and transformers (22 s on a busy machine): the
+    package imports its trainers on first use, and the server check needs only `requests`."""
+    code = (
+        "import sys, trl_scale.cli as cli; cli.main(['--help']); "
+        "import trl_scale.rollout.client, trl_scale.rollout.preflight; "
+        "print(sorted(m for m in ('trl', 'transformers', 'torch') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "check-servers" in done.stdout and done.stdout.strip().splitlines()[-1] == "[]", done.stdout

@@ -2,17 +2,6 @@
 
 __version__ = "0.1.0"
 
-from .trainers import (
-    DPOConfig,
-    DPOTrainer,
-    GRPOConfig,
-    GRPOTrainer,
-    PPOConfig,
-    PPOTrainer,
-    RLOOConfig,
-    RLOOTrainer,
-)
-
 __all__ = [
     "DPOConfig",
     "DPOTrainer",
@@ -24,3 +13,17 @@ __all__ = [
     "RLOOTrainer",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    # Imported on first use (PEP 562): `trl-scale --help`, `check-servers` and `serve` need no TRL, which takes
+    # seconds to import.
+    if name in __all__:
+        from . import trainers
+
+        return getattr(trainers, name)
+    raise AttributeError(f"module 'trl_scale' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *__all__])
