@@ -467,3 +467,27 @@ def test_a_sync_that_fails_before_its_broadcast_still_walks_every_parameter():
     with pytest.raises(RolloutError, match="no server answers"):
         ServerRolloutGeneration._sync_collective(fake, "v1")
     assert walked == list(range(20))
+
+
+@pytest.mark.slow
+def test_a_sharded_adapter_is_gathered_before_it_is_written_for_vllm(tiny_llama, tmp_path):
+    """Under FSDP2 each rank holds a shard of every LoRA tensor: the LoRA sync gathers them on every rank, so rank
+    0 writes the whole adapter (equal to one process's), not its shard. (DeepSpeed ZeRO-3 goes through
+    GatheredParameters in the same function.)"""
+    import sys
+
+    from .helpers import free_port, run_to_completion
+
+    outputs = {}
+    for processes in (1, 2):
+        outputs[processes] = tmp_path / f"adapter-{processes}.pt"
+        command = [sys.executable]
+        if processes > 1:
+            command += ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+        command += ["-m", "tests.adapter_gather_worker", tiny_llama, str(outputs[processes])]
+        run_to_completion(command, timeout=300)
+    whole, gathered = (torch.load(outputs[p]) for p in (1, 2))
+    assert whole.keys() == gathered.keys() and any("lora_B" in key for key in whole)
+    for key in whole:
+        assert gathered[key].shape == whole[key].shape, key
+        assert torch.equal(gathered[key], whole[key]), key
