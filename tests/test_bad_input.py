@@ -176,8 +176,10 @@ def test_dpo_pair_with_an_empty_answer_names_the_row(column, tiny_llama, tmp_pat
         (["localhost:8000"], r"'localhost:8000' is not a server URL.*http://HOST:PORT"),
         (["http://"], r"'http://' is not a server URL"),
         (["http://127.0.0.1:8000", "http://127.0.0.1:8000/"], r"lists the same server twice"),
+        (["http://127.0.0.1:8000", "http://localhost:8000/"], r"lists the same server twice"),
+        (["http://[::1]:80", "http://LOCALHOST"], r"lists the same server twice"),
     ],
-    ids=["no-scheme", "no-host", "duplicate"],
+    ids=["no-scheme", "no-host", "duplicate", "loopback-names", "default-port"],
 )
 def test_bad_server_urls_are_refused_in_the_config(urls, match, tmp_path):
     with pytest.raises(ValueError, match=match):

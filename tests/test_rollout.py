@@ -1,6 +1,8 @@
 """Rollout over real `trl-scale serve` processes on 127.0.0.1: the API, GRPO training with weight sync,
 load-aware routing, failover, and bounded failures. Every wait has a timeout."""
 
+import os
+import tempfile
 import time
 
 import pytest
@@ -82,6 +84,8 @@ def test_grpo_trains_on_servers_and_their_weights_follow_the_policy(servers, tin
     assert all(count > 0 for count in served.values()), served  # both servers did work
     trainer.vllm_generation.sync_weights()  # push the final weights, then compare log-probs
     policy = trainer.accelerator.unwrap_model(trainer.model)
+    if weight_sync == "shared_dir":  # a directory the user gave is theirs: kept
+        assert os.listdir(tmp_path / "sync")
     prompt = [432, 375, 373]
     for server in servers:
         choice = requests.post(
@@ -365,3 +369,18 @@ def test_a_generation_longer_than_the_request_timeout_completes_on_a_healthy_ser
             hasty.generate([[5, 6, 7]], n=2, max_tokens=2, temperature=1.0)
     finally:
         server.stop()
+
+
+def test_a_shared_dir_sync_without_a_directory_leaves_no_copy_of_the_model(servers, tiny_llama, tmp_path):
+    trainer = server_grpo(tiny_llama, tmp_path, [s.url for s in servers], weight_sync="shared_dir", max_steps=2)
+    made = []
+    sync = trainer.vllm_generation._sync_shared_dir
+
+    def recording(version):
+        sync(version)
+        made.append(trainer.vllm_generation.weight_sync_dir)
+
+    trainer.vllm_generation._sync_shared_dir = recording
+    trainer.train()
+    assert len(made) == 2 and made[0].startswith(tempfile.gettempdir())
+    assert not os.path.exists(made[0])  # removed at the end of train()

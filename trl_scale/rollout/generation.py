@@ -189,6 +189,15 @@ class ServerRolloutGeneration(VLLMGeneration):
             staleness, tokenize, lambda ids: self._prefetch_pool.submit(self._request, [list(p) for p in ids])
         )
 
+    _temporary_dir: str | None = None  # a full-weights directory this run made (no weight_sync_dir given)
+
+    def remove_temporary_weights(self) -> None:
+        """Remove the full copy of the weights a shared-directory sync left in a temporary directory it made (the
+        servers have loaded it); the next sync makes a new one."""
+        if self._temporary_dir is not None:
+            shutil.rmtree(self._temporary_dir, ignore_errors=True)
+            self.weight_sync_dir = self._temporary_dir = None
+
     prefetcher = None
     last_versions: list[int] = []  # per completion of the last batch: the sync count its weights came from
 
@@ -290,7 +299,7 @@ class ServerRolloutGeneration(VLLMGeneration):
         if not main:
             return
         if self.weight_sync_dir is None:
-            self.weight_sync_dir = tempfile.mkdtemp(prefix="trl-scale-weights-")
+            self.weight_sync_dir = self._temporary_dir = tempfile.mkdtemp(prefix="trl-scale-weights-")
         # A fresh directory per sync, written completely before any server reads it; the previous one is removed.
         directory = os.path.join(self.weight_sync_dir, f"weights-{version}")
         os.makedirs(directory, exist_ok=True)

@@ -219,7 +219,10 @@ class RolloutArguments:
                         f"vllm_server_base_urls entry {url!r} is not a server URL. Fix: use http://HOST:PORT (e.g. "
                         "http://10.0.0.5:8000), one entry per server"
                     )
-                key = (parsed.scheme, parsed.hostname, parsed.port, parsed.path.rstrip("/"))
+                # one loopback host however it is spelled, and the scheme's default port made explicit
+                host = "loopback" if parsed.hostname in ("localhost", "127.0.0.1", "::1") else parsed.hostname
+                port = parsed.port or {"http": 80, "https": 443}[parsed.scheme]
+                key = (parsed.scheme, host, port, parsed.path.rstrip("/"))
                 if key in seen:
                     raise ValueError(
                         f"vllm_server_base_urls lists the same server twice ({seen[key]!r} and {url!r}): it would get "
@@ -514,6 +517,14 @@ class ServerRolloutMixin:
                 args.async_rollout_staleness, lambda prompts: self._tokenize_prompts(prompts)[0]
             )
             self._lookahead = None
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:  # no full copy of the model left in /tmp after a run, however it ended
+            remove = getattr(getattr(self, "vllm_generation", None), "remove_temporary_weights", None)
+            if remove is not None:
+                remove()
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """With async rollout, the epoch's batch iterator is read ahead so upcoming generation batches are known
