@@ -205,7 +205,8 @@ def test_sampler_logprobs_from_real_vllm_feed_the_importance_sampling_correction
 
     def recording_score(inputs):
         batch = score(inputs)
-        batches.append(({k: v for k, v in batch.items() if torch.is_tensor(v)}, list(generation.last_versions)))
+        tensors = {k: v for k, v in batch.items() if torch.is_tensor(v)}
+        batches.append((tensors, list(generation.last_versions), generation.sync_count))
         return batch
 
     trainer._generate_and_score_completions = recording_score
@@ -216,23 +217,30 @@ def test_sampler_logprobs_from_real_vllm_feed_the_importance_sampling_correction
     sampler = AutoModelForCausalLM.from_pretrained(fleet.model_path, dtype=torch.float32)
     assert len(batches) >= 4
     lags, worst_logprob, worst_ratio = [], 0.0, 0.0
-    for batch, versions in batches:
+    for batch, versions, current in batches:
         mask = batch["completion_mask"].bool()
         assert mask.any()
-        sampler.load_state_dict(checkpoints[versions[0]])
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
         attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
         positions = (attention.cumsum(1) - 1).clamp(min=0)
-        with torch.no_grad():
-            logits = sampler(input_ids=ids, attention_mask=attention, position_ids=positions).logits
         width = batch["completion_ids"].size(1)
-        logits = logits[:, -width - 1 : -1] / 0.8
-        expected = logits.log_softmax(-1).gather(2, batch["completion_ids"][..., None])[..., 0]
+        # A batch is sampled with the weights of its tag or newer (a prefetched request still queued when the next
+        # sync starts waits for it), never older: each completion must match one checkpoint in that range.
+        candidates = []
+        for version in range(versions[0], current + 1):
+            sampler.load_state_dict(checkpoints[version])
+            with torch.no_grad():
+                logits = sampler(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+            logits = logits[:, -width - 1 : -1] / 0.8
+            candidates.append(logits.log_softmax(-1).gather(2, batch["completion_ids"][..., None])[..., 0])
         sampling = batch["sampling_per_token_logps"]
-        worst_logprob = max(worst_logprob, (sampling - expected)[mask].abs().max().item())
+        errors = torch.stack([((sampling - c) * mask).abs().amax(1) for c in candidates])  # [versions, rows]
+        best = errors.argmin(0)
+        expected = torch.stack([candidates[v][row] for row, v in enumerate(best.tolist())])
+        worst_logprob = max(worst_logprob, errors.min(0).values.max().item())
         ratio = torch.exp(batch["old_per_token_logps"] - expected).clamp(max=3.0)
         worst_ratio = max(worst_ratio, (batch["importance_sampling_ratio"] - ratio)[mask].abs().max().item())
-        lags.append(((ratio - 1)[mask].abs().max().item(), generation.sync_count))
+        lags.append(((ratio - 1)[mask].abs().max().item(), current))
     assert worst_logprob <= 1e-4, worst_logprob
     assert worst_ratio <= 1e-4, worst_ratio
     # off-policy batches were trained: some ratio is far from 1 (on-policy ones are within float noise)
