@@ -261,7 +261,7 @@ def check_servers(argv: list[str]) -> int:
     import json
 
     from .rollout.client import RolloutClient
-    from .rollout.preflight import RunNeeds, format_table, inspect_all, problems_of
+    from .rollout.preflight import RunNeeds, all_problems, format_table, inspect_all
 
     parser = argparse.ArgumentParser(prog="trl-scale check-servers")
     parser.add_argument("urls", nargs="+", metavar="URL")
@@ -282,11 +282,7 @@ def check_servers(argv: list[str]) -> int:
         importance_sampling=True,
         sampling={"temperature": args.temperature},
     )
-    errors, warnings = [], []
-    for report in reports:
-        found, cautions = problems_of(report, needs)
-        errors += found
-        warnings += cautions
+    errors, warnings = all_problems(reports, needs)
     if args.json:
         print(json.dumps([r.row() for r in reports]))
     else:

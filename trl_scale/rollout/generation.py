@@ -90,7 +90,7 @@ class ServerRolloutGeneration(VLLMGeneration):
         """Every server inspected once; all problems raised together (one line each: server, flag, fix), warnings
         logged. Returns the weight-sync mode, the servers' engine backend for "nccl", and the smallest
         `max_model_len`."""
-        from .preflight import RunNeeds, check_vocabulary, inspect_all, problems_of
+        from .preflight import RunNeeds, all_problems, check_vocabulary, inspect_all
         from .weight_transfer import GLOO_BACKEND, check_nccl_sender
 
         mode = self.requested_weight_sync
@@ -105,14 +105,11 @@ class ServerRolloutGeneration(VLLMGeneration):
             vocab_size=model.config.get_text_config().vocab_size,
         )
         reports = inspect_all(self.client.get_url, self.client.post_url, [s.url for s in self.client.servers])
-        errors, warnings = [], []
-        for report in reports:
-            found, cautions = problems_of(report, needs)
+        errors, warnings = all_problems(reports, needs)
+        for report in reports:  # the one check that needs the policy: its vocabulary
             if report.reachable and needs.vocab_size:
                 wrong_model = check_vocabulary(self.client.complete_url, report, needs.vocab_size)
-                found += [wrong_model] if wrong_model else []
-            errors += found
-            warnings += cautions
+                errors += [wrong_model] if wrong_model else []
         backends = {r.weight_transfer for r in reports if r.reachable}
         if mode in ("nccl", "auto") and len(backends) > 1:
             errors.append(f"the servers offer different weight-transfer engines {sorted(map(str, backends))}")

@@ -221,6 +221,16 @@ def problems_of(report: ServerReport, needs: RunNeeds) -> tuple[list[str], list[
     return errors, warnings
 
 
+def all_problems(reports: list[ServerReport], needs: RunNeeds) -> tuple[list[str], list[str]]:
+    """(errors, warnings) over every server, in server order."""
+    errors, warnings = [], []
+    for report in reports:
+        found, cautions = problems_of(report, needs)
+        errors += found
+        warnings += cautions
+    return errors, warnings
+
+
 def inspect_all(get, post, urls: list[str]) -> list[ServerReport]:
     with ThreadPoolExecutor(max(1, len(urls))) as pool:
         return list(pool.map(lambda url: inspect_server(get, post, url), urls))
