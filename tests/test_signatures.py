@@ -12,7 +12,7 @@ from trl.chat_template_utils import qwen3_template
 import trl_scale
 from trl_scale.toy import counting_prompts
 
-from .helpers import cpu_args, token_parity_reward
+from .helpers import cpu_args, paired, step_logs, token_parity_reward
 
 PAIRS = [
     (trl_scale.GRPOTrainer, trl.GRPOTrainer),
@@ -104,3 +104,37 @@ def test_environment_without_reward_funcs_is_accepted(package, tiny_llama, tmp_p
         environment_factory=CountingEnvironment,
     )
     assert trainer.reward_func_names == ["CountingEnvironment"]
+
+
+class PromptingEnvironment(CountingEnvironment):
+    """An environment that owns the data: `reset` returns the prompt built from the row's `start` column."""
+
+    def reset(self, start: int, **kwargs):
+        self.calls = 0
+        return f"count from {start}"
+
+
+def test_environment_dataset_without_prompt_column_trains_as_in_trl(tiny_llama, tmp_path):
+    """TRL 1.16 accepts an environment dataset with no `prompt` column (`reset()` supplies the prompt): trl-scale
+    trains on it with TRL's numbers."""
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    dataset = counting_prompts(8, seed=0).map(lambda row, i: {"start": i}, with_indices=True).remove_columns("prompt")
+    runs = {}
+    for package in (trl, trl_scale):
+        tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+        tokenizer.chat_template = TOOL_TEMPLATE
+        tokenizer.response_template = qwen3_template
+        trainer = package.GRPOTrainer(
+            model=tiny_llama,
+            reward_funcs=token_parity_reward,
+            args=package.GRPOConfig(
+                **cpu_args(tmp_path / package.__name__, num_generations=4, max_completion_length=4, max_steps=2)
+            ),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            environment_factory=PromptingEnvironment,
+        )
+        trainer.train()
+        runs[package.__name__] = step_logs(trainer, ("loss", "grad_norm", "reward"))
+    for theirs, ours in paired(runs["trl"], runs["trl_scale"]):
+        assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)

@@ -734,7 +734,9 @@ class OnlineTrainerMixin(
         arguments = trl_arguments(self, args, kwargs)
         model, config = arguments["model"], arguments.get("args")
         check_output_dir(config)
-        check_train_dataset(arguments.get("train_dataset"), ("prompt",), type(self).__name__)
+        # TRL reads `prompt` unless an environment owns the data (its `reset()` then supplies the prompt).
+        prompt_column = () if arguments.get("environment_factory") is not None else ("prompt",)
+        check_train_dataset(arguments.get("train_dataset"), prompt_column, type(self).__name__)
         if config is not None and getattr(config, "weight_sync", None) == "lora" and uses_server_rollout(config):
             from accelerate.utils import is_peft_model
 
