@@ -211,3 +211,66 @@ def test_chunked_head_never_builds_the_full_logits(tmp_path):
     full_logits = scored_tokens * 8192
     weight = model.lm_head.weight.numel()
     assert probe.largest <= max(weight, 16 * 8192) < full_logits / 2, (probe.largest, full_logits)
+
+
+# RoPE scalings with sequences past the original context (32 positions). Dynamic NTK and longrope change their
+# frequencies with the longest position of a forward; YaRN is static.
+ROPE_SCALINGS = {
+    "llama-dynamic": ("llama", dict(max_position_embeddings=32, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})),
+    "qwen2-dynamic": ("qwen2", dict(max_position_embeddings=32, rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})),
+    "phi3-longrope": ("phi3", dict(max_position_embeddings=128, original_max_position_embeddings=32, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [1.0 + i for i in range(8)]})),
+    "llama-yarn": ("llama", dict(max_position_embeddings=128, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 32})),
+}  # fmt: skip
+
+
+def _long_and_short_batch(vocab: int, width: int, pad: int):
+    """A short sequence beside one as wide as the batch (TRL's layout: left-padded prompt, right-padded
+    completion), labels on completions."""
+    generator = torch.Generator().manual_seed(1)
+    prompt_len = 6
+    lengths = [(2, 3), (prompt_len, width - prompt_len), (4, width // 2)]
+    input_ids = torch.full((len(lengths), width), pad)
+    mask = torch.zeros_like(input_ids)
+    labels = torch.full_like(input_ids, -100)
+    for row, (p, c) in enumerate(lengths):
+        tokens = torch.randint(0, vocab, (p + c,), generator=generator)
+        input_ids[row, prompt_len - p : prompt_len + c] = tokens
+        mask[row, prompt_len - p : prompt_len + c] = 1
+        labels[row, prompt_len : prompt_len + c] = tokens[p:]
+    return input_ids, mask, labels
+
+
+@pytest.mark.parametrize("scaling", list(ROPE_SCALINGS))
+def test_rope_scaling_with_long_sequences_packs_exactly_or_steps_aside(scaling, tmp_path, caplog):
+    """Past the original context, a length-dependent RoPE gives a packed sequence other frequencies than TRL's
+    padded forward: such calls take TRL's path (with one warning), shorter calls pack and equal each sequence
+    alone. A static scaling (YaRN) packs at every length. Packed or not, every call equals TRL's forward ≤ 1e-5."""
+    family, overrides = ROPE_SCALINGS[scaling]
+    path = build_tiny_model(tmp_path / scaling, family, attn_implementation="sdpa", **overrides)
+    trl_model = AutoModelForCausalLM.from_pretrained(path).eval()
+    add_fused_lm_head(trl_model, outputs=("log_probs", "entropy"))
+    model = copy.deepcopy(trl_model)
+    config = install_packed_scoring(model, padding_free=True, outputs=("entropy",))
+    assert config is not None
+    length_dependent = "dynamic" in scaling or "longrope" in scaling
+    pad = AutoTokenizer.from_pretrained(path).pad_token_id
+    for width, packs in ((24, True), (48, not length_dependent), (96, not length_dependent)):
+        input_ids, mask, labels = _long_and_short_batch(model.config.vocab_size, width, pad)
+        fallbacks = config.stats.fallbacks
+        with caplog.at_level(logging.WARNING, logger="trl_scale"):
+            got = model(input_ids=input_ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        assert (config.stats.fallbacks == fallbacks) == packs, (scaling, width)
+        # Ground truth where packing is exact: each sequence alone; TRL's padded forward where it steps aside.
+        expected = trl_model(input_ids=input_ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        for row in range(input_ids.size(0)):
+            real = mask[row].bool()
+            start, length = int(real.nonzero()[0]), int(real.sum())
+            if packs:
+                alone = trl_model(input_ids=input_ids[row, real][None], labels=labels[row, real][None], fused_lm_head=True)
+                reference = alone.log_probs[0]
+            else:
+                reference = expected.log_probs[row, start : start + length - 1]
+            error = (got.log_probs[row, start : start + length - 1] - reference).abs().max().item()
+            assert error <= 1e-5, (scaling, width, row, error)
+    warnings = [r.getMessage() for r in caplog.records if "length-dependent RoPE" in r.getMessage()]
+    assert len(warnings) == (1 if length_dependent else 0), warnings

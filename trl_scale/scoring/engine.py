@@ -217,7 +217,7 @@ def install_packed_scoring(
             and attention_mask.dim() == 2
             and set(kwargs) - {"input_ids", "attention_mask"} <= _PACKABLE_KWARGS
             and kwargs.get("use_cache") in (None, False)
-            and use_packing(self.base_model, config.padding_free, probe_now=True)
+            and use_packing(self.base_model, config.padding_free, probe_now=True, width=input_ids.size(1))
         )
         if not packable:
             if fused_lm_head:
@@ -254,7 +254,7 @@ def token_scores(
     packed rows cannot carry images, as on the policy's side.
     """
     batch_size, seq_len = input_ids.shape
-    if multimodal_inputs or not use_packing(backbone, padding_free, probe_now=True):
+    if multimodal_inputs or not use_packing(backbone, padding_free, probe_now=True, width=seq_len):
         hidden = backbone(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **(multimodal_inputs or {})
         ).last_hidden_state

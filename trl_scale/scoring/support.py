@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from transformers.utils import logging
 
 from .packing import pack_padded_batch, packed_forward_kwargs
@@ -43,6 +44,37 @@ class PackingSupport:
     exact: bool | None = None  # None until probed
     reason: str = ""
     announced: bool = False  # the fallback warning was logged
+    # A length-dependent RoPE (dynamic NTK, longrope) changes its frequencies with the longest position in a forward:
+    # packing is exact only for forwards shorter than this (see `rope_length_limit`); None: no such RoPE.
+    rope_length_limit: int | None = None
+    long_forward_announced: bool = False
+
+
+def rope_length_limit(backbone: torch.nn.Module) -> int | None:
+    """The forward length from which a length-dependent rotary embedding may change its frequencies, or None.
+
+    transformers recomputes the frequencies of ``dynamic`` RoPE from the longest position of each forward once it
+    reaches the model's context, and switches ``longrope`` to its long factors past
+    ``original_max_position_embeddings``. A padded forward's longest position is its width, a packed one's is its
+    longest sequence: the two agree only while both stay below that length (YaRN, linear and llama3 scaling are
+    static and unaffected)."""
+    limits = []
+    for module in backbone.modules():
+        rope_type = getattr(module, "rope_type", None)
+        config = getattr(module, "config", None)
+        if rope_type is None or config is None:
+            continue
+        per_layer = rope_type.items() if isinstance(rope_type, dict) else [(None, rope_type)]
+        for layer_type, kind in per_layer:
+            if not isinstance(kind, str):
+                continue
+            if "dynamic" in kind:
+                limits.append(int(getattr(module, "original_max_seq_len", config.max_position_embeddings)))
+            elif kind == "longrope":
+                parameters = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
+                original = parameters.get("original_max_position_embeddings") or config.max_position_embeddings
+                limits.append(int(original))
+    return min(limits) if limits else None
 
 
 def is_stateful(config) -> bool:
@@ -68,7 +100,11 @@ def packing_support(backbone: torch.nn.Module, probe: bool = True) -> PackingSup
     support = getattr(backbone, "_trl_scale_packing_support", None)
     if support is None:
         config = backbone.config
-        support = PackingSupport(model_type=config.get_text_config().model_type, varlen=uses_varlen_layout(config))
+        support = PackingSupport(
+            model_type=config.get_text_config().model_type,
+            varlen=uses_varlen_layout(config),
+            rope_length_limit=rope_length_limit(backbone),
+        )
         if getattr(config.get_text_config(), "output_router_logits", False):
             # TRL's padded forward adds the router's load-balancing loss; packed rows would count filler tokens.
             support.exact = False
@@ -130,14 +166,20 @@ def probe_packing(backbone: torch.nn.Module, varlen: bool) -> tuple[bool, str]:
     return True, ""
 
 
-def use_packing(backbone: torch.nn.Module, padding_free: bool | None, probe_now: bool = False) -> bool:
+def use_packing(
+    backbone: torch.nn.Module, padding_free: bool | None, probe_now: bool = False, width: int | None = None
+) -> bool:
     """Whether to pack this backbone's forwards: never with ``padding_free=False``; with ``None`` (the default)
     where the probe finds packing exact, else TRL's padded path with one warning; with ``True`` the same, but an
     inexact model is an error.
 
     At construction (``probe_now=False``) a model whose weights are not materialised stays undecided (True); the
     first scoring call decides with ``probe_now=True``, inside the forward where ZeRO-3 gathers the weights (every
-    rank makes that call, so the probe's forwards match across ranks)."""
+    rank makes that call, so the probe's forwards match across ranks).
+
+    ``width`` is the padded batch's width at a scoring call. With a length-dependent RoPE
+    (:func:`rope_length_limit`), a call whose width (the widest on any rank) reaches the limit takes TRL's padded
+    path, so its numbers stay TRL's; shorter calls pack."""
     if padding_free is False:
         return False
     support = packing_support(backbone)
@@ -145,6 +187,8 @@ def use_packing(backbone: torch.nn.Module, padding_free: bool | None, probe_now:
         if not probe_now:
             return True
         support.exact, support.reason = probe_packing(backbone, support.varlen)
+    if support.exact and support.rope_length_limit is not None and width is not None:
+        return _below_rope_limit(support, width, next(backbone.parameters()).device)
     if support.exact:
         return True
     if padding_free:
@@ -159,4 +203,23 @@ def use_packing(backbone: torch.nn.Module, padding_free: bool | None, probe_now:
             "this model is scored with TRL's padded path (padding_free=None). Set padding_free=False to silence this."
         )
         support.announced = True
+    return False
+
+
+def _below_rope_limit(support: PackingSupport, width: int, device: torch.device) -> bool:
+    """Whether a call of this width packs exactly under a length-dependent RoPE. Every rank decides on the widest
+    call of any rank, so all take the same path (sharded parameters are gathered per forward, collectively)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        tensor = torch.tensor([width], device=device if dist.get_backend() == "nccl" else torch.device("cpu"))
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        width = int(tensor.item())
+    if width < support.rope_length_limit:
+        return True
+    if not support.long_forward_announced:
+        logger.warning(
+            f"trl-scale: model type '{support.model_type}' has a length-dependent RoPE (dynamic NTK or longrope) "
+            f"whose frequencies change from {support.rope_length_limit} positions on; forwards that long are scored "
+            "with TRL's padded path (packing would give each sequence different frequencies), shorter ones packed."
+        )
+        support.long_forward_announced = True
     return False
