@@ -405,6 +405,7 @@ def test_prompt_beyond_the_model_context_is_named_before_it_trains(tmp_path):
         ({"critic_placement": {"num_worker": 2}}, r"critic_placement has unknown keys \['num_worker'\]"),
         ({"critic_placement": {"num_workers": "2"}}, r"critic_placement.num_workers='2': use a whole number"),
         ({"reward_placement": {"num_gpus_per_worker": -1}}, r"reward_placement.num_gpus_per_worker=-1: use a number"),
+        ({"loss_type": "grpo"}, r"loss_type='grpo': PPOTrainer's losses are token means.*Fix: loss_type='dapo'"),
     ],
     ids=[
         "inflight-0",
@@ -415,6 +416,7 @@ def test_prompt_beyond_the_model_context_is_named_before_it_trains(tmp_path):
         "placement-key",
         "workers-str",
         "gpus-negative",
+        "ppo-loss-type",
     ],
 )
 def test_config_values_that_cannot_work_are_named_with_the_fix(fields, match, tmp_path):

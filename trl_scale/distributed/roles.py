@@ -72,7 +72,16 @@ class RayCritic:
         return call_on_main(piece, lambda pieces: _per_row_forward(self.group, "values", pieces)).to(input_ids.device)
 
     def step_async(
-        self, input_ids, attention_mask, prompt_len, old_values, returns, mask, train=True, multimodal_inputs=None
+        self,
+        input_ids,
+        attention_mask,
+        prompt_len,
+        old_values,
+        returns,
+        mask,
+        train=True,
+        multimodal_inputs=None,
+        loss_scale: float = 1.0,
     ):
         """Start the critic's update on its group and return at once; `.result()` waits (bounded) for it, so the
         policy's update runs meanwhile. A collective: every rank calls it, then `.result()`, in the same order."""
@@ -84,6 +93,7 @@ class RayCritic:
             old_values.detach().cpu(),
             returns.detach().cpu(),
             mask.detach().cpu(),
+            loss_scale,
         )
         pending = start_on_main(piece, lambda pieces: self._start_step(pieces, train))
         return _MovedTo(pending, input_ids.device)
@@ -95,7 +105,8 @@ class RayCritic:
             parts = piece.split(len(workers))
             total = piece.mask.sum().clamp(min=1.0).item()
             shares = [part.mask.sum().item() / total for part in parts]
-            shards.append([replace(p, loss_scale=w * len(workers) / len(pieces)) for p, w in zip(parts, shares)])
+            scale = piece.loss_scale * len(workers) / len(pieces)  # the trainer rank's weight, averaged over ranks
+            shards.append([replace(p, loss_scale=w * scale) for p, w in zip(parts, shares)])
             weights.append(shares)
         refs = [worker.step.remote([s[k] for s in shards], train) for k, worker in enumerate(workers)]
 

@@ -33,6 +33,12 @@ class PPOConfig(GRPOConfig):
     whiten_rewards (`bool`, defaults to `False`): whiten the per-token rewards before GAE.
     missing_eos_penalty (`float` or `None`): subtracted from the score of completions that end without EOS.
     value_learning_rate (`float` or `None`): the critic's learning rate; `None` uses `learning_rate`.
+    loss_type (`str`, defaults to `"dapo"`): how the policy and value losses average over tokens, with GRPO's names.
+        `"dapo"` (default, as GRPO's): every completion token of an optimizer step weighs the same, whichever
+        process and micro-batch holds it (the sum over tokens divided by the generation batch's token count, TRL's
+        `num_items_in_batch`), so a run does not depend on the number of processes or accumulation steps.
+        `"bnpo"`: TRL <= 1.12's PPO, a token mean per micro-batch on each process, averaged over processes and
+        accumulation steps; equal to `"dapo"` only when every micro-batch holds as many completion tokens.
     """
 
     kl_coef: float = field(default=0.05, metadata={"help": "Weight of the per-token KL penalty in the reward."})
@@ -66,7 +72,11 @@ class PPOConfig(GRPOConfig):
         # "epoch" the same micro-batch accumulated GA times (ratio 1, clipping never acting).
         self.steps_per_generation = self.num_mini_batches * self.gradient_accumulation_steps
         self.epsilon = self.cliprange
-        self.loss_type = "bnpo"
+        if self.loss_type not in ("dapo", "bnpo"):
+            raise ValueError(
+                f"loss_type={self.loss_type!r}: PPOTrainer's losses are token means, 'dapo' (over the whole batch, "
+                "the default) or 'bnpo' (per micro-batch, TRL <= 1.12's PPO). Fix: loss_type='dapo' or 'bnpo'"
+            )
         num_generations = self.num_generations
         if num_generations == 1:
             # GRPOConfig insists on >= 2 generations (it normalises within groups); PPO does not use groups. Check

@@ -322,6 +322,7 @@ class PPOTrainer(GRPOTrainer):
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
         images = _multimodal_inputs(inputs)
+        token_weight = self._token_weight(inputs, mask, mode)
         # The critic's update starts first: on a Ray group it runs while the policy's forward/backward runs here.
         critic_update = self.critic.step_async(
             input_ids,
@@ -332,6 +333,7 @@ class PPOTrainer(GRPOTrainer):
             mask,
             train=mode == "train",
             multimodal_inputs=_critic_inputs(images),
+            loss_scale=token_weight,
         )
 
         logps, entropies, _ = self._get_per_token_logps_and_entropies(
@@ -358,7 +360,19 @@ class PPOTrainer(GRPOTrainer):
         metrics["policy/entropy"].append(reduce(ppo_core.masked_mean(entropies.detach(), mask)).mean().item())
         metrics["val/ratio"].append(reduce(stats["ratio"]).mean().item())
         metrics["loss/policy"].append(reduce(policy_loss.detach()).mean().item())
-        return policy_loss / normalizer
+        return policy_loss * token_weight / normalizer
+
+    def _token_weight(self, inputs, mask: torch.Tensor, mode: str) -> float:
+        """What turns this micro-batch's token mean (divided by the accumulation steps, as `bnpo`) into its share of
+        the step's token mean over every process and micro-batch (`dapo`): its tokens over the average micro-batch's
+        (TRL's `dapo` normaliser: the generation batch's tokens per process and accumulation window)."""
+        if self.loss_type == "bnpo":
+            return 1.0
+        per_process = inputs["num_items_in_batch"].float().clamp(min=1.0).item() / self.accelerator.num_processes
+        if mode == "train":  # the generation batch spans steps_per_generation micro-batches, GA per window
+            per_micro_batch = per_process / self.args.steps_per_generation
+            return mask.sum().item() / per_micro_batch
+        return mask.sum().item() / per_process
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
