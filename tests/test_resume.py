@@ -133,3 +133,34 @@ def test_a_rank_that_reaches_the_checkpoint_before_its_folder_exists_still_saves
     folder = tmp_path / "run" / "checkpoint-not-yet-created"
     trainer._save_optimizer_and_scheduler(str(folder))
     assert (folder / "rollout_buffer_rank0.pt").exists()
+
+
+@pytest.mark.parametrize("method", ["grpo", "rloo"])
+def test_resume_inside_a_rollout_window_continues_exactly(method, tiny_llama, tmp_path):
+    """GRPO and RLOO with a rollout spanning 2 optimizer steps × 2 iterations: checkpoint-3 lies inside a window,
+    and the resumed run trains on the saved rollout (TRL would sample a new one and diverge)."""
+    window = dict(steps_per_generation=2, num_iterations=2, max_steps=6, save_steps=3)
+    full = _trainer(method, tiny_llama, tmp_path / "full", **window)
+    full.train()
+    checkpoint = tmp_path / "full" / "checkpoint-3"
+    assert (checkpoint / "rollout_buffer_rank0.pt").exists()
+    resumed = _trainer(method, tiny_llama, tmp_path / "resumed", **window)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    expected, got = step_logs(full, ("loss", "grad_norm")), step_logs(resumed, ("loss", "grad_norm"))
+    for e, g in paired(expected[3:], got[3:]):
+        assert g == pytest.approx(e, abs=1e-6)
+    assert _max_diff(_states(full)["policy"], _states(resumed)["policy"]) <= 1e-6
+
+
+def test_resume_inside_a_rollout_window_on_another_number_of_processes_is_refused(tiny_llama, tmp_path):
+    """Saved by 2 processes (two rollout buffers), resumed by 1: a clear error before any step, never a hang."""
+    import shutil
+
+    run = _trainer("grpo", tiny_llama, tmp_path / "run", steps_per_generation=2, max_steps=1, save_steps=1)
+    run.train()
+    checkpoint = tmp_path / "run" / "checkpoint-1"
+    shutil.copy(checkpoint / "rollout_buffer_rank0.pt", checkpoint / "rollout_buffer_rank1.pt")  # as 2 ranks save
+    resumed = _trainer("grpo", tiny_llama, tmp_path / "resumed", steps_per_generation=2, max_steps=2)
+    with pytest.raises(ValueError, match=r"saved inside a rollout window by 2 process\(es\).*this run has 1.*Fix"):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 1 and (checkpoint / "rollout_buffer_rank1.pt").exists()

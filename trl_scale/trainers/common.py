@@ -667,6 +667,23 @@ class ModelCardMixin:
         card.save(path)
 
 
+def check_rollout_buffers(checkpoint: str, num_processes: int) -> None:
+    """A checkpoint saved inside a rollout window holds one rollout buffer per process. Resumed on another number of
+    processes, some ranks would have a buffer and others would generate, and TRL's cross-rank gathers would not
+    match (a hang or wrong numbers): refuse it on every rank (each reads the same folder), naming the fixes."""
+    import glob
+
+    saved = len(glob.glob(os.path.join(checkpoint, ROLLOUT_BUFFER_NAME.format(rank="*"))))
+    if saved and saved != num_processes:
+        raise ValueError(
+            f"{checkpoint} was saved inside a rollout window by {saved} process(es), with each one's rollout "
+            f"({ROLLOUT_BUFFER_NAME.format(rank='N')}); this run has {num_processes}. Nothing was trained, and the "
+            f"checkpoint is intact. Fix: resume with {saved} process(es) for an exact continuation, or delete the "
+            f"{ROLLOUT_BUFFER_NAME.format(rank='*')} files in it to start a new rollout there (as TRL resumes; not "
+            "exact), or resume from a checkpoint saved at a window boundary"
+        )
+
+
 class SafeCheckpointMixin:
     """A checkpoint save that fails (disk full, quota, a dropped network mount) removes its partial folder, so that
     `resume_from_checkpoint=True` picks the last complete checkpoint instead of a broken one, and says so."""
@@ -829,6 +846,7 @@ class OnlineTrainerMixin(
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
+        check_rollout_buffers(checkpoint, self.accelerator.num_processes)
         path = os.path.join(checkpoint, ROLLOUT_BUFFER_NAME.format(rank=self.accelerator.process_index))
         if os.path.isfile(path):
             import torch
