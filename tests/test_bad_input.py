@@ -94,6 +94,23 @@ def test_none_and_nan_rewards_keep_trls_meaning(tiny_llama, tmp_path):
     assert trainer.reward_func_names == ["partial_reward", "nan_reward", "token_parity_reward"]
 
 
+@pytest.mark.parametrize("missing", [None, math.nan], ids=["none", "nan"])
+def test_rewards_all_missing_are_said_once_with_the_fix(missing, tiny_llama, tmp_path, caplog):
+    """Every reward None (or NaN): TRL trains with zero advantages and says nothing useful; trl-scale says so once,
+    naming the functions and the fix, and still trains as TRL does."""
+    import logging
+
+    def never_applies(completions, **kwargs):
+        return [missing] * len(completions)
+
+    trainer = _grpo(tiny_llama, tmp_path, [never_applies])
+    with caplog.at_level(logging.WARNING, logger="trl_scale"):
+        trainer.train()
+    assert len(step_logs(trainer)) == 2
+    said = [r.getMessage() for r in caplog.records if "nothing to learn from" in r.getMessage()]
+    assert len(said) == 1 and "never_applies" in said[0] and "Fix:" in said[0]
+
+
 def test_async_and_callable_object_rewards_keep_their_names_and_kind(tiny_llama, tmp_path):
     class LengthReward:
         def __call__(self, completions, **kwargs):

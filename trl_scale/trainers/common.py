@@ -10,6 +10,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
 from transformers.utils import logging
 
 from ..distributed.roles import RayReference, start_reference
@@ -746,6 +747,20 @@ class OnlineTrainerMixin(
 ):
     """Everything trl-scale adds to TRL's online trainers (GRPO, RLOO, and PPO through GRPO), wired around TRL's
     constructor: remote reward models, server rollout, packed scoring, timing and model cards."""
+
+    def _calculate_rewards(self, *args, **kwargs):
+        rewards_per_func = super()._calculate_rewards(*args, **kwargs)
+        if not getattr(self, "_warned_no_rewards", False) and torch.isnan(rewards_per_func).all():
+            # TRL trains on it with zero advantages and logs the reward as nan: a run that learns nothing, silently.
+            self._warned_no_rewards = True
+            if self.accelerator.is_main_process:
+                logger.warning(
+                    f"trl-scale: every reward function ({', '.join(self.reward_func_names)}) returned None or NaN for "
+                    f"all {rewards_per_func.size(0)} completions of this batch: there is nothing to learn from (zero "
+                    "advantages, no gradient), and the step trains on nothing. Fix: make at least one reward function "
+                    "return a float for these completions (None means 'does not apply to this one'). Said once."
+                )
+        return rewards_per_func
 
     def __init__(self, *args, **kwargs):
         arguments = trl_arguments(self, args, kwargs)
