@@ -164,3 +164,21 @@ def test_resume_inside_a_rollout_window_on_another_number_of_processes_is_refuse
     with pytest.raises(ValueError, match=r"saved inside a rollout window by 2 process\(es\).*this run has 1.*Fix"):
         resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == 1 and (checkpoint / "rollout_buffer_rank1.pt").exists()
+
+
+@pytest.mark.parametrize("damage", ["value_model", "everything_of_the_critic"])
+def test_resume_from_a_ppo_checkpoint_without_its_critic_says_what_is_missing(damage, tiny_llama, tmp_path):
+    import shutil
+
+    run = _trainer("ppo", tiny_llama, tmp_path / "run", max_steps=1, save_steps=1)
+    run.train()
+    checkpoint = tmp_path / "run" / "checkpoint-1"
+    shutil.rmtree(checkpoint / "value_model")
+    if damage == "everything_of_the_critic":  # as a GRPO checkpoint would be
+        (checkpoint / "critic_optimizer.pt").unlink()
+        match = r"it has no critic \(value_model/\): it was not saved by PPOTrainer"
+    else:
+        match = r"critic's weights \(value_model/model.safetensors\) are missing, though PPOTrainer saved them"
+    resumed = _trainer("ppo", tiny_llama, tmp_path / "resumed", max_steps=2)
+    with pytest.raises(FileNotFoundError, match=match + r".*Fix: restore value_model/"):
+        resumed.train(resume_from_checkpoint=str(checkpoint))

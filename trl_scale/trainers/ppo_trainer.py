@@ -27,7 +27,12 @@ from transformers import (
 
 from .. import ppo_core
 from ..critic import CriticUpdater, load_critic
-from ..distributed.critic_sharding import critic_sharding, deepspeed_critic_config
+from ..distributed.critic_sharding import (
+    CRITIC_DEEPSPEED_DIR,
+    CRITIC_OPTIMIZER_NAME,
+    critic_sharding,
+    deepspeed_critic_config,
+)
 from ..distributed.zero import gathered, whole_parameters
 from .common import TRL_SCALE_TAG, image_columns, overridden
 from .grpo_trainer import GRPOTrainer
@@ -431,14 +436,24 @@ class PPOTrainer(GRPOTrainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
-        critic_dir = os.path.join(checkpoint, VALUE_MODEL_DIR)
-        if not os.path.isdir(critic_dir):
+        weights = os.path.join(checkpoint, VALUE_MODEL_DIR, "model.safetensors")
+        if not os.path.isfile(weights):
+            names = (CRITIC_OPTIMIZER_NAME, CRITIC_DEEPSPEED_DIR)
+            critic_files = [name for name in names if os.path.exists(os.path.join(checkpoint, name))]
+            if critic_files:  # PPOTrainer saved it, with the critic's optimizer: its weights went missing since
+                why = (
+                    f"its critic's weights ({VALUE_MODEL_DIR}/model.safetensors) are missing, though PPOTrainer saved "
+                    f"them (its critic state {critic_files[0]} is there): deleted or not copied"
+                )
+            else:
+                why = f"it has no critic ({VALUE_MODEL_DIR}/): it was not saved by PPOTrainer (a GRPO checkpoint?)"
             raise FileNotFoundError(
-                f"checkpoint {checkpoint} has no {VALUE_MODEL_DIR}/: it was not saved by PPOTrainer"
+                f"cannot resume from {checkpoint}: {why}. Nothing was trained, and the checkpoint is left as it is. "
+                f"Fix: restore {VALUE_MODEL_DIR}/ from a copy, or resume from another PPO checkpoint"
             )
         from safetensors.torch import load_file
 
-        self.critic.load_training_state(checkpoint, load_file(os.path.join(critic_dir, "model.safetensors")))
+        self.critic.load_training_state(checkpoint, load_file(weights))
 
 
 def _multimodal_inputs(batch: dict) -> dict:
