@@ -443,3 +443,26 @@ def test_config_values_that_cannot_work_are_named_with_the_fix(fields, match, tm
 
     with pytest.raises(ValueError, match=match):
         trl_scale.PPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **fields)
+
+
+@pytest.mark.parametrize("field", ["model", "reward_funcs", "value_model"])
+def test_a_local_model_path_that_does_not_exist_is_named_not_taken_for_a_hub_id(field, tiny_llama, tmp_path):
+    """transformers would call it a bad Hub id ("Repo id must use alphanumeric chars")."""
+    import trl_scale
+
+    missing = str(tmp_path / "no-such-checkpoint")
+    models = {"model": tiny_llama, "reward_funcs": token_parity_reward, "value_model": None}
+    models[field] = missing
+    with pytest.raises(ValueError, match=rf"{field}='{missing}': no such directory.*Fix: pass the directory"):
+        trl_scale.PPOTrainer(
+            args=trl_scale.PPOConfig(**cpu_args(tmp_path / "out")), train_dataset=counting_prompts(8), **models
+        )
+
+
+def test_serve_names_a_model_path_that_does_not_exist(tmp_path):
+    from trl_scale.model_paths import check_model_path
+
+    with pytest.raises(ValueError, match=r"--model='\./nope/model': no such directory"):
+        check_model_path("./nope/model", "--model")
+    for hub_id in ("gpt2", "Qwen/Qwen3-0.6B"):  # left to transformers and the Hub
+        check_model_path(hub_id, "--model")

@@ -215,12 +215,28 @@ def test_chunked_head_never_builds_the_full_logits(tmp_path):
 
 # RoPE scalings with sequences past the original context (32 positions). Dynamic NTK and longrope change their
 # frequencies with the longest position of a forward; YaRN is static.
+_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0 + i for i in range(8)]}
 ROPE_SCALINGS = {
-    "llama-dynamic": ("llama", dict(max_position_embeddings=32, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})),
-    "qwen2-dynamic": ("qwen2", dict(max_position_embeddings=32, rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})),
-    "phi3-longrope": ("phi3", dict(max_position_embeddings=128, original_max_position_embeddings=32, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [1.0 + i for i in range(8)]})),
-    "llama-yarn": ("llama", dict(max_position_embeddings=128, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 32})),
-}  # fmt: skip
+    "llama-dynamic": (
+        "llama",
+        dict(max_position_embeddings=32, rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
+    ),
+    "qwen2-dynamic": (
+        "qwen2",
+        dict(max_position_embeddings=32, rope_parameters={"rope_type": "dynamic", "factor": 4.0}),
+    ),
+    "phi3-longrope": (
+        "phi3",
+        dict(max_position_embeddings=128, original_max_position_embeddings=32, rope_parameters=_LONGROPE),
+    ),
+    "llama-yarn": (
+        "llama",
+        dict(
+            max_position_embeddings=128,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+        ),
+    ),
+}
 
 
 def _long_and_short_batch(vocab: int, width: int, pad: int):
@@ -266,7 +282,9 @@ def test_rope_scaling_with_long_sequences_packs_exactly_or_steps_aside(scaling, 
             real = mask[row].bool()
             start, length = int(real.nonzero()[0]), int(real.sum())
             if packs:
-                alone = trl_model(input_ids=input_ids[row, real][None], labels=labels[row, real][None], fused_lm_head=True)
+                alone = trl_model(
+                    input_ids=input_ids[row, real][None], labels=labels[row, real][None], fused_lm_head=True
+                )
                 reference = alone.log_probs[0]
             else:
                 reference = expected.log_probs[row, start : start + length - 1]

@@ -23,6 +23,8 @@ import torch
 from trl_scale_vllm_plugin.gloo import BACKEND as GLOO_BACKEND
 from trl_scale_vllm_plugin.gloo import GlooInitInfo, GlooUpdateInfo, open_gloo_group, receive
 
+from ..model_paths import check_model_path
+
 MAX_REQUEST_BYTES = 16 * 2**20  # JSON requests; weight bodies are bounded by the model's own size
 
 
@@ -76,6 +78,7 @@ def create_app(
     from pydantic import BaseModel, Field
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_model_path(model_path, "--model")
     # Code shipped inside a model directory runs only when asked for (--trust-remote-code).
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(

@@ -14,6 +14,7 @@ import torch
 from transformers.utils import logging
 
 from ..distributed.roles import RayReference, start_reference
+from ..model_paths import check_model_path
 from ..scoring import PackingStats, install_packed_scoring
 from .reward_checks import checked_reward_funcs
 
@@ -386,6 +387,16 @@ def check_output_dir(config) -> None:
             f"output_dir={path!r} is not writable ({type(error).__name__}: {error}). Fix: set output_dir to a "
             "directory this process can create and write (checkpoints, the model and its card go there)."
         ) from error
+
+
+def check_model_arguments(arguments: dict) -> None:
+    """The model, reference and reward-model paths of a trainer's arguments, each checked where it names a local
+    directory that does not exist (:func:`..model_paths.check_model_path`)."""
+    for name in ("model", "ref_model", "value_model"):
+        check_model_path(arguments.get(name), name)
+    rewards = arguments.get("reward_funcs")
+    for index, reward in enumerate(rewards if isinstance(rewards, list) else [rewards]):
+        check_model_path(reward, "reward_funcs" if not isinstance(rewards, list) else f"reward_funcs[{index}]")
 
 
 def check_train_dataset(dataset, required: tuple[str, ...], trainer: str) -> None:
@@ -766,6 +777,7 @@ class OnlineTrainerMixin(
         arguments = trl_arguments(self, args, kwargs)
         model, config = arguments["model"], arguments.get("args")
         check_output_dir(config)
+        check_model_arguments(arguments)
         # TRL reads `prompt` unless an environment owns the data (its `reset()` then supplies the prompt).
         prompt_column = () if arguments.get("environment_factory") is not None else ("prompt",)
         check_train_dataset(arguments.get("train_dataset"), prompt_column, type(self).__name__)

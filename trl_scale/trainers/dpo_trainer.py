@@ -9,6 +9,7 @@ from .common import (
     ModelCardMixin,
     PackedScoringMixin,
     SafeCheckpointMixin,
+    check_model_arguments,
     check_output_dir,
     check_train_dataset,
     overridden,
@@ -45,6 +46,7 @@ class DPOTrainer(SafeCheckpointMixin, ModelCardMixin, PackedScoringMixin, _TRLDP
         arguments = trl_arguments(self, args, kwargs)
         config = arguments.get("args")
         check_output_dir(config)
+        check_model_arguments(arguments)
         check_train_dataset(arguments.get("train_dataset"), ("chosen", "rejected"), "DPOTrainer")
         check_preference_pairs(arguments.get("train_dataset"))
         # TRL 1.16 force-disables its own `padding_free` with a warning; ours is a different mechanism (a packed

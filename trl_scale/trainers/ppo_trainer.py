@@ -34,6 +34,7 @@ from ..distributed.critic_sharding import (
     deepspeed_critic_config,
 )
 from ..distributed.zero import gathered, whole_parameters
+from ..model_paths import check_model_path
 from .common import TRL_SCALE_TAG, image_columns, overridden
 from .grpo_trainer import GRPOTrainer
 from .ppo_config import PPOConfig
@@ -93,6 +94,7 @@ class PPOTrainer(GRPOTrainer):
             args = PPOConfig(f"{name.split('/')[-1]}-PPO")
         if not isinstance(args, PPOConfig):
             raise TypeError(f"PPOTrainer needs a PPOConfig, got {type(args).__name__}")
+        check_model_path(value_model, "value_model")
         images = image_columns(train_dataset, eval_dataset)
         if images and args.backend == "ray":
             raise ValueError(
