@@ -59,6 +59,46 @@ def test_server_speaks_vllm_completion_shapes_and_rejects_bad_requests(servers, 
     assert response.status_code == 400 and "Invalid JSON format" in response.text
 
 
+def test_server_answers_openai_clients_usage_chat_and_what_it_refuses(servers, tiny_llama):
+    """What the official `openai` client reads: `usage`, chat completions; `stream=True` and a request beyond the
+    context are a 400 that says why (vLLM answers the latter with 400 too), never a silent empty answer."""
+    url = servers[0].url
+    body = {"prompt": [[432, 375, 380]], "n": 2, "max_tokens": 3, "temperature": 0.0}
+    answer = requests.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    completion_tokens = sum(len(c["token_ids"]) for c in answer["choices"])
+    assert answer["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": completion_tokens,
+        "total_tokens": 3 + completion_tokens,
+    }
+    chat = {"messages": [{"role": "user", "content": "one two three"}], "max_tokens": 4, "temperature": 0.0}
+    answer = requests.post(f"{url}/v1/chat/completions", json=chat, timeout=60).json()
+    (choice,) = answer["choices"]
+    assert answer["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    assert choice["message"]["content"] == tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
+    assert answer["usage"]["completion_tokens"] == len(choice["token_ids"])
+    context = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    refused = [
+        ({**body, "stream": True}, "/v1/completions", "does not stream"),
+        ({**chat, "stream": True}, "/v1/chat/completions", "does not stream"),
+        ({"prompt": [[432] * (context - 2)], "max_tokens": 3}, "/v1/completions", "maximum context length"),
+    ]
+    for request, route, message in refused:
+        response = requests.post(f"{url}{route}", json=request, timeout=30)
+        assert response.status_code == 400 and message in response.text, (route, response.text)
+
+
+def test_serving_a_reward_model_checkpoint_is_refused(tmp_path):
+    """A sequence-classification checkpoint has no LM head: transformers would make a random one."""
+    from trl_scale.rollout.server import create_app
+    from trl_scale.toy import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "reward", kind="reward")
+    with pytest.raises(ValueError, match=r"is not a causal LM checkpoint.*Fix: serve the policy"):
+        create_app(path)
+
+
 def test_bearer_token_is_enforced(tiny_llama):
     (server,) = start_servers(tiny_llama, 1, ("--api-key", "s3cret"))
     try:

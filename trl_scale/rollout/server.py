@@ -48,6 +48,23 @@ def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> N
         )
 
 
+def check_language_model_head(model, loading: dict, model_path: str) -> None:
+    """Refuse a checkpoint whose language-model head was not in it (a reward or value model's classifier
+    checkpoint): transformers would initialise the head at random and the server would answer with noise."""
+    architectures = list(getattr(model.config, "architectures", None) or [])
+    head = model.get_output_embeddings()
+    head_names = [name for name, module in model.named_modules() if module is head and name]
+    missing = [key for key in loading.get("missing_keys", []) if any(key.startswith(n) for n in head_names)]
+    heads = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering", "Model")
+    if missing or any(a.endswith(heads) and not a.endswith("LMHeadModel") for a in architectures):
+        raise ValueError(
+            f"--model {model_path} is not a causal LM checkpoint (architectures: {architectures or 'unknown'}; "
+            f"missing from it: {missing or 'none'}): its language-model head would be random and every completion "
+            "noise. Fix: serve the policy (a checkpoint saved from an AutoModelForCausalLM), not a reward or value "
+            "model"
+        )
+
+
 def weights_digest_of(named_tensors) -> dict[str, str]:
     """sha256 of each tensor's fp32 bytes, by name (LoRA wrappers' `base_layer` names mapped back)."""
     import hashlib
@@ -81,10 +98,12 @@ def create_app(
     check_model_path(model_path, "--model")
     # Code shipped inside a model directory runs only when asked for (--trust-remote-code).
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+    model, loading = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, output_loading_info=True
     )
+    check_language_model_head(model, loading, model_path)
     model.eval()
+    max_model_len = model.config.max_position_embeddings
     model_name = os.path.basename(os.path.normpath(model_path))
     lock = threading.Lock()  # one generation or weight update at a time
     running = threading.Event()  # cleared by /pause: new generations wait for /resume (vLLM's mode=keep)
@@ -131,6 +150,21 @@ def create_app(
         return_token_ids: bool = True
         return_tokens_as_token_ids: bool = False  # vLLM's default: logprobs.tokens are decoded text
         seed: int | None = None
+        stream: bool = False
+
+    class ChatRequest(BaseModel):
+        model: str | None = None
+        messages: list[dict]
+        n: int = Field(1, ge=1, le=256)
+        max_tokens: int | None = Field(None, ge=1, le=32768)
+        max_completion_tokens: int | None = Field(None, ge=1, le=32768)
+        temperature: float = Field(1.0, ge=0.0)
+        top_p: float = Field(1.0, gt=0.0, le=1.0)
+        top_k: int = -1
+        min_p: float = Field(0.0, ge=0.0, le=1.0)
+        repetition_penalty: float = Field(1.0, gt=0.0)
+        seed: int | None = None
+        stream: bool = False
 
     expected_authorization = f"Bearer {api_key}".encode() if api_key else None
 
@@ -156,7 +190,7 @@ def create_app(
 
     @app.get("/v1/models")
     def models():
-        data = [{"id": model_name, "object": "model", "max_model_len": model.config.max_position_embeddings}]
+        data = [{"id": model_name, "object": "model", "max_model_len": max_model_len}]
         data += [{"id": name, "object": "model", "parent": model_name} for name in state["lora"]]
         return {"object": "list", "data": data}
 
@@ -177,13 +211,67 @@ def create_app(
                 raise HTTPException(400, f"prompt {i} has token ids outside [0, {vocab})")
         return ids
 
-    @app.post("/v1/completions")
-    def completions(request: CompletionRequest):
+    def _refusal(request) -> JSONResponse | None:
+        """vLLM's answers to a request this server cannot serve: another model (404), streaming (400: this
+        server answers whole responses only)."""
         if request.model not in (None, model_name, *state["lora"]):
             message = f"The model `{request.model}` does not exist (not served here: serving {model_name!r})."
             return error_response(message, "NotFoundError", 404)
-        running.wait()
+        if request.stream:
+            message = "trl-scale serve does not stream: send stream=false (the whole response comes at once)"
+            return error_response(message, "BadRequestError", 400)
+        return None
+
+    def _beyond_context(prompts: list[list[int]], max_tokens: int) -> JSONResponse | None:
+        """vLLM answers 400 when a prompt and its max_tokens do not fit the model's context."""
+        longest = max(len(p) for p in prompts)
+        if longest + max_tokens > max_model_len:
+            message = (
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the completion). Please "
+                "reduce the length of the prompt or of max_tokens."
+            )
+            return error_response(message, "BadRequestError", 400)
+        return None
+
+    @app.post("/v1/chat/completions")
+    def chat_completions(request: ChatRequest):
+        refusal = _refusal(request)
+        if refusal is not None:
+            return refusal
+        try:
+            encoded = tokenizer.apply_chat_template(
+                request.messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            )
+        except Exception as error:  # no chat template, or messages it cannot render
+            return error_response(f"cannot apply the chat template: {error}", "BadRequestError", 400)
+        prompt = list(encoded["input_ids"])
+        fields = request.model_dump(exclude={"messages", "max_tokens", "max_completion_tokens"})
+        max_tokens = request.max_completion_tokens or request.max_tokens or max(1, max_model_len - len(prompt))
+        answer = completions(CompletionRequest(**fields, prompt=[prompt], max_tokens=max_tokens))
+        if isinstance(answer, JSONResponse):
+            return answer
+        choices = [
+            {
+                "index": c["index"],
+                "message": {"role": "assistant", "content": c["text"]},
+                "finish_reason": c["finish_reason"],
+                "token_ids": c["token_ids"],
+            }
+            for c in answer["choices"]
+        ]
+        return {**answer, "id": f"chatcmpl-{time.time_ns()}", "object": "chat.completion", "choices": choices}
+
+    @app.post("/v1/completions")
+    def completions(request: CompletionRequest):
+        refusal = _refusal(request)
+        if refusal is not None:
+            return refusal
         prompts = _prompts(request)
+        too_long = _beyond_context(prompts, request.max_tokens)
+        if too_long is not None:
+            return too_long
+        running.wait()
         expanded = [p for p in prompts for _ in range(request.n)]  # prompt-major, as vLLM orders choices
         width = max(len(p) for p in expanded)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -261,7 +349,21 @@ def create_app(
                     "top_logprobs": top,
                 }
             choices.append(choice)
-        return {"id": f"cmpl-{time.time_ns()}", "object": "text_completion", "model": model_name, "choices": choices}
+        prompt_tokens = sum(len(p) for p in prompts)
+        completion_tokens = sum(len(c["token_ids"]) for c in choices)
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        return {
+            "id": f"cmpl-{time.time_ns()}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": request.model or model_name,
+            "choices": choices,
+            "usage": usage,
+        }
 
     def _load_state_dict(tensors: dict[str, torch.Tensor]) -> None:
         expected = model.state_dict()
