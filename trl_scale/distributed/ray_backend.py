@@ -103,6 +103,25 @@ def init_ray(address: str | None = None) -> None:
         ) from error
 
 
+def check_cluster_fits(role: str, bundle: dict, num_workers: int) -> None:
+    """Fail at once when the cluster can never hold this group (Ray would leave its placement pending until the
+    timeout): more of a resource than all live nodes have together, or a worker larger than any one node."""
+    import ray
+
+    nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
+    field = {"CPU": "num_cpus_per_worker", "GPU": "num_gpus_per_worker"}
+    for resource, amount in bundle.items():
+        total = sum(node.get(resource, 0) for node in nodes)
+        largest = max((node.get(resource, 0) for node in nodes), default=0)
+        if amount * num_workers > total or amount > largest:
+            raise RoleError(
+                f"{role} group asks for {amount * num_workers:g} {resource}s ({num_workers} worker(s) × "
+                f"{role}_placement.{field.get(resource, resource)}={amount:g}), and the Ray cluster has "
+                f"{total:g} in all (at most {largest:g} on one node). Fix: lower {role}_placement's "
+                f"num_workers or {field.get(resource, resource)}, or add nodes with {resource}s"
+            )
+
+
 class RoleGroup:
     """One role's placement group and workers, with bounded remote calls.
 
@@ -123,6 +142,8 @@ class RoleGroup:
         if placement.num_gpus_per_worker:
             bundle["GPU"] = placement.num_gpus_per_worker
         self.workers = []
+        self.placement_group = None
+        check_cluster_fits(role, bundle, placement.num_workers)
         self.placement_group = placement_group([bundle] * placement.num_workers, strategy="PACK")
         try:
             self._call(self.placement_group.ready(), "placement")
