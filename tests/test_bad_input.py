@@ -315,6 +315,41 @@ def test_yaml_type_error_names_the_field(tmp_path, capsys):
     )
 
 
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("yaml", r"--config is not valid YAML \(line 2, column 6\): mapping values are not allowed here. Fix"),
+        ("config-check", r"error: rollout_max_inflight_per_server=0: use a positive whole number"),
+        ("empty-dataset", r"dataset_name='.*' holds no rows \(its data files are empty"),
+    ],
+)
+def test_cli_says_what_is_wrong_without_a_traceback(case, match, tmp_path, capsys):
+    """Malformed YAML used to be a 15-frame traceback; a config's own check was blamed on the field names; an empty
+    local dataset was `datasets`' "corresponds to no data" before the trainer's check."""
+    from trl_scale.cli import main
+
+    argv = ["grpo", "--output_dir", str(tmp_path / "out"), "--model_name_or_path", "toy:llama"]
+    argv += ["--reward_funcs", "tests.helpers.token_parity_reward", "--use_cpu", "true", "--bf16", "false"]
+    if case == "yaml":
+        (tmp_path / "bad.yaml").write_text("model_name_or_path: toy:llama\n  bad: [indent\n")
+        argv += ["--config", str(tmp_path / "bad.yaml")]
+    elif case == "config-check":
+        argv += ["--dataset_name", "toy:counting", "--rollout_max_inflight_per_server", "0"]
+    else:
+        (tmp_path / "data").mkdir()
+        (tmp_path / "data" / "train.jsonl").write_text("")
+        argv += ["--dataset_name", str(tmp_path / "data")]
+    if case == "empty-dataset":
+        with pytest.raises(ValueError, match=match):
+            main(argv)
+        return
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and __import__("re").search(match, err), err[-500:]
+    assert "check the field names" not in err and "Traceback" not in err
+
+
 class _HubWithoutToken:
     """Stands in for `huggingface_hub.HfApi` on a machine with no token: every write is refused as the Hub does."""
 

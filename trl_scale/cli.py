@@ -79,7 +79,30 @@ def _load_dataset(script_args, method: str):
         return {script_args.dataset_train_split: preference_pairs(script_args.num_toy_examples)}
     from datasets import load_dataset
 
+    _check_local_dataset_has_rows(name)
     return load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
+
+
+def _check_local_dataset_has_rows(name: str) -> None:
+    """A local dataset whose files hold nothing: `datasets` fails with "corresponds to no data" or a bare
+    StopIteration, before the trainer's own empty-dataset check can say what is wrong."""
+    if not os.path.exists(name):
+        return
+    if os.path.isfile(name):
+        files = [name]
+    else:
+        files = [
+            os.path.join(root, f) for root, _, names in os.walk(name) for f in names if not f.startswith(".")
+        ]
+    def blank(path: str) -> bool:
+        with open(path, "rb") as handle:
+            return not handle.read(4096).strip()
+
+    if all(blank(f) for f in files):
+        raise ValueError(
+            f"dataset_name={name!r} holds no rows (its data files are empty: {sorted(files)[:5]}). Fix: add rows "
+            "to it, or point dataset_name at a dataset that has them"
+        )
 
 
 def _resolve_model(model_name: str | None, training_args) -> str:
@@ -107,8 +130,19 @@ def train(method: str, argv: list[str]) -> int:
     parser = TrlParser((script_type, config_cls, model_config_type), prog=f"trl-scale {method}")
     try:
         script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
-    except ValueError as error:  # HfArgumentParser's "arguments are not used": a usage error, not a traceback
-        parser.error(f"{error}. Fix: check the field names (`trl-scale {method} --help` lists them)")
+    except ValueError as error:  # a usage error, not a traceback
+        if "arguments are not used" in str(error):  # HfArgumentParser: an unknown field
+            parser.error(f"{error}. Fix: check the field names (`trl-scale {method} --help` lists them)")
+        parser.error(str(error))  # a config's own check (e.g. bf16 on a CPU machine): its message says the fix
+    except Exception as error:
+        import yaml
+
+        if not isinstance(error, yaml.YAMLError):
+            raise
+        where = getattr(error, "problem_mark", None)
+        line = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        parser.error(f"--config is not valid YAML{line}: {problem}. Fix: correct the YAML (e.g. its indentation)")
 
     model_path = _resolve_model(model_args.model_name_or_path, training_args)
     model_init_kwargs = {"attn_implementation": model_args.attn_implementation, "dtype": model_args.dtype}
