@@ -57,7 +57,7 @@ def run(backend: str, model_path: str, steps: int) -> list[float]:
         use_cpu=True,
         seed=0,
         disable_tqdm=True,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         backend=backend,
         critic_placement={"num_cpus_per_worker": 1},
     )

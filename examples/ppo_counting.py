@@ -53,7 +53,7 @@ def main():
             save_strategy="no",
             bf16=False,
             use_cpu=True,
-            gradient_checkpointing=False,
+            activation_checkpointing=False,
             backend=args.backend,
         ),
         train_dataset=counting_prompts(args.max_steps * 32),

@@ -206,7 +206,7 @@ def test_ppo_learns_to_count(tmp_path):
                 lr_scheduler_type="constant",
                 num_ppo_epochs=1,
                 kl_coef=0.01,
-                gradient_checkpointing=False,
+                activation_checkpointing=False,
             )
         ),
         train_dataset=counting_prompts(8192, seed=0),

@@ -137,7 +137,7 @@ def test_ppo_learns_with_its_critic_on_ray(tmp_path):
         max_completion_length=COUNT_TARGET_LENGTH,
         lr_scheduler_type="constant",
         kl_coef=0.01,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         optim="adamw_torch",
     )
     trainer.train()

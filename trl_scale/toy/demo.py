@@ -56,6 +56,19 @@ def warm_up(
     return loss.item()
 
 
+def build_counting_model(output_dir: str, family: str = "llama", seed: int = 0, warm_up_steps: int = 60) -> str:
+    """A tiny model of ``family`` warmed up on noisy counting text (a weak counter, like an SFT checkpoint, which
+    RL then sharpens), saved with its tokenizer to ``output_dir``. A random model never earns the counting reward,
+    so RL on it learns nothing. Deterministic for a ``seed``."""
+    base = build_tiny_model(output_dir, family=family, seed=seed)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    torch.manual_seed(seed)
+    warm_up(model, tokenizer, steps=warm_up_steps)
+    model.save_pretrained(output_dir)
+    return output_dir
+
+
 @torch.no_grad()
 def evaluate_counting(
     model: PreTrainedModel,
@@ -159,7 +172,7 @@ def run_demo(
         report_to="none",
         save_strategy="no",
         bf16=False,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         seed=seed,
         disable_tqdm=not show_progress,
         log_level="warning",
