@@ -92,9 +92,8 @@ def _check_local_dataset_has_rows(name: str) -> None:
     if os.path.isfile(name):
         files = [name]
     else:
-        files = [
-            os.path.join(root, f) for root, _, names in os.walk(name) for f in names if not f.startswith(".")
-        ]
+        files = [os.path.join(root, f) for root, _, names in os.walk(name) for f in names if not f.startswith(".")]
+
     def blank(path: str) -> bool:
         with open(path, "rb") as handle:
             return not handle.read(4096).strip()
