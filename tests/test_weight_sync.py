@@ -336,6 +336,26 @@ def test_a_paused_server_holds_new_requests_until_resumed(tiny_llama):
         server.stop()
 
 
+def test_pause_wait_returns_once_started_generations_have_finished(tiny_llama):
+    """A sync pauses with vLLM's mode=wait: a generation already admitted finishes with the weights it started
+    with before the pause returns (mode=keep would let the update land under it); new requests wait for /resume."""
+    (server,) = start_servers(tiny_llama, 1, ("--token-delay", "1.5"))  # 1.5 s per token generated
+    try:
+        client = RolloutClient([server.url], request_timeout=30, generation_timeout=60)
+        started = client._pool.submit(client.generate, [[432]], 1, None, max_tokens=4, temperature=0.0)
+        time.sleep(0.5)  # admitted and generating
+        before = time.monotonic()
+        client._pause(client.servers[0])
+        assert started.done() and time.monotonic() - before > 0.5  # the pause waited for it
+        held = client._pool.submit(client.generate, [[432]], 1, None, max_tokens=1)
+        time.sleep(1.0)
+        assert not held.done()  # new requests wait for the resume
+        requests.post(f"{server.url}/resume", timeout=10)
+        assert held.result(timeout=30)[0][0]["token_ids"] and started.result()[0][0]["token_ids"]
+    finally:
+        server.stop()
+
+
 def test_the_client_waits_for_servers_still_loading_and_names_those_that_never_come(tiny_llama):
     from .helpers import Server, free_port
 

@@ -377,8 +377,10 @@ class RolloutClient:
             )
 
     def _paused(self, servers: list[ServerState], timeout: float, work: Callable[[list[ServerState]], list]) -> list:
-        """`/pause?mode=keep` (queued requests wait, none is lost), `work(paused servers)`, then `/resume` on every
-        paused server, also when the work failed."""
+        """`/pause?mode=wait`, `work(paused servers)`, then `/resume` on every paused server, also when the work
+        failed. "wait" lets the generations a server has started finish with the weights they started with (vLLM's
+        "keep" would freeze them and finish them with the new weights: completions sampled from two versions, and
+        which tokens came from which depends on timing); requests not yet admitted wait for the resume."""
         refused = self._each(servers, self._pause, timeout)
         paused = [s for s in servers if s.url not in refused]
         try:
@@ -387,7 +389,9 @@ class RolloutClient:
             self._each(paused, lambda s: self._post(s, "/resume", timeout), timeout)
 
     def _pause(self, server: ServerState) -> None:
-        self._post(server, "/pause?mode=keep", 30.0)
+        # It returns once the server's running generations have finished: bounded as one generation is.
+        timeout = None if self.generation_timeout is None else 30.0 + self.generation_timeout
+        self._post(server, "/pause?mode=wait", timeout)
 
     def _reset_prefix_cache(self, server: ServerState, timeout: float) -> None:
         # vLLM V1 keeps prefix caching on: blocks computed with the old weights must not be reused.

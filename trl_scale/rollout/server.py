@@ -106,8 +106,10 @@ def create_app(
     max_model_len = model.config.max_position_embeddings
     model_name = os.path.basename(os.path.normpath(model_path))
     lock = threading.Lock()  # one generation or weight update at a time
-    running = threading.Event()  # cleared by /pause: new generations wait for /resume (vLLM's mode=keep)
+    running = threading.Event()  # cleared by /pause: new generations wait for /resume
     running.set()
+    gate = threading.Condition()  # guards `running` and the count of admitted generations
+    admitted = [0]  # generations past the gate, not finished: what /pause?mode=wait drains
     state = {
         "weight_version": None,
         "lora": {},
@@ -271,7 +273,17 @@ def create_app(
         too_long = _beyond_context(prompts, request.max_tokens)
         if too_long is not None:
             return too_long
-        running.wait()
+        with gate:
+            gate.wait_for(running.is_set)
+            admitted[0] += 1
+        try:
+            return _generate(request, prompts)
+        finally:
+            with gate:
+                admitted[0] -= 1
+                gate.notify_all()
+
+    def _generate(request: CompletionRequest, prompts: list[list[int]]) -> dict:
         expanded = [p for p in prompts for _ in range(request.n)]  # prompt-major, as vLLM orders choices
         width = max(len(p) for p in expanded)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -389,12 +401,20 @@ def create_app(
     def pause(mode: str = "abort"):
         if mode not in ("abort", "wait", "keep"):
             raise HTTPException(422, f"mode must be one of abort, wait, keep (got {mode!r})")
-        running.clear()  # generations already running finish; new ones wait (no request is dropped here)
+        # vLLM's modes, as far as whole-request generation allows: admitted generations always finish (a
+        # generation is never split across weights); with "wait" the pause returns once they have, with "keep" and
+        # "abort" at once. New generations wait for /resume (none is dropped).
+        with gate:
+            running.clear()
+            if mode == "wait":
+                gate.wait_for(lambda: admitted[0] == 0)
         return {"status": "paused"}
 
     @app.post("/resume")
     def resume():
-        running.set()
+        with gate:
+            running.set()
+            gate.notify_all()
         return {"status": "resumed"}
 
     @app.get("/is_paused")

@@ -6,6 +6,7 @@ import functools
 import inspect
 import os
 import time
+import warnings
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,6 +22,10 @@ from .reward_checks import checked_reward_funcs
 TRL_SCALE_TAG = "trl-scale"
 ROLLOUT_BUFFER_NAME = "rollout_buffer_rank{rank}.pt"
 logger = logging.get_logger(__name__)
+
+# TRL 1.16 reads `model.is_gradient_checkpointing`, which transformers 5.17 deprecates: a FutureWarning on every run
+# that no user setting causes or silences (stock TRL prints it too).
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
 def config_docstring(method: str, *sections) -> str:
