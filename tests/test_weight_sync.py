@@ -339,11 +339,11 @@ def test_a_paused_server_holds_new_requests_until_resumed(tiny_llama):
 def test_pause_wait_returns_once_started_generations_have_finished(tiny_llama):
     """A sync pauses with vLLM's mode=wait: a generation already admitted finishes with the weights it started
     with before the pause returns (mode=keep would let the update land under it); new requests wait for /resume."""
-    (server,) = start_servers(tiny_llama, 1, ("--token-delay", "1.5"))  # 1.5 s per token generated
+    (server,) = start_servers(tiny_llama, 1, ("--token-delay", "3"))  # 3 s per token generated
     try:
         client = RolloutClient([server.url], request_timeout=30, generation_timeout=60)
         started = client._pool.submit(client.generate, [[432]], 1, None, max_tokens=4, temperature=0.0)
-        time.sleep(0.5)  # admitted and generating
+        time.sleep(1.5)  # admitted and generating (a request reaches the server in milliseconds, seconds under load)
         before = time.monotonic()
         client._pause(client.servers[0])
         assert started.done() and time.monotonic() - before > 0.5  # the pause waited for it

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..distributed.zero import whole_parameters
 from .models import build_tiny_model
 from .tasks import COUNT_TARGET_LENGTH, counting_prompts, counting_reward, number_word_corpus
 
@@ -62,10 +63,12 @@ def build_counting_model(output_dir: str, family: str = "llama", seed: int = 0, 
     so RL on it learns nothing. Deterministic for a ``seed``."""
     base = build_tiny_model(output_dir, family=family, seed=seed)
     tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base)
-    torch.manual_seed(seed)
-    warm_up(model, tokenizer, steps=warm_up_steps)
-    model.save_pretrained(output_dir)
+    # Whole, also under a ZeRO-3 launcher, where one process builds it while the others wait (see whole_parameters).
+    with whole_parameters():
+        model = AutoModelForCausalLM.from_pretrained(base)
+        torch.manual_seed(seed)
+        warm_up(model, tokenizer, steps=warm_up_steps)
+        model.save_pretrained(output_dir)
     return output_dir
 
 

@@ -1,0 +1,89 @@
+"""The seam registry (`trl_scale/seams.py`): every TRL internal trl-scale relies on still holds in the installed TRL,
+none is used without being registered, and a TRL that moved one fails naming it."""
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import trl
+
+from trl_scale import seams
+
+from .helpers import ROOT
+
+# The TRL and transformers classes trl-scale subclasses or drives: a private name of theirs used in trl-scale is a seam.
+_OWNERS = {
+    "trl.trainer.grpo_trainer:GRPOTrainer",
+    "trl.trainer.rloo_trainer:RLOOTrainer",
+    "trl.trainer.dpo_trainer:DPOTrainer",
+    "trl.generation.vllm_generation:VLLMGeneration",
+    "transformers.trainer:Trainer",
+}
+
+
+def test_every_seam_holds_in_the_installed_trl():
+    assert seams.check() == []
+
+
+def _registered_names() -> set[str]:
+    names = set()
+    for seam in seams.SEAMS:
+        names.add(seam.attribute or seam.target.rpartition(":")[2].split(".")[-1])
+    return names
+
+
+def _private_names_of_trl_classes() -> set[str]:
+    import inspect
+
+    names = set()
+    for target in _OWNERS:
+        cls = seams.resolve(target)
+        for klass in cls.__mro__:
+            if klass.__module__.split(".")[0] not in ("trl", "transformers"):
+                continue
+            names |= {n for n in vars(klass) if n.startswith("_") and not n.startswith("__")}
+            try:
+                names |= set(re.findall(r"self\.(_[a-z][a-z0-9_]*)\b", inspect.getsource(klass)))
+            except (OSError, TypeError):
+                pass
+    return names
+
+
+def test_trl_scale_uses_no_unregistered_private_trl_name():
+    """Method overrides (`def _x`), attribute reads and writes (`._x`) of names TRL's classes define, and private
+    names imported from TRL modules, must each be in the registry."""
+    trl_private = _private_names_of_trl_classes()
+    registered = _registered_names()
+    unregistered = {}
+    for path in (ROOT / "trl_scale").rglob("*.py"):
+        text = path.read_text()
+        used = set(re.findall(r"(?:def |\.)(_[a-z][a-z0-9_]*)\b", text)) & trl_private
+        used |= set(re.findall(r"from trl[\w.]* import (_\w+)", text))
+        used |= set(re.findall(r"trl_utils\.(_\w+)", text))
+        for name in used - registered:
+            unregistered.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    assert not unregistered, f"register these in trl_scale/seams.py: {unregistered}"
+
+
+def test_a_seam_renamed_in_a_patched_trl_fails_naming_it(tmp_path):
+    """A copy of the installed TRL with GRPOTrainer._tokenize_prompts renamed: the check names that seam, and only
+    it (shown once here, as the upgrade procedure would meet it)."""
+    source = pathlib.Path(trl.__file__).parent
+    patched = tmp_path / "site" / "trl"
+    shutil.copytree(source, patched, ignore=shutil.ignore_patterns("__pycache__"))
+    trainer = patched / "trainer" / "grpo_trainer.py"
+    text = trainer.read_text()
+    assert text.count("def _tokenize_prompts(") == 1
+    trainer.write_text(text.replace("def _tokenize_prompts(", "def _tokenize_prompt_batch("))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(ROOT)]))
+    result = subprocess.run(
+        [sys.executable, "-m", "trl_scale.seams"], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path
+    )
+    moved = [line for line in result.stdout.splitlines() if line.startswith(("trl.", "transformers."))]
+    assert result.returncode == 1, result.stdout + result.stderr[-2000:]
+    assert len(moved) == 1 and moved[0].startswith("trl.trainer.grpo_trainer:GRPOTrainer._tokenize_prompts"), moved
+    assert "gone" in moved[0] and "trainers/common.py" in moved[0]
+    print(moved[0])

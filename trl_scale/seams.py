@@ -1,0 +1,241 @@
+"""Every TRL and transformers internal trl-scale relies on, and what it assumes of each: the list to re-check when TRL
+moves. trl-scale subclasses TRL's trainers, so a TRL release can change a private method, attribute or rule under it
+without any error; this registry makes such a change fail one test (`tests/test_seams.py`) that names the seams to
+re-read, instead of a wrong number months later.
+
+Each :class:`Seam` names a target (``module:qualname``), how trl-scale uses it, what it assumes, and a fingerprint of
+the installed TRL: the signature for what is called or overridden, a hash of the source for logic trl-scale copies or
+wraps. ``python -m trl_scale.seams`` checks them all against the installed packages and prints what moved;
+``--update`` prints fresh fingerprints to paste here once the seams it names were re-read. The test also checks that
+trl-scale uses no private TRL name missing from this list, and that PPO classifies every GRPO config field.
+
+Upgrading TRL (the procedure, also in the README):
+
+1. bump the ``trl`` pin in ``pyproject.toml`` and reinstall;
+2. run ``pytest tests/test_seams.py`` (or ``python -m trl_scale.seams``): it names each seam whose fingerprint moved,
+   each private name trl-scale uses that is not registered, and each new GRPO field PPO does not classify;
+3. for each, read TRL's new code against the seam's ``assumes``, adapt trl-scale where it no longer holds, then
+   refresh the fingerprints (``python -m trl_scale.seams --update``) and classify new GRPO fields
+   (``trainers/ppo_config.py``: ``GRPO_FIELDS_PPO_APPLIES`` / ``GRPO_FIELDS_PPO_REFUSES``);
+4. run the whole suite: the parity tests compare every trainer with TRL's own to the bit.
+
+This module imports nothing from trl-scale and TRL only when checking, so any layer may read it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import re
+import sys
+from dataclasses import dataclass
+
+# How trl-scale touches a target.
+OVERRIDE = "override"  # a subclass method of the same name (calling super() or not)
+CALL = "call"  # calls it, or passes keywords it must accept
+ATTRIBUTE = "attribute"  # reads or writes an attribute TRL's class sets (``self.<name>`` in its source)
+COPY = "copy"  # repeats or wraps its logic: any change to its source must be re-read
+CONFIG = "config"  # a config field trl-scale sets around TRL's constructor
+CONSTANT = "constant"  # a module-level (often private) name it reads
+
+
+@dataclass(frozen=True)
+class Seam:
+    target: str  # "module:Qualified.name" (for ATTRIBUTE, the class; the attribute is `attribute`)
+    kind: str
+    used_in: str  # where in trl-scale
+    assumes: str  # what trl-scale relies on, to re-read against a new TRL
+    fingerprint: str = ""  # signature (OVERRIDE, CALL), "sha:<12 hex>" of the source (COPY); empty otherwise
+    attribute: str = ""
+
+
+G = "trl.trainer.grpo_trainer:GRPOTrainer"
+T = "transformers.trainer:Trainer"
+V = "trl.generation.vllm_generation:VLLMGeneration"
+U = "trl.trainer.utils"
+
+SEAMS: tuple[Seam, ...] = (
+    # ---- GRPO/RLOO trainers: overridden methods ------------------------------------------------------------------
+    Seam(f"{G}._generate", OVERRIDE, "trainers/common.py PhaseTimingMixin",
+         "generation of one batch's prompts; timed around super()",
+         "(self, prompts: list)"),
+    Seam(f"{G}._calculate_rewards", OVERRIDE, "trainers/common.py, trainers/ppo_trainer.py",
+         "returns [num completions of all processes, num reward functions] with NaN where a function gave None; "
+         "PPO reads it as every completion's score (sliced by process_index)",
+         "(self, inputs, prompts, completions, completion_ids_list)"),
+    Seam(f"{G}._get_per_token_logps_and_entropies", OVERRIDE, "trainers/common.py, trainers/ppo_trainer.py",
+         "every log-prob forward of policy and reference; the parameters after compute_aux_loss are the image inputs "
+         "PPO passes on (ppo_trainer.MULTIMODAL_FIELDS is derived from them)",
+         "(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, "
+         "compute_aux_loss=False, pixel_values=None, image_grid_thw=None, num_images=None, pixel_attention_mask=None, "
+         "spatial_shapes=None, num_tiles=None, image_sizes=None, token_type_ids=None, mm_token_type_ids=None, "
+         "image_position_ids=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]"),
+    Seam(f"{G}._tokenize_prompts", OVERRIDE, "trainers/common.py (prompt length check)",
+         "returns (prompt_ids, ...) with prompt_ids a list of token-id lists, before generation",
+         "(self, prompts: list)"),
+    Seam(f"{G}._generate_and_score_completions", COPY, "trainers/ppo_trainer.py",
+         "PPO calls super() and then reads prompt_ids/prompt_mask, completion_ids/completion_mask, tool_mask, "
+         "old_per_token_logps, ref_per_token_logps (computed when beta != 0), num_items_in_batch, "
+         "importance_sampling_ratio and the image inputs from the batch it returns",
+         "sha:1fa48922792d"),
+    Seam(f"{G}._compute_loss", COPY, "trainers/ppo_trainer.py",
+         "PPO replaces it whole (clipped surrogate + critic); what GRPO's applies to the loss (IS ratio, masks, "
+         "loss_type normalisers) must be mirrored or refused in PPOConfig",
+         "sha:80295546bbdb"),
+    Seam(f"{G}.training_step", OVERRIDE, "trainers/ppo_trainer.py",
+         "one micro-step: TRL's training_step then the critic's result; num_items_in_batch passed positionally",
+         "(self, model, inputs, num_items_in_batch)"),
+    # ---- GRPO trainer: attributes ------------------------------------------------------------------------------
+    Seam(G, ATTRIBUTE, "trainers/common.py (exact resume)",
+         "the rollout being trained on, a list of per-step batches, None before the first generation",
+         attribute="_buffered_inputs"),
+    Seam(G, ATTRIBUTE, "trainers/common.py (exact resume)",
+         "the micro-step counter that picks the batch from _buffered_inputs and decides when to generate",
+         attribute="_step"),
+    Seam(G, ATTRIBUTE, "trainers/common.py (server rollout)",
+         "the global step at which the weights were last synced (TRL syncs when it differs)",
+         attribute="_last_loaded_step"),
+    Seam(G, ATTRIBUTE, "trainers/ppo_trainer.py",
+         "a dict mode -> defaultdict(list) of metric lists, averaged and logged by TRL's log()",
+         attribute="_metrics"),
+    # ---- transformers Trainer -----------------------------------------------------------------------------------
+    Seam(f"{T}._save_optimizer_and_scheduler", OVERRIDE, "trainers/common.py, trainers/ppo_trainer.py",
+         "called on every rank while saving a checkpoint, with its folder (rollout buffers, the critic's state)",
+         "(self, output_dir: str) -> None"),
+    Seam(f"{T}._load_optimizer_and_scheduler", OVERRIDE, "trainers/common.py, trainers/ppo_trainer.py",
+         "called on every rank at resume, before the first step, with the checkpoint folder or None",
+         "(self, checkpoint: str | None) -> None"),
+    Seam(f"{T}._save_checkpoint", OVERRIDE, "trainers/common.py SafeCheckpointMixin",
+         "writes checkpoint-<global_step> under _get_output_dir(trial); an OSError leaves a partial folder",
+         "(self, model: torch.nn.modules.module.Module, trial: 'optuna.Trial | dict[str, Any] | None') -> None"),
+    Seam(f"{T}._get_output_dir", CALL, "trainers/common.py SafeCheckpointMixin",
+         "the run directory checkpoints go to",
+         "(self, trial: 'optuna.Trial | dict[str, Any] | None') -> str"),
+    Seam(f"{T}.init_hf_repo", OVERRIDE, "trainers/common.py (push_to_hub)",
+         "creates the Hub repo; transformers passes private=",
+         "(self, token: str | None = None, private: bool | None = None) -> None"),
+    # ---- DPO ---------------------------------------------------------------------------------------------------
+    Seam("trl.trainer.dpo_trainer:DPOTrainer._precompute_ref_logps", OVERRIDE, "trainers/dpo_trainer.py",
+         "run inside TRL's constructor when precompute_ref_log_probs; packed scoring is installed around it",
+         "(self, dataset: datasets.arrow_dataset.Dataset, name: str, batch_size: int) -> datasets.arrow_dataset.Dataset"),
+    Seam("trl.trainer.dpo_config:DPOConfig.padding_free", CONFIG, "trainers/dpo_trainer.py",
+         "TRL 1.16 force-disables its own padding_free; trl-scale hides it from TRL's constructor and packs itself"),
+    # ---- config fields rewritten around TRL's constructor --------------------------------------------------------
+    Seam("trl.trainer.grpo_config:GRPOConfig.use_vllm", CONFIG, "trainers/common.py",
+         "False while TRL builds (no vLLM import, no CUDA communicator); server rollout installed after"),
+    Seam("trl.trainer.grpo_config:GRPOConfig.beta", CONFIG, "trainers/common.py, trainers/ppo_trainer.py",
+         "0 makes TRL build no reference model (remote reference), and skip reference log-probs (PPO sets kl_coef "
+         "while generating so TRL computes them)"),
+    Seam("trl.trainer.grpo_config:GRPOConfig.loss_type", CONFIG, "trainers/ppo_config.py",
+         "'dapo' and 'bnpo' mean what TRL's _compute_loss computes for them (PPO mirrors both)"),
+    # ---- vLLM generation ---------------------------------------------------------------------------------------
+    Seam(f"{V}.__init__", CALL, "rollout/generation.py ServerRolloutGeneration",
+         "accepts model, accelerator, processing_class, mode='server', server_base_url, server_timeout, "
+         "max_completion_length, logprobs as keywords, and calls _init_vllm",
+         "sha:3b2cda6d35bb"),
+    Seam(f"{V}._init_vllm", OVERRIDE, "rollout/generation.py",
+         "builds the client; replaced by trl-scale's client, preflight and weight-sync choice", "(self)"),
+    Seam(f"{V}._iter_named_params", CALL, "rollout/generation.py",
+         "yields (vLLM name, whole tensor) for every weight, gathering ZeRO-3 shards and FSDP DTensors and merging "
+         "PEFT adapters, inside the gather (one tensor at a time)", "(self)"),
+    Seam(V, ATTRIBUTE, "rollout/generation.py",
+         "a cached list of (name, dtype, shape) for the NCCL update, reset to None when names change",
+         attribute="_weight_metadata"),
+    Seam(f"{V}.generate", OVERRIDE, "rollout/generation.py",
+         "returns TRL's tuple (prompt_ids, completion_ids, logprobs, extra) for prompt-major num_generations copies",
+         "(self, prompts: list[list[int]], images: list[list | None] | None, num_generations: int, profiler: "
+         "trl.extras.profiling.ProfilingContext | None = None) -> tuple"),
+    Seam(f"{V}.sync_weights", OVERRIDE, "rollout/generation.py",
+         "called by TRL when the global step moved since the last sync, on every rank", "(self)"),
+    # ---- the fused log-prob head --------------------------------------------------------------------------------
+    Seam(f"{U}:add_fused_lm_head", COPY, "scoring/engine.py, scoring/logprob_head.py",
+         "model.forward becomes TRL's fused forward taking fused_lm_head/labels/shift_labels/num_items_in_batch and "
+         "returning FusedCausalLMOutput; logit_transform_of repeats its softcap/logit_scale rule",
+         "sha:422d009f04b6"),
+    Seam(f"{U}:FusedCausalLMOutput", COPY, "scoring/engine.py",
+         "fields loss, log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1, label_mask, aux_loss",
+         "sha:5ccdd6e41dcb"),
+    Seam(f"{U}:maybe_gather_lm_head_ctx", CALL, "scoring/logprob_head.py",
+         "gathers ZeRO-3 partitions of the head's weight and bias for the block", "(*params: torch.nn.parameter.Parameter)"),
+    Seam(f"{U}:_CHUNKED_LOGPROB_CHUNK_SIZE", CONSTANT, "scoring/logprob_head.py",
+         "the chunk size TRL's Triton kernel is called with"),
+    Seam("trl.kernels.chunked_logprob:_use_triton", CALL, "scoring/logprob_head.py",
+         "whether TRL's Triton kernel serves this device", "(device: 'torch.device') -> 'bool'"),
+    Seam("trl.kernels:ChunkedLogProbFunction.forward", CALL, "scoring/logprob_head.py",
+         "apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs)",
+         "sha:1d8220b44273"),
+)
+
+
+def resolve(target: str):
+    """The object a ``module:qualname`` target names (ImportError / AttributeError when it is gone)."""
+    module_name, _, qualname = target.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in qualname.split(".") if qualname else []:
+        if isinstance(obj, type) and part in getattr(obj, "__dataclass_fields__", {}):
+            return obj.__dataclass_fields__[part]
+        obj = getattr(obj, part)
+    return obj
+
+
+def fingerprint_of(seam: Seam, obj) -> str:
+    """The installed package's fingerprint for ``seam`` (the form its ``fingerprint`` records)."""
+    if seam.kind in (OVERRIDE, CALL) and not seam.fingerprint.startswith("sha:"):
+        return str(inspect.signature(obj))
+    if seam.kind in (COPY, CALL):
+        return "sha:" + hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:12]
+    return ""
+
+
+def _class_sets(cls: type, attribute: str) -> bool:
+    pattern = re.compile(r"self\." + re.escape(attribute) + r"\b")
+    for klass in cls.__mro__:
+        if klass.__module__.split(".")[0] not in ("trl", "transformers"):
+            continue
+        try:
+            if pattern.search(inspect.getsource(klass)):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
+
+
+def check(seams: tuple[Seam, ...] = SEAMS) -> list[str]:
+    """One line per seam that moved in the installed packages: gone, another signature, changed source."""
+    problems = []
+    for seam in seams:
+        label = seam.target + (f".{seam.attribute}" if seam.attribute else "")
+        try:
+            obj = resolve(seam.target)
+        except (ImportError, AttributeError) as error:
+            problems.append(f"{label} ({seam.kind}, {seam.used_in}): gone ({type(error).__name__}: {error})")
+            continue
+        if seam.kind == ATTRIBUTE and not _class_sets(obj, seam.attribute):
+            problems.append(f"{label} ({seam.kind}, {seam.used_in}): no longer set by {seam.target}")
+        elif seam.fingerprint:
+            found = fingerprint_of(seam, obj)
+            if found != seam.fingerprint:
+                problems.append(
+                    f"{label} ({seam.kind}, {seam.used_in}): was {seam.fingerprint}, now {found}. Assumes: "
+                    f"{seam.assumes}"
+                )
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--update" in argv:
+        for seam in SEAMS:
+            if seam.fingerprint:
+                print(f"{seam.target}: {fingerprint_of(seam, resolve(seam.target))}")
+        return 0
+    problems = check()
+    for line in problems:
+        print(line)
+    print(f"{len(SEAMS)} seams checked, {len(problems)} moved")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
