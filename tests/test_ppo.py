@@ -327,11 +327,27 @@ def test_ppo_config_rejects_bad_fields(tmp_path):
         ("delta", 2.0),
         ("importance_sampling_level", "sequence"),
         ("router_aux_loss_coef", 0.001),
+        ("scale_rewards", "batch"),
+        ("use_adaptive_entropy", True),
+        ("use_bias_correction_kl", False),
+        ("steps_per_generation", 3),
+        ("num_iterations", 3),
+        ("epsilon", 0.3),
     ],
 )
 def test_grpo_loss_options_ppo_does_not_apply_are_rejected_by_name(tmp_path, field, value):
     with pytest.raises(ValueError, match=rf"PPOTrainer does not apply {field}="):
         trl_scale.PPOConfig(output_dir=str(tmp_path), bf16=False, **{field: value})
+
+
+def test_a_grpo_option_ppo_does_not_know_is_refused_when_set(tmp_path, monkeypatch):
+    """An option a newer TRL adds (here: one taken out of the classification) is refused when set, never ignored."""
+    from trl_scale.trainers import ppo_config
+
+    monkeypatch.setattr(ppo_config, "GRPO_FIELDS_PPO_APPLIES", ppo_config.GRPO_FIELDS_PPO_APPLIES - {"top_k"})
+    trl_scale.PPOConfig(output_dir=str(tmp_path), bf16=False)  # at its default: fine
+    with pytest.raises(ValueError, match=r"PPOTrainer does not know top_k=5: GRPO options of a TRL newer"):
+        trl_scale.PPOConfig(output_dir=str(tmp_path), bf16=False, top_k=5)
 
 
 def test_gradient_accumulation_gives_each_epoch_new_micro_batches(tiny_llama, tmp_path):

@@ -14,7 +14,7 @@ from trl_scale import seams
 
 from .helpers import ROOT
 
-# The TRL and transformers classes trl-scale subclasses or drives: a private name of theirs used in trl-scale is a seam.
+# The TRL and transformers classes trl-scale subclasses or drives: their private names used in trl-scale are seams.
 _OWNERS = {
     "trl.trainer.grpo_trainer:GRPOTrainer",
     "trl.trainer.rloo_trainer:RLOOTrainer",
@@ -87,3 +87,15 @@ def test_a_seam_renamed_in_a_patched_trl_fails_naming_it(tmp_path):
     assert len(moved) == 1 and moved[0].startswith("trl.trainer.grpo_trainer:GRPOTrainer._tokenize_prompts"), moved
     assert "gone" in moved[0] and "trainers/common.py" in moved[0]
     print(moved[0])
+
+
+def test_ppo_classifies_every_grpo_config_field():
+    """PPO's list of what it applies or refuses is TRL's GRPOConfig itself: a field a TRL release adds fails here
+    (and is refused when set) until it is classified in trainers/ppo_config.py."""
+    from trl_scale.trainers.ppo_config import GRPO_FIELDS_PPO_APPLIES, GRPO_FIELDS_PPO_REFUSES, grpo_own_fields
+
+    names = {f.name for f in grpo_own_fields()}
+    classified = GRPO_FIELDS_PPO_APPLIES | set(GRPO_FIELDS_PPO_REFUSES)
+    assert names - classified == set(), "classify these GRPO fields for PPO"
+    assert classified - names == set(), "these are no longer GRPO fields"
+    assert not GRPO_FIELDS_PPO_APPLIES & set(GRPO_FIELDS_PPO_REFUSES)

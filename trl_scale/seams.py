@@ -57,114 +57,252 @@ U = "trl.trainer.utils"
 
 SEAMS: tuple[Seam, ...] = (
     # ---- GRPO/RLOO trainers: overridden methods ------------------------------------------------------------------
-    Seam(f"{G}._generate", OVERRIDE, "trainers/common.py PhaseTimingMixin",
-         "generation of one batch's prompts; timed around super()",
-         "(self, prompts: list)"),
-    Seam(f"{G}._calculate_rewards", OVERRIDE, "trainers/common.py, trainers/ppo_trainer.py",
-         "returns [num completions of all processes, num reward functions] with NaN where a function gave None; "
-         "PPO reads it as every completion's score (sliced by process_index)",
-         "(self, inputs, prompts, completions, completion_ids_list)"),
-    Seam(f"{G}._get_per_token_logps_and_entropies", OVERRIDE, "trainers/common.py, trainers/ppo_trainer.py",
-         "every log-prob forward of policy and reference; the parameters after compute_aux_loss are the image inputs "
-         "PPO passes on (ppo_trainer.MULTIMODAL_FIELDS is derived from them)",
-         "(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, "
-         "compute_aux_loss=False, pixel_values=None, image_grid_thw=None, num_images=None, pixel_attention_mask=None, "
-         "spatial_shapes=None, num_tiles=None, image_sizes=None, token_type_ids=None, mm_token_type_ids=None, "
-         "image_position_ids=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]"),
-    Seam(f"{G}._tokenize_prompts", OVERRIDE, "trainers/common.py (prompt length check)",
-         "returns (prompt_ids, ...) with prompt_ids a list of token-id lists, before generation",
-         "(self, prompts: list)"),
-    Seam(f"{G}._generate_and_score_completions", COPY, "trainers/ppo_trainer.py",
-         "PPO calls super() and then reads prompt_ids/prompt_mask, completion_ids/completion_mask, tool_mask, "
-         "old_per_token_logps, ref_per_token_logps (computed when beta != 0), num_items_in_batch, "
-         "importance_sampling_ratio and the image inputs from the batch it returns",
-         "sha:1fa48922792d"),
-    Seam(f"{G}._compute_loss", COPY, "trainers/ppo_trainer.py",
-         "PPO replaces it whole (clipped surrogate + critic); what GRPO's applies to the loss (IS ratio, masks, "
-         "loss_type normalisers) must be mirrored or refused in PPOConfig",
-         "sha:80295546bbdb"),
-    Seam(f"{G}.training_step", OVERRIDE, "trainers/ppo_trainer.py",
-         "one micro-step: TRL's training_step then the critic's result; num_items_in_batch passed positionally",
-         "(self, model, inputs, num_items_in_batch)"),
+    Seam(
+        f"{G}._generate",
+        OVERRIDE,
+        "trainers/common.py PhaseTimingMixin",
+        "generation of one batch's prompts; timed around super()",
+        "(self, prompts: list)",
+    ),
+    Seam(
+        f"{G}._calculate_rewards",
+        OVERRIDE,
+        "trainers/common.py, trainers/ppo_trainer.py",
+        "returns [num completions of all processes, num reward functions] with NaN where a function gave None; "
+        "PPO reads it as every completion's score (sliced by process_index)",
+        "(self, inputs, prompts, completions, completion_ids_list)",
+    ),
+    Seam(
+        f"{G}._get_per_token_logps_and_entropies",
+        OVERRIDE,
+        "trainers/common.py, trainers/ppo_trainer.py",
+        "every log-prob forward of policy and reference; the parameters after compute_aux_loss are the image inputs "
+        "PPO passes on (ppo_trainer.MULTIMODAL_FIELDS is derived from them)",
+        "(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, "
+        "compute_aux_loss=False, pixel_values=None, image_grid_thw=None, num_images=None, pixel_attention_mask=None, "
+        "spatial_shapes=None, num_tiles=None, image_sizes=None, token_type_ids=None, mm_token_type_ids=None, "
+        "image_position_ids=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]",
+    ),
+    Seam(
+        f"{G}._tokenize_prompts",
+        OVERRIDE,
+        "trainers/common.py (prompt length check)",
+        "returns (prompt_ids, ...) with prompt_ids a list of token-id lists, before generation",
+        "(self, prompts: list)",
+    ),
+    Seam(
+        f"{G}._generate_and_score_completions",
+        COPY,
+        "trainers/ppo_trainer.py",
+        "PPO calls super() and then reads prompt_ids/prompt_mask, completion_ids/completion_mask, tool_mask, "
+        "old_per_token_logps, ref_per_token_logps (computed when beta != 0), num_items_in_batch, "
+        "importance_sampling_ratio and the image inputs from the batch it returns",
+        "sha:1fa48922792d",
+    ),
+    Seam(
+        f"{G}._compute_loss",
+        COPY,
+        "trainers/ppo_trainer.py",
+        "PPO replaces it whole (clipped surrogate + critic); what GRPO's applies to the loss (IS ratio, masks, "
+        "loss_type normalisers) must be mirrored or refused in PPOConfig",
+        "sha:80295546bbdb",
+    ),
+    Seam(
+        f"{G}.training_step",
+        OVERRIDE,
+        "trainers/ppo_trainer.py",
+        "one micro-step: TRL's training_step then the critic's result; num_items_in_batch passed positionally",
+        "(self, model, inputs, num_items_in_batch)",
+    ),
     # ---- GRPO trainer: attributes ------------------------------------------------------------------------------
-    Seam(G, ATTRIBUTE, "trainers/common.py (exact resume)",
-         "the rollout being trained on, a list of per-step batches, None before the first generation",
-         attribute="_buffered_inputs"),
-    Seam(G, ATTRIBUTE, "trainers/common.py (exact resume)",
-         "the micro-step counter that picks the batch from _buffered_inputs and decides when to generate",
-         attribute="_step"),
-    Seam(G, ATTRIBUTE, "trainers/common.py (server rollout)",
-         "the global step at which the weights were last synced (TRL syncs when it differs)",
-         attribute="_last_loaded_step"),
-    Seam(G, ATTRIBUTE, "trainers/ppo_trainer.py",
-         "a dict mode -> defaultdict(list) of metric lists, averaged and logged by TRL's log()",
-         attribute="_metrics"),
+    Seam(
+        G,
+        ATTRIBUTE,
+        "trainers/common.py (exact resume)",
+        "the rollout being trained on, a list of per-step batches, None before the first generation",
+        attribute="_buffered_inputs",
+    ),
+    Seam(
+        G,
+        ATTRIBUTE,
+        "trainers/common.py (exact resume)",
+        "the micro-step counter that picks the batch from _buffered_inputs and decides when to generate",
+        attribute="_step",
+    ),
+    Seam(
+        G,
+        ATTRIBUTE,
+        "trainers/common.py (server rollout)",
+        "the global step at which the weights were last synced (TRL syncs when it differs)",
+        attribute="_last_loaded_step",
+    ),
+    Seam(
+        G,
+        ATTRIBUTE,
+        "trainers/ppo_trainer.py",
+        "a dict mode -> defaultdict(list) of metric lists, averaged and logged by TRL's log()",
+        attribute="_metrics",
+    ),
     # ---- transformers Trainer -----------------------------------------------------------------------------------
-    Seam(f"{T}._save_optimizer_and_scheduler", OVERRIDE, "trainers/common.py, trainers/ppo_trainer.py",
-         "called on every rank while saving a checkpoint, with its folder (rollout buffers, the critic's state)",
-         "(self, output_dir: str) -> None"),
-    Seam(f"{T}._load_optimizer_and_scheduler", OVERRIDE, "trainers/common.py, trainers/ppo_trainer.py",
-         "called on every rank at resume, before the first step, with the checkpoint folder or None",
-         "(self, checkpoint: str | None) -> None"),
-    Seam(f"{T}._save_checkpoint", OVERRIDE, "trainers/common.py SafeCheckpointMixin",
-         "writes checkpoint-<global_step> under _get_output_dir(trial); an OSError leaves a partial folder",
-         "(self, model: torch.nn.modules.module.Module, trial: 'optuna.Trial | dict[str, Any] | None') -> None"),
-    Seam(f"{T}._get_output_dir", CALL, "trainers/common.py SafeCheckpointMixin",
-         "the run directory checkpoints go to",
-         "(self, trial: 'optuna.Trial | dict[str, Any] | None') -> str"),
-    Seam(f"{T}.init_hf_repo", OVERRIDE, "trainers/common.py (push_to_hub)",
-         "creates the Hub repo; transformers passes private=",
-         "(self, token: str | None = None, private: bool | None = None) -> None"),
+    Seam(
+        f"{T}._save_optimizer_and_scheduler",
+        OVERRIDE,
+        "trainers/common.py, trainers/ppo_trainer.py",
+        "called on every rank while saving a checkpoint, with its folder (rollout buffers, the critic's state)",
+        "(self, output_dir: str) -> None",
+    ),
+    Seam(
+        f"{T}._load_optimizer_and_scheduler",
+        OVERRIDE,
+        "trainers/common.py, trainers/ppo_trainer.py",
+        "called on every rank at resume, before the first step, with the checkpoint folder or None",
+        "(self, checkpoint: str | None) -> None",
+    ),
+    Seam(
+        f"{T}._save_checkpoint",
+        OVERRIDE,
+        "trainers/common.py SafeCheckpointMixin",
+        "writes checkpoint-<global_step> under _get_output_dir(trial); an OSError leaves a partial folder",
+        "(self, model: torch.nn.modules.module.Module, trial: 'optuna.Trial | dict[str, Any] | None') -> None",
+    ),
+    Seam(
+        f"{T}._get_output_dir",
+        CALL,
+        "trainers/common.py SafeCheckpointMixin",
+        "the run directory checkpoints go to",
+        "(self, trial: 'optuna.Trial | dict[str, Any] | None') -> str",
+    ),
+    Seam(
+        f"{T}.init_hf_repo",
+        OVERRIDE,
+        "trainers/common.py (push_to_hub)",
+        "creates the Hub repo; transformers passes private=",
+        "(self, token: str | None = None, private: bool | None = None) -> None",
+    ),
     # ---- DPO ---------------------------------------------------------------------------------------------------
-    Seam("trl.trainer.dpo_trainer:DPOTrainer._precompute_ref_logps", OVERRIDE, "trainers/dpo_trainer.py",
-         "run inside TRL's constructor when precompute_ref_log_probs; packed scoring is installed around it",
-         "(self, dataset: datasets.arrow_dataset.Dataset, name: str, batch_size: int) -> datasets.arrow_dataset.Dataset"),
-    Seam("trl.trainer.dpo_config:DPOConfig.padding_free", CONFIG, "trainers/dpo_trainer.py",
-         "TRL 1.16 force-disables its own padding_free; trl-scale hides it from TRL's constructor and packs itself"),
+    Seam(
+        "trl.trainer.dpo_trainer:DPOTrainer._precompute_ref_logps",
+        OVERRIDE,
+        "trainers/dpo_trainer.py",
+        "run inside TRL's constructor when precompute_ref_log_probs; packed scoring is installed around it",
+        "(self, dataset: datasets.arrow_dataset.Dataset, name: str, batch_size: int) -> "
+        "datasets.arrow_dataset.Dataset",
+    ),
+    Seam(
+        "trl.trainer.dpo_config:DPOConfig.padding_free",
+        CONFIG,
+        "trainers/dpo_trainer.py",
+        "TRL 1.16 force-disables its own padding_free; trl-scale hides it from TRL's constructor and packs itself",
+    ),
     # ---- config fields rewritten around TRL's constructor --------------------------------------------------------
-    Seam("trl.trainer.grpo_config:GRPOConfig.use_vllm", CONFIG, "trainers/common.py",
-         "False while TRL builds (no vLLM import, no CUDA communicator); server rollout installed after"),
-    Seam("trl.trainer.grpo_config:GRPOConfig.beta", CONFIG, "trainers/common.py, trainers/ppo_trainer.py",
-         "0 makes TRL build no reference model (remote reference), and skip reference log-probs (PPO sets kl_coef "
-         "while generating so TRL computes them)"),
-    Seam("trl.trainer.grpo_config:GRPOConfig.loss_type", CONFIG, "trainers/ppo_config.py",
-         "'dapo' and 'bnpo' mean what TRL's _compute_loss computes for them (PPO mirrors both)"),
+    Seam(
+        "trl.trainer.grpo_config:GRPOConfig.use_vllm",
+        CONFIG,
+        "trainers/common.py",
+        "False while TRL builds (no vLLM import, no CUDA communicator); server rollout installed after",
+    ),
+    Seam(
+        "trl.trainer.grpo_config:GRPOConfig.beta",
+        CONFIG,
+        "trainers/common.py, trainers/ppo_trainer.py",
+        "0 makes TRL build no reference model (remote reference), and skip reference log-probs (PPO sets kl_coef "
+        "while generating so TRL computes them)",
+    ),
+    Seam(
+        "trl.trainer.grpo_config:GRPOConfig.loss_type",
+        CONFIG,
+        "trainers/ppo_config.py",
+        "'dapo' and 'bnpo' mean what TRL's _compute_loss computes for them (PPO mirrors both)",
+    ),
     # ---- vLLM generation ---------------------------------------------------------------------------------------
-    Seam(f"{V}.__init__", CALL, "rollout/generation.py ServerRolloutGeneration",
-         "accepts model, accelerator, processing_class, mode='server', server_base_url, server_timeout, "
-         "max_completion_length, logprobs as keywords, and calls _init_vllm",
-         "sha:3b2cda6d35bb"),
-    Seam(f"{V}._init_vllm", OVERRIDE, "rollout/generation.py",
-         "builds the client; replaced by trl-scale's client, preflight and weight-sync choice", "(self)"),
-    Seam(f"{V}._iter_named_params", CALL, "rollout/generation.py",
-         "yields (vLLM name, whole tensor) for every weight, gathering ZeRO-3 shards and FSDP DTensors and merging "
-         "PEFT adapters, inside the gather (one tensor at a time)", "(self)"),
-    Seam(V, ATTRIBUTE, "rollout/generation.py",
-         "a cached list of (name, dtype, shape) for the NCCL update, reset to None when names change",
-         attribute="_weight_metadata"),
-    Seam(f"{V}.generate", OVERRIDE, "rollout/generation.py",
-         "returns TRL's tuple (prompt_ids, completion_ids, logprobs, extra) for prompt-major num_generations copies",
-         "(self, prompts: list[list[int]], images: list[list | None] | None, num_generations: int, profiler: "
-         "trl.extras.profiling.ProfilingContext | None = None) -> tuple"),
-    Seam(f"{V}.sync_weights", OVERRIDE, "rollout/generation.py",
-         "called by TRL when the global step moved since the last sync, on every rank", "(self)"),
+    Seam(
+        f"{V}.__init__",
+        CALL,
+        "rollout/generation.py ServerRolloutGeneration",
+        "accepts model, accelerator, processing_class, mode='server', server_base_url, server_timeout, "
+        "max_completion_length, logprobs as keywords, and calls _init_vllm",
+        "sha:3b2cda6d35bb",
+    ),
+    Seam(
+        f"{V}._init_vllm",
+        OVERRIDE,
+        "rollout/generation.py",
+        "builds the client; replaced by trl-scale's client, preflight and weight-sync choice",
+        "(self)",
+    ),
+    Seam(
+        f"{V}._iter_named_params",
+        CALL,
+        "rollout/generation.py",
+        "yields (vLLM name, whole tensor) for every weight, gathering ZeRO-3 shards and FSDP DTensors and merging "
+        "PEFT adapters, inside the gather (one tensor at a time)",
+        "(self)",
+    ),
+    Seam(
+        V,
+        ATTRIBUTE,
+        "rollout/generation.py",
+        "a cached list of (name, dtype, shape) for the NCCL update, reset to None when names change",
+        attribute="_weight_metadata",
+    ),
+    Seam(
+        f"{V}.generate",
+        OVERRIDE,
+        "rollout/generation.py",
+        "returns TRL's tuple (prompt_ids, completion_ids, logprobs, extra) for prompt-major num_generations copies",
+        "(self, prompts: list[list[int]], images: list[list | None] | None, num_generations: int, profiler: "
+        "trl.extras.profiling.ProfilingContext | None = None) -> tuple",
+    ),
+    Seam(
+        f"{V}.sync_weights",
+        OVERRIDE,
+        "rollout/generation.py",
+        "called by TRL when the global step moved since the last sync, on every rank",
+        "(self)",
+    ),
     # ---- the fused log-prob head --------------------------------------------------------------------------------
-    Seam(f"{U}:add_fused_lm_head", COPY, "scoring/engine.py, scoring/logprob_head.py",
-         "model.forward becomes TRL's fused forward taking fused_lm_head/labels/shift_labels/num_items_in_batch and "
-         "returning FusedCausalLMOutput; logit_transform_of repeats its softcap/logit_scale rule",
-         "sha:422d009f04b6"),
-    Seam(f"{U}:FusedCausalLMOutput", COPY, "scoring/engine.py",
-         "fields loss, log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1, label_mask, aux_loss",
-         "sha:5ccdd6e41dcb"),
-    Seam(f"{U}:maybe_gather_lm_head_ctx", CALL, "scoring/logprob_head.py",
-         "gathers ZeRO-3 partitions of the head's weight and bias for the block", "(*params: torch.nn.parameter.Parameter)"),
-    Seam(f"{U}:_CHUNKED_LOGPROB_CHUNK_SIZE", CONSTANT, "scoring/logprob_head.py",
-         "the chunk size TRL's Triton kernel is called with"),
-    Seam("trl.kernels.chunked_logprob:_use_triton", CALL, "scoring/logprob_head.py",
-         "whether TRL's Triton kernel serves this device", "(device: 'torch.device') -> 'bool'"),
-    Seam("trl.kernels:ChunkedLogProbFunction.forward", CALL, "scoring/logprob_head.py",
-         "apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs)",
-         "sha:1d8220b44273"),
+    Seam(
+        f"{U}:add_fused_lm_head",
+        COPY,
+        "scoring/engine.py, scoring/logprob_head.py",
+        "model.forward becomes TRL's fused forward taking fused_lm_head/labels/shift_labels/num_items_in_batch and "
+        "returning FusedCausalLMOutput; logit_transform_of repeats its softcap/logit_scale rule",
+        "sha:422d009f04b6",
+    ),
+    Seam(
+        f"{U}:FusedCausalLMOutput",
+        COPY,
+        "scoring/engine.py",
+        "fields loss, log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1, label_mask, aux_loss",
+        "sha:5ccdd6e41dcb",
+    ),
+    Seam(
+        f"{U}:maybe_gather_lm_head_ctx",
+        CALL,
+        "scoring/logprob_head.py",
+        "gathers ZeRO-3 partitions of the head's weight and bias for the block",
+        "(*params: torch.nn.parameter.Parameter)",
+    ),
+    Seam(
+        f"{U}:_CHUNKED_LOGPROB_CHUNK_SIZE",
+        CONSTANT,
+        "scoring/logprob_head.py",
+        "the chunk size TRL's Triton kernel is called with",
+    ),
+    Seam(
+        "trl.kernels.chunked_logprob:_use_triton",
+        CALL,
+        "scoring/logprob_head.py",
+        "whether TRL's Triton kernel serves this device",
+        "(device: 'torch.device') -> 'bool'",
+    ),
+    Seam(
+        "trl.kernels:ChunkedLogProbFunction.forward",
+        CALL,
+        "scoring/logprob_head.py",
+        "apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs)",
+        "sha:1d8220b44273",
+    ),
 )
 
 

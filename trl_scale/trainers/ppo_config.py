@@ -2,9 +2,69 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from .grpo_config import GRPOConfig
+
+# Every field TRL 1.16's GRPOConfig adds to TrainingArguments, as PPO treats it. PPO refuses a field it does not
+# apply when it is set; a field TRL adds later (in neither list) is refused too when set, and tests/test_seams.py
+# fails until it is classified here: a new GRPO option is refused or handled, never silently ignored.
+GRPO_FIELDS_PPO_REFUSES = {
+    "top_entropy_quantile": "GRPO's entropy-quantile token mask",
+    "entropy_coef": "GRPO's entropy bonus",
+    "use_adaptive_entropy": "GRPO's adaptive entropy bonus",
+    "off_policy_mask_threshold": "GRPO's off-policy sequence mask",
+    "delta": "GRPO's two-sided clipping",
+    "importance_sampling_level": "sequence-level importance ratios",
+    "router_aux_loss_coef": "the MoE router's auxiliary loss",
+    "scale_rewards": "GRPO's group scaling of advantages (PPO whitens GAE advantages)",
+    "multi_objective_aggregation": "GRPO's aggregation of several rewards into advantages (PPO sums weighted scores)",
+    "use_bias_correction_kl": "GRPO's KL term in the loss (PPO's KL is in the reward: kl_coef)",
+}
+GRPO_FIELDS_PPO_APPLIES = frozenset(
+    {
+        # generation (transformers, vLLM, servers) and sampling
+        "cache_implementation", "chat_template_kwargs", "ds3_gather_for_generation", "generation_batch_size",
+        "generation_kwargs", "max_completion_length", "max_tool_calling_iterations", "min_p", "num_generations",
+        "num_generations_eval", "repetition_penalty", "temperature", "top_k", "top_p",
+        "transformers_continuous_batching_config", "use_transformers_continuous_batching", "use_transformers_paged",
+        "use_vllm", "vllm_enable_sleep_mode", "vllm_gpu_memory_utilization", "vllm_group_port",
+        "vllm_max_model_length", "vllm_mode", "vllm_model_impl", "vllm_server_base_url", "vllm_server_host",
+        "vllm_server_port", "vllm_server_timeout", "vllm_structured_outputs_regex", "vllm_tensor_parallel_size",
+        "pad_to_multiple_of", "mask_truncated_completions",
+        # importance sampling against the sampler (applied to PPO's per-token loss as GRPO applies it)
+        "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap",
+        "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
+        # the model, the reference and the data
+        "model_init_kwargs", "trust_remote_code", "cast_lm_head_to_fp32", "disable_dropout", "shuffle_dataset",
+        "reward_weights", "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
+        # the loss: PPO's own meaning (beta must be 0, loss_type 'dapo'/'bnpo', epsilon from cliprange,
+        # steps_per_generation and num_iterations from num_mini_batches/num_ppo_epochs: checked apart)
+        "beta", "loss_type", "epsilon", "epsilon_high", "steps_per_generation", "num_iterations",
+        # inert unless an option refused above (or a loss_type PPO refuses) is on
+        "entropy_coef_delta", "entropy_coef_max", "entropy_coef_min", "entropy_target", "sapo_temperature_neg",
+        "sapo_temperature_pos", "vespo_k_neg", "vespo_k_pos", "vespo_lambda_neg", "vespo_lambda_pos",
+        # logging
+        "log_completions", "log_completions_hub_repo", "log_multimodal", "log_unique_prompts",
+        "num_completions_to_print",
+    }
+)  # fmt: skip
+
+
+def grpo_own_fields() -> list:
+    """The fields the installed TRL's GRPOConfig adds to transformers' TrainingArguments."""
+    from transformers import TrainingArguments
+    from trl import GRPOConfig as TRLGRPOConfig
+
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return [f for f in dataclasses.fields(TRLGRPOConfig) if f.name not in base]
+
+
+def _default_of(field_: dataclasses.Field):
+    if field_.default is not dataclasses.MISSING:
+        return field_.default
+    return field_.default_factory() if field_.default_factory is not dataclasses.MISSING else dataclasses.MISSING
 
 
 @dataclass
@@ -94,20 +154,36 @@ class PPOConfig(GRPOConfig):
             self.num_generations = num_generations
 
     def _reject_unsupported_grpo_options(self) -> None:
-        """GRPO loss options PPO's loss does not apply: an error naming each, never a silently ignored field.
-        (`vllm_importance_sampling_correction` is applied; `mask_truncated_completions` acts on the rollout.)"""
-        unsupported = {
-            "top_entropy_quantile": (self.top_entropy_quantile, 1.0),
-            "entropy_coef": (self.entropy_coef, 0.0),
-            "off_policy_mask_threshold": (self.off_policy_mask_threshold, None),
-            "delta": (self.delta, None),
-            "importance_sampling_level": (self.importance_sampling_level, "token"),
-            "router_aux_loss_coef": (self.router_aux_loss_coef, None),
-            "use_liger_kernel": (self.use_liger_kernel, False),
-        }
-        set_fields = [f"{name}={value!r}" for name, (value, default) in unsupported.items() if value != default]
-        if set_fields:
+        """GRPO options PPO's loss does not apply, or does not know (added to TRL after 1.16), when set: an error
+        naming each, never a silently ignored field. The list is TRL's config itself (`grpo_own_fields`), each field
+        classified above; `use_liger_kernel` (a TrainingArguments field) is GRPO's fused loss, refused too."""
+        refused, unknown = [], []
+        for field_ in grpo_own_fields():
+            value, default = getattr(self, field_.name), _default_of(field_)
+            if value == default or field_.name in GRPO_FIELDS_PPO_APPLIES:
+                continue
+            if field_.name in GRPO_FIELDS_PPO_REFUSES:
+                refused.append(f"{field_.name}={value!r} ({GRPO_FIELDS_PPO_REFUSES[field_.name]})")
+            else:
+                unknown.append(f"{field_.name}={value!r}")
+        if self.use_liger_kernel:
+            refused.append("use_liger_kernel=True (GRPO's fused Liger loss)")
+        derived = {
+            "steps_per_generation": (None, self.num_mini_batches * self.gradient_accumulation_steps,
+                                     "num_mini_batches × gradient_accumulation_steps"),
+            "num_iterations": (1, self.num_ppo_epochs, "num_ppo_epochs"),
+            "epsilon": (0.2, self.cliprange, "cliprange"),
+        }  # fmt: skip
+        for name, (default, value, source) in derived.items():
+            if getattr(self, name) not in (default, value):
+                refused.append(f"{name}={getattr(self, name)!r} (PPO sets it from {source}: set that instead)")
+        if refused:
             raise ValueError(
-                f"PPOTrainer does not apply {', '.join(set_fields)} (GRPO loss options; PPO's loss is the clipped "
-                "surrogate with a critic). Fix: leave them at their defaults, or use GRPOTrainer for them"
+                f"PPOTrainer does not apply {', '.join(refused)}. Fix: leave them at their defaults, or use "
+                "GRPOTrainer for them"
+            )
+        if unknown:
+            raise ValueError(
+                f"PPOTrainer does not know {', '.join(unknown)}: GRPO options of a TRL newer than trl-scale "
+                "classifies (trainers/ppo_config.py). Fix: leave them at their defaults, or use GRPOTrainer"
             )

@@ -41,20 +41,21 @@ from .ppo_config import PPOConfig
 
 VALUE_MODEL_DIR = "value_model"
 
-# The image inputs TRL's GRPO keeps in a rollout batch and passes to every log-prob forward (grpo_trainer.py
-# `_compute_loss`). The last two only say how to slice the others by rows; the rest are model inputs.
-MULTIMODAL_FIELDS = (
-    "pixel_values",
-    "image_grid_thw",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-    "num_images",
-    "num_tiles",
-)
+
+def _image_input_names() -> tuple[str, ...]:
+    """The image inputs TRL's GRPO keeps in a rollout batch and passes to every log-prob forward: the parameters of
+    its `_get_per_token_logps_and_entropies` after `compute_aux_loss` (a registered seam), read from TRL itself so a
+    TRL that adds one passes it on here too."""
+    import inspect
+
+    from trl import GRPOTrainer as TRLGRPOTrainer
+
+    names = list(inspect.signature(TRLGRPOTrainer._get_per_token_logps_and_entropies).parameters)
+    return tuple(names[names.index("compute_aux_loss") + 1 :])
+
+
+# The last two only say how to slice the others by rows; the rest are model inputs.
+MULTIMODAL_FIELDS = _image_input_names()
 _ROW_SLICING_FIELDS = ("num_images", "num_tiles")
 
 
