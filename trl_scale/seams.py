@@ -60,14 +60,14 @@ SEAMS: tuple[Seam, ...] = (
     Seam(
         f"{G}._generate",
         OVERRIDE,
-        "trainers/common.py PhaseTimingMixin",
+        "trainers/wiring.py PhaseTimingMixin",
         "generation of one batch's prompts; timed around super()",
         "(self, prompts: list)",
     ),
     Seam(
         f"{G}._calculate_rewards",
         OVERRIDE,
-        "trainers/common.py, trainers/ppo_trainer.py",
+        "trainers/online.py, trainers/ppo_trainer.py",
         "returns [num completions of all processes, num reward functions] with NaN where a function gave None; "
         "PPO reads it as every completion's score (sliced by process_index)",
         "(self, inputs, prompts, completions, completion_ids_list)",
@@ -75,7 +75,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam(
         f"{G}._get_per_token_logps_and_entropies",
         OVERRIDE,
-        "trainers/common.py, trainers/ppo_trainer.py",
+        "trainers/wiring.py, trainers/online.py, trainers/ppo_trainer.py",
         "every log-prob forward of policy and reference; the parameters after compute_aux_loss are the image inputs "
         "PPO passes on (ppo_trainer.MULTIMODAL_FIELDS is derived from them)",
         "(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, "
@@ -86,7 +86,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam(
         f"{G}._tokenize_prompts",
         OVERRIDE,
-        "trainers/common.py (prompt length check)",
+        "trainers/online.py (prompt length check)",
         "returns (prompt_ids, ...) with prompt_ids a list of token-id lists, before generation",
         "(self, prompts: list)",
     ),
@@ -118,21 +118,21 @@ SEAMS: tuple[Seam, ...] = (
     Seam(
         G,
         ATTRIBUTE,
-        "trainers/common.py (exact resume)",
+        "trainers/checkpoints.py (exact resume)",
         "the rollout being trained on, a list of per-step batches, None before the first generation",
         attribute="_buffered_inputs",
     ),
     Seam(
         G,
         ATTRIBUTE,
-        "trainers/common.py (exact resume)",
+        "trainers/checkpoints.py (exact resume)",
         "the micro-step counter that picks the batch from _buffered_inputs and decides when to generate",
         attribute="_step",
     ),
     Seam(
         G,
         ATTRIBUTE,
-        "trainers/common.py (server rollout)",
+        "trainers/wiring.py (server rollout)",
         "the global step at which the weights were last synced (TRL syncs when it differs)",
         attribute="_last_loaded_step",
     ),
@@ -147,35 +147,35 @@ SEAMS: tuple[Seam, ...] = (
     Seam(
         f"{T}._save_optimizer_and_scheduler",
         OVERRIDE,
-        "trainers/common.py, trainers/ppo_trainer.py",
+        "trainers/checkpoints.py, trainers/ppo_trainer.py",
         "called on every rank while saving a checkpoint, with its folder (rollout buffers, the critic's state)",
         "(self, output_dir: str) -> None",
     ),
     Seam(
         f"{T}._load_optimizer_and_scheduler",
         OVERRIDE,
-        "trainers/common.py, trainers/ppo_trainer.py",
+        "trainers/checkpoints.py, trainers/ppo_trainer.py",
         "called on every rank at resume, before the first step, with the checkpoint folder or None",
         "(self, checkpoint: str | None) -> None",
     ),
     Seam(
         f"{T}._save_checkpoint",
         OVERRIDE,
-        "trainers/common.py SafeCheckpointMixin",
+        "trainers/checkpoints.py SafeCheckpointMixin",
         "writes checkpoint-<global_step> under _get_output_dir(trial); an OSError leaves a partial folder",
         "(self, model: torch.nn.modules.module.Module, trial: 'optuna.Trial | dict[str, Any] | None') -> None",
     ),
     Seam(
         f"{T}._get_output_dir",
         CALL,
-        "trainers/common.py SafeCheckpointMixin",
+        "trainers/checkpoints.py SafeCheckpointMixin",
         "the run directory checkpoints go to",
         "(self, trial: 'optuna.Trial | dict[str, Any] | None') -> str",
     ),
     Seam(
         f"{T}.init_hf_repo",
         OVERRIDE,
-        "trainers/common.py (push_to_hub)",
+        "trainers/hub.py (push_to_hub)",
         "creates the Hub repo; transformers passes private=",
         "(self, token: str | None = None, private: bool | None = None) -> None",
     ),
@@ -198,13 +198,13 @@ SEAMS: tuple[Seam, ...] = (
     Seam(
         "trl.trainer.grpo_config:GRPOConfig.use_vllm",
         CONFIG,
-        "trainers/common.py",
+        "trainers/online.py",
         "False while TRL builds (no vLLM import, no CUDA communicator); server rollout installed after",
     ),
     Seam(
         "trl.trainer.grpo_config:GRPOConfig.beta",
         CONFIG,
-        "trainers/common.py, trainers/ppo_trainer.py",
+        "trainers/online.py, trainers/ppo_trainer.py",
         "0 makes TRL build no reference model (remote reference), and skip reference log-probs (PPO sets kl_coef "
         "while generating so TRL computes them)",
     ),

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from trl import DPOConfig as _TRLDPOConfig
 
-from .common import ScoringArguments, config_docstring
+from ..scoring.arguments import ScoringArguments
+from .construction import config_docstring
 
 
 @dataclass

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from trl import DPOTrainer as _TRLDPOTrainer
 
-from .common import (
-    TRL_SCALE_TAG,
-    ModelCardMixin,
-    PackedScoringMixin,
-    SafeCheckpointMixin,
+from .checkpoints import SafeCheckpointMixin
+from .construction import (
     check_model_arguments,
     check_output_dir,
     check_train_dataset,
@@ -16,6 +13,8 @@ from .common import (
     trl_arguments,
     with_signature_of,
 )
+from .hub import TRL_SCALE_TAG, ModelCardMixin
+from .wiring import PackedScoringMixin
 
 
 def check_preference_pairs(dataset) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
-from .common import TRL_SCALE_TAG, OnlineTrainerMixin, with_signature_of
+from .construction import with_signature_of
+from .hub import TRL_SCALE_TAG
+from .online import OnlineTrainerMixin
 
 
 class GRPOTrainer(OnlineTrainerMixin, _TRLGRPOTrainer):

@@ -35,8 +35,9 @@ from ..distributed.critic_sharding import (
 )
 from ..distributed.zero import gathered, whole_parameters
 from ..model_paths import check_model_path
-from .common import TRL_SCALE_TAG, image_columns, overridden
+from .construction import image_columns, overridden
 from .grpo_trainer import GRPOTrainer
+from .hub import TRL_SCALE_TAG
 from .ppo_config import PPOConfig
 
 VALUE_MODEL_DIR = "value_model"

@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 from trl import RLOOConfig as _TRLRLOOConfig
 
-from .common import DistributedArguments, RolloutArguments, ScoringArguments, config_docstring
+from ..distributed.arguments import DistributedArguments
+from ..rollout.arguments import RolloutArguments
+from ..scoring.arguments import ScoringArguments
+from .construction import config_docstring
 
 
 @dataclass

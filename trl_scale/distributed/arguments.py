@@ -1,0 +1,92 @@
+"""The Ray backend's config fields (placements of the critic, reward and reference models), mixed into the online
+trainers' configs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass
+class DistributedArguments:
+    """Where the reward models (and PPO's critic) live: in the trainer processes, or on Ray role groups."""
+
+    FIELDS_DOC = """
+    > Placement (`pip install trl-scale[ray]`)
+
+    backend (`str`, defaults to `"local"`): `"ray"` puts reward models (and PPO's critic) on Ray role groups,
+        started and called by the main trainer process for every rank.
+    ray_address (`str` or `None`): a Ray cluster; `None` starts a local one.
+    reward_placement, critic_placement, reference_placement (`dict` or `None`):
+        `{"num_workers": 1, "num_gpus_per_worker": 1.0, "num_cpus_per_worker": 1}` per role. The reference goes to
+        its own group only when `reference_placement` is given (and `beta != 0`, no PEFT). `critic_placement` also
+        takes `"sharding"`: `"fsdp2"` (default; with several workers each holds 1/num_workers of the critic's
+        parameters, gradients and AdamW state) or `"replicated"`.
+    ray_call_timeout (`float`, defaults to `300`): bound on every call to a Ray worker.
+"""  # its section of each config's docstring (`config_docstring`)
+
+    backend: str = field(
+        default="local",
+        metadata={"help": "'local' (in the trainer processes) or 'ray' (reward models and the critic on Ray groups)."},
+    )
+    ray_address: str | None = field(default=None, metadata={"help": "Ray cluster address; None starts a local one."})
+    reward_placement: dict | None = field(
+        default=None,
+        metadata={"help": "Reward group: {'num_workers': 1, 'num_gpus_per_worker': 1.0, 'num_cpus_per_worker': 1}."},
+    )
+    critic_placement: dict | None = field(
+        default=None,
+        metadata={
+            "help": "Critic group (PPO), same keys as reward_placement, plus 'sharding': 'fsdp2' (default: the "
+            "critic sharded across its workers) or 'replicated'."
+        },
+    )
+    reference_placement: dict | None = field(
+        default=None,
+        metadata={
+            "help": "Reference model group, same keys as reward_placement. None keeps the reference in the trainer "
+            "processes (as TRL does); unused with a PEFT policy, whose reference is its disabled adapter."
+        },
+    )
+    ray_call_timeout: float = field(
+        default=300.0, metadata={"help": "Seconds any call to a Ray worker may take before a RoleError."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._validate_distributed_arguments()
+
+    def _validate_distributed_arguments(self) -> None:
+        if self.backend not in ("local", "ray"):
+            raise ValueError(f"backend={self.backend!r}: use 'local' or 'ray'")
+        if self.backend == "ray":
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                raise ImportError(
+                    "backend='ray' needs Ray, which is not installed. Fix: pip install 'trl-scale[ray]' (or set "
+                    "backend='local' to keep every model in the trainer processes)"
+                )
+            from .ray_backend import Placement
+
+            Placement.from_config(self.reward_placement, "reward_placement")
+            Placement.from_config(self.critic_placement, "critic_placement")
+            if self.reference_placement is not None:
+                Placement.from_config(self.reference_placement, "reference_placement")
+        elif self.reference_placement is not None:
+            raise ValueError("reference_placement places the reference on a Ray group: set backend='ray' too")
+        else:
+            from .ray_backend import Placement
+
+            for name in ("reward_placement", "critic_placement"):
+                if getattr(self, name, None) is not None:  # checked anyway: a typo must not wait for backend='ray'
+                    Placement.from_config(getattr(self, name), name)
+                    logger.warning(f"{name} is unused with backend='local': every model stays in the trainers")
+        if self.reference_placement is not None and getattr(self, "sync_ref_model", False):
+            raise ValueError(
+                "sync_ref_model=True is not supported with reference_placement (the reference lives on a Ray group); "
+                "set sync_ref_model=False or reference_placement=None"
+            )

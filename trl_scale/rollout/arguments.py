@@ -1,0 +1,170 @@
+"""Server rollout's config fields (GRPO, RLOO, PPO), mixed into the online trainers' configs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RolloutArguments:
+    """Config fields of server rollout (GRPO, RLOO, PPO): many completion servers, no vLLM in the trainer."""
+
+    FIELDS_DOC = """
+    > Server rollout (with `use_vllm=True, vllm_mode="server"`)
+
+    vllm_server_base_urls (`list[str]` or `None`):
+        Completion servers (vLLM or `trl-scale serve`), routed by least outstanding work, with failover.
+    weight_sync (`str`, defaults to `"auto"`), weight_sync_dir (`str` or `None`):
+        `"nccl"` (one weight-transfer group over every server, vLLM's `/update_weights` route; NCCL needs vLLM and
+        CUDA in the trainer, `trl-scale serve` offers gloo), `"shared_dir"` (safetensors in a directory the servers
+        read, then vLLM's `/collective_rpc reload_weights`), `"lora"` (adapter loading), or `"auto"`: `"nccl"` when
+        every server offers a weight-transfer engine this trainer can drive, else `"shared_dir"`.
+    weight_sync_timeout (`float`, defaults to `120`), weight_load_timeout (`float`, defaults to `900`):
+        Seconds for a weight sync's control calls and each broadcast collective; seconds a server may take to
+        receive or load the weights (`/update_weights`, `/collective_rpc reload_weights`, a LoRA load).
+    rollout_request_timeout (`float`, defaults to `120`), rollout_generation_timeout (`float` or `None`):
+        Seconds a request may wait for a server to take it (a free slot, failovers); seconds one server may take to
+        generate it, `None` meaning `120 + 0.25 × max_completion_length` (1144 s for 4096 tokens).
+    rollout_api_key (`str` or `None`): bearer token for the servers.
+    async_rollout_staleness (`int`, defaults to `0`):
+        0: generate each batch when it is needed (synchronous, TRL's behaviour). k ≥ 1: the servers generate the
+        next k generation batches while the trainer trains; no completion is trained on more than k weight syncs
+        after the weights it was sampled from, and TRL's vLLM importance-sampling correction (GRPO, PPO) corrects
+        the off-policy gap. A sync happens once per generation batch, so with `steps_per_generation` × epochs
+        optimizer steps per batch, k syncs are k × that many optimizer steps. Needs
+        `vllm_importance_sampling_correction=True`; RLOO, which TRL gives no such correction, refuses it.
+"""  # its section of each config's docstring (`config_docstring`)
+
+    vllm_server_base_urls: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "With use_vllm=True and vllm_mode='server': the completion servers (vLLM or `trl-scale serve`). "
+            "Requests are routed by load and observed speed; a failing server leaves the rotation and is probed "
+            "again later. TRL's single vllm_server_base_url keeps working."
+        },
+    )
+    weight_sync: str = field(
+        default="auto",
+        metadata={
+            "help": "How weights reach the servers: 'nccl' (a weight-transfer group over every server: vLLM's NCCL "
+            "engine, which needs vLLM and CUDA here, or trl-scale serve's gloo engine), 'shared_dir' (safetensors in "
+            "weight_sync_dir, reloaded with vLLM's /collective_rpc reload_weights), 'lora' (an adapter per sync), or "
+            "'auto' ('nccl' where every server offers an engine this trainer can drive, else 'shared_dir')."
+        },
+    )
+    weight_sync_dir: str | None = field(
+        default=None, metadata={"help": "Directory the servers can read, for weight_sync='shared_dir' or 'lora'."}
+    )
+    weight_sync_timeout: float = field(
+        default=120.0,
+        metadata={"help": "Seconds a weight sync's control calls and each broadcast collective may take."},
+    )
+    weight_load_timeout: float = field(
+        default=900.0,
+        metadata={
+            "help": "Seconds a server may take to receive or load the weights of one sync (/update_weights, "
+            "/collective_rpc reload_weights, /v1/load_lora_adapter): large models need minutes."
+        },
+    )
+    rollout_request_timeout: float = field(
+        default=120.0,
+        metadata={"help": "Seconds a completion request may wait for a server to take it (free slot, failovers)."},
+    )
+    rollout_generation_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds one server may take to generate one request (a prompt's completions). None: "
+            "120 + 0.25 x max_completion_length (a 4096-token completion gets 1144 s)."
+        },
+    )
+    rollout_api_key: str | None = field(default=None, metadata={"help": "Bearer token for the servers."})
+    async_rollout_staleness: int = field(
+        default=0,
+        metadata={
+            "help": "0: synchronous rollout. k >= 1: the servers generate the next k generation batches while the "
+            "trainer trains; a completion is trained on at most k weight syncs after the weights it was sampled from "
+            "(one sync per generation batch: k x steps_per_generation x epochs optimizer steps), importance-sampling "
+            "corrected (GRPO, PPO; RLOO refuses it)."
+        },
+    )
+    rollout_max_inflight_per_server: int = field(
+        default=8,
+        metadata={
+            "help": "Requests in flight per server (one request = one prompt's num_generations completions); more "
+            "wait in the client for the first server to free up (load-aware routing). Raise it for vLLM servers "
+            "that batch many requests."
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._validate_rollout_arguments()
+
+    def _validate_rollout_arguments(self) -> None:
+        if self.vllm_server_base_urls is not None:
+            from urllib.parse import urlparse
+
+            seen = {}
+            for url in self.vllm_server_base_urls:
+                parsed = urlparse(str(url))
+                if parsed.scheme not in ("http", "https") or not parsed.hostname:
+                    raise ValueError(
+                        f"vllm_server_base_urls entry {url!r} is not a server URL. Fix: use http://HOST:PORT (e.g. "
+                        "http://10.0.0.5:8000), one entry per server"
+                    )
+                # one loopback host however it is spelled, and the scheme's default port made explicit
+                host = "loopback" if parsed.hostname in ("localhost", "127.0.0.1", "::1") else parsed.hostname
+                port = parsed.port or {"http": 80, "https": 443}[parsed.scheme]
+                key = (parsed.scheme, host, port, parsed.path.rstrip("/"))
+                if key in seen:
+                    raise ValueError(
+                        f"vllm_server_base_urls lists the same server twice ({seen[key]!r} and {url!r}): it would get "
+                        "double the work and every weight sync twice. Fix: list each server once"
+                    )
+                seen[key] = url
+        if self.async_rollout_staleness < 0:
+            raise ValueError(f"async_rollout_staleness={self.async_rollout_staleness}: use 0 (synchronous) or k >= 1")
+        if self.async_rollout_staleness and not (
+            getattr(self, "use_vllm", False) and getattr(self, "vllm_mode", None) == "server"
+        ):
+            raise ValueError(
+                "async_rollout_staleness > 0 overlaps server generation with training: it needs use_vllm=True, "
+                "vllm_mode='server' and vllm_server_base_urls. Fix: set those, or async_rollout_staleness=0"
+            )
+        if self.weight_sync == "http":
+            raise ValueError(
+                "weight_sync='http' is gone: no vLLM route takes weights in a request body (its /update_weights takes "
+                "JSON metadata and a broadcast). Fix: weight_sync='auto' (default), 'nccl', 'shared_dir' or 'lora'"
+            )
+        if self.weight_sync not in ("auto", "nccl", "shared_dir", "lora"):
+            raise ValueError(f"weight_sync={self.weight_sync!r}: use 'auto', 'nccl', 'shared_dir' or 'lora'")
+        for name in (
+            "weight_sync_timeout",
+            "weight_load_timeout",
+            "rollout_request_timeout",
+            "rollout_generation_timeout",
+            "vllm_server_timeout",
+        ):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"{name}={value!r}: use a positive number of seconds")
+        inflight = self.rollout_max_inflight_per_server
+        if isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 1:
+            raise ValueError(
+                f"rollout_max_inflight_per_server={inflight!r}: use a positive whole number of requests (default 8); "
+                "with 0 no request could ever be sent"
+            )
+        if self.async_rollout_staleness:
+            if not hasattr(self, "vllm_importance_sampling_correction"):  # RLOO
+                raise ValueError(
+                    f"async_rollout_staleness={self.async_rollout_staleness}: RLOO trains prefetched (stale) "
+                    "completions with no off-policy correction (TRL's RLOO recomputes its old log-probs with the "
+                    "current weights, so its ratio starts at 1). Fix: async_rollout_staleness=0, or GRPOTrainer / "
+                    "PPOTrainer, whose vLLM importance-sampling correction covers it"
+                )
+            if not self.vllm_importance_sampling_correction:
+                raise ValueError(
+                    f"async_rollout_staleness={self.async_rollout_staleness} trains completions sampled from older "
+                    "weights; with vllm_importance_sampling_correction=False nothing corrects for it. Fix: "
+                    "vllm_importance_sampling_correction=True (default), or async_rollout_staleness=0"
+                )

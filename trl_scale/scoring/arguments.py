@@ -1,0 +1,70 @@
+"""The packed scoring engine's config fields, mixed into every trl-scale trainer config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ScoringArguments:
+    """Config fields of the packed scoring engine, shared by GRPO, RLOO, DPO (and PPO) configs."""
+
+    FIELDS_DOC = """
+    > Packed scoring (remove-padding + chunked log-prob head)
+
+    padding_free (`bool` or `None`, defaults to `None`):
+        Score only real tokens, packed into rows with `position_ids` restarting per sequence. `None` packs where a
+        one-off probe of the model finds packing exact, and otherwise runs TRL's padded path with one warning;
+        `True` makes an inexact model an error; `False` runs TRL's padded path and gives TRL's numbers exactly.
+    token_budget (`int` or `None`, defaults to `None`):
+        Most real tokens in one packed forward; larger batches are split into balanced micro-batches, the same
+        number on every data-parallel rank. `None` is automatic: sdpa/eager (dense attention) get rows no wider
+        than the longest sequence, all in one forward; flash kernels one packed row.
+    logprob_chunk_size (`int`, defaults to `256`):
+        Tokens projected onto the vocabulary at once by trl-scale's chunked head (non-Triton devices).
+"""  # its section of each config's docstring (`config_docstring`)
+
+    padding_free: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Score only real tokens: pack each scoring batch's sequences into rows with position_ids "
+            "restarting per sequence (no attention mask, no KV cache) and project only labelled tokens through "
+            "the chunked log-prob head. None (default): pack where a one-off probe finds it exact for the model, "
+            "else TRL's padded path with a warning. True: the same, but an inexact model is an error. False: TRL's "
+            "padded path unchanged, with identical numbers."
+        },
+    )
+    token_budget: int | None = field(
+        default=None,
+        metadata={
+            "help": "Most real tokens in one packed forward (micro-batch); a batch with more is split into several, "
+            "balanced, and every data-parallel rank runs the same number. A sequence longer than the budget gets a "
+            "micro-batch of its own. None (automatic): with sdpa/eager the sequences are laid in rows no wider than "
+            "the longest one (attention then costs no more than the padded batch's), all in one forward; with flash "
+            "kernels each call is one packed row."
+        },
+    )
+    logprob_chunk_size: int = field(
+        default=256,
+        metadata={
+            "help": "Tokens projected onto the vocabulary at once by trl-scale's chunked log-prob head (CPU and "
+            "other non-Triton devices); peak head memory is about 2 x chunk x vocab x 4 bytes plus the weight "
+            "gradient. On CUDA/XPU with Triton, TRL's own kernel runs with its own tiling."
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._validate_scoring_arguments()
+
+    def _validate_scoring_arguments(self) -> None:
+        if self.token_budget is not None and (
+            isinstance(self.token_budget, bool) or not isinstance(self.token_budget, int) or self.token_budget < 1
+        ):
+            raise ValueError(
+                f"token_budget={self.token_budget!r}: use a positive number of tokens, or None for no limit"
+            )
+        if not isinstance(self.logprob_chunk_size, int) or self.logprob_chunk_size < 1:
+            raise ValueError(
+                f"logprob_chunk_size={self.logprob_chunk_size!r}: use a positive number of tokens (e.g. 256)"
+            )

@@ -1,0 +1,83 @@
+"""Checkpoints that survive a failed save, and exact resume inside a rollout window."""
+
+from __future__ import annotations
+
+import os
+
+ROLLOUT_BUFFER_NAME = "rollout_buffer_rank{rank}.pt"
+
+
+def check_rollout_buffers(checkpoint: str, num_processes: int) -> None:
+    """A checkpoint saved inside a rollout window holds one rollout buffer per process. Resumed on another number of
+    processes, some ranks would have a buffer and others would generate, and TRL's cross-rank gathers would not
+    match (a hang or wrong numbers): refuse it on every rank (each reads the same folder), naming the fixes."""
+    import glob
+
+    saved = len(glob.glob(os.path.join(checkpoint, ROLLOUT_BUFFER_NAME.format(rank="*"))))
+    if saved and saved != num_processes:
+        raise ValueError(
+            f"{checkpoint} was saved inside a rollout window by {saved} process(es), with each one's rollout "
+            f"({ROLLOUT_BUFFER_NAME.format(rank='N')}); this run has {num_processes}. Nothing was trained, and the "
+            f"checkpoint is intact. Fix: resume with {saved} process(es) for an exact continuation, or delete the "
+            f"{ROLLOUT_BUFFER_NAME.format(rank='*')} files in it to start a new rollout there (as TRL resumes; not "
+            "exact), or resume from a checkpoint saved at a window boundary"
+        )
+
+
+class SafeCheckpointMixin:
+    """A checkpoint save that fails (disk full, quota, a dropped network mount) removes its partial folder, so that
+    `resume_from_checkpoint=True` picks the last complete checkpoint instead of a broken one, and says so."""
+
+    def _save_checkpoint(self, model, trial):
+        import shutil
+
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        existed = os.path.isdir(folder)
+        try:
+            super()._save_checkpoint(model, trial)
+        except OSError as error:
+            if not existed and self.args.should_save:
+                shutil.rmtree(folder, ignore_errors=True)
+            last = get_last_checkpoint(run_dir) if os.path.isdir(run_dir) else None
+            raise OSError(
+                error.errno,
+                f"saving {folder} failed ({error.strerror or error}); the partial checkpoint was removed, and the "
+                f"last complete one is {last or 'none'}. Fix: free space under {run_dir}, then train again with "
+                "resume_from_checkpoint=True",
+            ) from error
+
+
+class RolloutResumeMixin:
+    """Checkpoints carry the rollout being trained on; a resume inside the window trains on it."""
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Also save the rollout being trained on (every rank its own): a checkpoint inside a generation window
+        (`steps_per_generation` x `num_iterations` > 1, or PPO's epochs x mini-batches) then resumes on the same
+        rollout, where TRL would sample a new one and diverge from the uninterrupted run."""
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self._buffered_inputs is not None:
+            import torch
+
+            # Ranks other than the main one get here while it may still be writing the model: the folder it creates
+            # may not exist yet (transformers' own per-rank RNG file makes it the same way).
+            os.makedirs(output_dir, exist_ok=True)
+            path = os.path.join(output_dir, ROLLOUT_BUFFER_NAME.format(rank=self.accelerator.process_index))
+            torch.save({"step": self._step, "inputs": self._buffered_inputs}, path)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        check_rollout_buffers(checkpoint, self.accelerator.num_processes)
+        path = os.path.join(checkpoint, ROLLOUT_BUFFER_NAME.format(rank=self.accelerator.process_index))
+        if os.path.isfile(path):
+            import torch
+
+            # Our own file in our own checkpoint (tensors in lists and dicts), loaded as the Trainer loads RNG state.
+            # Plain "cpu" for CPU runs: under DeepSpeed the device is "cpu:0", a location torch.load cannot restore.
+            device = self.accelerator.device
+            saved = torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=False)
+            self._step, self._buffered_inputs = saved["step"], saved["inputs"]

@@ -1,0 +1,166 @@
+"""What a trl-scale trainer checks and rewrites while TRL's constructor runs: the arguments as TRL would bind them,
+config fields set around it, bad input refused early with the fix, and the configs' docstrings."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from contextlib import contextmanager
+
+from transformers.utils import logging
+
+from ..model_paths import check_model_path
+
+logger = logging.get_logger(__name__)
+
+
+def config_docstring(method: str, *sections) -> str:
+    """A trl-scale config's docstring, TRL's style: the header, then each field mixin's section (one text per
+    field, whichever configs carry it)."""
+    header = (
+        f"\n    Configuration class for [`trl_scale.{method}Trainer`]: every field of [`trl.{method}Config`], "
+        "unchanged, plus trl-scale's.\n"
+    )
+    return header + "".join(section.FIELDS_DOC for section in sections)
+
+
+@contextmanager
+def overridden(config, **values):
+    """Set `config` fields while TRL's constructor reads them, and restore them afterwards, even on error."""
+    if config is None:
+        yield
+        return
+    saved = {name: getattr(config, name) for name in values}
+    for name, value in values.items():
+        setattr(config, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
+
+
+def trl_arguments(trainer, args: tuple, kwargs: dict) -> dict:
+    """A trl-scale trainer's constructor arguments by name, bound to the signature of the TRL trainer it extends
+    (positional or keyword, TRL's defaults applied), so every call TRL accepts is accepted and passed on unchanged."""
+    trl_class = next(c for c in type(trainer).__mro__ if c.__module__.startswith("trl."))
+    bound = inspect.signature(trl_class.__init__).bind(trainer, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    arguments.pop(next(iter(arguments)))  # self
+    return arguments
+
+
+def check_output_dir(config) -> None:
+    """Fail at construction, not at the first checkpoint an hour in, when `output_dir` cannot be written."""
+    if config is None or not getattr(config, "output_dir", None):
+        return
+    path = config.output_dir
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".trl-scale-write-check-{os.getpid()}")
+        with open(probe, "w") as handle:
+            handle.write("ok")
+        os.remove(probe)
+    except OSError as error:
+        raise ValueError(
+            f"output_dir={path!r} is not writable ({type(error).__name__}: {error}). Fix: set output_dir to a "
+            "directory this process can create and write (checkpoints, the model and its card go there)."
+        ) from error
+
+
+def check_model_arguments(arguments: dict) -> None:
+    """The model, reference and reward-model paths of a trainer's arguments, each checked where it names a local
+    directory that does not exist (:func:`..model_paths.check_model_path`)."""
+    for name in ("model", "ref_model", "value_model"):
+        check_model_path(arguments.get(name), name)
+    rewards = arguments.get("reward_funcs")
+    for index, reward in enumerate(rewards if isinstance(rewards, list) else [rewards]):
+        check_model_path(reward, "reward_funcs" if not isinstance(rewards, list) else f"reward_funcs[{index}]")
+
+
+def check_train_dataset(dataset, required: tuple[str, ...], trainer: str) -> None:
+    """Fail at construction when the training data cannot work: no rows, or a column the trainer reads is missing."""
+    if dataset is None:
+        return
+    try:
+        size = len(dataset)
+    except TypeError:  # an IterableDataset: no length to check
+        size = None
+    if size == 0:
+        raise ValueError(f"train_dataset is empty: {trainer} has nothing to train on. Fix: pass a dataset with rows")
+    columns = getattr(dataset, "column_names", None)
+    if columns is None or isinstance(columns, dict):  # unknown (streaming) or a DatasetDict passed by mistake
+        if isinstance(columns, dict):
+            raise ValueError(
+                f"train_dataset is a DatasetDict with splits {sorted(columns)}; pass one split, e.g. dataset['train']"
+            )
+        return
+    missing = [name for name in required if name not in columns]
+    if missing:
+        raise ValueError(
+            f"train_dataset has no column {missing[0]!r}, which {trainer} reads (columns: {columns}). Fix: rename "
+            f"yours with dataset.rename_column(OLD, {missing[0]!r})"
+        )
+
+
+def image_columns(*datasets) -> list[str]:
+    """The image columns TRL reads ("image", "images") found in these datasets (or dicts of eval datasets)."""
+    found = set()
+    for dataset in datasets:
+        for part in dataset.values() if isinstance(dataset, dict) else [dataset]:
+            found |= set(getattr(part, "column_names", None) or []) & {"image", "images"}
+    return sorted(found)
+
+
+def with_signature_of(trl_init):
+    """Give a trl-scale constructor the signature of the TRL constructor it accepts (see `trl_arguments`), so
+    `inspect.signature`, IDEs and `help()` show TRL's parameters."""
+
+    def decorate(init):
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+
+        __init__.__signature__ = inspect.signature(trl_init)
+        return __init__
+
+    return decorate
+
+
+def remote_reward_funcs(reward_funcs, args):
+    """With backend='ray', replace each reward model in `reward_funcs` (path or object) by a function served by
+    the reward group; callables stay in the trainer."""
+    if getattr(args, "backend", "local") != "ray" or reward_funcs is None:
+        return reward_funcs
+    from torch import nn
+
+    from ..distributed.roles import start_reward_model
+
+    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+    return [start_reward_model(f, args) if isinstance(f, (str, nn.Module)) else f for f in funcs]
+
+
+def wants_remote_reference(args, model, peft_config) -> bool:
+    """Whether the reference goes to its own Ray group: backend='ray', a reference_placement, a KL term that needs a
+    reference, and no PEFT (a PEFT policy's reference is its disabled adapter, which costs no extra model)."""
+    if getattr(args, "backend", "local") != "ray" or getattr(args, "reference_placement", None) is None:
+        return False
+    if args.beta == 0.0:
+        return False
+    from accelerate.utils import is_peft_model
+
+    if peft_config is not None or (not isinstance(model, str) and is_peft_model(model)):
+        logger.warning("reference_placement is unused: a PEFT policy's reference is the policy without its adapter")
+        return False
+    return True
+
+
+def uses_server_rollout(args) -> bool:
+    """trl-scale's client serves `use_vllm=True, vllm_mode='server'` when several servers are given, or when
+    vLLM is not installed (TRL's own server mode needs vLLM importable and CUDA for its weight sync)."""
+    if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server"):
+        return False
+    from trl.import_utils import is_vllm_available
+
+    return bool(getattr(args, "vllm_server_base_urls", None)) or not is_vllm_available()

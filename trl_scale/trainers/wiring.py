@@ -1,0 +1,159 @@
+"""The trainer-side wiring of trl-scale's features into TRL's hooks: server rollout, packed scoring, phase timing."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+from transformers.utils import logging
+
+from ..distributed.roles import RayReference
+from ..scoring import PackingStats, install_packed_scoring
+
+logger = logging.get_logger(__name__)
+
+
+class ServerRolloutMixin:
+    """Plugs the multi-server client in as TRL's `vllm_generation` (the trainer was built with TRL's vLLM off)."""
+
+    def _install_server_rollout(self, logprobs: bool) -> None:
+        from ..rollout import RolloutClient, ServerRolloutGeneration
+
+        args = self.args
+        urls = args.vllm_server_base_urls or [
+            args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        ]
+        generation_timeout = args.rollout_generation_timeout or 120.0 + 0.25 * args.max_completion_length
+        client = RolloutClient(
+            urls,
+            request_timeout=args.rollout_request_timeout,
+            api_key=args.rollout_api_key,
+            max_inflight_per_server=args.rollout_max_inflight_per_server,
+            generation_timeout=generation_timeout,
+            load_timeout=args.weight_load_timeout,
+        )
+        correction = bool(getattr(self, "vllm_importance_sampling_correction", False))  # GRPO, PPO; not RLOO
+        self.vllm_generation = ServerRolloutGeneration(
+            self,
+            client,
+            weight_sync=args.weight_sync,
+            weight_sync_dir=args.weight_sync_dir,
+            weight_sync_timeout=args.weight_sync_timeout,
+            ready_timeout=args.vllm_server_timeout,
+            logprobs=logprobs and hasattr(self, "vllm_importance_sampling_correction"),  # as TRL: GRPO asks, RLOO not
+            require_logprobs=correction,
+        )
+        self.use_vllm = True
+        self.vllm_mode = "server"
+        self._last_loaded_step = -1
+        if args.async_rollout_staleness:
+            if getattr(self, "rollout_func", None) is not None or getattr(self, "tools", None):
+                raise ValueError(
+                    "async_rollout_staleness > 0 prefetches plain prompt -> completion generations; this trainer has "
+                    "a rollout_func or tools (multi-turn rollouts). Fix: async_rollout_staleness=0"
+                )
+            self.vllm_generation.enable_async(
+                args.async_rollout_staleness, lambda prompts: self._tokenize_prompts(prompts)[0]
+            )
+            self._lookahead = None
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:  # no full copy of the model left in /tmp after a run, however it ended
+            remove = getattr(getattr(self, "vllm_generation", None), "remove_temporary_weights", None)
+            if remove is not None:
+                remove()
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """With async rollout, the epoch's batch iterator is read ahead so upcoming generation batches are known
+        (also after `skip_first_batches` on resume: whatever iterator the epoch uses is wrapped)."""
+        prefetcher = getattr(getattr(self, "vllm_generation", None), "prefetcher", None)
+        if prefetcher is not None:
+            from ..rollout.async_rollout import LookaheadIterator
+
+            if self._lookahead is None or self._lookahead.source is not epoch_iterator:
+                every = self.args.steps_per_generation * self.num_iterations
+                self._lookahead = LookaheadIterator(epoch_iterator, prefetcher, every)
+            epoch_iterator = self._lookahead
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+
+class PackedScoringMixin:
+    """Installs the packed scoring engine on the policy and reference forwards TRL patched, and logs its figures."""
+
+    _packing_stats: PackingStats | None = None  # set while packing is installed and on
+    _packing_installed: bool = False
+
+    def _install_packed_scoring(
+        self, temperature: float, policy_outputs: tuple[str, ...], padding_free: bool | None = None
+    ) -> None:
+        """Pack the policy's and the reference's scoring forwards (once; TRL's forwards where packing is off or
+        not exact for the model)."""
+        if self._packing_installed or padding_free is False:
+            return
+        self._packing_installed = True
+        from peft import PeftModel
+
+        stats = PackingStats()
+        settings = dict(
+            token_budget=self.args.token_budget,
+            logprob_chunk_size=self.args.logprob_chunk_size,
+            padding_free=padding_free,
+            cast_lm_head_to_fp32=getattr(self.args, "cast_lm_head_to_fp32", False),  # GRPO/RLOO/PPO's head option
+            temperature=temperature,
+            stats=stats,
+        )
+        policy = self.accelerator.unwrap_model(self.model)
+        if isinstance(policy, PeftModel):
+            policy = policy.get_base_model()
+        packed = install_packed_scoring(policy, outputs=policy_outputs, **settings)
+        if getattr(self, "ref_model", None) is not None and not isinstance(self.ref_model, RayReference):
+            install_packed_scoring(self.accelerator.unwrap_model(self.ref_model), outputs=(), **settings)
+        self._packing_stats = stats if packed is not None else None
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # training logs (not the final summary)
+            if self._packing_stats is not None:
+                logs.update(self._packing_stats.pop())
+            # trl-scale callbacks add their figures here, before the Trainer hands `logs` to report_to integrations
+            # (a callback's own on_log runs after those and could not reach them).
+            for callback in self.callback_handler.callbacks:
+                if hasattr(callback, "trl_scale_metrics"):
+                    logs.update(callback.trl_scale_metrics(trainer=self, logs=logs))
+        super().log(logs, start_time)
+
+
+# transformers' `Trainer.create_model_card` kwargs that TRL 1.16's override rejects with TypeError.
+
+
+class PhaseTimingMixin:
+    """Wall time per phase of an online step (generation, reward scoring, log-prob scoring), accumulated between
+    logs and read by `trl_scale.callbacks.StepTimeCallback`."""
+
+    @property
+    def phase_seconds(self) -> dict[str, float]:
+        if not hasattr(self, "_phase_seconds"):
+            self._phase_seconds = defaultdict(float)
+        return self._phase_seconds
+
+    @contextmanager
+    def _timed(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_seconds[phase] += time.perf_counter() - start
+
+    def _generate(self, *args, **kwargs):
+        with self._timed("generate"):
+            return super()._generate(*args, **kwargs)
+
+    def _calculate_rewards(self, *args, **kwargs):
+        with self._timed("reward"):
+            return super()._calculate_rewards(*args, **kwargs)
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        with self._timed("score"):
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
