@@ -16,6 +16,7 @@ import requests
 import torch
 
 from trl_scale.rollout import RolloutClient
+from trl_scale.rollout.weight_sync import SharedDirSync
 from trl_scale.toy import build_tiny_model
 
 from .helpers import cpu_args, subprocess_env, token_parity_reward
@@ -64,7 +65,7 @@ def rl_urls(fleet) -> list[str]:
     """A and B serving the base weights again, with no adapter loaded (an earlier test synced its policy)."""
     client = RolloutClient(fleet.rl_urls)
     try:
-        client.reload_weights(fleet.model_path, "base")
+        SharedDirSync(client).sync(fleet.model_path, "base")
     finally:
         client.close()
     for url in fleet.rl_urls:

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 import trl_scale
 from trl_scale.rollout import RolloutClient, RolloutError
+from trl_scale.rollout.weight_sync import GroupSync, SharedDirSync
 from trl_scale.toy import counting_prompts
 
 from .helpers import (
@@ -206,7 +207,7 @@ def test_stalled_weight_sync_fails_within_the_timeout(tmp_path):
         client = RolloutClient([hung], request_timeout=5)
         start = time.monotonic()
         with pytest.raises(RolloutError, match="weight_sync_timeout=2"):
-            client.reload_weights(str(tmp_path), "v1", timeout=2)
+            SharedDirSync(client).sync(str(tmp_path), "v1", timeout=2)
         assert time.monotonic() - start < 10 and accepted
 
 
@@ -214,7 +215,9 @@ def test_a_server_that_missed_a_sync_leaves_the_rotation(servers, tiny_llama):
     dead = f"http://127.0.0.1:{free_port()}"
     client = RolloutClient([servers[0].url, dead], request_timeout=30, retry_after=60)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
-    version = client.push_weights(dict(model.state_dict()), timeout=30)  # one server takes it, the dead one cannot
+    sync = GroupSync(client)
+    version = sync.push(dict(model.state_dict()), timeout=30)  # one server takes it, the dead one cannot
+    sync.close()
     assert {s.url: s.version == version for s in client.servers} == {servers[0].url: True, dead: False}
     client.generate([[432]] * 4, max_tokens=2)
     assert {s.url: s.served for s in client.servers}[dead] == 0

@@ -22,6 +22,7 @@ from transformers import TrainerCallback
 import trl_scale
 from trl_scale.rollout import RolloutClient, RolloutError
 from trl_scale.rollout.server import weights_digest_of
+from trl_scale.rollout.weight_sync import GroupSync, WeightSync
 
 from .helpers import cpu_args, server_grpo, start_servers
 
@@ -214,7 +215,8 @@ def test_a_server_killed_mid_broadcast_fails_the_sync_within_the_timeout(tiny_ll
     try:
         client = RolloutClient([survivor.url, victim.url], request_timeout=30)
         state = dict(AutoModelForCausalLM.from_pretrained(tiny_llama).state_dict())
-        client.push_weights(state, timeout=20)  # the group forms and a first sync goes through
+        sync = GroupSync(client)
+        sync.push(state, timeout=20)  # the group forms and a first sync goes through
         send = weight_transfer.GlooSender.send
 
         def send_then_kill(self, named_tensors):
@@ -229,10 +231,10 @@ def test_a_server_killed_mid_broadcast_fails_the_sync_within_the_timeout(tiny_ll
         monkeypatch.setattr(weight_transfer.GlooSender, "send", send_then_kill)
         start = time.monotonic()
         with pytest.raises(RolloutError, match="weight broadcast abandoned: .*update_weights failed"):
-            client.push_weights(state, timeout=20)
+            sync.push(state, timeout=20)
         assert time.monotonic() - start < 20 + 10
         monkeypatch.setattr(weight_transfer.GlooSender, "send", send)
-        version = client.push_weights(state, timeout=20)  # the group is rebuilt without it
+        version = sync.push(state, timeout=20)  # the group is rebuilt without it
         assert {s.url: s.version == version for s in client.servers} == {survivor.url: True, victim.url: False}
     finally:
         survivor.stop()
@@ -339,19 +341,20 @@ def test_a_paused_server_holds_new_requests_until_resumed(tiny_llama):
 def test_pause_wait_returns_once_started_generations_have_finished(tiny_llama):
     """A sync pauses with vLLM's mode=wait: a generation already admitted finishes with the weights it started
     with before the pause returns (mode=keep would let the update land under it); new requests wait for /resume."""
-    (server,) = start_servers(tiny_llama, 1, ("--token-delay", "3"))  # 3 s per token generated
+    (server,) = start_servers(tiny_llama, 1, ("--token-delay", "2"))  # 2 s per token: 4 tokens take 8 s
     try:
         client = RolloutClient([server.url], request_timeout=30, generation_timeout=60)
         started = client._pool.submit(client.generate, [[432]], 1, None, max_tokens=4, temperature=0.0)
         time.sleep(1.5)  # admitted and generating (a request reaches the server in milliseconds, seconds under load)
         before = time.monotonic()
-        client._pause(client.servers[0])
-        assert started.done() and time.monotonic() - before > 0.5  # the pause waited for it
+        WeightSync(client)._pause(client.servers[0])
+        assert time.monotonic() - before > 3.0  # the pause waited for the generation (mode=keep returns at once)
+        assert started.result(timeout=10)[0][0]["token_ids"]  # finished while the server stays paused
         held = client._pool.submit(client.generate, [[432]], 1, None, max_tokens=1)
         time.sleep(1.0)
         assert not held.done()  # new requests wait for the resume
         requests.post(f"{server.url}/resume", timeout=10)
-        assert held.result(timeout=30)[0][0]["token_ids"] and started.result()[0][0]["token_ids"]
+        assert held.result(timeout=30)[0][0]["token_ids"]
     finally:
         server.stop()
 

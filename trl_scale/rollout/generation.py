@@ -25,6 +25,7 @@ from accelerate.utils import broadcast_object_list
 from trl.generation.vllm_generation import VLLMGeneration
 
 from .client import LORA_PREFIX, SERVER_KEY, RolloutClient, RolloutError
+from .weight_sync import GroupSync, LoraSync, SharedDirSync
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,12 @@ class ServerRolloutGeneration(VLLMGeneration):
     ):
         self.trainer = trainer
         self.client = client
+        # One strategy per weight-sync mode (the one this run uses is picked in _init_vllm).
+        self.group_sync, self.shared_dir_sync, self.lora_sync = (
+            GroupSync(client),
+            SharedDirSync(client),
+            LoraSync(client),
+        )
         self.requested_weight_sync = weight_sync
         self.weight_sync_dir = weight_sync_dir
         self.weight_sync_timeout = weight_sync_timeout
@@ -84,7 +91,7 @@ class ServerRolloutGeneration(VLLMGeneration):
             raise ValueError(value)
         self.weight_sync, self.weight_backend, self.server_max_model_len = value
         if self.weight_sync == "lora":
-            self.client.version_reader = self.client.lora_version
+            self.client.version_reader = self.lora_sync.server_version
 
     def _preflight(self) -> tuple[str, str | None, int | None]:
         """Every server inspected once; all problems raised together (one line each: server, flag, fix), warnings
@@ -272,7 +279,7 @@ class ServerRolloutGeneration(VLLMGeneration):
         params = self._iter_named_params()
         try:
             if self.accelerator.is_main_process:
-                self.client.update_weights(
+                self.group_sync.sync(
                     metadata,
                     params,
                     version,
@@ -301,7 +308,7 @@ class ServerRolloutGeneration(VLLMGeneration):
         directory = os.path.join(self.weight_sync_dir, f"weights-{version}")
         os.makedirs(directory, exist_ok=True)
         save_file(state, os.path.join(directory, "model.safetensors"))
-        self.client.reload_weights(directory, version, timeout=self.weight_sync_timeout)
+        self.shared_dir_sync.sync(directory, version, timeout=self.weight_sync_timeout)
         for entry in os.listdir(self.weight_sync_dir):
             if entry.startswith("weights-") and entry != f"weights-{version}":
                 shutil.rmtree(os.path.join(self.weight_sync_dir, entry), ignore_errors=True)
@@ -321,7 +328,7 @@ class ServerRolloutGeneration(VLLMGeneration):
         os.makedirs(path, exist_ok=True)
         model.peft_config["default"].save_pretrained(path)
         save_file(state, os.path.join(path, "adapter_model.safetensors"))
-        self.client.load_lora_adapter(version, path, version, timeout=self.weight_sync_timeout)
+        self.lora_sync.sync(version, path, version, timeout=self.weight_sync_timeout)
         if self.lora_name and self.lora_name != version:
             shutil.rmtree(os.path.join(self.weight_sync_dir, self.lora_name), ignore_errors=True)
 
