@@ -460,3 +460,22 @@ def test_ppo_packed_and_padded_critic_agree(tiny_llama, tmp_path):
         for key in keys:
             assert a[key] == pytest.approx(b[key], abs=1e-5), key
     assert os.path.isdir(tmp_path / "on")
+
+
+def test_the_local_and_ray_critics_implement_one_critic_interface():
+    """PPOTrainer talks to `Critic` only: both implementations carry every member, with the same parameters."""
+    import inspect
+
+    from trl_scale.critic import Critic, CriticUpdater
+    from trl_scale.distributed.roles import RayCritic
+
+    members = [name for name in vars(Critic) if not name.startswith("_")]
+    assert {"values", "step_async", "set_scheduler", "weights", "shard_bytes"} <= set(members)
+    for implementation in (CriticUpdater, RayCritic):
+        for name in members:
+            expected = inspect.signature(getattr(Critic, name)).parameters
+            got = inspect.signature(getattr(implementation, name)).parameters
+            assert list(got) == list(expected), (implementation.__name__, name, list(got))
+        source = inspect.getsource(implementation)
+        for attribute in Critic.__annotations__:  # scheduler, grad_norm
+            assert f"self.{attribute}" in source or f"def {attribute}" in source, (implementation.__name__, attribute)

@@ -138,3 +138,11 @@ def test_environment_dataset_without_prompt_column_trains_as_in_trl(tiny_llama, 
         runs[package.__name__] = step_logs(trainer, ("loss", "grad_norm", "reward"))
     for theirs, ours in paired(runs["trl"], runs["trl_scale"]):
         assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("method", ["GRPO", "RLOO", "DPO"])
+def test_config_docstrings_keep_trls_fields_and_add_trl_scales(method):
+    """help(GRPOConfig) documents TRL's fields as TRL does, then trl-scale's."""
+    ours, theirs = getattr(trl_scale, f"{method}Config").__doc__, getattr(trl, f"{method}Config").__doc__
+    assert theirs.strip() in ours
+    assert "padding_free (`bool` or `None`" in ours and ours.index("padding_free (`bool`") > ours.index(theirs.strip())

@@ -3,10 +3,58 @@ two backends run the same code and give the same numbers."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from . import ppo_core
 from .scoring import token_scores, use_packing
+
+
+class Critic(Protocol):
+    """What PPOTrainer asks of its critic, wherever it lives: in the trainer processes (`CriticUpdater`, replicated
+    or sharded) or on a Ray role group (`distributed.roles.RayCritic`). Built by `trainers.ppo_critic.build_critic`;
+    `tests/test_ppo.py` checks both implement every member with the same parameters."""
+
+    scheduler: object | None  # None until `set_scheduler` (the step count is known)
+    grad_norm: float | None  # of the optimizer step the last micro-step ended; None inside a window or not measured
+
+    def set_scheduler(
+        self, scheduler_type: str, num_warmup_steps: int, num_training_steps: int, kwargs=None
+    ) -> None: ...
+
+    def values(
+        self, input_ids, attention_mask, prompt_len: int, num_tokens: int, multimodal_inputs: dict | None = None
+    ) -> torch.Tensor:
+        """Each completion token's value, ``[B, num_tokens]`` (a collective: every rank calls it)."""
+
+    def step_async(
+        self,
+        input_ids,
+        attention_mask,
+        prompt_len,
+        old_values,
+        returns,
+        mask,
+        train=True,
+        multimodal_inputs=None,
+        loss_scale: float = 1.0,
+    ):
+        """Start one micro-step's value loss (and, in training, its update); `.result()` is `(loss, stats)`."""
+
+    def weights(self) -> dict | None:
+        """The whole critic's weights (on the main process; a collective where sharded)."""
+
+    def state(self, with_weights: bool = True) -> dict | None: ...
+
+    def load_state(self, state: dict) -> None: ...
+
+    def save_training_state(self, directory: str, is_main_process: bool) -> None: ...
+
+    def load_training_state(self, directory: str, weights: dict) -> None: ...
+
+    def shard_bytes(self) -> dict[str, int]:
+        """What this trainer process holds of the critic: {"parameters": bytes, "optimizer": bytes}."""
 
 
 def completion_values(
@@ -37,7 +85,7 @@ def load_critic(source, seed: int):
     if isinstance(source, str):
         from transformers import AutoModelForSequenceClassification
 
-        from .distributed.zero import whole_parameters
+        from .sharding.zero import whole_parameters
 
         # Whole, not ZeRO-3 partitions: no DeepSpeed engine manages the critic, each rank holds a replica.
         with torch.random.fork_rng(devices=[]), whole_parameters():
@@ -84,7 +132,7 @@ class Finished:
 
 class CriticUpdater:
     """A critic with its own optimizer and scheduler: values, clipped value loss, gradient accumulation, stepping.
-    ``sharding`` holds it as the launcher holds the policy (see `distributed.critic_sharding`): "replicated",
+    ``sharding`` holds it as the launcher holds the policy (see `sharding.critic_sharding`): "replicated",
     "fsdp2", or "deepspeed" (its engine is built with the scheduler, once the step count is known; until then the
     critic is whole)."""
 
@@ -105,7 +153,7 @@ class CriticUpdater:
         deepspeed_config=None,
         fsdp_plugin=None,
     ):
-        from .distributed.critic_sharding import FSDP2Critic, ReplicatedCritic
+        from .sharding.critic_sharding import FSDP2Critic, ReplicatedCritic
 
         self.critic = critic
         self.padding_free = padding_free
@@ -135,7 +183,7 @@ class CriticUpdater:
     def set_scheduler(self, scheduler_type: str, num_warmup_steps: int, num_training_steps: int, kwargs=None):
         args = (scheduler_type, num_warmup_steps, num_training_steps, kwargs)
         if self.sharding == "deepspeed":
-            from .distributed.critic_sharding import DeepSpeedCritic
+            from .sharding.critic_sharding import DeepSpeedCritic
 
             config = self._deepspeed_config(num_training_steps)
             self.holder = DeepSpeedCritic(self.holder.module, self._optimizer_settings, config, args)
@@ -219,9 +267,32 @@ class CriticUpdater:
         # the gradient norm (before clipping) of the optimizer step just taken, None inside a window
         self.grad_norm = self.holder.end_micro_step(boundary=self.micro_steps % self.gradient_accumulation_steps == 0)
 
-    def step_async(self, *args, **kwargs) -> Finished:
+    def step_async(
+        self,
+        input_ids,
+        attention_mask,
+        prompt_len,
+        old_values,
+        returns,
+        mask,
+        train=True,
+        multimodal_inputs=None,
+        loss_scale: float = 1.0,
+    ) -> Finished:
         """`step`, as a handle with `.result()`: in-process the work is done here; a remote critic overlaps it."""
-        return Finished(self.step(*args, **kwargs))
+        return Finished(
+            self.step(
+                input_ids,
+                attention_mask,
+                prompt_len,
+                old_values,
+                returns,
+                mask,
+                train=train,
+                multimodal_inputs=multimodal_inputs,
+                loss_scale=loss_scale,
+            )
+        )
 
     # ---- state: the same calls whether the critic is in-process (any sharding) or remote --------------------
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..scoring.packing import UnpaddedRows
-from .critic_sharding import read_optimizer_files, write_optimizer_files
+from ..sharding.critic_sharding import read_optimizer_files, write_optimizer_files
 from .main_process import call_on_main, run_on_main, start_on_main
 from .ray_backend import Placement, RoleGroup, init_ray
 from .role_workers import RoleRows
@@ -62,7 +62,8 @@ class RayCritic:
 
     def __init__(self, group: RoleGroup | None):
         self.group = group  # None on every process but the main one
-        self.scheduler = None  # mirrors CriticUpdater: set once the step count is known
+        self.scheduler = None  # set once the step count is known (the workers hold the real one)
+        self.grad_norm = None  # the workers step the critic: not measured in the trainer
 
     def values(
         self, input_ids, attention_mask, prompt_len: int, num_tokens: int, multimodal_inputs: dict | None = None
@@ -126,7 +127,8 @@ class RayCritic:
         return self.step_async(*args, **kwargs).result()
 
     # Called on every rank; only the main process talks to the group, and its errors reach every rank.
-    def set_scheduler(self, *args) -> None:
+    def set_scheduler(self, scheduler_type: str, num_warmup_steps: int, num_training_steps: int, kwargs=None) -> None:
+        args = (scheduler_type, num_warmup_steps, num_training_steps, kwargs)
         run_on_main(lambda: self.group.call_all("set_scheduler", *args))
         self.scheduler = True
 
@@ -147,6 +149,10 @@ class RayCritic:
     def worker_shard_bytes(self) -> list[dict[str, int]] | None:
         """What each critic worker holds of the critic's parameters and AdamW state (main process; None elsewhere)."""
         return run_on_main(lambda: self.group.call_all("shard_bytes"))
+
+    def shard_bytes(self) -> dict[str, int]:
+        """The trainer processes hold nothing of a critic on its group."""
+        return {"parameters": 0, "optimizer": 0}
 
     def weights(self) -> dict | None:
         state = self.state()

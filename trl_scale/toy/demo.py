@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..distributed.zero import whole_parameters
+from ..sharding.zero import whole_parameters
 from .models import build_tiny_model
 from .tasks import COUNT_TARGET_LENGTH, counting_prompts, counting_reward, number_word_corpus
 

@@ -16,7 +16,7 @@ from transformers import (
     PretrainedConfig,
 )
 
-from ..distributed.zero import whole_parameters
+from ..sharding.zero import whole_parameters
 from .tokenizer import build_tokenizer, vlm_chat_template
 
 ModelFamily = Literal[

@@ -16,13 +16,16 @@ logger = logging.get_logger(__name__)
 
 
 def config_docstring(method: str, *sections) -> str:
-    """A trl-scale config's docstring, TRL's style: the header, then each field mixin's section (one text per
-    field, whichever configs carry it)."""
+    """A trl-scale config's docstring, TRL's style: the header, TRL's own docstring of the config (its fields, so
+    `help(GRPOConfig)` documents them as TRL does), then each trl-scale field mixin's section."""
+    import trl
+
     header = (
         f"\n    Configuration class for [`trl_scale.{method}Trainer`]: every field of [`trl.{method}Config`], "
-        "unchanged, plus trl-scale's.\n"
+        "unchanged, plus trl-scale's (at the end).\n"
     )
-    return header + "".join(section.FIELDS_DOC for section in sections)
+    trl_doc = getattr(trl, f"{method}Config").__doc__ or ""
+    return header + trl_doc + "\n    > trl-scale\n" + "".join(section.FIELDS_DOC for section in sections)
 
 
 @contextmanager

@@ -12,33 +12,26 @@ scoring, metrics and `push_to_hub` are TRL's own. It overrides two hooks:
 
 from __future__ import annotations
 
-import copy
 import inspect
 import os
 from functools import partial
 
 import torch
 from transformers import (
-    AutoConfig,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
     PreTrainedModel,
 )
 
 from .. import ppo_core
-from ..critic import CriticUpdater, load_critic
-from ..distributed.critic_sharding import (
+from ..model_paths import check_model_path
+from ..sharding.critic_sharding import (
     CRITIC_DEEPSPEED_DIR,
     CRITIC_OPTIMIZER_NAME,
-    critic_sharding,
-    deepspeed_critic_config,
 )
-from ..distributed.zero import gathered, whole_parameters
-from ..model_paths import check_model_path
 from .construction import image_columns, overridden
 from .grpo_trainer import GRPOTrainer
 from .hub import TRL_SCALE_TAG
 from .ppo_config import PPOConfig
+from .ppo_critic import build_critic
 
 VALUE_MODEL_DIR = "value_model"
 
@@ -47,7 +40,6 @@ def _image_input_names() -> tuple[str, ...]:
     """The image inputs TRL's GRPO keeps in a rollout batch and passes to every log-prob forward: the parameters of
     its `_get_per_token_logps_and_entropies` after `compute_aux_loss` (a registered seam), read from TRL itself so a
     TRL that adds one passes it on here too."""
-    import inspect
 
     from trl import GRPOTrainer as TRLGRPOTrainer
 
@@ -118,111 +110,8 @@ class PPOTrainer(GRPOTrainer):
                 **kwargs,
             )
         self.beta = 0.0
-        updater_settings = dict(
-            learning_rate=args.value_learning_rate or args.learning_rate,
-            betas=(args.adam_beta1, args.adam_beta2),
-            eps=args.adam_epsilon,
-            weight_decay=args.weight_decay,
-            padding_free=args.padding_free,
-            token_budget=args.token_budget,
-            cliprange_value=args.cliprange_value,
-            vf_coef=args.vf_coef,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            max_grad_norm=args.max_grad_norm,
-        )
-        if args.backend == "ray":
-            # The critic lives on its own role group, started by the main process: no trainer process holds it.
-            from ..distributed.roles import start_critic
-
-            def check(path: str) -> None:
-                self._check_value_model_tokenizer(path)
-                self._critic_config = AutoConfig.from_pretrained(path, num_labels=1)
-
-            self.value_model = None
-            self._critic_config = None  # known on the main process, the only one that saves it
-            source = partial(self._value_model_source, value_model, model, reward_list)  # built on the main process
-            self.critic = start_critic(source, updater_settings, args, check)
-        else:
-            self.value_model = load_critic(self._value_model_source(value_model, model, reward_list), args.seed)
-            self._check_value_model_tokenizer(value_model)
-            if images:
-                if value_model is not None:
-                    origin = "value_model"
-                elif _first_reward_model(reward_list) is not None:
-                    origin = "the critic (from the first reward model in reward_funcs, as value_model=None)"
-                else:
-                    origin = "the critic (from the policy, as value_model=None)"
-                _check_critic_takes_images(self.value_model, images, origin)
-            self.value_model.to(self.accelerator.device)
-            self._critic_config = self.value_model.config
-            # Held as the launcher holds the policy: replicated (DDP), its own DeepSpeed engine, or FSDP2.
-            sharding = critic_sharding(self.accelerator)
-            self.critic = CriticUpdater(
-                self.value_model,
-                **updater_settings,
-                sharding=sharding,
-                deepspeed_config=partial(deepspeed_critic_config, self.accelerator, args, self.value_model),
-                fsdp_plugin=self.accelerator.state.fsdp_plugin if sharding == "fsdp2" else None,
-            )
-
-    # ---- critic construction -------------------------------------------------------------------------------
-
-    def _value_model_source(self, value_model, policy, reward_list):
-        """Where the critic comes from: `value_model`, else the first reward model (the classic RLHF recipe),
-        else the policy (its backbone with a new scalar head). A path or a model object."""
-        if value_model is not None:
-            return value_model
-        reward = _first_reward_model(reward_list)
-        if isinstance(reward, str):
-            return reward
-        if reward is not None:  # a copy: the critic trains, the reward model must not
-            return copy.deepcopy(self.accelerator.unwrap_model(reward))
-        if isinstance(policy, str):
-            return policy
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
-        config = copy.deepcopy(base.config)
-        config.num_labels = 1
-        # As `load_critic`: a seeded head, the trainer's RNG untouched, whole parameters (under ZeRO-3 the policy's
-        # are partitions: read them gathered).
-        with torch.random.fork_rng(devices=[]), whole_parameters():
-            torch.manual_seed(self.args.seed)
-            try:
-                critic = AutoModelForSequenceClassification.from_config(config)
-            except ValueError as error:
-                raise ValueError(
-                    f"PPOTrainer cannot build a critic from this policy: transformers has no sequence-classification "
-                    f"class for model type {config.model_type!r} ({error}). Fix: pass value_model= (a "
-                    "sequence-classification model with one label that shares the policy's tokenizer)"
-                ) from error
-        with gathered(base):
-            critic.base_model.load_state_dict({k: v.clone() for k, v in base.base_model.state_dict().items()})
-        return critic
-
-    def _check_value_model_tokenizer(self, value_model) -> None:
-        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)  # a VLM's processor holds one
-        policy_vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else None
-        if isinstance(value_model, str) and policy_vocab is not None:
-            try:
-                critic_vocab = AutoTokenizer.from_pretrained(value_model).get_vocab()
-            except (OSError, ValueError):
-                critic_vocab = None
-            if critic_vocab is not None and critic_vocab != policy_vocab:
-                raise ValueError(
-                    f"value_model {value_model!r} has a different tokenizer from the policy's: the critic reads the "
-                    "policy's token ids, so it must share its vocabulary. Fix: pass a value model trained with the "
-                    "policy's tokenizer, or leave value_model=None to initialise it from the policy."
-                )
-        critic = getattr(self, "value_model", None)
-        if critic is None:
-            return
-        if critic.get_input_embeddings().num_embeddings < len(tokenizer):
-            raise ValueError(
-                f"value_model's embedding has {critic.get_input_embeddings().num_embeddings} rows but the policy's "
-                f"tokenizer has {len(tokenizer)} tokens: the critic must share the policy's tokenizer."
-            )
-        if getattr(critic.config, "num_labels", 1) != 1:
-            raise ValueError(f"value_model must have one output (num_labels=1), not {critic.config.num_labels}")
+        # The critic, local (replicated or sharded as the launcher shards the policy) or on its Ray group.
+        self.critic = build_critic(self, value_model, model, reward_list, images)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         scheduler = super().create_scheduler(num_training_steps, optimizer)
@@ -395,7 +284,7 @@ class PPOTrainer(GRPOTrainer):
         self._metrics[mode]["loss/value"].append(reduce(value_loss).mean().item())
         for key, value in value_stats.items():
             self._metrics[mode][key].append(reduce(value).mean().item())
-        grad_norm = getattr(self.critic, "grad_norm", None) if mode == "train" else None
+        grad_norm = self.critic.grad_norm if mode == "train" else None
         if grad_norm is None:  # no optimizer step of the critic ended this micro-step (or it is remote)
             return
         # Its gradient norm, and what each rank holds of it (sharding shows as 1/world of one process's): once per
@@ -468,23 +357,3 @@ def _multimodal_inputs(batch: dict) -> dict:
 def _critic_inputs(images: dict) -> dict | None:
     """What the critic's backbone takes of them: the model inputs, for the whole rows it scores at once."""
     return {key: value for key, value in images.items() if key not in _ROW_SLICING_FIELDS} or None
-
-
-def _first_reward_model(reward_list: list):
-    """The first reward model of `reward_funcs` (a path or a model object), the default critic's source; None if
-    every reward is a function."""
-    return next((reward for reward in reward_list if isinstance(reward, (str, PreTrainedModel))), None)
-
-
-def _check_critic_takes_images(critic, images: list[str], origin: str) -> None:
-    """A text-only critic would value an image prompt without its image: refuse it at construction. ``origin``
-    says where the critic came from, for the message."""
-    forward = critic.base_model.forward
-    if "pixel_values" in inspect.signature(forward).parameters:
-        return
-    raise ValueError(
-        f"the dataset has image columns {images}, but {origin} is a {type(critic).__name__}, whose backbone takes no "
-        "pixel_values: it would value each completion without its image. Fix: pass value_model= a "
-        "sequence-classification model of a vision-language architecture (e.g. Gemma3ForSequenceClassification), "
-        "or leave value_model=None with no reward model in reward_funcs to build the critic from the policy"
-    )
