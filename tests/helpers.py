@@ -318,3 +318,17 @@ num_processes: 2
 mixed_precision: 'no'
 use_cpu: true
 """
+
+
+def push_weights(urls: list[str], state_dict: dict, timeout: float = 60) -> str:
+    """Send a whole state dict to servers over their weight-transfer engine (a fresh group, closed after)."""
+    from trl_scale.rollout import RolloutClient
+    from trl_scale.rollout.weight_sync import GroupSync
+
+    client = RolloutClient(urls, request_timeout=60)
+    sync = GroupSync(client)
+    try:
+        return sync.push(state_dict, timeout=timeout)
+    finally:
+        sync.close()
+        client.close()

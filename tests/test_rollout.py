@@ -19,6 +19,7 @@ from .helpers import (
     black_hole_server,
     cpu_args,
     free_port,
+    push_weights,
     server_grpo,
     server_rloo_or_ppo,
     start_servers,
@@ -309,7 +310,7 @@ def test_lora_weight_sync_serves_the_trained_adapter(servers, tiny_llama, tmp_pa
     # LoRA sync ships only the adapter: the server's base must be the policy's base. Earlier tests may have synced
     # other weights into this shared server, so put the base back first.
     base = AutoModelForCausalLM.from_pretrained(tiny_llama)
-    RolloutClient([servers[0].url], request_timeout=60).push_weights(dict(base.state_dict()), timeout=60)
+    push_weights([servers[0].url], dict(base.state_dict()))
 
     trainer = trl_scale.GRPOTrainer(
         model=tiny_llama,
@@ -358,10 +359,10 @@ def test_lora_weight_sync_serves_the_trained_adapter(servers, tiny_llama, tmp_pa
 
     before = base_logprobs()
     changed = {k: v + 0.05 * torch.randn_like(v) for k, v in base.state_dict().items() if "q_proj" in k}
-    RolloutClient([servers[0].url], request_timeout=60).push_weights(changed, timeout=60)
+    push_weights([servers[0].url], changed)
     after = base_logprobs()
     assert after["logprobs"]["token_logprobs"] != before["logprobs"]["token_logprobs"]
-    RolloutClient([servers[0].url], request_timeout=60).push_weights(dict(base.state_dict()), timeout=60)
+    push_weights([servers[0].url], dict(base.state_dict()))
     assert base_logprobs() == before
 
 
