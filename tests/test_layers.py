@@ -9,6 +9,7 @@ PACKAGE = ROOT / "trl_scale"
 # module (or package) -> layer; a module's layer is that of its longest listed prefix.
 LAYERS = {
     "trl_scale.model_paths": 0,
+    "trl_scale.logs": 0,
     "trl_scale.seams": 0,
     "trl_scale.ppo_core": 0,
     "trl_scale.scoring": 0,

@@ -442,7 +442,7 @@ class _StuckSender:
 def test_a_broadcast_is_abandoned_on_a_failed_receiver_or_a_stall_and_every_parameter_is_still_walked():
     from concurrent.futures import Future, ThreadPoolExecutor
 
-    from trl_scale.rollout.client import _broadcast
+    from trl_scale.rollout.weight_sync import _broadcast
 
     pool = ThreadPoolExecutor(4)
     # a server dies mid-broadcast while the trainer's sender is stuck
@@ -483,7 +483,7 @@ def test_a_sync_that_fails_before_its_broadcast_still_walks_every_parameter():
         _metadata=lambda: [],
         _iter_named_params=lambda: _walk(walked),
         accelerator=SimpleNamespace(is_main_process=True),
-        client=SimpleNamespace(update_weights=refuse),
+        group_sync=SimpleNamespace(sync=refuse),
         weight_backend="trl_scale_gloo",
         weight_sync_timeout=5,
     )

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from transformers.utils import logging
+from ..logs import get_logger
 
-logger = logging.get_logger(__name__)
+logger = get_logger(__name__)
 
 
 @dataclass

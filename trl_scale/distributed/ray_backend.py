@@ -16,11 +16,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from transformers.utils import logging
-
+from ..logs import get_logger
 from .role_workers import RoleWorker
 
-logger = logging.get_logger(__name__)
+logger = get_logger(__name__)
 
 
 class RoleError(RuntimeError):

@@ -16,12 +16,13 @@ synchronously. A resumed run starts with nothing in flight and regenerates what 
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
-logger = logging.getLogger(__name__)
+from ..logs import get_logger
+
+logger = get_logger(__name__)
 
 
 def _key(prompt_ids) -> tuple:

@@ -19,7 +19,6 @@ Only `requests` is needed.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +27,9 @@ from dataclasses import dataclass
 
 import requests
 
-logger = logging.getLogger(__name__)
+from ..logs import get_logger
+
+logger = get_logger(__name__)
 
 
 LORA_PREFIX = "trl-scale-"  # the adapters a LoRA sync loads; older ones with it are unloaded

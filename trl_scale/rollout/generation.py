@@ -15,7 +15,6 @@ Weight sync modes (`weight_sync`):
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import tempfile
@@ -24,10 +23,11 @@ import uuid
 from accelerate.utils import broadcast_object_list
 from trl.generation.vllm_generation import VLLMGeneration
 
+from ..logs import get_logger
 from .client import LORA_PREFIX, SERVER_KEY, RolloutClient, RolloutError
 from .weight_sync import GroupSync, LoraSync, SharedDirSync
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class ServerRolloutGeneration(VLLMGeneration):

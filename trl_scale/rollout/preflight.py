@@ -9,14 +9,15 @@ What is read (vLLM 0.31-0.33, the same routes on `trl-scale serve`): `/v1/models
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import requests
 
-logger = logging.getLogger(__name__)
+from ..logs import get_logger
+
+logger = get_logger(__name__)
 
 DEV_MODE_FIX = (
     "start it with VLLM_SERVER_DEV_MODE=1 (vLLM's RL routes: /pause, /resume, /collective_rpc, /server_info, "

@@ -13,7 +13,6 @@ it on the `RolloutClient`, whose router then sends requests only to servers on t
 from __future__ import annotations
 
 import ipaddress
-import logging
 import socket
 import time
 import uuid
@@ -21,9 +20,10 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import TimeoutError, as_completed
 from urllib.parse import urlparse
 
+from ..logs import get_logger
 from .client import LORA_PREFIX, RolloutClient, RolloutError, ServerState
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class WeightSync:

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from transformers.utils import logging
 
+from ..logs import get_logger
 from .packing import pack_padded_batch, packed_forward_kwargs
 
-logger = logging.get_logger(__name__)
+logger = get_logger(__name__)
 
 # Model types whose layers carry state along the sequence (SSM, linear attention, short convolutions): their packed
 # rows need `seq_idx` / `cu_seq_lens`, which only a single-row (varlen) layout can give.

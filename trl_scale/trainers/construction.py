@@ -8,11 +8,10 @@ import inspect
 import os
 from contextlib import contextmanager
 
-from transformers.utils import logging
-
+from ..logs import get_logger
 from ..model_paths import check_model_path
 
-logger = logging.get_logger(__name__)
+logger = get_logger(__name__)
 
 
 def config_docstring(method: str, *sections) -> str:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import warnings
 
 import torch
-from transformers.utils import logging
 
 from ..distributed.roles import RayReference, start_reference
+from ..logs import get_logger
 from .checkpoints import RolloutResumeMixin, SafeCheckpointMixin
 from .construction import (
     check_model_arguments,
@@ -25,7 +25,7 @@ from .hub import ModelCardMixin
 from .reward_checks import checked_reward_funcs
 from .wiring import PackedScoringMixin, PhaseTimingMixin, ServerRolloutMixin
 
-logger = logging.get_logger(__name__)
+logger = get_logger(__name__)
 
 # TRL 1.16 reads `model.is_gradient_checkpointing`, which transformers 5.17 deprecates: a FutureWarning on every run
 # that no user setting causes or silences (stock TRL prints it too).

@@ -6,12 +6,11 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-from transformers.utils import logging
-
 from ..distributed.roles import RayReference
+from ..logs import get_logger
 from ..scoring import PackingStats, install_packed_scoring
 
-logger = logging.get_logger(__name__)
+logger = get_logger(__name__)
 
 
 class ServerRolloutMixin:
