@@ -72,19 +72,9 @@ class RoleWorker:
             model_path, dtype=dtype, attn_implementation=settings.get("attn_implementation")
         ).to(self.device)
         model.eval()
-        temperature = settings.get("temperature", 1.0)
-        add_fused_lm_head(
-            model, temperature=temperature, cast_lm_head_to_fp32=settings.get("cast_lm_head_to_fp32", False)
-        )
-        install_packed_scoring(
-            model,
-            temperature=temperature,
-            outputs=(),
-            token_budget=settings.get("token_budget"),
-            logprob_chunk_size=settings.get("logprob_chunk_size", 256),
-            padding_free=settings.get("padding_free"),
-            cast_lm_head_to_fp32=settings.get("cast_lm_head_to_fp32", False),
-        )
+        scoring = settings["scoring"]  # the trainer's ScoringSettings: scored as the policy is
+        add_fused_lm_head(model, temperature=scoring.temperature, cast_lm_head_to_fp32=scoring.cast_lm_head_to_fp32)
+        install_packed_scoring(model, outputs=(), **scoring.packing_kwargs())
         self.autocast_dtype = getattr(torch, settings["autocast_dtype"]) if settings.get("autocast_dtype") else None
         self.model = model
 

@@ -1,6 +1,14 @@
 """The scoring engine: remove-padding packing, the chunked log-prob head, and the forward that joins them."""
 
-from .engine import PackedScoringConfig, PackingStats, install_packed_scoring, packed_fused_forward, token_scores
+from .engine import (
+    DEFAULT_LOGPROB_CHUNK_SIZE,
+    PackedScoringConfig,
+    PackingStats,
+    ScoringSettings,
+    install_packed_scoring,
+    packed_fused_forward,
+    token_scores,
+)
 from .logprob_head import ChunkedLogProbHead, chunked_logprobs
 from .packing import (
     PackedBatch,
@@ -16,6 +24,8 @@ from .packing import (
 from .support import PackingSupport, packing_support, probe_packing, use_packing
 
 __all__ = [
+    "DEFAULT_LOGPROB_CHUNK_SIZE",
+    "ScoringSettings",
     "ChunkedLogProbHead",
     "PackedBatch",
     "PackedMicroBatch",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .logprob_head import DEFAULT_LOGPROB_CHUNK_SIZE
+
 
 @dataclass
 class ScoringArguments:
@@ -45,7 +47,7 @@ class ScoringArguments:
         },
     )
     logprob_chunk_size: int = field(
-        default=256,
+        default=DEFAULT_LOGPROB_CHUNK_SIZE,
         metadata={
             "help": "Tokens projected onto the vocabulary at once by trl-scale's chunked log-prob head (CPU and "
             "other non-Triton devices); peak head memory is about 2 x chunk x vocab x 4 bytes plus the weight "

@@ -12,6 +12,7 @@ every call on a model where packing is not exact (:mod:`.support` probes each mo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 from contextlib import nullcontext
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .logprob_head import chunked_logprobs, gathered_lm_head, logit_transform_of
+from .logprob_head import DEFAULT_LOGPROB_CHUNK_SIZE, chunked_logprobs, gathered_lm_head, logit_transform_of
 from .packing import pack_padded_batch, packed_forward_kwargs, unpack
 from .support import packing_support, use_packing
 
@@ -58,12 +59,39 @@ class PackingStats:
 @dataclass
 class PackedScoringConfig:
     token_budget: int | None = None
-    logprob_chunk_size: int = 256
+    logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE
     temperature: float = 1.0
     outputs: tuple[str, ...] = ()
     stats: PackingStats = field(default_factory=PackingStats)
     padding_free: bool | None = None  # None: pack where exact, else TRL's path; True: an inexact model is an error
     cast_lm_head_to_fp32: bool = False
+
+
+@dataclass(frozen=True)
+class ScoringSettings:
+    """How a model's tokens are scored, built once from a trainer's config (`from_config`) and handed to the
+    policy, the reference and the critic, in the trainer or on a Ray group (it pickles)."""
+
+    padding_free: bool | None = None
+    token_budget: int | None = None
+    logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE
+    temperature: float = 1.0
+    cast_lm_head_to_fp32: bool = False
+
+    @classmethod
+    def from_config(cls, args, temperature: float = 1.0) -> ScoringSettings:
+        """From a trl-scale config (`ScoringArguments` fields; GRPO's `cast_lm_head_to_fp32` where it has one)."""
+        return cls(
+            padding_free=args.padding_free,
+            token_budget=args.token_budget,
+            logprob_chunk_size=args.logprob_chunk_size,
+            temperature=temperature,
+            cast_lm_head_to_fp32=getattr(args, "cast_lm_head_to_fp32", False),
+        )
+
+    def packing_kwargs(self) -> dict:
+        """The keywords of `install_packed_scoring`."""
+        return dataclasses.asdict(self)
 
 
 def _same_count_on_every_rank(count: int, device: torch.device) -> int:
@@ -178,7 +206,7 @@ def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attentio
 def install_packed_scoring(
     model,
     token_budget: int | None = None,
-    logprob_chunk_size: int = 256,
+    logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE,
     temperature: float = 1.0,
     outputs: tuple[str, ...] = (),
     stats: PackingStats | None = None,

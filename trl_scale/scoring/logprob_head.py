@@ -17,6 +17,8 @@ import torch
 
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
+DEFAULT_LOGPROB_CHUNK_SIZE = 256  # tokens projected onto the vocabulary at once by the chunked head
+
 
 def _logits(hidden, weight, bias, logit_scale, softcap, inv_t, compute_dtype, out, softcap_grad_out=None):
     """Transformed logits of one chunk, written into the reusable tile ``out`` ([n, V], accumulation dtype).
@@ -186,7 +188,7 @@ def chunked_logprobs(
     bias: torch.Tensor | None,
     targets: torch.Tensor,
     temperature: float = 1.0,
-    chunk_size: int = 256,
+    chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE,
     final_logit_softcapping: float | None = None,
     logit_scale: float = 1.0,
     outputs: tuple[str, ...] = (),

@@ -9,6 +9,7 @@ import torch
 
 from ..distributed.roles import RayReference, start_reference
 from ..logs import get_logger
+from ..scoring import ScoringSettings
 from .checkpoints import RolloutResumeMixin, SafeCheckpointMixin
 from .construction import (
     check_model_arguments,
@@ -149,11 +150,7 @@ class OnlineTrainerMixin(
         settings = dict(
             dtype=str(dtype).removeprefix("torch."),  # "auto" passes through, as TRL passes it
             attn_implementation=init_kwargs.get("attn_implementation", self.model.config._attn_implementation),
-            temperature=self.temperature,
-            cast_lm_head_to_fp32=getattr(args, "cast_lm_head_to_fp32", False),
-            padding_free=args.padding_free,
-            token_budget=args.token_budget,
-            logprob_chunk_size=args.logprob_chunk_size,
+            scoring=ScoringSettings.from_config(args, self.temperature),
             autocast_dtype=mixed,
         )
         model_path = get_config_model_id(self.accelerator.unwrap_model(self.model).config)

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from ..critic import Critic, CriticUpdater, load_critic
+from ..scoring import ScoringSettings
 from ..sharding.critic_sharding import critic_sharding, deepspeed_critic_config
 from ..sharding.zero import gathered, whole_parameters
 
@@ -21,13 +22,14 @@ def build_critic(trainer, value_model, model, reward_list: list, images: list[st
     """The critic for this run; sets `trainer.value_model` (the local critic's model, None on Ray) and
     `trainer._critic_config` (the config saved beside its weights)."""
     args = trainer.args
+    scoring = ScoringSettings.from_config(args)  # the critic scores its rows as the policy does
     updater_settings = dict(
         learning_rate=args.value_learning_rate or args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
         weight_decay=args.weight_decay,
-        padding_free=args.padding_free,
-        token_budget=args.token_budget,
+        padding_free=scoring.padding_free,
+        token_budget=scoring.token_budget,
         cliprange_value=args.cliprange_value,
         vf_coef=args.vf_coef,
         gradient_accumulation_steps=args.gradient_accumulation_steps,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 
 from ..distributed.roles import RayReference
 from ..logs import get_logger
-from ..scoring import PackingStats, install_packed_scoring
+from ..scoring import PackingStats, ScoringSettings, install_packed_scoring
 
 logger = get_logger(__name__)
 
@@ -96,20 +97,18 @@ class PackedScoringMixin:
         from peft import PeftModel
 
         stats = PackingStats()
-        settings = dict(
-            token_budget=self.args.token_budget,
-            logprob_chunk_size=self.args.logprob_chunk_size,
-            padding_free=padding_free,
-            cast_lm_head_to_fp32=getattr(self.args, "cast_lm_head_to_fp32", False),  # GRPO/RLOO/PPO's head option
-            temperature=temperature,
-            stats=stats,
-        )
+        # One settings object for the policy and its reference (and, through `scoring_settings`, the critic and a
+        # reference on its Ray group).
+        # (DPO keeps its own padding_free apart from TRL's flag: the caller's value stands.)
+        settings = ScoringSettings.from_config(self.args, temperature)
+        self.scoring_settings = dataclasses.replace(settings, padding_free=padding_free)
+        settings = self.scoring_settings.packing_kwargs()
         policy = self.accelerator.unwrap_model(self.model)
         if isinstance(policy, PeftModel):
             policy = policy.get_base_model()
-        packed = install_packed_scoring(policy, outputs=policy_outputs, **settings)
+        packed = install_packed_scoring(policy, outputs=policy_outputs, stats=stats, **settings)
         if getattr(self, "ref_model", None) is not None and not isinstance(self.ref_model, RayReference):
-            install_packed_scoring(self.accelerator.unwrap_model(self.ref_model), outputs=(), **settings)
+            install_packed_scoring(self.accelerator.unwrap_model(self.ref_model), outputs=(), stats=stats, **settings)
         self._packing_stats = stats if packed is not None else None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
