@@ -146,3 +146,54 @@ def test_config_docstrings_keep_trls_fields_and_add_trl_scales(method):
     ours, theirs = getattr(trl_scale, f"{method}Config").__doc__, getattr(trl, f"{method}Config").__doc__
     assert theirs.strip() in ours
     assert "padding_free (`bool` or `None`" in ours and ours.index("padding_free (`bool`") > ours.index(theirs.strip())
+
+
+class FixedPromptEnvironment(CountingEnvironment):
+    """Owns the data outright: TRL trains it with no train_dataset (placeholder rows; max_steps sets the length)."""
+
+    def reset(self, **kwargs):
+        self.calls = 0
+        return "count from three"
+
+
+def _conversational(dataset):
+    return dataset.map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})
+
+
+@pytest.mark.parametrize(
+    "shape", ["standard", "conversational", "iterable", "no-dataset-environment", "extra-columns"]
+)
+def test_every_dataset_shape_trl_accepts_trains_with_trls_numbers(shape, tiny_llama, tmp_path):
+    """The dataset shapes TRL 1.16's GRPOTrainer accepts, each trained 2 steps by TRL and by trl-scale."""
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    base = counting_prompts(16, seed=0)
+    extra = {}
+    if shape == "conversational":
+        data = _conversational(base)
+    elif shape == "iterable":
+        data = base.to_iterable_dataset()
+    elif shape == "no-dataset-environment":
+        data, extra = None, {"environment_factory": FixedPromptEnvironment}
+    elif shape == "extra-columns":  # TRL passes other columns to the reward functions
+        data = base.map(lambda row, i: {"answer": i % 2, "source": "toy"}, with_indices=True)
+    else:
+        data = base
+    runs = {}
+    for package in (trl, trl_scale):
+        tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+        if extra:
+            tokenizer.chat_template, tokenizer.response_template = TOOL_TEMPLATE, qwen3_template
+        trainer = package.GRPOTrainer(
+            model=tiny_llama,
+            reward_funcs=token_parity_reward,
+            args=package.GRPOConfig(
+                **cpu_args(tmp_path / package.__name__, num_generations=4, max_completion_length=4, max_steps=2)
+            ),
+            train_dataset=data,
+            processing_class=tokenizer,
+            **extra,
+        )
+        trainer.train()
+        runs[package.__name__] = step_logs(trainer, ("loss", "grad_norm", "reward"))
+    for theirs, ours in paired(runs["trl"], runs["trl_scale"]):
+        assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
