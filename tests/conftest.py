@@ -9,6 +9,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from trl_scale.toy import build_tiny_model, build_tiny_vlm  # noqa: E402
+from trl_scale.toy.models import VLLM_CPU_SHAPE  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -41,13 +42,7 @@ def tiny_llama(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_llama_hd64(tmp_path_factory) -> str:
     """The tiny Llama with head_dim 64, which vLLM's CPU attention takes (it refuses head_dim 16)."""
-    return build_tiny_model(
-        tmp_path_factory.mktemp("tiny-llama-hd64"),
-        hidden_size=128,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-    )
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-hd64"), **VLLM_CPU_SHAPE)
 
 
 @pytest.fixture(scope="session")

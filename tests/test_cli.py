@@ -78,6 +78,14 @@ def test_realistic_gpu_yamls_parse(tmp_path):
         if method == "ppo":
             assert args.backend == "ray" and args.critic_placement["num_gpus_per_worker"] == 1.0
             assert args.reference_placement == args.reward_placement == args.critic_placement
+    parser = TrlParser((script_type, trl_scale.PPOConfig, ModelConfig))
+    _, args, _ = parser.parse_args_and_config(
+        ["--config", str(EXAMPLES / "ppo_ray_cluster.yaml"), "--bf16", "false", "--output_dir", str(tmp_path)]
+    )
+    assert args.managed_servers == 2 and args.managed_server_placement == "ray" and args.managed_server_gpus == 1
+    assert args.managed_server_args == ["--max-model-len", "4096", "--gpu-memory-utilization", "0.85"]
+    assert args.managed_server_resources == {"CPU": 8, "rollout": 1}
+    assert args.critic_placement["resources"] == {"critic": 1}
 
 
 @pytest.mark.slow  # the first DeepSpeed run on a machine JIT-builds its CPU communication op (80-140 s)

@@ -107,16 +107,22 @@ def _check_local_dataset_has_rows(name: str) -> None:
 
 def _resolve_model(model_name: str | None, training_args) -> str:
     if model_name is None:
-        raise ValueError("model_name_or_path is required (a model id or path, or toy:llama / toy:qwen2)")
+        raise ValueError(
+            "model_name_or_path is required (a model id or path, or toy:llama / toy:qwen2 / toy:llama-vllm)"
+        )
     if model_name.startswith("toy:"):
         from .toy.demo import build_counting_model
+        from .toy.models import VLLM_CPU_SHAPE
 
         family = model_name.split(":", 1)[1]
+        shape = {}
+        if family.endswith("-vllm"):  # toy:llama-vllm: a shape vLLM's CPU build serves (head_dim 64)
+            family, shape = family.removesuffix("-vllm"), VLLM_CPU_SHAPE
         path = os.path.join(training_args.output_dir, "base-model")
         # Under several processes the main one builds it; the others wait, then load what it wrote.
         with training_args.main_process_first(desc="build the toy model"):
             if not os.path.exists(os.path.join(path, "config.json")):
-                build_counting_model(path, family=family)  # warmed up: RL on a random model learns nothing
+                build_counting_model(path, family=family, **shape)  # warmed up: RL on a random model learns nothing
         return path
     return model_name
 

@@ -21,10 +21,11 @@ class DistributedArguments:
         started and called by the main trainer process for every rank.
     ray_address (`str` or `None`): a Ray cluster; `None` starts a local one.
     reward_placement, critic_placement, reference_placement (`dict` or `None`):
-        `{"num_workers": 1, "num_gpus_per_worker": 1.0, "num_cpus_per_worker": 1}` per role. The reference goes to
-        its own group only when `reference_placement` is given (and `beta != 0`, no PEFT). `critic_placement` also
-        takes `"sharding"`: `"fsdp2"` (default; with several workers each holds 1/num_workers of the critic's
-        parameters, gradients and AdamW state) or `"replicated"`.
+        `{"num_workers": 1, "num_gpus_per_worker": 1.0, "num_cpus_per_worker": 1}` per role, plus optional
+        `"resources"` (custom Ray resources per worker, e.g. `{"node_b": 1}`, to pin a role to nodes). The reference
+        goes to its own group only when `reference_placement` is given (and `beta != 0`, no PEFT).
+        `critic_placement` also takes `"sharding"`: `"fsdp2"` (default; with several workers each holds
+        1/num_workers of the critic's parameters, gradients and AdamW state) or `"replicated"`.
     ray_call_timeout (`float`, defaults to `300`): bound on every call to a Ray worker.
 """  # its section of each config's docstring (`config_docstring`)
 

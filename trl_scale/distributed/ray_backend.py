@@ -36,11 +36,12 @@ class Placement:
     num_gpus_per_worker: float = 0.0
     num_cpus_per_worker: float = 1.0
     sharding: str = "fsdp2"  # the critic's, across its workers: "fsdp2" or "replicated" (critic_placement only)
+    resources: dict | None = None  # custom Ray resources per worker, e.g. {"node_b": 1}: pins a role to nodes
 
     @classmethod
     def from_config(cls, value: dict | None, field_name: str) -> Placement:
         value = dict(value or {})
-        keys = {"num_workers", "num_gpus_per_worker", "num_cpus_per_worker"}
+        keys = {"num_workers", "num_gpus_per_worker", "num_cpus_per_worker", "resources"}
         if field_name == "critic_placement":
             keys.add("sharding")
         unknown = set(value) - keys
@@ -55,6 +56,16 @@ class Placement:
             amount = getattr(placement, name)
             if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount < 0:
                 raise ValueError(f"{field_name}.{name}={amount!r}: use a number >= 0, e.g. 1")
+        custom = placement.resources
+        if custom is not None and (
+            not isinstance(custom, dict)
+            or {"CPU", "GPU"} & set(custom)
+            or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in custom.values())
+        ):
+            raise ValueError(
+                f"{field_name}.resources={custom!r}: custom Ray resources per worker with amounts >= 0, e.g. "
+                "{'node_b': 1}; CPUs and GPUs have their own keys"
+            )
         if placement.sharding not in ("fsdp2", "replicated"):
             raise ValueError(
                 f"{field_name}.sharding={placement.sharding!r}: use 'fsdp2' (the critic sharded across its "
@@ -137,7 +148,7 @@ class RoleGroup:
         self.role, self.timeout = role, timeout
         self.model_path, self.placement, self.settings = model_path, placement, settings
         self.restartable = role in self.STATELESS_ROLES
-        bundle = {"CPU": placement.num_cpus_per_worker}
+        bundle = {"CPU": placement.num_cpus_per_worker, **(placement.resources or {})}
         if placement.num_gpus_per_worker:
             bundle["GPU"] = placement.num_gpus_per_worker
         self.workers = []
@@ -174,6 +185,7 @@ class RoleGroup:
         actor = ray.remote(RoleWorker).options(
             num_cpus=self.placement.num_cpus_per_worker,
             num_gpus=self.placement.num_gpus_per_worker,
+            resources=dict(self.placement.resources or {}),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.placement_group, placement_group_bundle_index=index
             ),

@@ -33,6 +33,28 @@ class RolloutArguments:
         the off-policy gap. A sync happens once per generation batch, so with `steps_per_generation` × epochs
         optimizer steps per batch, k syncs are k × that many optimizer steps. Needs
         `vllm_importance_sampling_correction=True`; RLOO, which TRL gives no such correction, refuses it.
+
+    > Managed servers (trl-scale starts and supervises them)
+
+    managed_servers (`int`, defaults to `0`): vLLM servers this run starts (with `use_vllm=True,
+        vllm_mode="server"`), supervises (an exited server is restarted and re-synced) and stops on every exit path.
+        Added to any `vllm_server_base_urls`.
+    managed_server_model (`str` or `None`): what they load; `None`: the policy's path.
+    managed_server_args (`list[str]` or `str` or `None`): extra `vllm serve` arguments, e.g.
+        `["--max-model-len", "4096", "--gpu-memory-utilization", "0.8"]`.
+    managed_server_env (`dict` or `None`): extra environment variables for the servers.
+    managed_server_python (`str` or `None`): the Python that has vLLM (a separate environment is normal);
+        `None`: this one.
+    managed_server_gpus (`int` or `None`): GPUs per server (tensor parallel when > 1); `None`: 1 where CUDA is
+        available, else 0 (vLLM's CPU build).
+    managed_server_gpu_ids (`list[int]` or `None`): `"local"` placement: the GPUs to hand out, server i taking the
+        i-th slice (by `CUDA_VISIBLE_DEVICES`); needed when the servers use GPUs.
+    managed_server_placement (`str`, defaults to `"local"`): `"local"` (subprocesses of the main process) or
+        `"ray"` (one Ray actor per server in a placement group, on the cluster of `ray_address`).
+    managed_server_resources (`dict` or `None`): `"ray"` placement: each server's bundle beyond its GPUs, e.g.
+        `{"CPU": 4, "node_a": 1}` (custom resources pin servers to nodes); default `{"CPU": 1}`.
+    managed_server_max_restarts (`int`, defaults to `3`), managed_server_ready_timeout (`float`, defaults to
+        `900`): restarts per server before it is given up; seconds a server may take to answer `/health`.
 """  # its section of each config's docstring (`config_docstring`)
 
     vllm_server_base_urls: list[str] | None = field(
@@ -96,9 +118,116 @@ class RolloutArguments:
         },
     )
 
+    managed_servers: int = field(
+        default=0,
+        metadata={
+            "help": "vLLM servers this run starts, supervises (an exited one is restarted and re-synced) and stops "
+            "on every exit path; needs use_vllm=True and vllm_mode='server'. Added to vllm_server_base_urls."
+        },
+    )
+    managed_server_model: str | None = field(
+        default=None, metadata={"help": "What the managed servers load; None: the policy's path."}
+    )
+    managed_server_args: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Extra `vllm serve` arguments for the managed servers (a list, or one shell-quoted string)."
+        },
+    )
+    managed_server_env: dict | None = field(
+        default=None, metadata={"help": "Extra environment variables for the managed servers."}
+    )
+    managed_server_python: str | None = field(
+        default=None,
+        metadata={"help": "The Python that runs vLLM (e.g. another virtual environment's); None: this one."},
+    )
+    managed_server_gpus: int | None = field(
+        default=None,
+        metadata={"help": "GPUs per managed server (tensor parallel when > 1); None: 1 with CUDA, else 0 (CPU)."},
+    )
+    managed_server_gpu_ids: list[int] | None = field(
+        default=None,
+        metadata={"help": "Local placement: GPU ids to hand out in order, managed_server_gpus per server."},
+    )
+    managed_server_placement: str = field(
+        default="local",
+        metadata={"help": "'local' (subprocesses of the main process) or 'ray' (Ray actors in a placement group)."},
+    )
+    managed_server_resources: dict | None = field(
+        default=None,
+        metadata={
+            "help": "Ray placement: each server's bundle beyond its GPUs, e.g. {'CPU': 4, 'node_a': 1}; default "
+            "{'CPU': 1}."
+        },
+    )
+    managed_server_max_restarts: int = field(
+        default=3, metadata={"help": "Restarts per managed server before it is given up."}
+    )
+    managed_server_ready_timeout: float = field(
+        default=900.0, metadata={"help": "Seconds a managed server may take to answer /health (start or restart)."}
+    )
+
     def __post_init__(self):
         super().__post_init__()
         self._validate_rollout_arguments()
+        self._validate_managed_servers()
+
+    def _validate_managed_servers(self) -> None:
+        import shlex
+
+        count = self.managed_servers
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"managed_servers={count!r}: use a whole number of servers (0: none)")
+        if isinstance(self.managed_server_args, str):
+            self.managed_server_args = shlex.split(self.managed_server_args)
+        for name in ("managed_server_max_restarts",):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r}: use a whole number >= 0")
+        timeout = self.managed_server_ready_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"managed_server_ready_timeout={timeout!r}: use a positive number of seconds")
+        if not count:
+            return
+        if not (getattr(self, "use_vllm", False) and getattr(self, "vllm_mode", None) == "server"):
+            raise ValueError(
+                f"managed_servers={count} starts vLLM servers for server rollout. Fix: set use_vllm=True and "
+                "vllm_mode='server' too (or managed_servers=0)"
+            )
+        if self.managed_server_placement not in ("local", "ray"):
+            raise ValueError(f"managed_server_placement={self.managed_server_placement!r}: use 'local' or 'ray'")
+        gpus = self.managed_server_gpus
+        if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0):
+            raise ValueError(f"managed_server_gpus={gpus!r}: use a whole number of GPUs per server (0: CPU)")
+        ids = self.managed_server_gpu_ids
+        if ids is not None and self.managed_server_placement == "local":
+            needed = count * (gpus if gpus is not None else 1)
+            if len(ids) < needed or len(set(ids)) != len(ids):
+                raise ValueError(
+                    f"managed_server_gpu_ids={ids} gives {len(set(ids))} distinct GPUs; {count} server(s) x "
+                    f"{gpus if gpus is not None else 1} GPU(s) need {needed}. Fix: list {needed} distinct GPU ids, "
+                    "or lower managed_servers / managed_server_gpus"
+                )
+        if self.managed_server_placement == "ray":
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                raise ImportError(
+                    "managed_server_placement='ray' needs Ray. Fix: pip install 'trl-scale[ray]', or use 'local'"
+                )
+            resources = self.managed_server_resources or {}
+            bad = {
+                k: v for k, v in resources.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0
+            }
+            if not isinstance(resources, dict) or bad or "GPU" in resources:
+                raise ValueError(
+                    f"managed_server_resources={self.managed_server_resources!r}: a dict of Ray resources per server "
+                    "with amounts >= 0, e.g. {'CPU': 4, 'node_a': 1}; GPUs come from managed_server_gpus"
+                )
+        elif self.managed_server_resources is not None:
+            raise ValueError(
+                "managed_server_resources places servers on a Ray cluster: set managed_server_placement='ray' too"
+            )
 
     def _validate_rollout_arguments(self) -> None:
         if self.vllm_server_base_urls is not None:

@@ -231,6 +231,16 @@ class RolloutClient:
         response.raise_for_status()
         return response.json()
 
+    def replace_url(self, old: str, new: str) -> None:
+        """A server that moved (a managed server restarted on another node): the new address, on no version (out of
+        the rotation until a weight sync reaches it)."""
+        with self._lock:
+            for server in self.servers:
+                if server.url == old.rstrip("/"):
+                    server.url, server.version, server.unchecked = new.rstrip("/"), None, True
+                    server.world_size = 0
+            self._model_names.pop(old.rstrip("/"), None)
+
     def _any_may_return(self, deadline: float) -> bool:
         with self._lock:
             return any((self._current(s) or s.unchecked) and s.down_until < deadline for s in self.servers)

@@ -41,9 +41,13 @@ class ServerRolloutGeneration(VLLMGeneration):
         ready_timeout: float = 240.0,
         logprobs: bool = True,
         require_logprobs: bool = False,
+        fleet=None,
     ):
         self.trainer = trainer
         self.client = client
+        self.fleet = fleet  # managed servers (main process only): checked before each batch and sync
+        if fleet is not None:
+            fleet.on_moved = client.replace_url
         # One strategy per weight-sync mode (the one this run uses is picked in _init_vllm).
         self.group_sync, self.shared_dir_sync, self.lora_sync = (
             GroupSync(client),
@@ -210,6 +214,7 @@ class ServerRolloutGeneration(VLLMGeneration):
         is served from its request, then the next batches are requested with the weights just synced."""
         if images is not None and any(image is not None for image in images):
             raise NotImplementedError("server rollout with images is not supported yet; use vLLM's own server mode")
+        self._check_fleet()
         taken = self.prefetcher.take(prompts, self.sync_count) if self.prefetcher is not None else None
         if taken is not None:
             choices, version = taken
@@ -234,6 +239,16 @@ class ServerRolloutGeneration(VLLMGeneration):
             logprob_ids.append([[t] for t in choice["token_ids"]])
         return [list(p) for p in prompts], completion_ids, logprobs, logprob_ids
 
+    def _check_fleet(self) -> None:
+        """Managed servers: an error when none can serve any more; when they are the only servers and all are down
+        but restarting, wait for one (the main process; the others wait in the sync's broadcast)."""
+        if self.fleet is None:
+            return
+        if len(self.client.servers) == self.fleet.spec.num_servers:
+            self.fleet.wait_until_serving()
+        else:
+            self.fleet.check()
+
     # ---- weight sync ------------------------------------------------------------------------------------
 
     def sync_weights(self) -> None:
@@ -244,6 +259,7 @@ class ServerRolloutGeneration(VLLMGeneration):
         version = f"{LORA_PREFIX}{self._run_id}-{self.sync_count + 1}"
         outcome = [("ok", version)]
         try:
+            self._check_fleet()
             if self.weight_sync == "lora":
                 self._sync_lora(version)
             elif self.weight_sync == "nccl":
@@ -253,8 +269,13 @@ class ServerRolloutGeneration(VLLMGeneration):
         except Exception as error:
             outcome = [("error", f"{type(error).__name__}: {error}")]
         if accelerator.num_processes > 1:
+            # With the outcome, the main process's server list: a managed server restarted elsewhere has a new URL.
+            outcome = [(*outcome[0], [s.url for s in self.client.servers])]
             outcome = broadcast_object_list(outcome, from_process=0)
-        status, value = outcome[0]
+            for old, new in zip([s.url for s in self.client.servers], outcome[0][2]):
+                if old != new:
+                    self.client.replace_url(old, new)
+        status, value = outcome[0][:2]
         if status == "error":
             raise RolloutError(f"weight sync failed: {value}")
         self.sync_count += 1

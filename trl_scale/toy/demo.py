@@ -57,11 +57,13 @@ def warm_up(
     return loss.item()
 
 
-def build_counting_model(output_dir: str, family: str = "llama", seed: int = 0, warm_up_steps: int = 60) -> str:
+def build_counting_model(
+    output_dir: str, family: str = "llama", seed: int = 0, warm_up_steps: int = 60, **config_kwargs
+) -> str:
     """A tiny model of ``family`` warmed up on noisy counting text (a weak counter, like an SFT checkpoint, which
     RL then sharpens), saved with its tokenizer to ``output_dir``. A random model never earns the counting reward,
-    so RL on it learns nothing. Deterministic for a ``seed``."""
-    base = build_tiny_model(output_dir, family=family, seed=seed)
+    so RL on it learns nothing. Deterministic for a ``seed``; ``config_kwargs`` change its shape."""
+    base = build_tiny_model(output_dir, family=family, seed=seed, **config_kwargs)
     tokenizer = AutoTokenizer.from_pretrained(base)
     # Whole, also under a ZeRO-3 launcher, where one process builds it while the others wait (see whole_parameters).
     with whole_parameters():

@@ -64,6 +64,10 @@ _FAMILIES = {
 ModelKind = Literal["causal-lm", "reward"]
 
 
+# A shape vLLM's CPU build can serve: its CPU attention refuses head_dim 16 (the default shape's), takes 64.
+VLLM_CPU_SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+
+
 def tiny_config(
     family: ModelFamily = "llama",
     vocab_size: int = 512,

@@ -159,10 +159,11 @@ def wants_remote_reference(args, model, peft_config) -> bool:
 
 
 def uses_server_rollout(args) -> bool:
-    """trl-scale's client serves `use_vllm=True, vllm_mode='server'` when several servers are given, or when
-    vLLM is not installed (TRL's own server mode needs vLLM importable and CUDA for its weight sync)."""
+    """trl-scale's client serves `use_vllm=True, vllm_mode='server'` when several servers are given or managed, or
+    when vLLM is not installed (TRL's own server mode needs vLLM importable and CUDA for its weight sync)."""
     if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server"):
         return False
     from trl.import_utils import is_vllm_available
 
-    return bool(getattr(args, "vllm_server_base_urls", None)) or not is_vllm_available()
+    managed = bool(getattr(args, "managed_servers", 0))
+    return managed or bool(getattr(args, "vllm_server_base_urls", None)) or not is_vllm_available()

@@ -21,9 +21,16 @@ class ServerRolloutMixin:
         from ..rollout import RolloutClient, ServerRolloutGeneration
 
         args = self.args
-        urls = args.vllm_server_base_urls or [
-            args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-        ]
+        self.rollout_fleet = None
+        if args.managed_servers:
+            from .fleet import start_managed_servers
+
+            self.rollout_fleet, managed_urls = start_managed_servers(self)
+            urls = managed_urls + list(args.vllm_server_base_urls or [])
+        else:
+            urls = args.vllm_server_base_urls or [
+                args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+            ]
         generation_timeout = args.rollout_generation_timeout or 120.0 + 0.25 * args.max_completion_length
         client = RolloutClient(
             urls,
@@ -34,16 +41,22 @@ class ServerRolloutMixin:
             load_timeout=args.weight_load_timeout,
         )
         correction = bool(getattr(self, "vllm_importance_sampling_correction", False))  # GRPO, PPO; not RLOO
-        self.vllm_generation = ServerRolloutGeneration(
-            self,
-            client,
-            weight_sync=args.weight_sync,
-            weight_sync_dir=args.weight_sync_dir,
-            weight_sync_timeout=args.weight_sync_timeout,
-            ready_timeout=args.vllm_server_timeout,
-            logprobs=logprobs and hasattr(self, "vllm_importance_sampling_correction"),  # as TRL: GRPO asks, RLOO not
-            require_logprobs=correction,
-        )
+        asks_logprobs = logprobs and hasattr(self, "vllm_importance_sampling_correction")  # as TRL: GRPO, not RLOO
+        try:
+            self.vllm_generation = ServerRolloutGeneration(
+                self,
+                client,
+                weight_sync=args.weight_sync,
+                weight_sync_dir=args.weight_sync_dir,
+                weight_sync_timeout=args.weight_sync_timeout,
+                ready_timeout=args.vllm_server_timeout,
+                logprobs=asks_logprobs,
+                require_logprobs=correction,
+                fleet=self.rollout_fleet,
+            )
+        except BaseException:  # no server outlives a trainer that never got built
+            self.close_rollout_servers()
+            raise
         self.use_vllm = True
         self.vllm_mode = "server"
         self._last_loaded_step = -1
@@ -58,9 +71,17 @@ class ServerRolloutMixin:
             )
             self._lookahead = None
 
+    def close_rollout_servers(self) -> None:
+        """Stop the managed vLLM servers now (they stop by themselves when this process exits, however it does)."""
+        if getattr(self, "rollout_fleet", None) is not None:
+            self.rollout_fleet.close()
+
     def train(self, *args, **kwargs):
         try:
             return super().train(*args, **kwargs)
+        except BaseException:  # an exception or Ctrl-C: no server outlives the run that failed
+            self.close_rollout_servers()
+            raise
         finally:  # no full copy of the model left in /tmp after a run, however it ended
             remove = getattr(getattr(self, "vllm_generation", None), "remove_temporary_weights", None)
             if remove is not None:
@@ -113,6 +134,8 @@ class PackedScoringMixin:
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # training logs (not the final summary)
+            if getattr(self, "rollout_fleet", None) is not None:
+                logs.update(self.rollout_fleet.metrics())
             if self._packing_stats is not None:
                 logs.update(self._packing_stats.pop())
             # trl-scale callbacks add their figures here, before the Trainer hands `logs` to report_to integrations

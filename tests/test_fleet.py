@@ -1,0 +1,182 @@
+"""Managed servers without vLLM (CI's CPU path): the fleet supervises `trl-scale serve` processes as it does vLLM's
+(start in parallel, restart on exit at the same address, give up after its restarts, stop every process), the reaper
+stops the servers of a trainer killed with `kill -9`, and the `managed_server_*` fields refuse bad input early.
+The same code against real vLLM, in a trainer: tests/test_fleet_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+import trl_scale
+from trl_scale.rollout.client import RolloutError
+from trl_scale.rollout.fleet import FleetSpec, LocalLauncher, ServerFleet, server_command, server_environment
+
+from .helpers import subprocess_env
+
+
+class ServeLauncher(LocalLauncher):
+    """The fleet's own launcher with `trl-scale serve` in place of `vllm serve`: the same process handling."""
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", "trl_scale.cli", "serve", "--model", self.spec.model, "--port", str(port)]
+
+
+def processes_with(marker: str) -> list[int]:
+    """Live processes whose environment holds `marker` (every process a server started inherits it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker.encode() in (entry / "environ").read_bytes():
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def wait_gone(marker: str, timeout: float = 60) -> list[str]:
+    """Processes with `marker` still alive after `timeout` seconds, described (pid, parent, command line)."""
+    deadline = time.monotonic() + timeout
+    while (left := processes_with(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return [_describe(pid) for pid in left]
+
+
+def _describe(pid: int) -> str:
+    try:
+        parent = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1]
+        command = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+        return f"{pid} (parent {parent}): {command}"
+    except OSError:
+        return str(pid)
+
+
+def test_the_fleet_restarts_a_killed_server_at_its_address_and_stops_everything(tiny_llama, tmp_path):
+    marker = f"TRL_SCALE_FLEET_TEST={os.getpid()}-{time.time_ns()}"
+    key, value = marker.split("=")
+    spec = FleetSpec(num_servers=2, model=tiny_llama, env={key: value}, max_restarts=1, ready_timeout=120)
+    fleet = ServerFleet(spec, ServeLauncher(spec), poll_interval=0.2)
+    try:
+        urls = fleet.start()
+        assert len(set(urls)) == 2 and all(requests.get(f"{u}/health", timeout=5).ok for u in urls)
+        assert fleet.metrics() == {
+            "rollout/servers_up": 2.0,
+            "rollout/server_deaths": 0.0,
+            "rollout/server_restarts": 0.0,
+        }
+        first = fleet.handles[0]
+        os.killpg(first.group, signal.SIGKILL)  # a crash
+        deadline = time.monotonic() + 120
+        while fleet.restarts < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert fleet.metrics()["rollout/server_restarts"] == 1.0 and fleet.deaths == 1
+        assert fleet.handles[0] is not first and fleet.urls == urls  # a new process at the same address
+        assert requests.get(f"{urls[0]}/health", timeout=5).ok
+        fleet.check()  # both can serve
+        # Out of restarts: a server killed once more than it may restart is given up; with none left, check() says so.
+        deadline = time.monotonic() + 180
+        while len(fleet.failed) < 2 and time.monotonic() < deadline:
+            for index, handle in enumerate(list(fleet.handles)):
+                if index not in fleet.restarting and index not in fleet.failed and handle.returncode() is None:
+                    os.killpg(handle.group, signal.SIGKILL)
+            time.sleep(0.5)
+        assert fleet.failed.keys() == {0, 1} and fleet.deaths == 4 and fleet.restarts == 2
+        with pytest.raises(RolloutError, match="no rollout server can serve.*managed_server_max_restarts"):
+            fleet.check()
+    finally:
+        fleet.close()
+    assert not wait_gone(value, 30), "server processes outlived fleet.close()"
+
+
+def test_a_server_that_never_comes_up_fails_the_start_naming_its_log(tiny_llama, tmp_path):
+    spec = FleetSpec(num_servers=1, model=str(tmp_path / "missing"), max_restarts=1, ready_timeout=120)
+    fleet = ServerFleet(spec, ServeLauncher(spec), poll_interval=0.2)
+    with pytest.raises(RolloutError, match=r"(?s)rollout server 0 exited with code .* \(1 restart\(s\)\).*Fix: check"):
+        fleet.start()
+    assert fleet.handles == []  # stopped
+
+
+KILLED_TRAINER = """
+import json, sys, time
+from trl_scale.rollout.fleet import LocalServer, Reaper
+reaper = Reaper()
+servers = [
+    LocalServer([sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"],
+                None, "127.0.0.1", 0, __import__("pathlib").Path(sys.argv[1]) / f"s{i}.log", reaper)
+    for i in range(2)
+]
+print(json.dumps([s.group for s in servers]), flush=True)
+time.sleep(300)
+"""
+
+
+def test_servers_die_with_a_trainer_killed_outright(tmp_path):
+    """`kill -9` of the trainer runs none of its exit code: the reaper sees its pipe close and stops the groups."""
+    marker = f"{os.getpid()}-{time.time_ns()}"
+    env = subprocess_env(TRL_SCALE_REAPER_TEST=marker)
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(KILLED_TRAINER), str(tmp_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    groups = json.loads(trainer.stdout.readline())
+    time.sleep(1.0)
+    assert len(processes_with(marker)) >= 5  # the trainer, the reaper, 2 servers and their children
+    trainer.kill()
+    trainer.wait()
+    left = wait_gone(marker, 30)
+    assert not left, f"processes left after kill -9 of the trainer: {left} (groups {groups})"
+
+
+def test_the_server_command_is_vllm_serve_with_rl_routes():
+    spec = FleetSpec(num_servers=2, model="m", server_args=["--max-model-len=256"], gpus_per_server=2, lora=True)
+    command = server_command(spec, "127.0.0.1", 8001)
+    assert command[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "m"]
+    assert "--tensor-parallel-size" in command and command[command.index("--tensor-parallel-size") + 1] == "2"
+    assert command[-1] == "--max-model-len=256" and "--enable-lora" in command
+    assert command[command.index("--logprobs-mode") + 1] == "processed_logprobs"
+    env = server_environment(spec, [2, 3])
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    own = server_command(FleetSpec(1, "m", server_args=["--logprobs-mode", "raw_logprobs"]), "h", 1)
+    assert own.count("--logprobs-mode") == 1  # the user's choice stands
+
+
+def _config(tmp_path, **fields):
+    base = dict(output_dir=str(tmp_path), bf16=False, use_cpu=True, use_vllm=True, vllm_mode="server")
+    return trl_scale.GRPOConfig(**{**base, **fields})
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"managed_servers": -1}, "managed_servers=-1: use a whole number"),
+        ({"managed_servers": 2, "use_vllm": False}, "Fix: set use_vllm=True and vllm_mode='server'"),
+        ({"managed_servers": 1, "managed_server_placement": "k8s"}, "use 'local' or 'ray'"),
+        ({"managed_servers": 2, "managed_server_gpus": 2, "managed_server_gpu_ids": [0, 1]}, "need 4"),
+        ({"managed_servers": 1, "managed_server_resources": {"CPU": 2}}, "set managed_server_placement='ray'"),
+        ({"managed_servers": 1, "managed_server_max_restarts": -1}, "managed_server_max_restarts=-1"),
+    ],
+)
+def test_managed_server_fields_refuse_bad_input(tmp_path, fields, match):
+    with pytest.raises((ValueError, ImportError), match=match):
+        _config(tmp_path, **fields)
+
+
+def test_managed_server_args_take_a_shell_string(tmp_path):
+    config = _config(tmp_path, managed_servers=1, managed_server_args="--max-model-len 256 --served-model-name 'a b'")
+    assert config.managed_server_args == ["--max-model-len", "256", "--served-model-name", "a b"]

@@ -1,0 +1,122 @@
+"""Managed vLLM servers for a trainer: the `managed_server_*` fields turned into a started, supervised fleet.
+
+The main process starts the fleet (locally or on Ray) and hands every rank the servers' URLs; a failure to start
+raises on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+
+from accelerate.utils import broadcast_object_list
+
+from ..logs import get_logger
+from ..rollout.fleet import FleetSpec, LocalLauncher, ServerFleet
+
+logger = get_logger(__name__)
+
+
+def policy_path(trainer) -> str:
+    """Where the servers load the policy from: `managed_server_model`, else the path the policy was loaded from."""
+    args = trainer.args
+    if args.managed_server_model:
+        return _absolute_if_local(args.managed_server_model)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if hasattr(model, "get_base_model"):  # PEFT: the servers hold the base model (weight_sync='lora' adds adapters)
+        model = model.get_base_model()
+    path = getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "")
+    if not path:
+        raise ValueError(
+            "managed_servers: the policy was built in memory and has no path the servers could load. Fix: set "
+            "managed_server_model to a checkpoint directory or Hub id with the same architecture (the first weight "
+            "sync brings the servers to the policy's weights)"
+        )
+    return _absolute_if_local(str(path))
+
+
+def _absolute_if_local(path: str) -> str:
+    """A local directory as an absolute path (the servers start in another directory); a Hub id as it is."""
+    return os.path.abspath(path) if os.path.isdir(path) else path
+
+
+def fleet_spec(trainer) -> FleetSpec:
+    args = trainer.args
+    gpus = args.managed_server_gpus
+    if gpus is None:
+        import torch
+
+        gpus = 1 if torch.cuda.is_available() else 0
+    gpu_ids = args.managed_server_gpu_ids
+    if args.managed_server_placement == "local" and gpus and gpu_ids is None:
+        raise ValueError(
+            f"managed_servers={args.managed_servers} with {gpus} GPU(s) each on this machine: say which GPUs they "
+            "take, apart from the trainer's. Fix: managed_server_gpu_ids=[...] (e.g. [4, 5, 6, 7] next to a trainer "
+            "launched on GPUs 0-3), or managed_server_gpus=0 for vLLM's CPU build"
+        )
+    python = args.managed_server_python or _this_python()
+    if args.managed_server_placement == "local":  # on Ray: a path on the servers' nodes
+        python = os.path.abspath(python)  # the servers start in another directory
+    if args.managed_server_placement == "local" and not os.access(python, os.X_OK):
+        raise ValueError(
+            f"managed_server_python={python!r} is not an executable file here. Fix: give the Python of the "
+            "environment that has vLLM, e.g. /path/to/vllm-venv/bin/python"
+        )
+    return FleetSpec(
+        num_servers=args.managed_servers,
+        model=policy_path(trainer),
+        server_args=list(args.managed_server_args or []),
+        env=dict(args.managed_server_env or {}),
+        gpus_per_server=gpus,
+        gpu_ids=gpu_ids,
+        python=python,
+        max_restarts=args.managed_server_max_restarts,
+        ready_timeout=args.managed_server_ready_timeout,
+        lora=args.weight_sync == "lora",
+    )
+
+
+def _this_python() -> str:
+    import sys
+
+    return sys.executable
+
+
+def launcher_for(trainer, spec: FleetSpec):
+    args = trainer.args
+    if args.managed_server_placement == "ray":
+        from ..distributed.ray_backend import init_ray
+        from ..distributed.server_hosts import RayLauncher
+
+        init_ray(args.ray_address)
+        return RayLauncher(spec, resources=args.managed_server_resources, timeout=args.ray_call_timeout)
+    return LocalLauncher(spec)
+
+
+def start_managed_servers(trainer) -> tuple[ServerFleet | None, list[str]]:
+    """Start the fleet on the main process; every rank gets the URLs (or the error)."""
+    accelerator = trainer.accelerator
+    fleet, outcome = None, [None]
+    if accelerator.is_main_process:
+        try:
+            spec = fleet_spec(trainer)
+            logger.info(
+                "starting %d vLLM server(s) (%s) for %s with %s",
+                spec.num_servers,
+                trainer.args.managed_server_placement,
+                spec.model,
+                spec.python,
+            )
+            fleet = ServerFleet(spec, launcher_for(trainer, spec))
+            outcome = [("ok", fleet.start())]
+        except Exception as error:
+            outcome = [("error", f"{type(error).__name__}: {error}")]
+            if fleet is not None:
+                fleet.close()
+            if accelerator.num_processes == 1:
+                raise
+    if accelerator.num_processes > 1:
+        outcome = broadcast_object_list(outcome, from_process=0)
+    status, value = outcome[0]
+    if status == "error":
+        raise RuntimeError(f"managed vLLM servers did not start: {value}")
+    return fleet, value
