@@ -1,6 +1,7 @@
 """Managed servers without vLLM (CI's CPU path): the fleet supervises `trl-scale serve` processes as it does vLLM's
 (start in parallel, restart on exit at the same address, give up after its restarts, stop every process), the reaper
-stops the servers of a trainer killed with `kill -9`, and the `managed_server_*` fields refuse bad input early.
+stops the servers of a trainer killed with `kill -9`, a trainer whose train() raises stops its servers, a restarted
+server catches up to the current weights before the next sync, and the `managed_server_*` fields refuse bad input.
 The same code against real vLLM, in a trainer: tests/test_fleet_vllm.py."""
 
 from __future__ import annotations
@@ -140,6 +141,85 @@ def test_servers_die_with_a_trainer_killed_outright(tmp_path):
     trainer.wait()
     left = wait_gone(marker, 30)
     assert not left, f"processes left after kill -9 of the trainer: {left} (groups {groups})"
+
+
+def _managed_grpo(tiny_llama, tmp_path, monkeypatch, marker: str, reward=None, **overrides):
+    """GRPO whose managed servers are `trl-scale serve` processes (ServeLauncher), marked with `marker`."""
+    import trl_scale.trainers.fleet as trainer_fleet
+
+    from .helpers import server_grpo
+
+    monkeypatch.setattr(trainer_fleet, "launcher_for", lambda trainer, spec: ServeLauncher(spec))
+    fields = dict(
+        vllm_server_base_urls=None,
+        managed_servers=1,
+        managed_server_env={"TRL_SCALE_FLEET_MARK": marker},
+        managed_server_ready_timeout=120,
+        weight_sync="shared_dir",
+    )
+    trainer = server_grpo(tiny_llama, tmp_path, None, **{**fields, **overrides})
+    if reward is not None:
+        trainer.reward_funcs[0] = reward
+    return trainer
+
+
+def test_a_trainer_whose_training_raises_stops_its_servers(tiny_llama, tmp_path, monkeypatch):
+    """An exception in train() (here a reward function's) stops the managed servers before it propagates."""
+    marker = f"{os.getpid()}-{time.time_ns()}"
+
+    def failing_reward(completion_ids, **kwargs):
+        raise RuntimeError("a reward function failed")
+
+    trainer = _managed_grpo(tiny_llama, tmp_path, monkeypatch, marker, reward=failing_reward)
+    assert processes_with(marker), "the managed server is running"
+    with pytest.raises(RuntimeError, match="a reward function failed"):
+        trainer.train()
+    assert not wait_gone(marker, 30), "server processes outlived a failed train()"
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_a_restarted_server_catches_up_to_the_current_weights_before_the_next_sync(
+    tiny_llama, tmp_path, monkeypatch, servers
+):
+    """A managed server killed after step 1 comes back on its original weights; its restart loads the last sync's
+    weights into it at once, with no sync in between, so it rejoins the rotation. Alone, the next step's sync waits
+    for it (and must not hold what the catch-up needs); with another server, training goes on meanwhile."""
+    from transformers import TrainerCallback
+
+    marker = f"{os.getpid()}-{time.time_ns()}"
+    overrides = dict(max_steps=3, managed_servers=servers, managed_server_ready_timeout=60)
+    trainer = _managed_grpo(tiny_llama, tmp_path, monkeypatch, marker, **overrides)
+    fleet, generation = trainer.rollout_fleet, trainer.vllm_generation
+    seen = {}
+    restarted = fleet.on_restarted
+
+    def observed(url):  # runs in the restart thread, before the server counts as back
+        restarted(url)
+        served = requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"]
+        server = next(s for s in generation.client.servers if s.url == url)
+        seen.update(served=served, current=generation.version, syncs=generation.sync_count)
+        seen.update(in_rotation=generation.client._current(server))
+
+    fleet.on_restarted = observed
+
+    class KillAfterStep1(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                seen["syncs_at_kill"] = generation.sync_count
+                os.killpg(fleet.handles[0].group, signal.SIGKILL)
+                deadline = time.monotonic() + 60
+                while servers > 1 and fleet.restarts < 1 and time.monotonic() < deadline:
+                    time.sleep(0.2)
+
+    trainer.add_callback(KillAfterStep1())
+    try:
+        trainer.train()
+        assert trainer.state.global_step == 3 and fleet.restarts == 1, seen
+        assert seen["served"] == seen["current"] and seen["in_rotation"], seen  # caught up, serving
+        assert seen["syncs"] == seen["syncs_at_kill"], seen  # by the restart, not by a sync
+    finally:
+        trainer.close_rollout_servers()
+    assert not wait_gone(marker, 30)
 
 
 def test_the_server_command_is_vllm_serve_with_rl_routes():

@@ -514,3 +514,34 @@ def test_a_sharded_adapter_is_gathered_before_it_is_written_for_vllm(tiny_llama,
     for key in whole:
         assert gathered[key].shape == whole[key].shape, key
         assert torch.equal(gathered[key], whole[key]), key
+
+
+def test_a_server_a_sync_misses_is_reported_once_then_back_when_a_sync_reaches_it(tiny_llama, caplog):
+    """A server down across several syncs is warned about once (not at every step), and said to be back once a sync
+    reaches it again: it then serves the new version."""
+    import logging
+
+    from trl_scale.rollout import RolloutClient
+    from trl_scale.rollout.weight_sync import SharedDirSync
+
+    steady, flaky = start_servers(tiny_llama, 2)
+    client = RolloutClient([steady.url, flaky.url], request_timeout=30)
+    sync = SharedDirSync(client)
+    try:
+        with caplog.at_level(logging.INFO, logger="trl_scale.rollout.weight_sync"):
+            sync.sync(tiny_llama, "v1", timeout=30)
+            flaky.stop()
+            sync.sync(tiny_llama, "v2", timeout=30)
+            sync.sync(tiny_llama, "v3", timeout=30)
+            flaky.restart()
+            sync.sync(tiny_llama, "v4", timeout=30)
+        messages = [record.getMessage() for record in caplog.records]
+        missed = [m for m in messages if "did not reach" in m]
+        assert len(missed) == 1 and flaky.url in missed[0], messages
+        back = [m for m in messages if "again" in m]
+        assert len(back) == 1 and flaky.url in back[0], messages
+        assert [s.version for s in client.servers] == ["v4", "v4"]
+    finally:
+        client.close()
+        steady.stop()
+        flaky.stop()

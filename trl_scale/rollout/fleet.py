@@ -8,8 +8,9 @@
   placement group).
 - `ServerFleet` starts every server at once, waits for all with progress on the console, then supervises: a server
   that exits is restarted on the same address (bounded attempts, exponential backoff) and counted in metrics. A
-  restarted server serves its original weights: the router keeps it out of the rotation until a weight sync
-  reaches it (its `/weight_info` version is not the current one), so no completion comes from stale weights.
+  restarted server serves its original weights: the router keeps it out of the rotation (its `/weight_info`
+  version is not the current one) until it has loaded the current weights, at once through `on_restarted`
+  (`shared_dir`, `lora`) or at the next sync (`nccl`), so no completion comes from stale weights.
 - Local servers die with the trainer however it ends: `close()` when `train()` raises and at interpreter exit, and
   the reaper (`reaper.py`) for a trainer ended by a signal (SIGTERM, SIGKILL), which runs no exit code.
 """
@@ -239,6 +240,7 @@ class ServerFleet:
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
         self.on_moved = None  # called (old URL, new URL) when a restarted server comes back at another address
+        self.on_restarted = None  # called (URL) once a restarted server answers: bring it to the current weights
 
     # ---- start ------------------------------------------------------------------------------------------
 
@@ -340,13 +342,11 @@ class ServerFleet:
                 deadline = time.monotonic() + self.spec.ready_timeout
                 while handle.returncode() is None and time.monotonic() < deadline and not self._closed.is_set():
                     if handle.ready():
+                        logger.warning("rollout server %s restarted (attempt %d)", handle.url, self.attempts[index])
+                        if self.on_restarted is not None:
+                            self.on_restarted(handle.url)
                         with self._lock:
                             self.restarts += 1
-                        logger.warning(
-                            "rollout server %s restarted (attempt %d); it serves again after the next weight sync",
-                            handle.url,
-                            self.attempts[index],
-                        )
                         return
                     time.sleep(1.0)
             with self._lock:
@@ -382,7 +382,8 @@ class ServerFleet:
             with self._lock:
                 out = self.restarting | set(self.failed)
                 candidates = [handle for index, handle in enumerate(self.handles) if index not in out]
-            if any(handle.ready() for handle in candidates):
+            # alive (a killed Ray actor's server may still answer while it shuts down) and answering
+            if any(handle.returncode() is None and handle.ready() for handle in candidates):
                 return
             if time.monotonic() >= deadline:
                 raise RolloutError(

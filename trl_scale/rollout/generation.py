@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 
 from accelerate.utils import broadcast_object_list
@@ -46,8 +47,11 @@ class ServerRolloutGeneration(VLLMGeneration):
         self.trainer = trainer
         self.client = client
         self.fleet = fleet  # managed servers (main process only): checked before each batch and sync
+        self._sync_lock = threading.Lock()  # a sync and a restarted server's catch-up, one at a time
+        self._weights_path: str | None = None  # where the current weights are (shared_dir, lora), for catch-ups
         if fleet is not None:
             fleet.on_moved = client.replace_url
+            fleet.on_restarted = self.catch_up
         # One strategy per weight-sync mode (the one this run uses is picked in _init_vllm).
         self.group_sync, self.shared_dir_sync, self.lora_sync = (
             GroupSync(client),
@@ -203,8 +207,9 @@ class ServerRolloutGeneration(VLLMGeneration):
         """Remove the full copy of the weights a shared-directory sync left in a temporary directory it made (the
         servers have loaded it); the next sync makes a new one."""
         if self._temporary_dir is not None:
-            shutil.rmtree(self._temporary_dir, ignore_errors=True)
-            self.weight_sync_dir = self._temporary_dir = None
+            with self._sync_lock:
+                shutil.rmtree(self._temporary_dir, ignore_errors=True)
+                self.weight_sync_dir = self._temporary_dir = self._weights_path = None
 
     prefetcher = None
     last_versions: list[int] = []  # per completion of the last batch: the sync count its weights came from
@@ -251,6 +256,25 @@ class ServerRolloutGeneration(VLLMGeneration):
 
     # ---- weight sync ------------------------------------------------------------------------------------
 
+    def catch_up(self, url: str) -> None:
+        """A managed server that restarted serves its original weights: load the current ones into it now
+        (`shared_dir`, `lora`), so it rejoins before the next sync. With a weight-transfer group (`nccl`) the next
+        sync rebuilds the group with it; until then the router leaves it out. Never raises (a restart thread)."""
+        with self._sync_lock:
+            server = next((s for s in self.client.servers if s.url == url.rstrip("/")), None)
+            if self.version is None or server is None or self._weights_path is None:
+                return  # before the first sync every server serves the initial weights
+            try:
+                if self.weight_sync == "shared_dir":
+                    self.shared_dir_sync.catch_up(server, self._weights_path, self.version, self.weight_sync_timeout)
+                elif self.weight_sync == "lora":
+                    self.lora_sync.catch_up(server, self.version, self._weights_path, self.weight_sync_timeout)
+                else:
+                    return
+                logger.warning("rollout server %s restarted and caught up to weights %s", url, self.version)
+            except Exception as error:
+                logger.warning("rollout server %s could not catch up (%r); the next sync brings it back", url, error)
+
     def sync_weights(self) -> None:
         """Push the policy's current weights to every server. Every rank walks the parameters (gathering shards
         is a collective); the main process sends. Its outcome reaches every rank, so a failed sync raises on all
@@ -259,13 +283,14 @@ class ServerRolloutGeneration(VLLMGeneration):
         version = f"{LORA_PREFIX}{self._run_id}-{self.sync_count + 1}"
         outcome = [("ok", version)]
         try:
-            self._check_fleet()
-            if self.weight_sync == "lora":
-                self._sync_lora(version)
-            elif self.weight_sync == "nccl":
-                self._sync_collective(version)
-            else:
-                self._sync_shared_dir(version)
+            self._check_fleet()  # outside the lock: it may wait for a restart, whose catch-up takes the lock
+            with self._sync_lock:
+                if self.weight_sync == "lora":
+                    self._sync_lora(version)
+                elif self.weight_sync == "nccl":
+                    self._sync_collective(version)
+                else:
+                    self._sync_shared_dir(version)
         except Exception as error:
             outcome = [("error", f"{type(error).__name__}: {error}")]
         if accelerator.num_processes > 1:
@@ -330,6 +355,7 @@ class ServerRolloutGeneration(VLLMGeneration):
         os.makedirs(directory, exist_ok=True)
         save_file(state, os.path.join(directory, "model.safetensors"))
         self.shared_dir_sync.sync(directory, version, timeout=self.weight_sync_timeout)
+        self._weights_path = directory
         for entry in os.listdir(self.weight_sync_dir):
             if entry.startswith("weights-") and entry != f"weights-{version}":
                 shutil.rmtree(os.path.join(self.weight_sync_dir, entry), ignore_errors=True)
@@ -350,6 +376,7 @@ class ServerRolloutGeneration(VLLMGeneration):
         model.peft_config["default"].save_pretrained(path)
         save_file(state, os.path.join(path, "adapter_model.safetensors"))
         self.lora_sync.sync(version, path, version, timeout=self.weight_sync_timeout)
+        self._weights_path = path
         if self.lora_name and self.lora_name != version:
             shutil.rmtree(os.path.join(self.weight_sync_dir, self.lora_name), ignore_errors=True)
 

@@ -4,7 +4,8 @@ gone, however it went (a normal exit, an exception, `kill -9`, the OOM killer).
 The trainer holds the write end of the reaper's stdin and sends `add PGID` / `remove PGID` lines. When the trainer
 dies the kernel closes that pipe; the reaper reads end-of-file and sends SIGTERM, then SIGKILL, to every group still
 listed. It runs in its own session and detached (no one's child), so a Ctrl-C to the trainer's terminal, a kill of the
-trainer's process group, or Ray killing an actor's children does not take it down first. Standard library only, run as a script (`python reaper.py`).
+trainer's process group, or Ray killing an actor's children does not take it down first. Standard library only,
+run as a script (`python reaper.py`).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ class WeightSync:
 
     def __init__(self, client: RolloutClient):
         self.client = client
+        self._missed: set[str] = set()  # servers the last syncs did not reach (said once, not at every sync)
 
     def _each(self, servers: list[ServerState], call, timeout: float) -> dict[str, str]:
         """`call(server)` on every server concurrently, bounded by `timeout`: the errors, by URL."""
@@ -70,14 +71,17 @@ class WeightSync:
             raise RolloutError(
                 f"{what} reached no server within weight_sync_timeout={timeout}s: {failed or 'all servers down'}"
             )
-        missed = [s.url for s in self.client.servers if s not in took]
-        if missed:
+        missed = {s.url for s in self.client.servers if s not in took}
+        if missed - self._missed:
             logger.warning(
                 "%s did not reach %s (%s); they stay out of the rotation until a sync reaches them",
                 what,
-                missed,
+                sorted(missed - self._missed),
                 failed,
             )
+        if self._missed - missed:
+            logger.info("%s reached %s again; back in the rotation", what, sorted(self._missed - missed))
+        self._missed = missed
 
     def _paused(self, servers: list[ServerState], timeout: float, work: Callable[[list[ServerState]], list]) -> list:
         """`/pause?mode=wait`, `work(paused servers)`, then `/resume` on every paused server, also when the work
@@ -101,16 +105,19 @@ class WeightSync:
         self.client._post(server, "/reset_prefix_cache", timeout)
 
 
+def _rejoin(client: RolloutClient, server: ServerState, version: str) -> None:
+    with client._lock:
+        server.version, server.unchecked, server.down_until = version, False, 0.0
+        client._lock.notify_all()
+
+
 class SharedDirSync(WeightSync):
     def sync(self, path: str, version: str, timeout: float = 120.0) -> None:
         """Shared-directory sync: every live server reloads the weights saved at `path` (safetensors, its own
         parameter names) with vLLM's `/collective_rpc reload_weights`, between a pause and a resume."""
-        body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
 
         def reload(server):
-            self.client._post(server, "/collective_rpc", self.client.load_timeout, json=body)
-            self.client._post(server, "/update_weight_version", timeout, json={"new_version": version})
-            self._reset_prefix_cache(server, timeout)
+            self._reload(server, path, version, timeout)
 
         def work(paused):
             failed = self._each(paused, reload, self.client.load_timeout + 2 * timeout)
@@ -118,6 +125,18 @@ class SharedDirSync(WeightSync):
 
         took, failed = self._paused(self._live(timeout), timeout, work)
         self._finish("weight sync (shared directory)", version, took, failed, timeout)
+
+    def _reload(self, server: ServerState, path: str, version: str, timeout: float) -> None:
+        body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
+        self.client._post(server, "/collective_rpc", self.client.load_timeout, json=body)
+        self.client._post(server, "/update_weight_version", timeout, json={"new_version": version})
+        self._reset_prefix_cache(server, timeout)
+
+    def catch_up(self, server: ServerState, path: str, version: str, timeout: float = 120.0) -> None:
+        """One server that restarted (so is out of the rotation, with nothing in flight) loads the current weights
+        and rejoins without waiting for the next sync."""
+        self._reload(server, path, version, timeout)
+        _rejoin(self.client, server, version)
 
 
 class LoraSync(WeightSync):
@@ -127,18 +146,26 @@ class LoraSync(WeightSync):
         from earlier syncs and from the run this one resumed (every name with the `trl-scale-` prefix)."""
 
         def load(server):
-            body = {"lora_name": name, "lora_path": path, "load_inplace": False}
-            self.client._post(server, "/v1/load_lora_adapter", self.client.load_timeout, json=body)
-            listed = self.client._get(server, "/v1/models", timeout=timeout).json()["data"][1:]
-            for old in [m["id"] for m in listed if m["id"].startswith(LORA_PREFIX) and m["id"] != name]:
-                try:
-                    self.client._post(server, "/v1/unload_lora_adapter", timeout, json={"lora_name": old})
-                except RolloutError as error:  # gone meanwhile: nothing to free
-                    logger.info("unloading adapter %s on %s: %s", old, server.url, error)
+            self._load(server, name, path, timeout)
 
         live = self._live(timeout)
         failed = self._each(live, load, self.client.load_timeout + 2 * timeout)
         self._finish("weight sync (LoRA adapter)", version, [s for s in live if s.url not in failed], failed, timeout)
+
+    def _load(self, server: ServerState, name: str, path: str, timeout: float) -> None:
+        body = {"lora_name": name, "lora_path": path, "load_inplace": False}
+        self.client._post(server, "/v1/load_lora_adapter", self.client.load_timeout, json=body)
+        listed = self.client._get(server, "/v1/models", timeout=timeout).json()["data"][1:]
+        for old in [m["id"] for m in listed if m["id"].startswith(LORA_PREFIX) and m["id"] != name]:
+            try:
+                self.client._post(server, "/v1/unload_lora_adapter", timeout, json={"lora_name": old})
+            except RolloutError as error:  # gone meanwhile: nothing to free
+                logger.info("unloading adapter %s on %s: %s", old, server.url, error)
+
+    def catch_up(self, server: ServerState, name: str, path: str, timeout: float = 120.0) -> None:
+        """One restarted server loads the current adapter and rejoins without waiting for the next sync."""
+        self._load(server, name, path, timeout)
+        _rejoin(self.client, server, name)
 
     def server_version(self, server: ServerState) -> str | None:
         """For LoRA sync a server's version is the newest of our adapters it lists (none after a restart)."""
