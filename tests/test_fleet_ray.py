@@ -1,7 +1,8 @@
 """Managed vLLM servers on a Ray cluster of two simulated nodes (`ray.cluster_utils.Cluster`: a raylet per node,
-custom resources standing for the nodes' labels): PPO's vLLM server runs on the `rollout` node, its critic on the
-`critic` node, as configured; the server's actor killed mid-run comes back (a new actor in its bundle), is re-synced,
-and the run finishes every step; nothing of vLLM is left afterwards."""
+custom resources standing for the nodes' labels): PPO's vLLM server runs on the `rollout` node, its critic and reward
+model on the `critic` node, as configured; the server's actor killed mid-run comes back (a new actor in its bundle),
+catches up to the current weights, the run finishes every step and the server serves the policy's weights; a reward
+function that raises in a later run stops the server: nothing of vLLM is left."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import pytest
 from transformers import AutoTokenizer, TrainerCallback
 
 from .helpers import cpu_args, token_parity_reward
-from .real_vllm import vllm_cpu_available, weight_version
+from .real_vllm import prompt_logprobs, served_models, vllm_cpu_available, weight_version
 from .test_fleet import processes_with, wait_gone
 from .test_fleet_vllm import managed_fields
+from .test_real_vllm import PROBE, SYNC_TOLERANCE, _policy_logprobs
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.slow]
@@ -31,7 +33,7 @@ def two_node_cluster():
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     rollout = cluster.add_node(num_cpus=2, resources={"rollout": 1})
-    critic = cluster.add_node(num_cpus=2, resources={"critic": 1})
+    critic = cluster.add_node(num_cpus=2, resources={"critic": 2})
     ray.init(address=cluster.address, log_to_driver=False)
     cluster.wait_for_nodes()
     yield {"address": cluster.address, "rollout": rollout.node_id, "critic": critic.node_id}
@@ -57,7 +59,9 @@ class KillServerActorAt(TrainerCallback):
                 time.sleep(1)
 
 
-def test_ppo_with_servers_and_critic_on_their_own_nodes(two_node_cluster, tiny_llama_hd64, tmp_path):
+def test_ppo_with_servers_on_one_node_and_critic_and_reward_model_on_another(
+    two_node_cluster, tiny_llama_hd64, tiny_reward_model, tmp_path
+):
     import trl_scale
     from trl_scale.toy import counting_prompts
 
@@ -74,6 +78,7 @@ def test_ppo_with_servers_and_critic_on_their_own_nodes(two_node_cluster, tiny_l
             backend="ray",
             ray_address=two_node_cluster["address"],
             critic_placement={"num_cpus_per_worker": 1, "resources": {"critic": 1}},
+            reward_placement={"num_cpus_per_worker": 1, "resources": {"critic": 1}},
             ray_call_timeout=300,
             weight_sync="shared_dir",
             rollout_request_timeout=120,
@@ -82,7 +87,7 @@ def test_ppo_with_servers_and_critic_on_their_own_nodes(two_node_cluster, tiny_l
     )
     trainer = trl_scale.PPOTrainer(
         model=tiny_llama_hd64,
-        reward_funcs=token_parity_reward,
+        reward_funcs=[tiny_reward_model, token_parity_reward],
         args=args,
         train_dataset=counting_prompts(64),
         processing_class=AutoTokenizer.from_pretrained(tiny_llama_hd64),
@@ -91,6 +96,7 @@ def test_ppo_with_servers_and_critic_on_their_own_nodes(two_node_cluster, tiny_l
         fleet = trainer.rollout_fleet
         assert _node_of(fleet.handles[0].actor) == two_node_cluster["rollout"]
         assert _node_of(trainer.critic.group.workers[0]) == two_node_cluster["critic"]
+        assert _node_of(trainer.reward_funcs[0].group.workers[0]) == two_node_cluster["critic"]
         first_actor = fleet.handles[0].actor
         trainer.add_callback(KillServerActorAt(trainer, step=1))
         trainer.train()
@@ -103,7 +109,20 @@ def test_ppo_with_servers_and_critic_on_their_own_nodes(two_node_cluster, tiny_l
         # the restarted server is on the run's weights: the trainer's client reached it at its (new) address
         assert [s.url for s in trainer.vllm_generation.client.servers] == [restarted.url]
         assert weight_version(restarted.url) == trainer.vllm_generation.version
+        trainer.vllm_generation.sync_weights()  # the last step's update came after the last sync
+        served = prompt_logprobs(restarted.url, PROBE, served_models(restarted.url)[0])
+        diff = max(abs(a - b) for a, b in zip(served, _policy_logprobs(trainer, PROBE)))
+        assert diff <= SYNC_TOLERANCE, diff
+        # a later run whose reward function raises: train() stops the server (its actor and vLLM's processes)
         assert processes_with(marker)
+
+        def failing_reward(completion_ids, **kwargs):
+            raise RuntimeError("a reward function failed")
+
+        trainer.reward_funcs[1] = failing_reward
+        with pytest.raises(RuntimeError, match="a reward function failed"):
+            trainer.train()
+        assert not wait_gone(marker, 60), "vLLM processes outlived a failed train()"
     finally:
         trainer.close_rollout_servers()
         trainer.critic.group.shutdown()

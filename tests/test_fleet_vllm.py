@@ -1,6 +1,6 @@
 """Managed vLLM servers, real ones (the CPU build in .venv-vllm): GRPO starts two, one is killed with `kill -9`
-mid-run and comes back re-synced with no step lost, and both end on the policy's weights; a trainer stopped by
-SIGTERM leaves no vLLM process behind."""
+mid-run and comes back re-synced with no step lost, and both end on the policy's weights; a reward function that
+raises, or SIGTERM to the trainer, leaves no vLLM process behind."""
 
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def test_managed_vllm_example_learns_through_a_killed_server(tmp_path):
     """`examples/grpo_managed_vllm_cpu.yaml` as written (2 managed servers, toy:llama-vllm, the counting reward),
     parsed as the CLI parses it, with server 0 killed (`kill -9` of its process group: API server, engine core)
     after step 3: every step trains on the other server meanwhile, the reward rises, and the killed server is
-    restarted and takes the policy's weights. That a restart catches up before any sync is tested on CPU
-    (test_fleet.py) and on Ray (test_fleet_ray.py)."""
+    restarted and takes the policy's weights. Then a run whose reward function raises leaves no vLLM process. That a
+    restart catches up before any sync is tested on CPU (test_fleet.py) and on Ray (test_fleet_ray.py)."""
     from trl import ModelConfig, TrlParser
 
     import trl_scale
@@ -105,10 +105,18 @@ def test_managed_vllm_example_learns_through_a_killed_server(tmp_path):
             served = prompt_logprobs(url, PROBE, served_models(url)[0])
             diff = max(abs(a - b) for a, b in zip(served, expected))
             assert diff <= SYNC_TOLERANCE, (url, diff)
-        assert processes_with(marker)  # the check below is not vacuous
+        # a later run whose reward function raises: train() stops both servers before the error propagates
+        assert len(processes_with(marker)) >= 4  # API servers and engine cores: the check below is not vacuous
+
+        def failing_reward(completion_ids, **kwargs):
+            raise RuntimeError("a reward function failed")
+
+        trainer.reward_funcs[0] = failing_reward
+        with pytest.raises(RuntimeError, match="a reward function failed"):
+            trainer.train()
+        assert not wait_gone(marker, 60), "vLLM processes outlived a train() that raised"
     finally:
         trainer.close_rollout_servers()
-    assert not wait_gone(marker, 60), "vLLM processes outlived close_rollout_servers()"
 
 
 STOPPED_TRAINER = """
