@@ -4,7 +4,7 @@ one after another (what a user starting them by hand, waiting for each, gets). R
 
 Each figure is the time from launch until every server answers `/health`. On a machine with fewer cores than
 servers need, parallel start is bounded by the CPU (vLLM's start-up is mostly Python imports and model set-up);
-on a GPU node each server has its own GPU and cores, and N servers start in about the time of one.
+on a GPU node each server has its own GPU and cores, so parallel start should come closer to the time of one.
 
 Usage: python benchmarks/fleet_startup.py [--servers 2] [--vllm-python .venv-vllm/bin/python]. The last line
 printed is one JSON object.
