@@ -1,13 +1,15 @@
 """Managed servers without vLLM (CI's CPU path): the fleet supervises `trl-scale serve` processes as it does vLLM's
 (start in parallel, restart on exit at the same address, give up after its restarts, stop every process), the reaper
 stops the servers of a trainer killed with `kill -9`, a trainer whose train() raises stops its servers, a restarted
-server catches up to the current weights before the next sync, and the `managed_server_*` fields refuse bad input.
+server catches up to the current weights before the next sync, server logs are kept only when a server failed or
+exited, and the `managed_server_*` fields refuse bad input.
 The same code against real vLLM, in a trainer: tests/test_fleet_vllm.py."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -100,6 +102,9 @@ def test_the_fleet_restarts_a_killed_server_at_its_address_and_stops_everything(
     finally:
         fleet.close()
     assert not wait_gone(value, 30), "server processes outlived fleet.close()"
+    # servers exited during the run: their logs are kept (and named at close)
+    assert sorted(p.name for p in fleet.launcher.log_dir.iterdir()) == ["server-0.log", "server-1.log"]
+    shutil.rmtree(fleet.launcher.log_dir)
 
 
 def test_a_server_that_never_comes_up_fails_the_start_naming_its_log(tiny_llama, tmp_path):
@@ -108,6 +113,17 @@ def test_a_server_that_never_comes_up_fails_the_start_naming_its_log(tiny_llama,
     with pytest.raises(RolloutError, match=r"(?s)rollout server 0 exited with code .* \(1 restart\(s\)\).*Fix: check"):
         fleet.start()
     assert fleet.handles == []  # stopped
+    assert (fleet.launcher.log_dir / "server-0.log").exists()  # the log the error names is kept
+    shutil.rmtree(fleet.launcher.log_dir)
+
+
+def test_a_server_too_slow_to_start_fails_the_start_naming_its_kept_log(tiny_llama):
+    spec = FleetSpec(num_servers=1, model=tiny_llama, ready_timeout=0.5)
+    fleet = ServerFleet(spec, ServeLauncher(spec), poll_interval=0.2)
+    with pytest.raises(RolloutError, match=r"(?s)not ready within managed_server_ready_timeout=0.5s.*server-0.log"):
+        fleet.start()
+    assert fleet.handles == [] and (fleet.launcher.log_dir / "server-0.log").exists()
+    shutil.rmtree(fleet.launcher.log_dir)
 
 
 KILLED_TRAINER = """
@@ -163,18 +179,28 @@ def _managed_grpo(tiny_llama, tmp_path, monkeypatch, marker: str, reward=None, *
     return trainer
 
 
-def test_a_trainer_whose_training_raises_stops_its_servers(tiny_llama, tmp_path, monkeypatch):
-    """An exception in train() (here a reward function's) stops the managed servers before it propagates."""
-    marker = f"{os.getpid()}-{time.time_ns()}"
+def assert_a_raising_train_stops_the_servers(trainer, marker: str, reward_index: int = 0, timeout: float = 30) -> None:
+    """Swap reward function `reward_index` for one that raises: train() must stop every server process before the
+    error propagates. Shared by the CPU, real-vLLM and Ray fleet tests."""
+    assert processes_with(marker), "no server process is running: the check below would be vacuous"
 
     def failing_reward(completion_ids, **kwargs):
         raise RuntimeError("a reward function failed")
 
-    trainer = _managed_grpo(tiny_llama, tmp_path, monkeypatch, marker, reward=failing_reward)
-    assert processes_with(marker), "the managed server is running"
+    trainer.reward_funcs[reward_index] = failing_reward
     with pytest.raises(RuntimeError, match="a reward function failed"):
         trainer.train()
-    assert not wait_gone(marker, 30), "server processes outlived a failed train()"
+    assert not wait_gone(marker, timeout), "server processes outlived a train() that raised"
+
+
+def test_a_trainer_whose_training_raises_stops_its_servers(tiny_llama, tmp_path, monkeypatch):
+    """An exception in train() (here a reward function's) stops the managed servers before it propagates."""
+    marker = f"{os.getpid()}-{time.time_ns()}"
+    trainer = _managed_grpo(tiny_llama, tmp_path, monkeypatch, marker)
+    log_dir = trainer.rollout_fleet.launcher.log_dir
+    assert (log_dir / "server-0.log").exists()
+    assert_a_raising_train_stops_the_servers(trainer, marker)
+    assert not log_dir.exists()  # no server failed: no log left behind in /tmp
 
 
 def test_a_restarted_server_catches_up_to_the_current_weights_before_the_next_sync(tiny_llama, tmp_path, monkeypatch):
@@ -219,6 +245,7 @@ def test_a_restarted_server_catches_up_to_the_current_weights_before_the_next_sy
     finally:
         trainer.close_rollout_servers()
     assert not wait_gone(marker, 30)
+    shutil.rmtree(fleet.launcher.log_dir)  # kept: a server exited during the run
 
 
 def test_the_server_command_is_vllm_serve_with_rl_routes():

@@ -13,10 +13,10 @@ import pytest
 from transformers import AutoTokenizer, TrainerCallback
 
 from .helpers import cpu_args, token_parity_reward
-from .real_vllm import prompt_logprobs, served_models, vllm_cpu_available, weight_version
-from .test_fleet import processes_with, wait_gone
+from .real_vllm import vllm_cpu_available, weight_version
+from .test_fleet import assert_a_raising_train_stops_the_servers, wait_gone
 from .test_fleet_vllm import managed_fields
-from .test_real_vllm import PROBE, SYNC_TOLERANCE, _policy_logprobs
+from .test_real_vllm import SYNC_TOLERANCE, served_vs_policy
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.slow]
@@ -110,19 +110,9 @@ def test_ppo_with_servers_on_one_node_and_critic_and_reward_model_on_another(
         assert [s.url for s in trainer.vllm_generation.client.servers] == [restarted.url]
         assert weight_version(restarted.url) == trainer.vllm_generation.version
         trainer.vllm_generation.sync_weights()  # the last step's update came after the last sync
-        served = prompt_logprobs(restarted.url, PROBE, served_models(restarted.url)[0])
-        diff = max(abs(a - b) for a, b in zip(served, _policy_logprobs(trainer, PROBE)))
-        assert diff <= SYNC_TOLERANCE, diff
+        assert (diff := served_vs_policy(trainer, restarted.url)) <= SYNC_TOLERANCE, diff
         # a later run whose reward function raises: train() stops the server (its actor and vLLM's processes)
-        assert processes_with(marker)
-
-        def failing_reward(completion_ids, **kwargs):
-            raise RuntimeError("a reward function failed")
-
-        trainer.reward_funcs[1] = failing_reward
-        with pytest.raises(RuntimeError, match="a reward function failed"):
-            trainer.train()
-        assert not wait_gone(marker, 60), "vLLM processes outlived a failed train()"
+        assert_a_raising_train_stops_the_servers(trainer, marker, reward_index=1, timeout=60)
     finally:
         trainer.close_rollout_servers()
         trainer.critic.group.shutdown()

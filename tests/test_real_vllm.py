@@ -125,6 +125,12 @@ def _policy_logprobs(trainer, prompt: list[int]) -> list[float]:
     return logits.log_softmax(-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
 
 
+def served_vs_policy(trainer, url: str) -> float:
+    """Largest |server - policy| prompt log-prob on PROBE: at most SYNC_TOLERANCE once `url` serves the policy."""
+    served = prompt_logprobs(url, PROBE, served_models(url)[0])
+    return max(abs(a - b) for a, b in zip(served, _policy_logprobs(trainer, PROBE)))
+
+
 def _check_every_sync(trainer, urls: list[str]) -> list[dict]:
     """After each sync: every server's prompt log-probs against the policy's, and the version each reports."""
     generation = trainer.vllm_generation

@@ -415,16 +415,21 @@ def test_a_generation_longer_than_the_request_timeout_completes_on_a_healthy_ser
         server.stop()
 
 
-def test_a_shared_dir_sync_without_a_directory_leaves_no_copy_of_the_model(servers, tiny_llama, tmp_path):
-    trainer = server_grpo(tiny_llama, tmp_path, [s.url for s in servers], weight_sync="shared_dir", max_steps=2)
+@pytest.mark.parametrize("weight_sync", ["shared_dir", "lora"])
+def test_a_sync_without_a_directory_leaves_no_copy_of_the_weights(servers, tiny_llama, tmp_path, weight_sync):
+    """shared_dir writes the model, lora the adapter, into a temporary directory: removed at the end of train()."""
+    from peft import LoraConfig
+
+    peft = {"peft_config": LoraConfig(r=4, target_modules=["q_proj", "v_proj"])} if weight_sync == "lora" else {}
+    trainer = server_grpo(tiny_llama, tmp_path, [s.url for s in servers], weight_sync=weight_sync, max_steps=2, **peft)
     made = []
-    sync = trainer.vllm_generation._sync_shared_dir
+    sync = getattr(trainer.vllm_generation, f"_sync_{weight_sync}")
 
     def recording(version):
         sync(version)
         made.append(trainer.vllm_generation.weight_sync_dir)
 
-    trainer.vllm_generation._sync_shared_dir = recording
+    setattr(trainer.vllm_generation, f"_sync_{weight_sync}", recording)
     trainer.train()
-    assert len(made) == 2 and made[0].startswith(tempfile.gettempdir())
+    assert len(made) == 2 and made[0] == made[1] and made[0].startswith(tempfile.gettempdir())
     assert not os.path.exists(made[0])  # removed at the end of train()

@@ -62,9 +62,9 @@ class ServerHost:
     def pids(self) -> list[int]:
         return [self.server.process.pid] if self.server else []
 
-    def stop(self) -> None:
+    def stop(self, remove_log: bool = False) -> None:
         if self.server is not None:
-            self.server.stop()
+            self.server.stop(remove_log=remove_log)
         self.reaper.close()
 
 
@@ -115,11 +115,11 @@ class RayServer:
 
         return ray.get(self.actor.node_id.remote(), timeout=30)
 
-    def stop(self, grace: float = 20.0) -> None:
+    def stop(self, grace: float = 20.0, remove_log: bool = False) -> None:
         import ray
 
         try:
-            ray.get(self.actor.stop.remote(), timeout=grace + 40)
+            ray.get(self.actor.stop.remote(remove_log), timeout=grace + 40)
         except Exception:  # dead already, or stuck: the kill below and the actor's reaper finish it
             pass
         try:

@@ -168,9 +168,9 @@ class LocalServer:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def stop(self, grace: float = 20.0) -> None:
+    def stop(self, grace: float = 20.0, remove_log: bool = False) -> None:
         """SIGTERM to the group, then SIGKILL to what is left: a SIGTERM to the API server alone can leave its engine
-        core and worker running."""
+        core and worker running. `remove_log`: delete its log too (a run with nothing to look back at)."""
         self._signal(signal.SIGTERM)
         try:
             self.process.wait(timeout=grace)
@@ -183,6 +183,8 @@ class LocalServer:
             pass
         if self.reaper is not None:
             self.reaper.remove(self.group)
+        if remove_log:
+            self.log_path.unlink(missing_ok=True)
 
     def describe(self) -> str:
         return f"{self.url} (pid {self.process.pid}, log {self.log_path})"
@@ -221,6 +223,10 @@ class LocalLauncher:
 
     def close(self) -> None:
         self.reaper.close()
+        try:
+            self.log_dir.rmdir()  # only once empty: logs the fleet kept stay
+        except OSError:
+            pass
 
 
 class ServerFleet:
@@ -236,6 +242,7 @@ class ServerFleet:
         self.restarting: set[int] = set()
         self.failed: dict[int, str] = {}  # servers out of restarts: why
         self.start_seconds: float | None = None
+        self.keep_logs = False  # set once a server fails or exits: its log outlives the run, named at close
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -253,6 +260,7 @@ class ServerFleet:
             self.attempts = [0] * len(self.handles)
             self._wait_all_ready(began)
         except BaseException:
+            self.keep_logs = True  # the error names the logs
             self.close()
             raise
         self.start_seconds = time.monotonic() - began
@@ -278,6 +286,7 @@ class ServerFleet:
                             "check managed_server_model and managed_server_args against the log above"
                         )
                     self.attempts[index] += 1
+                    self.keep_logs = True
                     handle.stop(grace=1)  # what is left of its group, and off the reaper's list
                     self.handles[index] = self.launcher.launch(index)
                 elif handle.ready():
@@ -316,6 +325,7 @@ class ServerFleet:
                     if code is None:
                         continue
                     self.deaths += 1
+                    self.keep_logs = True
                     self.restarting.add(index)
                 logger.warning(
                     "rollout server %s exited (%s); restarting it. Log tail:\n%s",
@@ -407,12 +417,15 @@ class ServerFleet:
     # ---- stop -------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop every server (in parallel) and the launcher; safe to call more than once, from any exit path."""
+        """Stop every server (in parallel) and the launcher; safe to call more than once, from any exit path. Their
+        logs are removed unless a server failed or exited during the run; then they are kept and named."""
         if self._closed.is_set() and not self.handles:
             return
         self._closed.set()
         handles, self.handles = list(self.handles), []
-        threads = [threading.Thread(target=h.stop) for h in handles]
+        if self.keep_logs and handles:
+            logger.info("rollout servers stopped; their logs are kept: %s", ", ".join(h.describe() for h in handles))
+        threads = [threading.Thread(target=h.stop, kwargs={"remove_log": not self.keep_logs}) for h in handles]
         for thread in threads:
             thread.start()
         for thread in threads:

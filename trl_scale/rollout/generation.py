@@ -201,11 +201,11 @@ class ServerRolloutGeneration(VLLMGeneration):
             staleness, tokenize, lambda ids: self._prefetch_pool.submit(self._request, [list(p) for p in ids])
         )
 
-    _temporary_dir: str | None = None  # a full-weights directory this run made (no weight_sync_dir given)
+    _temporary_dir: str | None = None  # a weights or adapter directory this run made (no weight_sync_dir given)
 
     def remove_temporary_weights(self) -> None:
-        """Remove the full copy of the weights a shared-directory sync left in a temporary directory it made (the
-        servers have loaded it); the next sync makes a new one."""
+        """Remove the copy of the weights (shared_dir) or adapter (lora) a sync left in a temporary directory it made
+        (the servers have loaded it); the next sync makes a new one."""
         if self._temporary_dir is not None:
             with self._sync_lock:
                 shutil.rmtree(self._temporary_dir, ignore_errors=True)
@@ -370,7 +370,7 @@ class ServerRolloutGeneration(VLLMGeneration):
         if not self.accelerator.is_main_process:
             return
         if self.weight_sync_dir is None:
-            self.weight_sync_dir = tempfile.mkdtemp(prefix="trl-scale-lora-")
+            self.weight_sync_dir = self._temporary_dir = tempfile.mkdtemp(prefix="trl-scale-lora-")
         path = os.path.join(self.weight_sync_dir, version)
         os.makedirs(path, exist_ok=True)
         model.peft_config["default"].save_pretrained(path)
