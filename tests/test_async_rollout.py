@@ -2,6 +2,8 @@
 trains only on completions at most k weight versions old (read from the versions each batch carries), most
 batches come from requests sent while the trainer trained, and training still learns."""
 
+import time
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -65,6 +67,37 @@ def test_no_trained_completion_is_older_than_the_bound(servers, tiny_llama, tmp_
     prefetcher = trainer.vllm_generation.prefetcher
     assert prefetcher.served_from_prefetch >= generations - staleness  # all but the first came from prefetches
     assert len(step_logs(trainer, ("loss",))) == 6
+
+
+def _delayed(send, seconds: float):
+    def delayed(*args, **kwargs):
+        time.sleep(seconds)
+        return send(*args, **kwargs)
+
+    return delayed
+
+
+def test_staleness_1_trains_the_same_numbers_however_generation_and_training_are_timed(servers, tiny_llama, tmp_path):
+    """Issue 20: the async trajectory must not depend on load. One run as fast as it goes, one whose steps and
+    requests are each delayed (generation then lands at other points of training, and the router spreads requests
+    over the two servers differently): equal losses, rewards, grad norms and completion versions."""
+    from transformers import TrainerCallback
+
+    class SlowSteps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            time.sleep(0.2)
+
+    keys = ("loss", "reward", "grad_norm")
+    runs = {}
+    for timing in ("fast", "delayed"):
+        trainer = _grpo(tiny_llama, tmp_path / timing, [s.url for s in servers], async_rollout_staleness=1)
+        if timing == "delayed":
+            trainer.add_callback(SlowSteps())
+            trainer.vllm_generation._request = _delayed(trainer.vllm_generation._request, 1.0)
+        seen = _record_versions(trainer)
+        trainer.train()
+        runs[timing] = (step_logs(trainer, keys), seen)
+    assert len(runs["fast"][0]) == 6 and runs["fast"] == runs["delayed"], runs
 
 
 def test_a_batch_whose_prompts_were_not_prefetched_is_generated_in_turn(servers, tiny_llama, tmp_path):

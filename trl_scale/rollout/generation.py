@@ -282,6 +282,8 @@ class ServerRolloutGeneration(VLLMGeneration):
         accelerator = self.accelerator
         version = f"{LORA_PREFIX}{self._run_id}-{self.sync_count + 1}"
         outcome = [("ok", version)]
+        if self.prefetcher is not None:  # each prefetched batch generated whole by the weights it is tagged with
+            self.prefetcher.settle()
         try:
             self._check_fleet()  # outside the lock: it may wait for a restart, whose catch-up takes the lock
             with self._sync_lock:
