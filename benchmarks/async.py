@@ -4,6 +4,8 @@ does: generate, then train) vs staleness 1 and 2 (the servers generate the next 
 The servers get a per-token delay chosen so that generating a batch takes about as long as training on it (the
 regime where overlap matters; measured first with no delay). Same model, data, seed and servers for every run;
 runs alternate (sync, 1, 2, sync, 1, 2, ...), and each run's step time is the mean over its steps after a warm-up.
+The trainer and the servers are pinned to separate halves of the cores (on 2 cores: one each); sharing them, the
+servers' own compute takes the trainer's cores and overlap hides only the delay.
 
 Usage: python benchmarks/async.py [--quick]. The last line printed is one JSON object.
 """
@@ -21,8 +23,18 @@ import time
 from rollout import start_server, wait_ready  # benchmarks/rollout.py: `trl-scale serve` processes
 
 
-def servers(model_path: str, delay: float) -> tuple[list[subprocess.Popen], list[str]]:
-    started = [start_server(model_path, delay) for _ in range(2)]
+def split_cores() -> tuple[set[int] | None, set[int] | None]:
+    """Trainer cores and server cores: half each, so neither side's compute slows the other (as with servers on
+    their own GPUs, the case async rollout is for). None where the platform cannot pin or has one core."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
+    if len(cores) < 2:
+        return None, None
+    half = len(cores) // 2
+    return set(cores[:half]), set(cores[half:])
+
+
+def servers(model_path: str, delay: float, cpus: set[int] | None) -> tuple[list[subprocess.Popen], list[str]]:
+    started = [start_server(model_path, delay, cpus) for _ in range(2)]
     for _, url in started:
         wait_ready(url)
     return [process for process, _ in started], [url for _, url in started]
@@ -104,17 +116,23 @@ def main() -> None:
     from trl_scale.toy import build_tiny_model
 
     transformers.logging.set_verbosity_error()
+    trainer_cores, server_cores = split_cores()
+    if trainer_cores:
+        import torch
+
+        os.sched_setaffinity(0, trainer_cores)
+        torch.set_num_threads(len(trainer_cores))
     steps, warmup, repeats = (14, 3, 2) if args.quick else (40, 5, 3)
     work = tempfile.mkdtemp(prefix="async-bench-")
     # A small model rather than the tests' tiny one: training does enough arithmetic that it, not Python overhead,
-    # sets the step time, so the servers' own compute (which shares this machine's cores) stays a small part of
-    # generation and the delay stands for GPU servers elsewhere.
+    # sets the step time. The servers run on their own cores (split_cores), and the delay stands for the rest of
+    # a GPU server's generation time.
     model_path = build_tiny_model(os.path.join(work, "model"), hidden_size=256, num_layers=4, intermediate_size=1024)
 
     # Calibrate: with instant servers, split a step into generation and the rest (training); then give the servers
     # a per-token delay (each holds its model token_delay x tokens x n per request) that makes generation take about
     # as long as training.
-    processes, urls = servers(model_path, 0.0)
+    processes, urls = servers(model_path, 0.0, server_cores)
     generate_seconds: list[float] = []
     try:
         calibration = step_times(model_path, urls, 0, 10, 3, os.path.join(work, "calibrate"), generate_seconds)
@@ -127,7 +145,7 @@ def main() -> None:
     requests_per_server = BATCH // NUM_GENERATIONS // 2  # prompts per step (one request each), over 2 servers
     delay = max(0.0, train_step - generation) / (requests_per_server * MAX_TOKENS * NUM_GENERATIONS)
 
-    processes, urls = servers(model_path, delay)
+    processes, urls = servers(model_path, delay, server_cores)
     results: dict[int, list[float]] = {0: [], 1: [], 2: []}
     try:
         for repeat in range(repeats):

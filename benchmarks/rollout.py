@@ -30,12 +30,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model_path: str, token_delay: float) -> tuple[subprocess.Popen, str]:
+def start_server(model_path: str, token_delay: float, cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:
+    """A `trl-scale serve` process on one thread; `cpus` pins it to those cores (Linux)."""
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     command = [sys.executable, "-m", "trl_scale.cli", "serve", "--model", model_path, "--port", str(port)]
     command += ["--token-delay", str(token_delay)]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pin)
     return process, f"http://127.0.0.1:{port}"
 
 

@@ -66,6 +66,8 @@ def test_no_trained_completion_is_older_than_the_bound(servers, tiny_llama, tmp_
     assert max(ages) == staleness  # the bound is reached: batches really were generated ahead
     prefetcher = trainer.vllm_generation.prefetcher
     assert prefetcher.served_from_prefetch >= generations - staleness  # all but the first came from prefetches
+    # Nothing generated past the last step: every request sent was trained on, none is left running.
+    assert not prefetcher.in_flight and prefetcher.served_from_prefetch + prefetcher.generated_now == generations
     assert len(step_logs(trainer, ("loss",))) == 6
 
 

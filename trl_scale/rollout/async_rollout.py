@@ -17,7 +17,8 @@ generations anyway.
 
 A request is matched to its batch by the batch's prompt token ids, so nothing is ever trained on completions of
 other prompts: a batch whose prompts differ from what was prefetched (or whose prefetch failed) is generated
-synchronously. A resumed run starts with nothing in flight and regenerates what was.
+synchronously. A resumed run starts with nothing in flight and regenerates what was; nothing past the run's last
+step is requested.
 """
 
 from __future__ import annotations
@@ -106,8 +107,9 @@ class LookaheadIterator:
     in `every` batches: TRL repeats a generation batch `steps_per_generation × num_iterations` times) is noted with
     the prefetcher as soon as it is known."""
 
-    def __init__(self, source: Iterator, prefetcher: RolloutPrefetcher, every: int):
+    def __init__(self, source: Iterator, prefetcher: RolloutPrefetcher, every: int, limit: int | None = None):
         self.source, self.prefetcher, self.every = source, prefetcher, every
+        self.limit = limit  # batches the run will still take (max_steps): none past it is prefetched
         self.buffer: deque = deque()
         self.position = 0  # batches handed to the trainer
         self.read = 0  # batches read from the source
@@ -124,7 +126,7 @@ class LookaheadIterator:
             except StopIteration:
                 self.exhausted = True
                 return
-            if self.read % self.every == 0 and self.read > 0:
+            if self.read % self.every == 0 and 0 < self.read and (self.limit is None or self.read < self.limit):
                 self.prefetcher.note_upcoming(batch)
             self.read += 1
             self.buffer.append(batch)

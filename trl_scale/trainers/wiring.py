@@ -96,7 +96,9 @@ class ServerRolloutMixin:
 
             if self._lookahead is None or self._lookahead.source is not epoch_iterator:
                 every = self.args.steps_per_generation * self.num_iterations
-                self._lookahead = LookaheadIterator(epoch_iterator, prefetcher, every)
+                # No generation past the last step: it would run on the servers for nothing and outlive train().
+                remaining = (self.state.max_steps - self.state.global_step) * self.args.gradient_accumulation_steps
+                self._lookahead = LookaheadIterator(epoch_iterator, prefetcher, every, limit=remaining)
             epoch_iterator = self._lookahead
         return super().get_batch_samples(epoch_iterator, num_batches, device)
 
