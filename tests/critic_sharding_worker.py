@@ -13,6 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from tests.helpers import end_distributed_worker
 from trl_scale.critic import CriticUpdater, load_critic
 
 ROWS, PROMPT, COMPLETION = 8, 4, 6
@@ -135,13 +136,7 @@ def main(model_path: str, sharding: str, out: str) -> None:
     if rank == 0:
         torch.save(result, out)
     if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
-        # As `trl-scale` does at the end of a multi-process run: no native teardown of the process groups that
-        # FSDP2 still holds (it can abort a rank at exit).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        end_distributed_worker()
 
 
 def _broadcast(state: dict) -> dict:

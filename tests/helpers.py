@@ -17,6 +17,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def end_distributed_worker() -> None:
+    """End a multi-process test worker as `trl-scale` ends a multi-process run (`cli._end_distributed`): barrier,
+    destroy the process group, then `os._exit`. FSDP2 still holds process groups whose native teardown at exit
+    can abort a rank ("terminate called without an active exception", SIGABRT) after the work is done."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def token_parity_reward(completion_ids, **kwargs) -> list[float]:
     """Fraction of odd token ids: varies across samples of a random model, so advantages are not all zero."""
     return [sum(t % 2 for t in ids) / max(1, len(ids)) for ids in completion_ids]
