@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from trl.chat_template_utils import qwen3_template
 
 import trl_scale
-from trl_scale.toy import counting_prompts
+from trl_scale.toy import counting_prompts, preference_pairs
 
 from .helpers import cpu_args, paired, step_logs, token_parity_reward
 
@@ -136,6 +136,7 @@ def test_environment_dataset_without_prompt_column_trains_as_in_trl(tiny_llama, 
         )
         trainer.train()
         runs[package.__name__] = step_logs(trainer, ("loss", "grad_norm", "reward"))
+    assert trainer._packing_stats is not None, "trl-scale fell back to the padded path: the shape went untested"
     for theirs, ours in paired(runs["trl"], runs["trl_scale"]):
         assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
 
@@ -195,5 +196,77 @@ def test_every_dataset_shape_trl_accepts_trains_with_trls_numbers(shape, tiny_ll
         )
         trainer.train()
         runs[package.__name__] = step_logs(trainer, ("loss", "grad_norm", "reward"))
+    assert trainer._packing_stats is not None, "trl-scale fell back to the padded path: the shape went untested"
     for theirs, ours in paired(runs["trl"], runs["trl_scale"]):
         assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("shape", ["standard", "conversational", "iterable", "extra-columns"])
+def test_every_dataset_shape_trl_accepts_trains_rloo_with_trls_numbers(shape, tiny_llama, tmp_path):
+    """The prompt dataset shapes TRL 1.16's RLOOTrainer accepts (it has no environments), 2 steps each."""
+    data = {
+        "standard": counting_prompts(16, seed=0),
+        "conversational": _conversational(counting_prompts(16, seed=0)),
+        "iterable": counting_prompts(16, seed=0).to_iterable_dataset(),
+        "extra-columns": counting_prompts(16, seed=0).map(lambda row: {"answer": 1, "source": "toy"}),
+    }[shape]
+    runs = {}
+    for package in (trl, trl_scale):
+        trainer = package.RLOOTrainer(
+            model=tiny_llama,
+            reward_funcs=token_parity_reward,
+            args=package.RLOOConfig(
+                **cpu_args(tmp_path / package.__name__, num_generations=4, max_completion_length=4, max_steps=2)
+            ),
+            train_dataset=data,
+            processing_class=AutoTokenizer.from_pretrained(tiny_llama),
+        )
+        trainer.train()
+        runs[package.__name__] = step_logs(trainer, ("loss", "grad_norm", "reward"))
+    assert trainer._packing_stats is not None, "trl-scale fell back to the padded path: the shape went untested"
+    for theirs, ours in paired(runs["trl"], runs["trl_scale"]):
+        assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
+
+
+def _preference_shape(shape: str):
+    """TRL's preference dataset types: explicit prompt or prompt implicit in chosen/rejected, as text or messages."""
+    pairs = preference_pairs(16, seed=0)
+    if shape in ("conversational", "implicit-conversational"):
+        pairs = pairs.map(
+            lambda row: {
+                "prompt": [{"role": "user", "content": row["prompt"]}],
+                "chosen": [{"role": "assistant", "content": row["chosen"].strip()}],
+                "rejected": [{"role": "assistant", "content": row["rejected"].strip()}],
+            }
+        )
+    if shape.startswith("implicit"):  # TRL extracts the shared prefix as the prompt
+        pairs = pairs.map(
+            lambda row: {"chosen": row["prompt"] + row["chosen"], "rejected": row["prompt"] + row["rejected"]},
+            remove_columns=["prompt"],
+        )
+    if shape == "iterable":
+        pairs = pairs.to_iterable_dataset()
+    if shape == "extra-columns":
+        pairs = pairs.map(lambda row: {"source": "toy", "score_gap": 1.0})
+    return pairs
+
+
+@pytest.mark.parametrize(
+    "shape", ["standard", "conversational", "implicit", "implicit-conversational", "iterable", "extra-columns"]
+)
+def test_every_preference_shape_trl_accepts_trains_dpo_with_trls_numbers(shape, tiny_llama, tmp_path):
+    """The preference dataset shapes TRL 1.16's DPOTrainer accepts, 2 steps each (trl-scale's packing on)."""
+    data = _preference_shape(shape)
+    runs = {}
+    for package in (trl, trl_scale):
+        trainer = package.DPOTrainer(
+            model=tiny_llama,
+            args=package.DPOConfig(**cpu_args(tmp_path / package.__name__, max_length=64, max_steps=2)),
+            train_dataset=data,
+            processing_class=AutoTokenizer.from_pretrained(tiny_llama),
+        )
+        trainer.train()
+        runs[package.__name__] = step_logs(trainer, ("loss", "grad_norm", "rewards/margins"))
+    assert trainer._packing_stats is not None, "trl-scale fell back to the padded path: the shape went untested"
+    for theirs, ours in paired(runs["trl"], runs["trl_scale"]):
+        assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6)
