@@ -242,6 +242,40 @@ def test_a_server_killed_mid_broadcast_fails_the_sync_within_the_timeout(tiny_ll
             victim.stop()
 
 
+def test_an_abandoned_broadcast_failing_late_leaves_the_rebuilt_group_in_place(tiny_llama):
+    """A server's receive from an abandoned group can fail after the trainer has opened the next group on it (fresh-
+    clone CI run 17: the group's next sync got "no weight-transfer engine"). The late failure must close its own
+    group only. The order is forced: the old group's receive is left waiting, a new group forms and syncs, and only
+    then does the old group's sender go."""
+    from transformers import AutoModelForCausalLM
+
+    (server,) = start_servers(tiny_llama, 1)
+    try:
+        client = RolloutClient([server.url], request_timeout=30)
+        state = dict(AutoModelForCausalLM.from_pretrained(tiny_llama).state_dict())
+        sync = GroupSync(client)
+        sync.push(state, timeout=20)  # group A forms
+        abandoned = sync.group
+        update_info = {"names": ["x"], "dtype_names": ["float32"], "shapes": [[1]]}
+        requests.post(f"{server.url}/start_weight_update", json={}, timeout=10).raise_for_status()
+        waiting = threading.Thread(
+            target=requests.post,
+            args=(f"{server.url}/update_weights",),
+            kwargs={"json": {"update_info": update_info}, "timeout": 60},
+        )
+        waiting.start()  # the server now receives on group A, from a sender that never sends
+        time.sleep(1.0)
+        sync.group = None  # the trainer gives group A up and opens group B
+        sync.push(state, timeout=20)
+        abandoned["sender"].close()  # group A's receive fails now, after group B formed
+        waiting.join(timeout=60)
+        assert not waiting.is_alive()
+        version = sync.push(state, timeout=20)  # over group B, still in place
+        assert client.servers[0].version == version
+    finally:
+        server.stop()
+
+
 def test_lora_sync_follows_vllms_rules_across_resyncs_and_resume(tiny_llama, tmp_path):
     from peft import LoraConfig
 

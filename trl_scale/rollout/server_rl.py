@@ -160,11 +160,14 @@ def add_rl_routes(
         def rank(group):
             return dict(receive(group, update, weight_transfer_timeout))
 
+        engine = state["engine"]
         try:
-            with ThreadPoolExecutor(len(state["engine"])) as pool:
-                per_rank = list(pool.map(rank, state["engine"]))
+            with ThreadPoolExecutor(len(engine)) as pool:
+                per_rank = list(pool.map(rank, engine))
         except Exception as error:  # a member left mid-broadcast: this group is over
-            state["engine"] = None
+            # Only this group: the trainer may have abandoned it and opened a new one before this receive failed.
+            if state["engine"] is engine:
+                state["engine"] = None
             raise HTTPException(500, f"weight broadcast failed: {error}") from error
         return per_rank[0]  # every rank got the same tensors; rank 0's go into this (unsharded) model
 
