@@ -248,6 +248,39 @@ def test_a_restarted_server_catches_up_to_the_current_weights_before_the_next_sy
     shutil.rmtree(fleet.launcher.log_dir)  # kept: a server exited during the run
 
 
+@pytest.mark.parametrize("dies_before", ["sync", "generation"])
+def test_a_server_dying_right_after_the_fleet_check_is_waited_for(dies_before, tiny_llama, tmp_path, monkeypatch):
+    """The only managed server passes the fleet's check, then dies before the weights (or the next batch's requests)
+    reach it (fresh-clone CI run 17, Ray fleet: a killed actor's server still answered /health for a moment). The
+    fleet's restart is waited for and the run goes on; it does not end with "reached no server". The order is
+    forced: the kill comes after the check, and the sync or request starts once the server has stopped answering."""
+    marker = f"{os.getpid()}-{time.time_ns()}"
+    trainer = _managed_grpo(tiny_llama, tmp_path, monkeypatch, marker, max_steps=3, managed_server_ready_timeout=60)
+    fleet, generation = trainer.rollout_fleet, trainer.vllm_generation
+    killed = []
+    name = "_sync_shared_dir" if dies_before == "sync" else "_request"
+    proceed = getattr(generation, name)
+
+    def die_then_proceed(*args):
+        if generation.sync_count == 1 and not killed:  # after the first step's sync: step 2's sync or its batch
+            killed.append(fleet.handles[0].url)
+            os.killpg(fleet.handles[0].group, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while fleet.handles[0].ready() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        return proceed(*args)
+
+    monkeypatch.setattr(generation, name, die_then_proceed)
+    try:
+        trainer.train()
+        assert killed and trainer.state.global_step == 3 and fleet.restarts == 1
+        assert generation.sync_count == 3 and generation.client.servers[0].version == generation.version
+    finally:
+        trainer.close_rollout_servers()
+    assert not wait_gone(marker, 30)
+    shutil.rmtree(fleet.launcher.log_dir)  # kept: a server exited during the run
+
+
 def test_the_server_command_is_vllm_serve_with_rl_routes():
     spec = FleetSpec(num_servers=2, model="m", server_args=["--max-model-len=256"], gpus_per_server=2, lora=True)
     command = server_command(spec, "127.0.0.1", 8001)

@@ -189,6 +189,18 @@ class ServerRolloutGeneration(VLLMGeneration):
         )
         return [choice for choices in results for choice in choices]
 
+    def _request_from_fleet(self, prompts) -> list[dict]:
+        """`_request`; with managed servers, tried once more after the fleet has a server serving again: the only
+        server can pass the fleet's check and die before the request reaches it."""
+        try:
+            return self._request(prompts)
+        except RolloutError as error:
+            if self.fleet is None:
+                raise
+            logger.warning("generation failed (%s); waiting for a managed server, then trying once more", error)
+            self._check_fleet()
+            return self._request(prompts)
+
     def enable_async(self, staleness: int, tokenize) -> None:
         """Prefetch up to `staleness` generation batches ahead (see `async_rollout`)."""
         from concurrent.futures import ThreadPoolExecutor
@@ -224,7 +236,7 @@ class ServerRolloutGeneration(VLLMGeneration):
         if taken is not None:
             choices, version = taken
         else:
-            choices, version = self._request(prompts), self.sync_count
+            choices, version = self._request_from_fleet(prompts), self.sync_count
         if self.prefetcher is not None:
             self.prefetcher.submit_upcoming(self.sync_count)
         self.last_versions = [version] * len(choices)
@@ -278,12 +290,29 @@ class ServerRolloutGeneration(VLLMGeneration):
     def sync_weights(self) -> None:
         """Push the policy's current weights to every server. Every rank walks the parameters (gathering shards
         is a collective); the main process sends. Its outcome reaches every rank, so a failed sync raises on all
-        of them instead of leaving the others waiting."""
-        accelerator = self.accelerator
+        of them instead of leaving the others waiting. With managed servers a failed sync is tried once more, by
+        every rank, after the fleet has a server serving again: one can pass the fleet's check and die before the
+        weights reach it (its restart is then waited for, not taken for the end of the run)."""
         version = f"{LORA_PREFIX}{self._run_id}-{self.sync_count + 1}"
-        outcome = [("ok", version)]
         if self.prefetcher is not None:  # each prefetched batch generated whole by the weights it is tagged with
             self.prefetcher.settle()
+        status, value = self._sync_once(version, retry_on_error=True)
+        if status == "retry":
+            logger.warning("weight sync failed (%s); waiting for a managed server, then trying once more", value)
+            status, value = self._sync_once(version, retry_on_error=False)
+        if status != "ok":
+            raise RolloutError(f"weight sync failed: {value}")
+        self.sync_count += 1
+        self.version = value
+        if self.weight_sync == "lora":
+            self.lora_name = value
+        self.client.version = value  # every rank routes only to servers on this version
+
+    def _sync_once(self, version: str, retry_on_error: bool) -> tuple[str, str]:
+        """One sync on every rank; returns the main process's outcome: ("ok", version), ("retry", why) when a
+        managed fleet may bring a server back, or ("error", why)."""
+        accelerator = self.accelerator
+        outcome = [("ok", version)]
         try:
             self._check_fleet()  # outside the lock: it may wait for a restart, whose catch-up takes the lock
             with self._sync_lock:
@@ -294,7 +323,8 @@ class ServerRolloutGeneration(VLLMGeneration):
                 else:
                     self._sync_shared_dir(version)
         except Exception as error:
-            outcome = [("error", f"{type(error).__name__}: {error}")]
+            retry = retry_on_error and self.fleet is not None
+            outcome = [("retry" if retry else "error", f"{type(error).__name__}: {error}")]
         if accelerator.num_processes > 1:
             # With the outcome, the main process's server list: a managed server restarted elsewhere has a new URL.
             outcome = [(*outcome[0], [s.url for s in self.client.servers])]
@@ -302,14 +332,7 @@ class ServerRolloutGeneration(VLLMGeneration):
             for old, new in zip([s.url for s in self.client.servers], outcome[0][2]):
                 if old != new:
                     self.client.replace_url(old, new)
-        status, value = outcome[0][:2]
-        if status == "error":
-            raise RolloutError(f"weight sync failed: {value}")
-        self.sync_count += 1
-        self.version = value
-        if self.weight_sync == "lora":
-            self.lora_name = value
-        self.client.version = value  # every rank routes only to servers on this version
+        return outcome[0][0], outcome[0][1]
 
     def _metadata(self) -> list[tuple[str, str, list[int]]]:
         # The servers must know every tensor before the first is broadcast: walked once, then cached (as TRL does).
