@@ -106,6 +106,19 @@ def test_environment_without_reward_funcs_is_accepted(package, tiny_llama, tmp_p
     assert trainer.reward_func_names == ["CountingEnvironment"]
 
 
+def _assert_trains_with_trls_numbers(make_trainer, keys: tuple[str, ...], abs: float = 1e-7) -> None:
+    """Trains `make_trainer(package)` with TRL, then with trl-scale: equal step logs, and trl-scale packed (no shape
+    passes on a silent fallback to the padded path)."""
+    runs = {}
+    for package in (trl, trl_scale):
+        trainer = make_trainer(package)
+        trainer.train()
+        runs[package.__name__] = step_logs(trainer, keys)
+    assert trainer._packing_stats is not None, "trl-scale fell back to the padded path: the shape went untested"
+    for theirs, ours in paired(runs["trl"], runs["trl_scale"]):
+        assert ours == pytest.approx(theirs, rel=1e-5, abs=abs)
+
+
 class PromptingEnvironment(CountingEnvironment):
     """An environment that owns the data: `reset` returns the prompt built from the row's `start` column."""
 
@@ -119,12 +132,12 @@ def test_environment_dataset_without_prompt_column_trains_as_in_trl(tiny_llama, 
     trains on it with TRL's numbers."""
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
     dataset = counting_prompts(8, seed=0).map(lambda row, i: {"start": i}, with_indices=True).remove_columns("prompt")
-    runs = {}
-    for package in (trl, trl_scale):
+
+    def make_trainer(package):
         tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
         tokenizer.chat_template = TOOL_TEMPLATE
         tokenizer.response_template = qwen3_template
-        trainer = package.GRPOTrainer(
+        return package.GRPOTrainer(
             model=tiny_llama,
             reward_funcs=token_parity_reward,
             args=package.GRPOConfig(
@@ -134,11 +147,8 @@ def test_environment_dataset_without_prompt_column_trains_as_in_trl(tiny_llama, 
             processing_class=tokenizer,
             environment_factory=PromptingEnvironment,
         )
-        trainer.train()
-        runs[package.__name__] = step_logs(trainer, ("loss", "grad_norm", "reward"))
-    assert trainer._packing_stats is not None, "trl-scale fell back to the padded path: the shape went untested"
-    for theirs, ours in paired(runs["trl"], runs["trl_scale"]):
-        assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
+
+    _assert_trains_with_trls_numbers(make_trainer, ("loss", "grad_norm", "reward"))
 
 
 @pytest.mark.parametrize("method", ["GRPO", "RLOO", "DPO"])
@@ -179,12 +189,12 @@ def test_every_dataset_shape_trl_accepts_trains_with_trls_numbers(shape, tiny_ll
         data = base.map(lambda row, i: {"answer": i % 2, "source": "toy"}, with_indices=True)
     else:
         data = base
-    runs = {}
-    for package in (trl, trl_scale):
+
+    def make_trainer(package):
         tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
         if extra:
             tokenizer.chat_template, tokenizer.response_template = TOOL_TEMPLATE, qwen3_template
-        trainer = package.GRPOTrainer(
+        return package.GRPOTrainer(
             model=tiny_llama,
             reward_funcs=token_parity_reward,
             args=package.GRPOConfig(
@@ -194,11 +204,8 @@ def test_every_dataset_shape_trl_accepts_trains_with_trls_numbers(shape, tiny_ll
             processing_class=tokenizer,
             **extra,
         )
-        trainer.train()
-        runs[package.__name__] = step_logs(trainer, ("loss", "grad_norm", "reward"))
-    assert trainer._packing_stats is not None, "trl-scale fell back to the padded path: the shape went untested"
-    for theirs, ours in paired(runs["trl"], runs["trl_scale"]):
-        assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
+
+    _assert_trains_with_trls_numbers(make_trainer, ("loss", "grad_norm", "reward"))
 
 
 @pytest.mark.parametrize("shape", ["standard", "conversational", "iterable", "extra-columns"])
@@ -210,9 +217,9 @@ def test_every_dataset_shape_trl_accepts_trains_rloo_with_trls_numbers(shape, ti
         "iterable": counting_prompts(16, seed=0).to_iterable_dataset(),
         "extra-columns": counting_prompts(16, seed=0).map(lambda row: {"answer": 1, "source": "toy"}),
     }[shape]
-    runs = {}
-    for package in (trl, trl_scale):
-        trainer = package.RLOOTrainer(
+
+    def make_trainer(package):
+        return package.RLOOTrainer(
             model=tiny_llama,
             reward_funcs=token_parity_reward,
             args=package.RLOOConfig(
@@ -221,11 +228,8 @@ def test_every_dataset_shape_trl_accepts_trains_rloo_with_trls_numbers(shape, ti
             train_dataset=data,
             processing_class=AutoTokenizer.from_pretrained(tiny_llama),
         )
-        trainer.train()
-        runs[package.__name__] = step_logs(trainer, ("loss", "grad_norm", "reward"))
-    assert trainer._packing_stats is not None, "trl-scale fell back to the padded path: the shape went untested"
-    for theirs, ours in paired(runs["trl"], runs["trl_scale"]):
-        assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
+
+    _assert_trains_with_trls_numbers(make_trainer, ("loss", "grad_norm", "reward"))
 
 
 def _preference_shape(shape: str):
@@ -257,16 +261,13 @@ def _preference_shape(shape: str):
 def test_every_preference_shape_trl_accepts_trains_dpo_with_trls_numbers(shape, tiny_llama, tmp_path):
     """The preference dataset shapes TRL 1.16's DPOTrainer accepts, 2 steps each (trl-scale's packing on)."""
     data = _preference_shape(shape)
-    runs = {}
-    for package in (trl, trl_scale):
-        trainer = package.DPOTrainer(
+
+    def make_trainer(package):
+        return package.DPOTrainer(
             model=tiny_llama,
             args=package.DPOConfig(**cpu_args(tmp_path / package.__name__, max_length=64, max_steps=2)),
             train_dataset=data,
             processing_class=AutoTokenizer.from_pretrained(tiny_llama),
         )
-        trainer.train()
-        runs[package.__name__] = step_logs(trainer, ("loss", "grad_norm", "rewards/margins"))
-    assert trainer._packing_stats is not None, "trl-scale fell back to the padded path: the shape went untested"
-    for theirs, ours in paired(runs["trl"], runs["trl_scale"]):
-        assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6)
+
+    _assert_trains_with_trls_numbers(make_trainer, ("loss", "grad_norm", "rewards/margins"), abs=1e-6)
