@@ -427,7 +427,7 @@ def test_a_sync_without_a_directory_leaves_no_copy_of_the_weights(servers, tiny_
 
     def recording(version):
         sync(version)
-        made.append(trainer.vllm_generation.weight_sync_dir)
+        made.append(trainer.vllm_generation.weight_dir.root)
 
     setattr(trainer.vllm_generation, f"_sync_{weight_sync}", recording)
     trainer.train()

@@ -18,7 +18,9 @@ class RolloutArguments:
         `"nccl"` (one weight-transfer group over every server, vLLM's `/update_weights` route; NCCL needs vLLM and
         CUDA in the trainer, `trl-scale serve` offers gloo), `"shared_dir"` (safetensors in a directory the servers
         read, then vLLM's `/collective_rpc reload_weights`), `"lora"` (adapter loading), or `"auto"`: `"nccl"` when
-        every server offers a weight-transfer engine this trainer can drive, else `"shared_dir"`.
+        every server offers a weight-transfer engine this trainer can drive, else `"shared_dir"`. `weight_sync_dir`
+        (every server must read it; `None`: a temporary directory): the run writes only inside its own
+        `trl-scale-run-<id>/` there and removes it at the end of `train()`; a lock file refuses a second live run.
     weight_sync_timeout (`float`, defaults to `120`), weight_load_timeout (`float`, defaults to `900`):
         Seconds for a weight sync's control calls and each broadcast collective; seconds a server may take to
         receive or load the weights (`/update_weights`, `/collective_rpc reload_weights`, a LoRA load).
@@ -75,7 +77,12 @@ class RolloutArguments:
         },
     )
     weight_sync_dir: str | None = field(
-        default=None, metadata={"help": "Directory the servers can read, for weight_sync='shared_dir' or 'lora'."}
+        default=None,
+        metadata={
+            "help": "Directory the servers can read, for weight_sync='shared_dir' or 'lora' (None: a temporary one). "
+            "The run writes only inside its own trl-scale-run-<id>/ subdirectory, removed at the end of train(), and "
+            "holds a lock file (.trl-scale-lock) so a second live run is refused."
+        },
     )
     weight_sync_timeout: float = field(
         default=120.0,

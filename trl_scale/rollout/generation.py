@@ -16,8 +16,6 @@ Weight sync modes (`weight_sync`):
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import threading
 import uuid
 
@@ -26,6 +24,7 @@ from trl.generation.vllm_generation import VLLMGeneration
 
 from ..logs import get_logger
 from .client import LORA_PREFIX, SERVER_KEY, RolloutClient, RolloutError
+from .weight_dir import WeightDirectory
 from .weight_sync import GroupSync, LoraSync, SharedDirSync
 
 logger = get_logger(__name__)
@@ -37,7 +36,8 @@ class ServerRolloutGeneration(VLLMGeneration):
         trainer,
         client: RolloutClient,
         weight_sync: str = "auto",
-        weight_sync_dir: str | None = None,
+        weight_dir: WeightDirectory | None = None,
+        run_id: str | None = None,
         weight_sync_timeout: float = 120.0,
         ready_timeout: float = 240.0,
         logprobs: bool = True,
@@ -59,7 +59,8 @@ class ServerRolloutGeneration(VLLMGeneration):
             LoraSync(client),
         )
         self.requested_weight_sync = weight_sync
-        self.weight_sync_dir = weight_sync_dir
+        # Where shared_dir / lora syncs write (the main process's; None on the others): a directory of this run's own.
+        self.weight_dir = weight_dir
         self.weight_sync_timeout = weight_sync_timeout
         self.ready_timeout = ready_timeout
         # The sampler's log-probs feed an importance-sampling correction: a choice without them is an error (TRL
@@ -69,7 +70,8 @@ class ServerRolloutGeneration(VLLMGeneration):
         self.lora_name: str | None = None
         self.sync_count = 0
         self.version: str | None = None  # the weights the servers serve, as the last sync named them
-        self._run_id = uuid.uuid4().hex[:8]  # versions and adapter names never collide across runs or resumes
+        # versions and adapter names never collide across runs or resumes
+        self._run_id = run_id or uuid.uuid4().hex[:8]
         args = trainer.args
         super().__init__(
             model=trainer.model,
@@ -98,6 +100,8 @@ class ServerRolloutGeneration(VLLMGeneration):
         if status == "error":
             raise ValueError(value)
         self.weight_sync, self.weight_backend, self.server_max_model_len = value
+        if self.weight_sync == "nccl" and self.weight_dir is not None:  # "auto" chose a group: no directory needed
+            self.weight_dir.release()
         if self.weight_sync == "lora":
             self.client.version_reader = self.lora_sync.server_version
 
@@ -213,15 +217,13 @@ class ServerRolloutGeneration(VLLMGeneration):
             staleness, tokenize, lambda ids: self._prefetch_pool.submit(self._request, [list(p) for p in ids])
         )
 
-    _temporary_dir: str | None = None  # a weights or adapter directory this run made (no weight_sync_dir given)
-
-    def remove_temporary_weights(self) -> None:
-        """Remove the copy of the weights (shared_dir) or adapter (lora) a sync left in a temporary directory it made
-        (the servers have loaded it); the next sync makes a new one."""
-        if self._temporary_dir is not None:
+    def release_weight_dir(self) -> None:
+        """Remove what the syncs wrote (the servers have loaded it) and the directory's lock: the end of `train()`.
+        The next sync claims the directory again."""
+        if self.weight_dir is not None:
             with self._sync_lock:
-                shutil.rmtree(self._temporary_dir, ignore_errors=True)
-                self.weight_sync_dir = self._temporary_dir = self._weights_path = None
+                self.weight_dir.release()
+                self._weights_path = None
 
     prefetcher = None
     last_versions: list[int] = []  # per completion of the last batch: the sync count its weights came from
@@ -373,17 +375,13 @@ class ServerRolloutGeneration(VLLMGeneration):
                 state[name] = tensor.detach().to("cpu", copy=True).contiguous()
         if not main:
             return
-        if self.weight_sync_dir is None:
-            self.weight_sync_dir = self._temporary_dir = tempfile.mkdtemp(prefix="trl-scale-weights-")
-        # A fresh directory per sync, written completely before any server reads it; the previous one is removed.
-        directory = os.path.join(self.weight_sync_dir, f"weights-{version}")
-        os.makedirs(directory, exist_ok=True)
+        # A fresh directory per sync, written completely before any server reads it; this run's previous one is
+        # removed once the servers have loaded it (nothing the run did not write).
+        directory = self.weight_dir.new_version(f"weights-{version}")
         save_file(state, os.path.join(directory, "model.safetensors"))
         self.shared_dir_sync.sync(directory, version, timeout=self.weight_sync_timeout)
         self._weights_path = directory
-        for entry in os.listdir(self.weight_sync_dir):
-            if entry.startswith("weights-") and entry != f"weights-{version}":
-                shutil.rmtree(os.path.join(self.weight_sync_dir, entry), ignore_errors=True)
+        self.weight_dir.keep_only(directory)
 
     def _sync_lora(self, version: str) -> None:
         """Every rank gathers the adapter (a ZeRO-3 or FSDP2 policy holds only shards of it); the main process
@@ -394,16 +392,12 @@ class ServerRolloutGeneration(VLLMGeneration):
         state = adapter_state_dict(model)
         if not self.accelerator.is_main_process:
             return
-        if self.weight_sync_dir is None:
-            self.weight_sync_dir = self._temporary_dir = tempfile.mkdtemp(prefix="trl-scale-lora-")
-        path = os.path.join(self.weight_sync_dir, version)
-        os.makedirs(path, exist_ok=True)
+        path = self.weight_dir.new_version(version)
         model.peft_config["default"].save_pretrained(path)
         save_file(state, os.path.join(path, "adapter_model.safetensors"))
         self.lora_sync.sync(version, path, version, timeout=self.weight_sync_timeout)
         self._weights_path = path
-        if self.lora_name and self.lora_name != version:
-            shutil.rmtree(os.path.join(self.weight_sync_dir, self.lora_name), ignore_errors=True)
+        self.weight_dir.keep_only(path)
 
 
 def adapter_state_dict(model) -> dict:

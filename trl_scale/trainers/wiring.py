@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import uuid
 from collections import defaultdict
 from contextlib import contextmanager
 
+from ..distributed.main_process import run_on_main
 from ..distributed.roles import RayReference
 from ..logs import get_logger
+from ..rollout.weight_dir import WeightDirectory
 from ..scoring import PackingStats, ScoringSettings, install_packed_scoring
 
 logger = get_logger(__name__)
+
+
+def claimed_weight_dir(args, run_id: str) -> WeightDirectory | None:
+    """The directory this run's shared_dir / lora syncs write to ("auto" may pick shared_dir), claimed now."""
+    if args.weight_sync not in ("shared_dir", "lora", "auto"):
+        return None
+    prefix = "trl-scale-lora-" if args.weight_sync == "lora" else "trl-scale-weights-"
+    weight_dir = WeightDirectory(args.weight_sync_dir, run_id, args.output_dir, temporary_prefix=prefix)
+    weight_dir.claim()
+    return weight_dir
 
 
 class ServerRolloutMixin:
@@ -22,6 +35,9 @@ class ServerRolloutMixin:
 
         args = self.args
         self.rollout_fleet = None
+        run_id = uuid.uuid4().hex[:8]
+        # Claimed before any server starts: a directory another run uses, or one not writable, fails here.
+        weight_dir = run_on_main(lambda: claimed_weight_dir(args, run_id))
         if args.managed_servers:
             from .fleet import start_managed_servers
 
@@ -47,15 +63,18 @@ class ServerRolloutMixin:
                 self,
                 client,
                 weight_sync=args.weight_sync,
-                weight_sync_dir=args.weight_sync_dir,
+                weight_dir=weight_dir,
+                run_id=run_id,
                 weight_sync_timeout=args.weight_sync_timeout,
                 ready_timeout=args.vllm_server_timeout,
                 logprobs=asks_logprobs,
                 require_logprobs=correction,
                 fleet=self.rollout_fleet,
             )
-        except BaseException:  # no server outlives a trainer that never got built
+        except BaseException:  # no server outlives a trainer that never got built, no lock a directory
             self.close_rollout_servers()
+            if weight_dir is not None:
+                weight_dir.release()
             raise
         self.use_vllm = True
         self.vllm_mode = "server"
@@ -82,10 +101,10 @@ class ServerRolloutMixin:
         except BaseException:  # an exception or Ctrl-C: no server outlives the run that failed
             self.close_rollout_servers()
             raise
-        finally:  # no full copy of the model left in /tmp after a run, however it ended
-            remove = getattr(getattr(self, "vllm_generation", None), "remove_temporary_weights", None)
-            if remove is not None:
-                remove()
+        finally:  # no copy of the model left behind (in /tmp or weight_sync_dir), however the run ended
+            release = getattr(getattr(self, "vllm_generation", None), "release_weight_dir", None)
+            if release is not None:
+                release()
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """With async rollout, the epoch's batch iterator is read ahead so upcoming generation batches are known
