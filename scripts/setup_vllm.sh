@@ -3,7 +3,7 @@
 # tests and for trying server rollout without a GPU. It cannot share .venv: it pins its own torch and
 # transformers. torch is installed first, pinned, so pip never resolves a CUDA torch. Then the trl-scale vLLM
 # plugin (a CPU weight-transfer engine for weight_sync="nccl"-style syncs) is installed into it, without
-# trl-scale's own dependencies.
+# trl-scale's own dependencies, and trl-scale itself beside vLLM (TRL's colocate mode), vLLM's packages pinned.
 # Usage: bash scripts/setup_vllm.sh        (idempotent: a complete .venv-vllm is left as it is)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,7 @@ VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 PYTHON="${PYTHON:-python3}"
 VENV=.venv-vllm
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, trl_scale_vllm_plugin" 2>/dev/null; then
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, trl_scale_vllm_plugin, trl, trl_scale" 2>/dev/null; then
     exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
@@ -32,3 +32,11 @@ if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
 fi
 # The plugin: no dependencies of its own beyond vLLM and torch.
 "$VENV/bin/python" -m pip install -q --no-deps ./vllm_plugin
+# trl-scale itself, for TRL's default vllm_mode="colocate" (vLLM inside the trainer): every package vLLM installed is
+# pinned as it is (its transformers satisfies TRL 1.16's), so only what trl-scale adds is installed.
+if ! "$VENV/bin/python" -c "import trl, trl_scale" 2>/dev/null; then
+    pins=$(mktemp)
+    "$VENV/bin/python" -m pip freeze | grep -v -e '^-e ' -e ' @ ' > "$pins"
+    "$VENV/bin/python" -m pip install -q -c "$pins" -e .
+    rm -f "$pins"
+fi

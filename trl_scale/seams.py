@@ -226,8 +226,10 @@ SEAMS: tuple[Seam, ...] = (
     Seam(
         f"{V}._init_vllm",
         OVERRIDE,
-        "rollout/generation.py",
-        "builds the client; replaced by trl-scale's client, preflight and weight-sync choice",
+        "rollout/generation.py, rollout/colocate.py",
+        "builds the client; replaced by trl-scale's client, preflight and weight-sync choice. Colocate mode builds "
+        "the engine by calling the module's `LLM` name (imported only where vLLM is) with keyword arguments and no "
+        "dtype: colocate.py swaps that name for the call, adding vllm_llm_kwargs and the policy's dtype",
         "(self)",
     ),
     Seam(
@@ -259,6 +261,34 @@ SEAMS: tuple[Seam, ...] = (
         "rollout/generation.py",
         "called by TRL when the global step moved since the last sync, on every rank",
         "(self)",
+    ),
+    Seam(
+        V,
+        ATTRIBUTE,
+        "rollout/colocate.py",
+        "colocate mode with sleep mode: True while the engine's weights sleep; cleared once they are woken for a sync",
+        attribute="_llm_weights_sleeping",
+    ),
+    Seam(
+        f"{V}.sync_weights",
+        COPY,
+        "rollout/colocate.py ColocatedVLLMGeneration.sync_weights",
+        "colocate mode: wakes the weights (sleep mode), writes every _iter_named_params tensor into the engine "
+        "through driver_worker.model_runner.model.load_weights, then reset_prefix_cache; trl-scale repeats the "
+        "wake-up and routes the writes through driver_worker.reload_weights where the engine repacked its weights",
+        "sha:63d669fb3230",
+    ),
+    Seam(
+        "trl.trainer.grpo_trainer:VLLMGeneration",
+        CONSTANT,
+        "rollout/colocate.py colocated_generation",
+        "the name GRPOTrainer.__init__ builds its vLLM generation with (also PPO's); swapped while it runs",
+    ),
+    Seam(
+        "trl.trainer.rloo_trainer:VLLMGeneration",
+        CONSTANT,
+        "rollout/colocate.py colocated_generation",
+        "the name RLOOTrainer.__init__ builds its vLLM generation with; swapped while it runs",
     ),
     # ---- the fused log-prob head --------------------------------------------------------------------------------
     Seam(

@@ -4,6 +4,49 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# `vllm.LLM` settings TRL sets for the engine and the trainer to stay in step (the set of TRL's proposed
+# `vllm_llm_kwargs`, huggingface/trl#6816): a user value for one of them is refused.
+RESERVED_LLM_KWARGS = (
+    "model",
+    "tensor_parallel_size",
+    "distributed_executor_backend",
+    "seed",
+    "logprobs_mode",
+    "quantization",
+    "enable_sleep_mode",
+)
+
+
+def dict_field(value, name: str) -> dict | None:
+    """A dict config field: a dict, or a JSON object as text (the command line gives text, as transformers reads its
+    own dict fields); anything else is a ValueError naming the field."""
+    if value is None or isinstance(value, dict):
+        return value
+    if isinstance(value, str):
+        import json
+
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            return parsed
+    raise ValueError(
+        f"{name}={value!r}: use a dict (in YAML, a mapping; on the command line, a JSON object such as "
+        '\'{"KEY": "value"}\')'
+    )
+
+
+def check_llm_kwargs(llm_kwargs: dict | None) -> dict:
+    """`vllm_llm_kwargs` without TRL's own settings, or a ValueError naming them."""
+    reserved = sorted(set(llm_kwargs or {}) & set(RESERVED_LLM_KWARGS))
+    if reserved:
+        raise ValueError(
+            f"vllm_llm_kwargs sets {reserved}, which TRL sets itself so that the engine and the trainer stay in step. "
+            "Fix: drop them (tensor parallelism: vllm_tensor_parallel_size; sleep mode: vllm_enable_sleep_mode)"
+        )
+    return dict(llm_kwargs or {})
+
 
 @dataclass
 class RolloutArguments:
@@ -35,6 +78,11 @@ class RolloutArguments:
         the off-policy gap. A sync happens once per generation batch, so with `steps_per_generation` × epochs
         optimizer steps per batch, k syncs are k × that many optimizer steps. Needs
         `vllm_importance_sampling_correction=True`; RLOO, which TRL gives no such correction, refuses it.
+
+    vllm_llm_kwargs (`dict` or `None`): with `vllm_mode="colocate"` (TRL's default: vLLM in the trainer), extra
+        `vllm.LLM` settings on top of TRL's (e.g. `{"dtype": "bfloat16", "hf_overrides": {...}}`); the engine's dtype
+        follows the policy's unless set here. Colocated weight syncs use vLLM's layerwise `reload_weights` where the
+        engine repacks its weights (vLLM's CPU backend), TRL's direct `load_weights` elsewhere.
 
     > Managed servers (trl-scale starts and supervises them)
 
@@ -122,6 +170,15 @@ class RolloutArguments:
             "help": "Requests in flight per server (one request = one prompt's num_generations completions); more "
             "wait in the client for the first server to free up (load-aware routing). Raise it for vLLM servers "
             "that batch many requests."
+        },
+    )
+
+    vllm_llm_kwargs: dict | None = field(
+        default=None,
+        metadata={
+            "help": "vllm_mode='colocate': extra vllm.LLM settings on top of TRL's, e.g. {'dtype': 'bfloat16', "
+            "'hf_overrides': {...}}. The engine's dtype follows the policy's unless set here. TRL's own settings "
+            "(model, seed, tensor_parallel_size, ...) are refused."
         },
     )
 
@@ -237,6 +294,7 @@ class RolloutArguments:
             )
 
     def _validate_rollout_arguments(self) -> None:
+        self.vllm_llm_kwargs = check_llm_kwargs(dict_field(self.vllm_llm_kwargs, "vllm_llm_kwargs")) or None
         if self.vllm_server_base_urls is not None:
             from urllib.parse import urlparse
 

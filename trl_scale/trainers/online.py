@@ -4,6 +4,7 @@ wired around TRL's constructor."""
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 
 import torch
 
@@ -31,6 +32,16 @@ logger = get_logger(__name__)
 # TRL 1.16 reads `model.is_gradient_checkpointing`, which transformers 5.17 deprecates: a FutureWarning on every run
 # that no user setting causes or silences (stock TRL prints it too).
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
+
+def colocated(trainer, config):
+    """TRL's colocate mode (vLLM in the trainer): TRL's constructor builds trl-scale's `ColocatedVLLMGeneration`."""
+    if config is None or not (config.use_vllm and config.vllm_mode == "colocate"):
+        return nullcontext()
+    from ..rollout.colocate import colocated_generation
+
+    trl_class = next(c for c in type(trainer).__mro__ if c.__module__.startswith("trl."))
+    return colocated_generation(trl_class.__module__, config.vllm_llm_kwargs)
 
 
 class OnlineTrainerMixin(
@@ -91,6 +102,7 @@ class OnlineTrainerMixin(
         with (
             overridden(config if server else None, use_vllm=False),
             overridden(config if remote_reference else None, beta=0.0),
+            colocated(self, config),
         ):
             super().__init__(**arguments)
         self._check_completion_length()
