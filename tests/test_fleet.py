@@ -22,7 +22,15 @@ import requests
 
 import trl_scale
 from trl_scale.rollout.client import RolloutError
-from trl_scale.rollout.fleet import FleetSpec, LocalLauncher, ServerFleet, server_command, server_environment
+from trl_scale.rollout.fleet import (
+    FleetSpec,
+    LocalLauncher,
+    ServerFleet,
+    check_python_has,
+    server_command,
+    server_environment,
+    start_failure_fix,
+)
 
 from .helpers import subprocess_env
 
@@ -31,7 +39,11 @@ class ServeLauncher(LocalLauncher):
     """The fleet's own launcher with `trl-scale serve` in place of `vllm serve`: the same process handling."""
 
     def command(self, port: int) -> list[str]:
-        return [sys.executable, "-m", "trl_scale.cli", "serve", "--model", self.spec.model, "--port", str(port)]
+        serve = [sys.executable, "-m", "trl_scale.cli", "serve", "--model", self.spec.model, "--port", str(port)]
+        return serve + list(self.spec.server_args)
+
+    def check(self) -> None:
+        check_python_has(self.spec.python, "trl_scale")
 
 
 def processes_with(marker: str) -> list[int]:
@@ -309,6 +321,21 @@ def _config(tmp_path, **fields):
         ({"managed_servers": 2, "managed_server_gpus": 2, "managed_server_gpu_ids": [0, 1]}, "need 4"),
         ({"managed_servers": 1, "managed_server_resources": {"CPU": 2}}, "set managed_server_placement='ray'"),
         ({"managed_servers": 1, "managed_server_max_restarts": -1}, "managed_server_max_restarts=-1"),
+        (
+            {"managed_servers": 1, "managed_server_args": "--served-model-name 'a b"},
+            r"managed_server_args=.*not a "
+            r"shell-quoted command line \(No closing quotation\). Fix: close the quote",
+        ),
+        (
+            {"managed_servers": 1, "managed_server_env": "VLLM_CPU_KVCACHE_SPACE=4"},
+            r"managed_server_env='VLLM_CPU_"
+            r"KVCACHE_SPACE=4': use a dict",
+        ),
+        (
+            {"managed_servers": 1, "managed_server_model": "./no/such/model"},
+            r"managed_server_model='./no/such/model': "
+            r"no such directory",
+        ),
     ],
 )
 def test_managed_server_fields_refuse_bad_input(tmp_path, fields, match):
@@ -319,3 +346,63 @@ def test_managed_server_fields_refuse_bad_input(tmp_path, fields, match):
 def test_managed_server_args_take_a_shell_string(tmp_path):
     config = _config(tmp_path, managed_servers=1, managed_server_args="--max-model-len 256 --served-model-name 'a b'")
     assert config.managed_server_args == ["--max-model-len", "256", "--served-model-name", "a b"]
+
+
+def test_managed_server_env_takes_a_json_object_as_the_command_line_gives_it(tmp_path):
+    config = _config(tmp_path, managed_servers=1, managed_server_env='{"VLLM_CPU_KVCACHE_SPACE": "4"}')
+    assert config.managed_server_env == {"VLLM_CPU_KVCACHE_SPACE": "4"}
+
+
+def test_a_python_without_vllm_is_named_before_any_server_starts(tiny_llama, tmp_path):
+    """The default interpreter (this test's, which has no vLLM) as managed_server_python: refused at once, naming the
+    field, with nothing started (not 4 starts and a fix naming the model and the arguments)."""
+    from .helpers import server_grpo
+
+    marker = f"{os.getpid()}-{time.time_ns()}"
+    began = time.monotonic()
+    with pytest.raises(
+        ValueError,
+        match=r"managed_server_python='.*' has no vllm .*Fix: give the Python of the "
+        r"environment that has vLLM",
+    ):
+        server_grpo(tiny_llama, tmp_path, None, managed_servers=1, managed_server_env={"TRL_SCALE_FLEET_MARK": marker})
+    assert time.monotonic() - began < 60 and not processes_with(marker)
+
+
+def test_gpu_ids_where_the_servers_get_no_gpu_are_refused(tiny_llama, tmp_path, monkeypatch):
+    import trl_scale.trainers.fleet as trainer_fleet
+
+    from .helpers import server_grpo
+
+    monkeypatch.setattr(trainer_fleet, "cuda_on_this_machine", lambda: False)  # as on this CPU machine, said aloud
+    with pytest.raises(
+        ValueError,
+        match=r"managed_server_gpu_ids=\[0\] hands GPUs to the servers, but this machine "
+        r"has no CUDA GPU.*Fix: drop managed_server_gpu_ids",
+    ):
+        server_grpo(tiny_llama, tmp_path, None, managed_servers=1, managed_server_gpu_ids=[0])
+    with pytest.raises(ValueError, match=r"but managed_server_gpus=0"):
+        server_grpo(tiny_llama, tmp_path, None, managed_servers=1, managed_server_gpus=0, managed_server_gpu_ids=[0])
+
+
+def test_a_usage_error_is_not_retried(tiny_llama):
+    """A flag the server does not know: argparse exits with 2, which no restart heals; the start fails at the first
+    exit, naming managed_server_args (a crash, any other code, is still retried: the tests above)."""
+    spec = FleetSpec(
+        num_servers=1, model=tiny_llama, server_args=["--no-such-flag"], max_restarts=3, ready_timeout=120
+    )
+    fleet = ServerFleet(spec, ServeLauncher(spec), poll_interval=0.2)
+    with pytest.raises(
+        RolloutError,
+        match=r"(?s)exited with code 2 while starting \(0 restart\(s\)\).*no-such-flag.*"
+        r"usage error, not retried\). Fix: check managed_server_args",
+    ):
+        fleet.start()
+    assert fleet.attempts == [0]
+    shutil.rmtree(fleet.launcher.log_dir)
+
+
+def test_a_start_failure_names_the_field_to_change():
+    assert "managed_server_python" in start_failure_fix(1, "ModuleNotFoundError: No module named 'vllm'")
+    assert "managed_server_args" in start_failure_fix(2, "error: unrecognized arguments: --bogus")
+    assert "managed_server_model" in start_failure_fix(1, "OSError: not a model")

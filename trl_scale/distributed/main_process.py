@@ -73,6 +73,11 @@ def _broadcast_from_main(value: Any) -> Any:
     return result
 
 
+def broadcast_from_main(value: Any) -> Any:
+    """The main process's ``value`` on every rank (a collective: every rank calls it; in place with one process)."""
+    return _broadcast_from_main(value)
+
+
 def run_on_main(fn: Callable[[], Any]) -> Any:
     """Run ``fn`` on the main process only (e.g. to start a role group); its result there, None elsewhere. If it
     raises, every rank raises the same error."""

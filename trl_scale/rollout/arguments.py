@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..model_paths import check_model_path
+
 # `vllm.LLM` settings TRL sets for the engine and the trainer to stay in step (the set of TRL's proposed
 # `vllm_llm_kwargs`, huggingface/trl#6816): a user value for one of them is refused.
 RESERVED_LLM_KWARGS = (
@@ -243,7 +245,23 @@ class RolloutArguments:
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"managed_servers={count!r}: use a whole number of servers (0: none)")
         if isinstance(self.managed_server_args, str):
-            self.managed_server_args = shlex.split(self.managed_server_args)
+            try:
+                self.managed_server_args = shlex.split(self.managed_server_args)
+            except ValueError as error:
+                raise ValueError(
+                    f"managed_server_args={self.managed_server_args!r} is not a shell-quoted command line ({error}). "
+                    "Fix: close the quote, or give a list of arguments, e.g. ['--max-model-len', '4096']"
+                ) from error
+        env = dict_field(self.managed_server_env, "managed_server_env")
+        if env is not None and not all(
+            isinstance(key, str) and isinstance(v, (str, int, float)) for key, v in env.items()
+        ):
+            raise ValueError(
+                f"managed_server_env={env!r}: use a dict of environment variable names to values, e.g. "
+                "{'VLLM_CPU_KVCACHE_SPACE': '4'}"
+            )
+        self.managed_server_env = env
+        check_model_path(self.managed_server_model, "managed_server_model")
         for name in ("managed_server_max_restarts",):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

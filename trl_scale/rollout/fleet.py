@@ -79,6 +79,41 @@ def server_environment(spec: FleetSpec, gpu_ids: list[int] | None) -> dict[str, 
     return env
 
 
+def check_python_has(python: str, module: str) -> None:
+    """Raise naming `managed_server_python` when `module` cannot be found by that interpreter."""
+    probe = [python, "-c", f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"]
+    try:
+        found = subprocess.run(probe, capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise ValueError(f"managed_server_python={python!r} does not run ({error!r}). Fix: {_PYTHON_FIX}") from error
+    if not found:
+        raise ValueError(
+            f"managed_server_python={python!r} has no {module} (`import {module}` fails there), so no managed server "
+            f"could start. Fix: {_PYTHON_FIX}"
+        )
+
+
+_PYTHON_FIX = (
+    "give the Python of the environment that has vLLM, e.g. managed_server_python=/path/to/vllm-venv/bin/python "
+    "(a separate environment is normal: vLLM pins its own torch and transformers)"
+)
+
+# vLLM's command line is parsed by argparse, which exits with 2 on a usage error: restarting will not heal it.
+USAGE_ERROR = 2
+
+
+def start_failure_fix(returncode, log: str) -> str:
+    """What to change when a server exits while starting, read from its exit code and log."""
+    if "No module named 'vllm'" in log or "No module named vllm" in log:
+        return f"the servers' Python has no vLLM. Fix: {_PYTHON_FIX}"
+    if returncode == USAGE_ERROR:
+        return (
+            "vLLM refused its command line (exit code 2: a usage error, not retried). Fix: check "
+            "managed_server_args against the log above (an unknown or misspelt flag, a missing value)"
+        )
+    return "Fix: check managed_server_model and managed_server_args against the log above"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as probe:
         probe.bind((host, 0))
@@ -210,6 +245,11 @@ class LocalLauncher:
     def command(self, port: int) -> list[str]:
         return server_command(self.spec, self.host, port)
 
+    def check(self) -> None:
+        """Before the first start: the servers' Python has vLLM (one quick subprocess; a server started without it
+        would exit at once, be restarted, and fail naming the wrong field)."""
+        check_python_has(self.spec.python, "vllm")
+
     def launch(self, index: int) -> LocalServer:
         port = self.ports.setdefault(index, free_port(self.host))  # a restart keeps its address
         return LocalServer(
@@ -255,6 +295,12 @@ class ServerFleet:
         """Launch every server at once and wait until all answer `/health`; their URLs. On failure every server
         started so far is stopped and the error names each one that did not come up, with its log's tail."""
         began = time.monotonic()
+        if hasattr(self.launcher, "check"):
+            try:
+                self.launcher.check()
+            except BaseException:
+                self.launcher.close()
+                raise
         try:
             self.handles = [self.launcher.launch(index) for index in range(self.spec.num_servers)]
             self.attempts = [0] * len(self.handles)
@@ -278,12 +324,14 @@ class ServerFleet:
             for index, handle in enumerate(self.handles):
                 if index in ready:
                     continue
-                if handle.returncode() is not None:
-                    if self.attempts[index] >= self.spec.max_restarts:
+                code = handle.returncode()
+                if code is not None:
+                    log = handle.log_tail()
+                    if self.attempts[index] >= self.spec.max_restarts or code == USAGE_ERROR:
                         raise RolloutError(
-                            f"rollout server {index} exited with code {handle.returncode()} while starting "
-                            f"({self.attempts[index]} restart(s)): {handle.describe()}\n{handle.log_tail()}\nFix: "
-                            "check managed_server_model and managed_server_args against the log above"
+                            f"rollout server {index} exited with code {code} while starting "
+                            f"({self.attempts[index]} restart(s)): {handle.describe()}\n{log}\n"
+                            f"{start_failure_fix(code, log)}"
                         )
                     self.attempts[index] += 1
                     self.keep_logs = True

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import os
 
-from accelerate.utils import broadcast_object_list
-
+from ..distributed.main_process import broadcast_from_main, run_on_main
 from ..logs import get_logger
 from ..rollout.fleet import FleetSpec, LocalLauncher, ServerFleet
 
@@ -47,6 +46,14 @@ def fleet_spec(trainer) -> FleetSpec:
 
         gpus = 1 if torch.cuda.is_available() else 0
     gpu_ids = args.managed_server_gpu_ids
+    if args.managed_server_placement == "local" and gpu_ids is not None and not (gpus and cuda_on_this_machine()):
+        why = (
+            "managed_server_gpus=0" if gpus == 0 and args.managed_server_gpus == 0 else "this machine has no CUDA GPU"
+        )
+        raise ValueError(
+            f"managed_server_gpu_ids={gpu_ids} hands GPUs to the servers, but {why}: the ids would be ignored. Fix: "
+            "drop managed_server_gpu_ids (CPU servers: vLLM's CPU build), or run where the GPUs are"
+        )
     if args.managed_server_placement == "local" and gpus and gpu_ids is None:
         raise ValueError(
             f"managed_servers={args.managed_servers} with {gpus} GPU(s) each on this machine: say which GPUs they "
@@ -75,6 +82,15 @@ def fleet_spec(trainer) -> FleetSpec:
     )
 
 
+def cuda_on_this_machine() -> bool:
+    """A CUDA GPU here: seen by this torch, or by the driver (a CPU-only trainer may start GPU servers)."""
+    import shutil
+
+    import torch
+
+    return torch.cuda.is_available() or os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None
+
+
 def _this_python() -> str:
     import sys
 
@@ -93,30 +109,22 @@ def launcher_for(trainer, spec: FleetSpec):
 
 
 def start_managed_servers(trainer) -> tuple[ServerFleet | None, list[str]]:
-    """Start the fleet on the main process; every rank gets the URLs (or the error)."""
-    accelerator = trainer.accelerator
-    fleet, outcome = None, [None]
-    if accelerator.is_main_process:
-        try:
-            spec = fleet_spec(trainer)
-            logger.info(
-                "starting %d vLLM server(s) (%s) for %s with %s",
-                spec.num_servers,
-                trainer.args.managed_server_placement,
-                spec.model,
-                spec.python,
-            )
-            fleet = ServerFleet(spec, launcher_for(trainer, spec))
-            outcome = [("ok", fleet.start())]
-        except Exception as error:
-            outcome = [("error", f"{type(error).__name__}: {error}")]
-            if fleet is not None:
-                fleet.close()
-            if accelerator.num_processes == 1:
-                raise
-    if accelerator.num_processes > 1:
-        outcome = broadcast_object_list(outcome, from_process=0)
-    status, value = outcome[0]
-    if status == "error":
-        raise RuntimeError(f"managed vLLM servers did not start: {value}")
-    return fleet, value
+    """Start the fleet on the main process; every rank gets the URLs, or the main process's exception (the same
+    type and message on every rank, whatever the number of processes)."""
+
+    def start() -> ServerFleet:
+        spec = fleet_spec(trainer)
+        logger.info(
+            "starting %d vLLM server(s) (%s) for %s with %s",
+            spec.num_servers,
+            trainer.args.managed_server_placement,
+            spec.model,
+            spec.python,
+        )
+        fleet = ServerFleet(spec, launcher_for(trainer, spec))
+        fleet.start()  # stops what it started when it fails
+        return fleet
+
+    fleet = run_on_main(start)
+    urls = broadcast_from_main(fleet.urls if fleet is not None else None)
+    return fleet, urls
