@@ -345,3 +345,61 @@ def push_weights(urls: list[str], state_dict: dict, timeout: float = 60) -> str:
     finally:
         sync.close()
         client.close()
+
+
+@contextmanager
+def plain_http_server(status: int = 404, body: bytes = b'{"detail":"Not Found"}'):
+    """A plain-HTTP server on 127.0.0.1 answering every GET and POST with `status` (not a vLLM server: another
+    service, or a path it does not have). Yields its URL."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self):
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@contextmanager
+def banner_server(banner: bytes = b"SSH-2.0-OpenSSH_9.2\r\n"):
+    """A TCP server on 127.0.0.1 that speaks another protocol: it sends `banner` to each connection and closes it.
+    Yields its URL."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                connection = listener.accept()[0]
+            except OSError:
+                continue
+            with connection:
+                connection.sendall(banner)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        listener.close()

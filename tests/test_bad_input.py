@@ -195,8 +195,15 @@ def test_dpo_pair_with_an_empty_answer_names_the_row(column, tiny_llama, tmp_pat
         (["http://127.0.0.1:8000", "http://127.0.0.1:8000/"], r"lists the same server twice"),
         (["http://127.0.0.1:8000", "http://localhost:8000/"], r"lists the same server twice"),
         (["http://[::1]:80", "http://LOCALHOST"], r"lists the same server twice"),
+        (["http://127.0.0.2:8000", "http://localhost:8000"], r"lists the same server twice"),
+        (
+            ["http://127.0.0.1:8000/v1"],
+            r"ends in an OpenAI API path \(/v1\).*Fix: drop the path, e\.g\. "
+            r"http://127\.0\.0\.1:8000",
+        ),
+        (["http://127.0.0.1:port"], r"'http://127.0.0.1:port' has no valid port"),
     ],
-    ids=["no-scheme", "no-host", "duplicate", "loopback-names", "default-port"],
+    ids=["no-scheme", "no-host", "duplicate", "loopback-names", "default-port", "loopback-range", "v1-path", "port"],
 )
 def test_bad_server_urls_are_refused_in_the_config(urls, match, tmp_path):
     with pytest.raises(ValueError, match=match):
@@ -501,3 +508,81 @@ def test_serve_names_a_model_path_that_does_not_exist(tmp_path):
         check_model_path("./nope/model", "--model")
     for hub_id in ("gpt2", "Qwen/Qwen3-0.6B"):  # left to transformers and the Hub
         check_model_path(hub_id, "--model")
+
+
+def _url_answers(kind: str):
+    from .helpers import banner_server, plain_http_server
+
+    if kind == "404":
+        return plain_http_server(404)
+    if kind == "tls":  # https:// to a plain-HTTP server
+        from contextlib import contextmanager
+
+        @contextmanager
+        def https_to_plain():
+            with plain_http_server(200, b"{}") as url:
+                yield url.replace("http://", "https://")
+
+        return https_to_plain()
+    return banner_server()  # another protocol on the port
+
+
+@pytest.mark.parametrize(
+    "kind, match",
+    [
+        ("404", r"/health answered 404: no vLLM server at this URL.*Fix: use http://HOST:PORT"),
+        ("tls", r"the TLS handshake failed.*speaks plain HTTP.*Fix: use http://"),
+        ("protocol", r"the port answers, but not in HTTP.*BadStatusLine"),
+    ],
+)
+def test_a_definite_answer_ends_the_wait_for_servers_at_once(kind, match, tiny_llama, tmp_path):
+    """A 404 on /health, a TLS failure, another protocol: no wait heals them, so the trainer says so at once (it
+    waited the whole vllm_server_timeout, 240 s by default). A refused connection is still waited through: a starting
+    vLLM refuses connections while its model loads (tests/test_weight_sync.py, the client waits for servers still
+    loading)."""
+    import time
+
+    from .helpers import server_grpo
+
+    with _url_answers(kind) as url:
+        began = time.monotonic()
+        with pytest.raises(Exception, match=match):
+            server_grpo(tiny_llama, tmp_path, [url], vllm_server_timeout=40, weight_sync="shared_dir")
+        assert time.monotonic() - began < 30
+
+
+@pytest.mark.parametrize(
+    "kind, argv_url, match, code",
+    [
+        (
+            "none",
+            "127.0.0.1:{port}",
+            r"URL entry '127\.0\.0\.1:\d+' is not a server URL\. Fix: use http://HOST:PORT",
+            2,
+        ),
+        ("protocol", None, r"problem: .*not usable: the port answers, but not in HTTP", 1),
+        ("refused", None, r"problem: .*not usable: connection refused: nothing listens there", 1),
+    ],
+)
+def test_check_servers_accepts_and_explains_urls_as_the_trainer_does(kind, argv_url, match, code, capsys):
+    """A URL without a scheme is refused with the trainer's own message (it was 'not reachable'); a port speaking
+    another protocol, or nothing listening, is named as such."""
+    import re
+
+    from trl_scale.cli import main
+
+    from .helpers import banner_server, free_port
+
+    def run(url):
+        try:
+            return main(["check-servers", url])
+        except SystemExit as exit_info:
+            return exit_info.code
+
+    if kind == "protocol":
+        with banner_server() as url:
+            status = run(url)
+    else:
+        url = (argv_url or "http://127.0.0.1:{port}").format(port=free_port())
+        status = run(url)
+    assert status == code and re.search(match, capsys.readouterr().err)

@@ -15,7 +15,7 @@ from transformers import TrainerCallback
 
 from trl_scale.rollout.weight_dir import LOCK_NAME, RUN_PREFIX, WeightDirectory
 
-from .helpers import server_grpo
+from .helpers import server_grpo, subprocess_env
 
 
 def _user_files(directory) -> dict[str, str]:
@@ -66,16 +66,28 @@ def test_a_sync_touches_nothing_it_did_not_write(servers, tiny_llama, tmp_path, 
     assert after == before  # the run's subdirectory and lock removed, nothing else touched
 
 
+HOLDER = """
+import sys, time
+from trl_scale.rollout.weight_dir import WeightDirectory
+held = WeightDirectory(sys.argv[1], "otherrun", output_dir="/runs/other")
+held.claim()
+print("claimed", flush=True)
+time.sleep(120)
+"""
+
+
 def test_a_directory_another_live_run_holds_is_refused_before_any_server_starts(tiny_llama, tmp_path):
     directory = tmp_path / "shared"
-    other = WeightDirectory(str(directory), "otherrun", output_dir="/runs/other")
-    other.claim()
+    other = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(directory)], env=subprocess_env(), stdout=subprocess.PIPE, text=True
+    )
     try:
+        assert other.stdout.readline().strip() == "claimed"
         # no server at this URL: the refusal must come before anything waits for one
         with pytest.raises(
             ValueError,
-            match=r"(?s)weight_sync_dir=.*in use by another trl-scale run \(run otherrun"
-            r".*output_dir /runs/other.*Fix: give each run its own weight_sync_dir",
+            match=r"(?s)weight_sync_dir=.*in use by another trl-scale run \(run otherrun, pid \d+ on host .*"
+            r"output_dir /runs/other.*alive on this host.*Fix: give each run its own weight_sync_dir",
         ):
             server_grpo(
                 tiny_llama,
@@ -87,7 +99,21 @@ def test_a_directory_another_live_run_holds_is_refused_before_any_server_starts(
             )
         assert sorted(os.listdir(directory)) == [LOCK_NAME, f"{RUN_PREFIX}otherrun"]  # theirs, untouched
     finally:
-        other.release()
+        other.kill()
+        other.wait()
+
+
+def test_runs_of_one_process_take_the_directory_in_turn_and_release_only_their_own(tmp_path):
+    """A notebook or a resumed run: a second trainer of the same process takes the lock over; the first one's
+    release (train() ending, or collection) removes its own subdirectory and leaves the second's lock."""
+    directory = tmp_path / "shared"
+    first, second = WeightDirectory(str(directory), "first"), WeightDirectory(str(directory), "second")
+    first.claim()
+    second.claim()
+    first.release()
+    assert json.loads((directory / LOCK_NAME).read_text())["run"] == "second"
+    assert sorted(os.listdir(directory)) == [LOCK_NAME, f"{RUN_PREFIX}second"]
+    second.release()
     assert os.listdir(directory) == []
 
 
@@ -116,15 +142,6 @@ def test_a_lock_left_by_a_dead_run_is_taken_over_and_one_from_another_host_is_re
     ):
         WeightDirectory(str(directory), "mine").claim()
     assert json.loads(lock.read_text())["run"] == "remote"  # theirs, untouched
-
-
-def test_a_run_dropped_without_release_frees_the_directory_when_collected(tmp_path):
-    directory = tmp_path / "shared"
-    WeightDirectory(str(directory), "dropped").claim()  # a trainer of this process, gone (a notebook cell re-run)
-    again = WeightDirectory(str(directory), "again")
-    again.claim()
-    assert json.loads((directory / LOCK_NAME).read_text())["run"] == "again"
-    again.release()
 
 
 @pytest.mark.skipif(os.access("/sys/kernel", os.W_OK) and os.getuid() != 0, reason="needs a read-only directory")

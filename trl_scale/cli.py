@@ -308,6 +308,7 @@ def check_servers(argv: list[str]) -> int:
 
     from .rollout.client import RolloutClient
     from .rollout.preflight import RunNeeds, all_problems, format_table, inspect_all
+    from .rollout.urls import check_server_urls
 
     parser = argparse.ArgumentParser(prog="trl-scale check-servers")
     parser.add_argument("urls", nargs="+", metavar="URL")
@@ -317,7 +318,11 @@ def check_servers(argv: list[str]) -> int:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--json", action="store_true", help="one JSON list of rows instead of the table")
     args = parser.parse_args(argv)
-    client = RolloutClient(args.urls, request_timeout=30, api_key=args.api_key)
+    try:  # the URLs a trainer would accept, no others
+        urls = check_server_urls(args.urls, field="URL")
+    except ValueError as error:
+        parser.error(str(error))
+    client = RolloutClient(urls, request_timeout=30, api_key=args.api_key)
     try:
         reports = inspect_all(client.get_url, client.post_url, [s.url for s in client.servers])
     finally:

@@ -314,26 +314,9 @@ class RolloutArguments:
     def _validate_rollout_arguments(self) -> None:
         self.vllm_llm_kwargs = check_llm_kwargs(dict_field(self.vllm_llm_kwargs, "vllm_llm_kwargs")) or None
         if self.vllm_server_base_urls is not None:
-            from urllib.parse import urlparse
+            from .urls import check_server_urls
 
-            seen = {}
-            for url in self.vllm_server_base_urls:
-                parsed = urlparse(str(url))
-                if parsed.scheme not in ("http", "https") or not parsed.hostname:
-                    raise ValueError(
-                        f"vllm_server_base_urls entry {url!r} is not a server URL. Fix: use http://HOST:PORT (e.g. "
-                        "http://10.0.0.5:8000), one entry per server"
-                    )
-                # one loopback host however it is spelled, and the scheme's default port made explicit
-                host = "loopback" if parsed.hostname in ("localhost", "127.0.0.1", "::1") else parsed.hostname
-                port = parsed.port or {"http": 80, "https": 443}[parsed.scheme]
-                key = (parsed.scheme, host, port, parsed.path.rstrip("/"))
-                if key in seen:
-                    raise ValueError(
-                        f"vllm_server_base_urls lists the same server twice ({seen[key]!r} and {url!r}): it would get "
-                        "double the work and every weight sync twice. Fix: list each server once"
-                    )
-                seen[key] = url
+            check_server_urls(self.vllm_server_base_urls)
         if self.async_rollout_staleness < 0:
             raise ValueError(f"async_rollout_staleness={self.async_rollout_staleness}: use 0 (synchronous) or k >= 1")
         if self.async_rollout_staleness and not (

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import requests
 
 from ..logs import get_logger
+from .urls import definite_failure
 
 logger = get_logger(__name__)
 
@@ -98,6 +99,9 @@ class RolloutClient:
         self._model_names: dict[str, str] = {}
         self.version: str | None = None  # the weights every server should serve; None until the first sync
         self.version_reader: Callable[[ServerState], str | None] = self._weight_info
+        # A trainer waits through refused connections (a starting vLLM refuses them while its model loads); commands
+        # that talk to running servers (`trl-scale rollout`) set this to fail at once.
+        self.refused_is_definite = False
 
     # ---- server selection -----------------------------------------------------------------------------------
 
@@ -284,14 +288,20 @@ class RolloutClient:
         errors: dict[str, str] = {}
         while waiting:
             for server in list(waiting):
+                status, failure = None, None
                 try:
                     response = self._get(server, "/health", timeout=max(0.5, min(5.0, deadline - time.monotonic())))
                     if response.status_code == 200:
                         waiting.remove(server)
                         continue
-                    errors[server.url] = f"/health answered {response.status_code}"
+                    status = response.status_code
+                    errors[server.url] = f"/health answered {status}"
                 except requests.RequestException as error:
+                    failure = error
                     errors[server.url] = repr(error)
+                definite = definite_failure(server.url, status, failure, refused_is_definite=self.refused_is_definite)
+                if definite:  # no wait heals it: say so now, not after vllm_server_timeout
+                    raise RolloutError(f"rollout server not usable: {definite}")
             if not waiting:
                 return
             if time.monotonic() >= deadline:

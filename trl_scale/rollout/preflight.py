@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import requests
 
 from ..logs import get_logger
+from .urls import definite_failure
 
 logger = get_logger(__name__)
 
@@ -96,7 +97,7 @@ def inspect_server(get: Callable[[str, str], requests.Response], post: Callable,
         report.model, report.max_model_len = first.get("id"), first.get("max_model_len")
         report.reachable = True
     except Exception as error:
-        report.error = type(error).__name__ if isinstance(error, requests.RequestException) else repr(error)[:120]
+        report.error = _why_unreachable(url, error)
         return report
     try:
         info = get(url, "/server_info?config_format=json")
@@ -122,6 +123,15 @@ def inspect_server(get: Callable[[str, str], requests.Response], post: Callable,
     except Exception as error:  # a server that answers /v1/models but breaks here: say so, keep what was read
         report.error = f"while inspecting: {error!r}"[:200]
     return report
+
+
+def _why_unreachable(url: str, error: Exception) -> str:
+    """What a failed `/v1/models` says: a definite cause (404, TLS, not HTTP, refused) in words, else its type."""
+    if not isinstance(error, requests.RequestException):
+        return repr(error)[:120]
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    definite = definite_failure(url, status, error, refused_is_definite=True, path="/v1/models")
+    return definite.removeprefix(f"{url}: ").removeprefix(url) if definite else type(error).__name__
 
 
 def lora_refusals(config, max_rank: int | None) -> list[str]:
@@ -173,6 +183,8 @@ def problems_of(report: ServerReport, needs: RunNeeds) -> tuple[list[str], list[
     """(errors, warnings) for one server and one run: each a line naming the server and the fix."""
     url, errors, warnings = report.url, [], []
     if not report.reachable:
+        if "Fix:" in report.error:  # a definite cause, with its own fix
+            return [f"{url}: not usable: {report.error}"], []
         return [f"{url}: not reachable ({report.error}). Fix: start it, or check the URL"], []
     mode = needs.weight_sync
     if mode in ("auto", "nccl", "shared_dir") and not report.dev_mode:

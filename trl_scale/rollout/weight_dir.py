@@ -13,7 +13,6 @@ Everything the run wrote is removed by `release()` (the end of `train()`, or int
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import shutil
@@ -40,7 +39,7 @@ class WeightDirectory:
         self.temporary_prefix = temporary_prefix or "trl-scale-weights-"
         # What this run holds: its own directory (made on claim(), or at the first write) and the lock. Removed by
         # release(), or when this object is collected or the interpreter exits (weakref.finalize runs at exit).
-        self._held: dict[str, str | None] = {"root": None, "lock": None}
+        self._held: dict[str, str | None] = {"root": None, "lock": None, "run": run_id}
         self._written: list[str] = []  # what this run wrote, oldest first: the only things it ever deletes
         weakref.finalize(self, _release, self._held)
 
@@ -105,9 +104,13 @@ class WeightDirectory:
             owner = {}
         here = owner.get("host") == socket.gethostname()
         if here and owner.get("pid") == os.getpid():
-            gc.collect()  # a dropped trainer of this process (a notebook cell run again) releases it when collected
-            if not os.path.exists(path):
-                return
+            # A run of this very process: trainers in one process train one after another (a notebook, a resumed
+            # run); the earlier one keeps its own subdirectory, and its release leaves this run's lock alone.
+            logger.info(
+                "weight_sync_dir=%s: taking over the lock of run %s of this process", self.parent, owner["run"]
+            )
+            os.unlink(path)
+            return
         if here and isinstance(owner.get("pid"), int) and not _alive(owner["pid"]):
             logger.warning(
                 "weight_sync_dir=%s: taking over the lock of run %s (pid %s, output_dir %s), which ended without "
@@ -167,8 +170,11 @@ def _release(held: dict) -> None:
         shutil.rmtree(root, ignore_errors=True)
     if lock is not None:
         try:
-            os.unlink(lock)
-        except OSError:
+            with open(lock) as handle:
+                ours = json.load(handle).get("run") == held["run"]
+            if ours:  # not a lock another run of this process took over since
+                os.unlink(lock)
+        except (OSError, ValueError):
             pass
 
 

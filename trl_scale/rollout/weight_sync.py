@@ -12,7 +12,6 @@ it on the `RolloutClient`, whose router then sends requests only to servers on t
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import time
 import uuid
@@ -22,6 +21,7 @@ from urllib.parse import urlparse
 
 from ..logs import get_logger
 from .client import LORA_PREFIX, RolloutClient, RolloutError, ServerState
+from .urls import is_loopback
 
 logger = get_logger(__name__)
 
@@ -370,14 +370,7 @@ def _trainer_address(urls: list[str]) -> str:
     """The address the servers reach the trainer at: loopback when they all run here, else the local address of
     the route to the first server."""
     hosts = [urlparse(url).hostname or "" for url in urls]
-
-    def loopback(host: str) -> bool:
-        try:
-            return host == "localhost" or ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            return False
-
-    if all(loopback(h) for h in hosts):
+    if all(is_loopback(h) for h in hosts):
         return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((hosts[0], 80))  # no packet is sent: this only picks the outgoing interface

@@ -32,6 +32,7 @@ class ServerRolloutMixin:
 
     def _install_server_rollout(self, logprobs: bool) -> None:
         from ..rollout import RolloutClient, ServerRolloutGeneration
+        from ..rollout.urls import check_server_urls
 
         args = self.args
         self.rollout_fleet = None
@@ -43,10 +44,11 @@ class ServerRolloutMixin:
 
             self.rollout_fleet, managed_urls = start_managed_servers(self)
             urls = managed_urls + list(args.vllm_server_base_urls or [])
-        else:
-            urls = args.vllm_server_base_urls or [
-                args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-            ]
+        elif args.vllm_server_base_urls:
+            urls = args.vllm_server_base_urls  # checked by the config
+        else:  # TRL's single-server fields
+            url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+            urls = check_server_urls([url], field="vllm_server_base_url")
         generation_timeout = args.rollout_generation_timeout or 120.0 + 0.25 * args.max_completion_length
         client = RolloutClient(
             urls,
