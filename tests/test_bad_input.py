@@ -328,11 +328,15 @@ def test_yaml_type_error_names_the_field(tmp_path, capsys):
         ("yaml", r"--config is not valid YAML \(line 2, column 6\): mapping values are not allowed here. Fix"),
         ("config-check", r"error: rollout_max_inflight_per_server=0: use a positive whole number"),
         ("empty-dataset", r"dataset_name='.*' holds no rows \(its data files are empty"),
+        ("header-only-csv", r"dataset_name='.*data' holds no rows \(its data files are empty, or a header only"),
+        ("empty-parquet", r"dataset_name='.*train.parquet' holds no rows"),
+        ("yaml-unknown-field", r"--config has unknown fields \['--not_a_field', '3'\]. Fix: check the field names"),
     ],
 )
 def test_cli_says_what_is_wrong_without_a_traceback(case, match, tmp_path, capsys):
     """Malformed YAML used to be a 15-frame traceback; a config's own check was blamed on the field names; an empty
-    local dataset was `datasets`' "corresponds to no data" before the trainer's check."""
+    local dataset (a 0-byte file, a CSV header alone, a Parquet file of 0 rows) was a `datasets` traceback; an
+    unknown YAML field got TrlParser's advice to set `fail_with_unknown_args=False`."""
     from trl_scale.cli import main
 
     argv = ["grpo", "--output_dir", str(tmp_path / "out"), "--model_name_or_path", "toy:llama"]
@@ -342,19 +346,25 @@ def test_cli_says_what_is_wrong_without_a_traceback(case, match, tmp_path, capsy
         argv += ["--config", str(tmp_path / "bad.yaml")]
     elif case == "config-check":
         argv += ["--dataset_name", "toy:counting", "--rollout_max_inflight_per_server", "0"]
+    elif case == "yaml-unknown-field":
+        (tmp_path / "unknown.yaml").write_text("dataset_name: toy:counting\nnot_a_field: 3\n")
+        argv += ["--config", str(tmp_path / "unknown.yaml")]
+    elif case == "empty-parquet":  # one file, as dataset_name may name
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "train.parquet")
+        argv += ["--dataset_name", str(tmp_path / "train.parquet")]
     else:
         (tmp_path / "data").mkdir()
-        (tmp_path / "data" / "train.jsonl").write_text("")
+        name, text = ("train.csv", "prompt\n") if case == "header-only-csv" else ("train.jsonl", "")
+        (tmp_path / "data" / name).write_text(text)
         argv += ["--dataset_name", str(tmp_path / "data")]
-    if case == "empty-dataset":
-        with pytest.raises(ValueError, match=match):
-            main(argv)
-        return
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and __import__("re").search(match, err), err[-500:]
-    assert "check the field names" not in err and "Traceback" not in err
+    assert ("check the field names" in err) == (case == "yaml-unknown-field") and "Traceback" not in err
 
 
 class _HubWithoutToken:
@@ -465,6 +475,15 @@ def test_prompt_beyond_the_model_context_is_named_before_it_trains(tmp_path):
         ({"critic_placement": {"num_workers": "2"}}, r"critic_placement.num_workers='2': use a whole number"),
         ({"reward_placement": {"num_gpus_per_worker": -1}}, r"reward_placement.num_gpus_per_worker=-1: use a number"),
         ({"loss_type": "grpo"}, r"loss_type='grpo': PPOTrainer's losses are token means.*Fix: loss_type='dapo'"),
+        ({"async_rollout_staleness": 1.5}, r"async_rollout_staleness=1.5: use a whole number of weight syncs"),
+        ({"async_rollout_staleness": -1}, r"async_rollout_staleness=-1: use a whole number"),
+        ({"rollout_max_inflight_per_server": 8.0}, r"rollout_max_inflight_per_server=8.0: use a positive whole"),
+        ({"managed_servers": True}, r"managed_servers=True: use a whole number of servers"),
+        ({"managed_server_max_restarts": 2.5}, r"managed_server_max_restarts=2.5: use a whole number >= 0"),
+        ({"logprob_chunk_size": True}, r"logprob_chunk_size=True: use a positive number of tokens"),
+        ({"num_ppo_epochs": 1.5}, r"num_ppo_epochs=1.5: use a whole number >= 1"),
+        ({"num_mini_batches": 0}, r"num_mini_batches=0: use a whole number >= 1"),
+        ({"ray_call_timeout": 0}, r"ray_call_timeout=0: use a positive number of seconds"),
     ],
     ids=[
         "inflight-0",
@@ -476,6 +495,15 @@ def test_prompt_beyond_the_model_context_is_named_before_it_trains(tmp_path):
         "workers-str",
         "gpus-negative",
         "ppo-loss-type",
+        "staleness-float",
+        "staleness-negative",
+        "inflight-float",
+        "servers-bool",
+        "restarts-float",
+        "chunk-bool",
+        "epochs-float",
+        "mini-batches-0",
+        "ray-timeout-0",
     ],
 )
 def test_config_values_that_cannot_work_are_named_with_the_fix(fields, match, tmp_path):

@@ -10,6 +10,7 @@ PACKAGE = ROOT / "trl_scale"
 LAYERS = {
     "trl_scale.model_paths": 0,
     "trl_scale.logs": 0,
+    "trl_scale.numbers": 0,
     "trl_scale.seams": 0,
     "trl_scale.ppo_core": 0,
     "trl_scale.scoring": 0,

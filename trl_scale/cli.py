@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -81,7 +82,14 @@ def _load_dataset(script_args, method: str):
     from datasets import load_dataset
 
     _check_local_dataset_has_rows(name)
+    builder = _FILE_BUILDERS.get(os.path.splitext(name)[1].lower()) if os.path.isfile(name) else None
+    if builder is not None:  # one local file: its format's builder (datasets finds no data file at a file's path)
+        split = script_args.dataset_train_split
+        return load_dataset(builder, data_files={split: name}, streaming=script_args.dataset_streaming)
     return load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
+
+
+_FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
 
 def _check_local_dataset_has_rows(name: str) -> None:
@@ -94,15 +102,30 @@ def _check_local_dataset_has_rows(name: str) -> None:
     else:
         files = [os.path.join(root, f) for root, _, names in os.walk(name) for f in names if not f.startswith(".")]
 
-    def blank(path: str) -> bool:
-        with open(path, "rb") as handle:
-            return not handle.read(4096).strip()
-
-    if all(blank(f) for f in files):
+    if files and all(_holds_no_rows(f) for f in files):
         raise ValueError(
-            f"dataset_name={name!r} holds no rows (its data files are empty: {sorted(files)[:5]}). Fix: add rows "
-            "to it, or point dataset_name at a dataset that has them"
+            f"dataset_name={name!r} holds no rows (its data files are empty, or a header only: {sorted(files)[:5]}). "
+            "Fix: add rows to it, or point dataset_name at a dataset that has them"
         )
+
+
+def _holds_no_rows(path: str) -> bool:
+    """A data file with no rows: empty, a CSV header alone, a Parquet file of 0 rows, JSON of no records."""
+    extension = os.path.splitext(path)[1].lower()
+    try:
+        if extension == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_metadata(path).num_rows == 0
+        with open(path, "rb") as handle:
+            head = handle.read(1 << 16)
+        if extension == ".csv":
+            return len([line for line in head.splitlines() if line.strip()]) <= 1
+        if extension in (".json", ".jsonl"):
+            return head.strip() in (b"", b"[]", b"{}")
+        return not head.strip()
+    except Exception:  # unreadable here: let `datasets` say what it makes of it
+        return False
 
 
 def _resolve_model(model_name: str | None, training_args) -> str:
@@ -137,6 +160,12 @@ def train(method: str, argv: list[str]) -> int:
     try:
         script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     except ValueError as error:  # a usage error, not a traceback
+        unknown = re.search(r"Unknown arguments from config file: (\[.*?\])", str(error))  # TrlParser, a YAML key
+        if unknown:
+            parser.error(
+                f"--config has unknown fields {unknown.group(1)}. Fix: check the field names (`trl-scale {method} "
+                "--help` lists them)"
+            )
         if "arguments are not used" in str(error):  # HfArgumentParser: an unknown field
             parser.error(f"{error}. Fix: check the field names (`trl-scale {method} --help` lists them)")
         parser.error(str(error))  # a config's own check (e.g. bf16 on a CPU machine): its message says the fix
@@ -156,7 +185,10 @@ def train(method: str, argv: list[str]) -> int:
     if training_args.model_init_kwargs:
         model_init_kwargs.update(training_args.model_init_kwargs)
     training_args.model_init_kwargs = model_init_kwargs or None
-    dataset = _load_dataset(script_args, method)
+    try:
+        dataset = _load_dataset(script_args, method)
+    except ValueError as error:  # no rows, no dataset_name: a usage error, its message says the fix
+        parser.error(str(error))
     kwargs = dict(
         model=model_path,
         args=training_args,

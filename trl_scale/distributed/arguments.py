@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..logs import get_logger
+from ..numbers import check_positive
 
 logger = get_logger(__name__)
 
@@ -63,6 +64,7 @@ class DistributedArguments:
     def _validate_distributed_arguments(self) -> None:
         if self.backend not in ("local", "ray"):
             raise ValueError(f"backend={self.backend!r}: use 'local' or 'ray'")
+        check_positive("ray_call_timeout", self.ray_call_timeout)
         if self.backend == "ray":
             import importlib.util
 

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 
 from ..logs import get_logger
+from ..numbers import check_non_negative, check_whole
 from .role_workers import RoleWorker
 
 logger = get_logger(__name__)
@@ -48,14 +49,9 @@ class Placement:
         if unknown:
             raise ValueError(f"{field_name} has unknown keys {sorted(unknown)}; use {', '.join(sorted(keys))}")
         placement = cls(**value)
-        if isinstance(placement.num_workers, bool) or not isinstance(placement.num_workers, int):
-            raise ValueError(f"{field_name}.num_workers={placement.num_workers!r}: use a whole number, e.g. 2")
-        if placement.num_workers < 1:
-            raise ValueError(f"{field_name}.num_workers={placement.num_workers}: use at least 1")
+        check_whole(f"{field_name}.num_workers", placement.num_workers, minimum=1, fix="use a whole number, e.g. 2")
         for name in ("num_gpus_per_worker", "num_cpus_per_worker"):
-            amount = getattr(placement, name)
-            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount < 0:
-                raise ValueError(f"{field_name}.{name}={amount!r}: use a number >= 0, e.g. 1")
+            check_non_negative(f"{field_name}.{name}", getattr(placement, name), fix="use a number >= 0, e.g. 1")
         custom = placement.resources
         if custom is not None and (
             not isinstance(custom, dict)

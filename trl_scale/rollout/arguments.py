@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..model_paths import check_model_path
+from ..numbers import check_positive, check_whole
 
 # `vllm.LLM` settings TRL sets for the engine and the trainer to stay in step (the set of TRL's proposed
 # `vllm_llm_kwargs`, huggingface/trl#6816): a user value for one of them is refused.
@@ -242,8 +243,7 @@ class RolloutArguments:
         import shlex
 
         count = self.managed_servers
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"managed_servers={count!r}: use a whole number of servers (0: none)")
+        check_whole("managed_servers", count, fix="use a whole number of servers (0: none)")
         if isinstance(self.managed_server_args, str):
             try:
                 self.managed_server_args = shlex.split(self.managed_server_args)
@@ -262,13 +262,8 @@ class RolloutArguments:
             )
         self.managed_server_env = env
         check_model_path(self.managed_server_model, "managed_server_model")
-        for name in ("managed_server_max_restarts",):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}={value!r}: use a whole number >= 0")
-        timeout = self.managed_server_ready_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"managed_server_ready_timeout={timeout!r}: use a positive number of seconds")
+        check_whole("managed_server_max_restarts", self.managed_server_max_restarts)
+        check_positive("managed_server_ready_timeout", self.managed_server_ready_timeout)
         if not count:
             return
         if not (getattr(self, "use_vllm", False) and getattr(self, "vllm_mode", None) == "server"):
@@ -279,9 +274,10 @@ class RolloutArguments:
         if self.managed_server_placement not in ("local", "ray"):
             raise ValueError(f"managed_server_placement={self.managed_server_placement!r}: use 'local' or 'ray'")
         gpus = self.managed_server_gpus
-        if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0):
-            raise ValueError(f"managed_server_gpus={gpus!r}: use a whole number of GPUs per server (0: CPU)")
+        check_whole("managed_server_gpus", gpus, optional=True, fix="use a whole number of GPUs per server (0: CPU)")
         ids = self.managed_server_gpu_ids
+        for gpu in ids or []:
+            check_whole("managed_server_gpu_ids entry", gpu, fix="use GPU ids, whole numbers >= 0, e.g. [4, 5]")
         if ids is not None and self.managed_server_placement == "local":
             needed = count * (gpus if gpus is not None else 1)
             if len(ids) < needed or len(set(ids)) != len(ids):
@@ -317,8 +313,11 @@ class RolloutArguments:
             from .urls import check_server_urls
 
             check_server_urls(self.vllm_server_base_urls)
-        if self.async_rollout_staleness < 0:
-            raise ValueError(f"async_rollout_staleness={self.async_rollout_staleness}: use 0 (synchronous) or k >= 1")
+        check_whole(
+            "async_rollout_staleness",
+            self.async_rollout_staleness,
+            fix="use a whole number of weight syncs: 0 (synchronous) or k >= 1",
+        )
         if self.async_rollout_staleness and not (
             getattr(self, "use_vllm", False) and getattr(self, "vllm_mode", None) == "server"
         ):
@@ -340,15 +339,13 @@ class RolloutArguments:
             "rollout_generation_timeout",
             "vllm_server_timeout",
         ):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-                raise ValueError(f"{name}={value!r}: use a positive number of seconds")
-        inflight = self.rollout_max_inflight_per_server
-        if isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 1:
-            raise ValueError(
-                f"rollout_max_inflight_per_server={inflight!r}: use a positive whole number of requests (default 8); "
-                "with 0 no request could ever be sent"
-            )
+            check_positive(name, getattr(self, name), optional=name == "rollout_generation_timeout")
+        check_whole(
+            "rollout_max_inflight_per_server",
+            self.rollout_max_inflight_per_server,
+            minimum=1,
+            fix="use a positive whole number of requests (default 8); with 0 no request could ever be sent",
+        )
         if self.async_rollout_staleness:
             if not hasattr(self, "vllm_importance_sampling_correction"):  # RLOO
                 raise ValueError(

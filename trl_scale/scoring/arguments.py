@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..numbers import check_whole
 from .logprob_head import DEFAULT_LOGPROB_CHUNK_SIZE
 
 
@@ -60,13 +61,13 @@ class ScoringArguments:
         self._validate_scoring_arguments()
 
     def _validate_scoring_arguments(self) -> None:
-        if self.token_budget is not None and (
-            isinstance(self.token_budget, bool) or not isinstance(self.token_budget, int) or self.token_budget < 1
-        ):
-            raise ValueError(
-                f"token_budget={self.token_budget!r}: use a positive number of tokens, or None for no limit"
-            )
-        if not isinstance(self.logprob_chunk_size, int) or self.logprob_chunk_size < 1:
-            raise ValueError(
-                f"logprob_chunk_size={self.logprob_chunk_size!r}: use a positive number of tokens (e.g. 256)"
-            )
+        check_whole(
+            "token_budget",
+            self.token_budget,
+            minimum=1,
+            optional=True,
+            fix="use a positive number of tokens, or None for no limit",
+        )
+        check_whole(
+            "logprob_chunk_size", self.logprob_chunk_size, minimum=1, fix="use a positive number of tokens (e.g. 256)"
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..numbers import check_whole
 from .grpo_config import GRPOConfig
 
 # Every field TRL 1.16's GRPOConfig adds to TrainingArguments, as PPO treats it. PPO refuses a field it does not
@@ -122,8 +123,8 @@ class PPOConfig(GRPOConfig):
     def __post_init__(self):
         if self.kl_estimator not in ("k1", "k3"):
             raise ValueError(f"kl_estimator={self.kl_estimator!r}: use 'k1' or 'k3'")
-        if self.num_ppo_epochs < 1 or self.num_mini_batches < 1:
-            raise ValueError("num_ppo_epochs and num_mini_batches must be at least 1")
+        check_whole("num_ppo_epochs", self.num_ppo_epochs, minimum=1)
+        check_whole("num_mini_batches", self.num_mini_batches, minimum=1)
         if self.beta not in (0, 0.0):
             raise ValueError(f"beta={self.beta}: PPO puts the KL penalty in the reward; set kl_coef instead, beta=0")
         self._reject_unsupported_grpo_options()
