@@ -286,6 +286,11 @@ def test_preflight_names_every_problem_of_each_server(fleet, rl_urls, tmp_path):
     errors, _ = problems_of(report, RunNeeds(weight_sync="lora", lora_config=pattern))
     assert any("peft_config.rank_pattern has rank 32, above the server's --max-lora-rank 8" in e for e in errors)
     assert any("init_lora_weights='pissa'" in e for e in errors), errors
+    # both boundaries: the server's own rank is accepted (vLLM refuses only above it)
+    errors, _ = problems_of(report, RunNeeds(weight_sync="lora", lora_config=LoraConfig(r=8)))
+    assert not errors, errors
+    errors, _ = problems_of(report, RunNeeds(weight_sync="lora", lora_config=LoraConfig(r=9)))
+    assert any("peft_config.r has rank 9, above the server's --max-lora-rank 8" in e for e in errors), errors
 
     with pytest.raises(ValueError) as caught:
         _trainer("grpo", fleet.model_path, tmp_path / "raw", rl_urls, "shared_dir", temperature=0.7)
@@ -295,6 +300,10 @@ def test_preflight_names_every_problem_of_each_server(fleet, rl_urls, tmp_path):
 
     with pytest.raises(ValueError, match=r"--max-model-len 256 leaves no room .* max_completion_length=300"):
         _trainer("grpo", fleet.model_path, tmp_path / "len", [fleet.a.url], "shared_dir", max_completion_length=300)
+    # the boundary: completions as long as the whole context leave no token for the prompt
+    errors, _ = problems_of(report, RunNeeds(max_completion_length=256))
+    assert any("--max-model-len 256 leaves no room" in e for e in errors), errors
+    assert not problems_of(report, RunNeeds(max_completion_length=255))[0]
 
 
 def test_check_servers_prints_what_each_real_server_offers(fleet):
@@ -308,3 +317,28 @@ def test_check_servers_prints_what_each_real_server_offers(fleet):
     assert rows[fleet.a.url]["LoRA"] == "max rank 8" and rows[fleet.a.url]["weight transfer"] == "trl_scale_gloo"
     assert rows[fleet.plain.url]["dev mode"] == "no" and rows[fleet.plain.url]["LoRA"] == "?"
     assert rows[fleet.a.url]["max_model_len"] == "256" and rows[fleet.a.url]["world size"] == "1"
+
+
+def test_rollout_cli_checks_the_tokenizer_against_real_vllm(fleet, rl_urls, tmp_path):
+    """Another model's tokenizer (a smaller vocabulary, so the vocabulary probe passes) against a real vLLM server:
+    refused before generating, naming the encodings; the servers' own tokenizer evaluates."""
+    other = build_tiny_model(tmp_path / "other", words=["one", "two", "three"])
+    common = ["rollout", "eval", "--servers", fleet.a.url, "--dataset", "toy:counting"]
+    common += ["--reward-funcs", "counting_reward", "--num-samples", "1", "--max-tokens", "2"]
+    wrong = subprocess.run(
+        [sys.executable, "-m", "trl_scale.cli", *common, "--tokenizer", other],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(),
+    )
+    assert wrong.returncode == 1 and "whose tokenizer encodes" in wrong.stderr, wrong.stderr[-2000:]
+    assert "eval/reward" not in wrong.stdout
+    right = subprocess.run(
+        [sys.executable, "-m", "trl_scale.cli", *common, "--tokenizer", fleet.model_path],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(),
+    )
+    assert right.returncode == 0 and json.loads(right.stdout)["eval/num_completions"] == 64, right.stderr[-2000:]

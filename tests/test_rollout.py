@@ -1,7 +1,9 @@
 """Rollout over real `trl-scale serve` processes on 127.0.0.1: the API, GRPO training with weight sync,
 load-aware routing, failover, and bounded failures. Every wait has a timeout."""
 
+import json
 import os
+import re
 import tempfile
 import time
 
@@ -13,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 import trl_scale
 from trl_scale.rollout import RolloutClient, RolloutError
 from trl_scale.rollout.weight_sync import GroupSync, SharedDirSync
-from trl_scale.toy import counting_prompts
+from trl_scale.toy import build_tiny_model, counting_prompts
 
 from .helpers import (
     black_hole_server,
@@ -433,3 +435,55 @@ def test_a_sync_without_a_directory_leaves_no_copy_of_the_weights(servers, tiny_
     trainer.train()
     assert len(made) == 2 and made[0] == made[1] and made[0].startswith(tempfile.gettempdir())
     assert not os.path.exists(made[0])  # removed at the end of train()
+
+
+def _rollout_cli(*argv) -> tuple[int, float]:
+    from trl_scale.cli import main
+
+    began = time.monotonic()
+    try:
+        code = main(["rollout", *argv])
+    except SystemExit as exit_info:
+        code = exit_info.code
+    return code, time.monotonic() - began
+
+
+def test_rollout_cli_refuses_another_models_tokenizer_before_generating(servers, tiny_llama, tmp_path, capsys):
+    """A tokenizer of another model printed "eval/reward": 0.0 without a word; now the servers' encoding of a probe
+    text is compared with the tokenizer's first."""
+    other = build_tiny_model(tmp_path / "other", words=["one", "two", "three"])
+    common = ["--servers", servers[0].url, "--dataset", "toy:counting", "--reward-funcs", "counting_reward"]
+    common += ["--num-samples", "2", "--max-tokens", "4"]
+    code, _ = _rollout_cli("eval", "--tokenizer", other, *common)
+    out, err = capsys.readouterr()
+    assert code == 1 and "eval/reward" not in out, (out, err)
+    assert re.search(r"whose tokenizer encodes .* as \[.*\], this tokenizer as \[.*\].*Fix: pass the tokenizer", err)
+    code, _ = _rollout_cli("eval", "--tokenizer", tiny_llama, *common)
+    assert code == 0 and json.loads(capsys.readouterr().out)["eval/num_completions"] == 128
+
+
+@pytest.mark.parametrize(
+    "argv, code, match",
+    [
+        (["--num-samples", "0"], 2, r"--num-samples 0: use a whole number >= 1"),
+        (["--num-samples", "2", "--keep-top-k", "3"], 2, r"--keep-top-k 3: use 1 to --num-samples \(2\)"),
+        (["--no-output"], 2, r"rejection-sample needs --output FILE.jsonl"),
+        (["--request-timeout", "0"], 2, r"--request-timeout 0: use a positive number of seconds"),
+        (["--servers", "127.0.0.1:{port}"], 2, r"--servers entry '127.0.0.1:\d+' is not a server URL. Fix: use http"),
+        (["--servers", "http://127.0.0.1:{port}"], 1, r"connection refused: nothing listens there"),
+    ],
+    ids=["num-samples", "keep-top-k", "no-output", "timeout", "no-scheme", "refused"],
+)
+def test_rollout_cli_answers_bad_flags_and_dead_servers_at_once(argv, code, match, tiny_llama, tmp_path, capsys):
+    """Each was a traceback blaming the server's 422, 64 completions written nowhere, or a wait of 124-184 s."""
+    from .helpers import free_port
+
+    flags = ["--tokenizer", tiny_llama, "--dataset", "toy:counting", "--reward-funcs", "counting_reward"]
+    flags += ["--servers", "http://127.0.0.1:9"] if "--servers" not in argv else []
+    flags += ["--output", str(tmp_path / "kept.jsonl")] if "--no-output" not in argv else []
+    argv = [a.format(port=free_port()) for a in argv if a != "--no-output"]
+    got, seconds = _rollout_cli("rejection-sample", *flags, *argv)
+    err = capsys.readouterr().err
+    assert got == code and re.search(match, err), err[-800:]
+    assert seconds < 30 and "Traceback" not in err and "left the rotation" not in err
+    assert not (tmp_path / "kept.jsonl").exists()

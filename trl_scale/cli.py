@@ -245,25 +245,43 @@ def _rollout(argv: list[str]) -> int:
     """`trl-scale rollout {rejection-sample,eval}`: generate and score on running servers, no training."""
     parser = argparse.ArgumentParser(prog="trl-scale rollout", description=_rollout.__doc__)
     parser.add_argument("mode", choices=["rejection-sample", "eval"])
-    parser.add_argument("--servers", nargs="+", required=True, help="completion server URLs")
-    parser.add_argument("--tokenizer", required=True, help="path of the policy's tokenizer")
+    parser.add_argument("--servers", nargs="+", required=True, help="completion server URLs (http://HOST:PORT)")
+    parser.add_argument("--tokenizer", required=True, help="path of the tokenizer of the model the servers run")
     parser.add_argument("--dataset", required=True, help="toy:counting, a local dataset path, or a dataset id")
     parser.add_argument("--split", default="train")
     parser.add_argument("--reward-funcs", nargs="+", required=True, help="counting_reward or dotted import paths")
-    parser.add_argument("--num-samples", type=int, default=8)
-    parser.add_argument("--keep-top-k", type=int, default=1)
+    parser.add_argument("--num-samples", type=int, default=8, help="completions per prompt (>= 1)")
+    parser.add_argument("--keep-top-k", type=int, default=1, help="rejection-sample: kept per prompt (1..num-samples)")
     parser.add_argument("--min-reward", type=float, default=None)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--output", help="rejection-sample: where to write the kept rows (.jsonl)")
+    parser.add_argument("--output", help="rejection-sample (required): where to write the kept rows (.jsonl)")
+    parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds a request may wait for a server")
     parser.add_argument("--api-key", default=None)
     args = parser.parse_args(argv)
+    for flag, value, low in (("--num-samples", args.num_samples, 1), ("--max-tokens", args.max_tokens, 1)):
+        if value < low:
+            parser.error(f"{flag} {value}: use a whole number >= {low}")
+    if args.mode == "rejection-sample":
+        if not 1 <= args.keep_top_k <= args.num_samples:
+            parser.error(f"--keep-top-k {args.keep_top_k}: use 1 to --num-samples ({args.num_samples})")
+        if not args.output:
+            parser.error("rejection-sample needs --output FILE.jsonl: where to write the kept rows")
+    if args.request_timeout <= 0:
+        parser.error(f"--request-timeout {args.request_timeout:g}: use a positive number of seconds")
+    from .rollout.urls import check_server_urls
+
+    try:
+        urls = check_server_urls(args.servers, field="--servers")
+    except ValueError as error:
+        parser.error(str(error))
     import json
 
     from transformers import AutoTokenizer
 
     from .rollout import RolloutClient
-    from .rollout.modes import evaluate, rejection_sample
+    from .rollout.client import RolloutError
+    from .rollout.modes import check_servers_for, evaluate, rejection_sample
 
     script = argparse.Namespace(
         dataset_name=args.dataset,
@@ -272,20 +290,30 @@ def _rollout(argv: list[str]) -> int:
         dataset_train_split=args.split,
         num_toy_examples=64,
     )
-    dataset = _load_dataset(script, "rollout")[args.split]
-    rewards = [_resolve_reward_func(name) for name in args.reward_funcs]
-    client = RolloutClient(args.servers, api_key=args.api_key)
+    try:
+        dataset = _load_dataset(script, "rollout")[args.split]
+        rewards = [_resolve_reward_func(name) for name in args.reward_funcs]
+    except ValueError as error:
+        parser.error(str(error))
+    client = RolloutClient(urls, request_timeout=args.request_timeout, api_key=args.api_key)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    if args.mode == "eval":
-        print(json.dumps(evaluate(client, dataset, rewards, tokenizer, num_samples=args.num_samples, **sampling)))
-        return 0
-    kept = rejection_sample(
-        client, dataset, rewards, tokenizer, args.num_samples, args.keep_top_k, args.min_reward, **sampling
-    )
-    if args.output:
-        kept.to_json(args.output)
-    print(json.dumps({"kept": len(kept), "mean_reward": sum(kept["reward"]) / max(1, len(kept))}))
+    try:
+        check_servers_for(client, tokenizer, timeout=args.request_timeout)
+        if args.mode == "eval":
+            print(json.dumps(evaluate(client, dataset, rewards, tokenizer, num_samples=args.num_samples, **sampling)))
+            return 0
+        kept = rejection_sample(
+            client, dataset, rewards, tokenizer, args.num_samples, args.keep_top_k, args.min_reward, **sampling
+        )
+    except RolloutError as error:
+        print(f"trl-scale rollout: error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    kept.to_json(args.output)
+    summary = {"kept": len(kept), "mean_reward": sum(kept["reward"]) / max(1, len(kept)), "output": args.output}
+    print(json.dumps(summary))
     return 0
 
 

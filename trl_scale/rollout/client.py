@@ -235,6 +235,15 @@ class RolloutClient:
         response.raise_for_status()
         return response.json()
 
+    def prompt_ids_url(self, url: str, model: str, text: str) -> list[int] | None:
+        """How this server's tokenizer encodes `text` (no special tokens), read from a 1-token completion of it;
+        None where the server does not say."""
+        body = {"model": model, "prompt": text, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
+        response = self.post_url(url, "/v1/completions", {**body, "add_special_tokens": False})
+        response.raise_for_status()
+        ids = (response.json().get("choices") or [{}])[0].get("prompt_token_ids")
+        return list(ids) if isinstance(ids, list) else None
+
     def replace_url(self, old: str, new: str) -> None:
         """A server that moved (a managed server restarted on another node): the new address, on no version (out of
         the rotation until a weight sync reaches it)."""

@@ -12,7 +12,24 @@ from collections.abc import Callable
 
 from datasets import Dataset
 
-from .client import RolloutClient
+from .client import RolloutClient, RolloutError
+
+
+def check_servers_for(client: RolloutClient, tokenizer, timeout: float) -> None:
+    """Before any generation: every server answers (a refused connection or a wrong URL at once, not after every
+    request has failed over), and serves a model this tokenizer belongs to (its vocabulary and its encoding of a
+    probe text). Raises RolloutError naming each problem and its fix."""
+    from .preflight import RunNeeds, all_problems, check_tokenizer, check_vocabulary, inspect_all
+
+    client.refused_is_definite = True  # running servers, not starting ones
+    client.wait_until_ready(timeout)
+    reports = inspect_all(client.get_url, client.post_url, [s.url for s in client.servers])
+    problems, _ = all_problems(reports, RunNeeds())
+    for report in (r for r in reports if r.reachable):
+        problems += [p for p in (check_vocabulary(client.complete_url, report, len(tokenizer)),) if p]
+        problems += [p for p in (check_tokenizer(client.prompt_ids_url, report, tokenizer),) if p]
+    if problems:
+        raise RolloutError("the rollout servers cannot serve this tokenizer:\n  - " + "\n  - ".join(problems))
 
 
 def _prompt_ids(tokenizer, prompt) -> list[int]:

@@ -265,6 +265,27 @@ def check_vocabulary(client_complete: Callable, report: ServerReport, vocab_size
     return None
 
 
+def check_tokenizer(prompt_ids: Callable, report: ServerReport, tokenizer) -> str | None:
+    """The server encodes a probe text of this tokenizer's own words as this tokenizer does, or it serves a model
+    with another tokenizer: its completions would decode to other words (a reward of 0, silently). Returns the
+    problem, or None (also where the server does not report prompt ids)."""
+    pieces = [tokenizer.decode([i]) for i in range(min(len(tokenizer), 50_000))]
+    words = [p.strip() for p in pieces if len(p.strip()) >= 3 and p.strip().isascii() and p.strip().isalpha()]
+    text = " ".join(words[:: max(1, len(words) // 12)][:12]) or "the quick brown fox"
+    ours = tokenizer(text, add_special_tokens=False)["input_ids"]
+    try:
+        theirs = prompt_ids(report.url, report.model, text)
+    except requests.RequestException:
+        return None  # a failing request is the router's business, not the tokenizer's
+    if theirs is None or list(theirs) == list(ours):
+        return None
+    return (
+        f"{report.url}: serves {report.model!r}, whose tokenizer encodes {text!r} as {list(theirs)[:8]}, this "
+        f"tokenizer as {ours[:8]}: the completions would decode to other words. Fix: pass the tokenizer of the "
+        "model the servers run (--tokenizer), or start them with that model"
+    )
+
+
 def format_table(reports: list[ServerReport]) -> str:
     rows = [r.row() for r in reports]
     columns = list(rows[0]) if rows else []
