@@ -276,6 +276,76 @@ def test_an_abandoned_broadcast_failing_late_leaves_the_rebuilt_group_in_place(t
         server.stop()
 
 
+def _perturbed(state: dict, seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {k: v + 0.01 * torch.randn(v.shape, generator=generator) for k, v in state.items()}
+
+
+def _holds(url: str, state: dict) -> bool:
+    """The server at `url` holds exactly `state` (sha256 of every tensor)."""
+    expected, served = weights_digest_of(state), _server_digest(url)
+    return {name: served.get(name) for name in expected} == expected
+
+
+def test_a_server_restarted_right_before_a_group_sync_rejoins_it(tiny_llama):
+    """A member restarted at the same URL, with no generation between (nothing else reads its version back): the
+    sync must read the versions itself, see the member came back on its original weights without an engine, and
+    rebuild the group with it, instead of sending it /start_weight_update on a group it no longer has."""
+    from transformers import AutoModelForCausalLM
+
+    steady, restarted = start_servers(tiny_llama, 2)
+    try:
+        client = RolloutClient([steady.url, restarted.url], request_timeout=30)
+        state = dict(AutoModelForCausalLM.from_pretrained(tiny_llama).state_dict())
+        sync = GroupSync(client)
+        sync.push(_perturbed(state, 1), timeout=20)
+        members = sync.group["members"]
+        restarted.restart()  # same port, original weights, no weight-transfer engine
+        second = _perturbed(state, 2)
+        version = sync.push(second, timeout=20)
+        assert sync.group["members"] == members and all(s.version == version for s in client.servers)
+        assert _holds(steady.url, second) and _holds(restarted.url, second)
+        sync.close()
+        client.close()
+    finally:
+        steady.stop()
+        restarted.stop()
+
+
+def test_a_receiver_failing_while_alive_leaves_the_group_closed_and_the_next_sync_exact(tiny_llama, monkeypatch):
+    """One member's /update_weights fails (a 500) while the server stays up: the broadcast is abandoned and its group
+    closed, so the next sync forms a new group and the server ends on exactly that sync's weights (reusing the
+    abandoned group, the next receive would read what the abandoned broadcast left in it)."""
+    from transformers import AutoModelForCausalLM
+
+    (server,) = start_servers(tiny_llama, 1)
+    try:
+        client = RolloutClient([server.url], request_timeout=30)
+        state = dict(AutoModelForCausalLM.from_pretrained(tiny_llama).state_dict())
+        sync = GroupSync(client)
+        sync.push(_perturbed(state, 1), timeout=20)
+        post = client._post
+        failed = []
+
+        def update_weights_fails_once(target, path, *args, **kwargs):
+            if path == "/update_weights" and not failed:
+                failed.append(path)
+                raise RolloutError(f"{target.url}/update_weights answered 500: receive failed")
+            return post(target, path, *args, **kwargs)
+
+        monkeypatch.setattr(client, "_post", update_weights_fails_once)
+        with pytest.raises(RolloutError, match="weight broadcast abandoned: /update_weights failed"):
+            sync.push(_perturbed(state, 2), timeout=20)
+        assert failed and sync.group is None and requests.get(f"{server.url}/health", timeout=5).ok
+        third = _perturbed(state, 3)
+        version = sync.push(third, timeout=20)
+        assert client.servers[0].version == version and _holds(server.url, third)
+        sync.close()
+        client.close()
+    finally:
+        server.stop()
+
+
 def test_lora_sync_follows_vllms_rules_across_resyncs_and_resume(tiny_llama, tmp_path):
     from peft import LoraConfig
 
