@@ -347,19 +347,34 @@ def push_weights(urls: list[str], state_dict: dict, timeout: float = 60) -> str:
         client.close()
 
 
+HITS: dict[int, list[str]] = {}  # plain_http_server's requests, by port: the paths asked for, in order
+
+
+def hits(url: str) -> list[str]:
+    return HITS[int(url.rsplit(":", 1)[1])]
+
+
 @contextmanager
-def plain_http_server(status: int = 404, body: bytes = b'{"detail":"Not Found"}'):
+def plain_http_server(status: int = 404, body: bytes = b'{"detail":"Not Found"}', routes: dict | None = None):
     """A plain-HTTP server on 127.0.0.1 answering every GET and POST with `status` (not a vLLM server: another
-    service, or a path it does not have). Yields its URL."""
+    service, or a path it does not have), except the paths in `routes` (path -> (status, body)). Yields its URL;
+    `.hits` on the yielded string's server counts requests per path (see `hits`)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    routes = routes or {}
 
     class Handler(BaseHTTPRequestHandler):
         def _answer(self):
-            self.send_response(status)
+            length = int(self.headers.get("Content-Length") or 0)
+            if length:
+                self.rfile.read(length)
+            code, payload = routes.get(self.path, (status, body))
+            HITS[self.server.server_address[1]].append(self.path)
+            self.send_response(code)
             self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
-            self.wfile.write(body)
+            self.wfile.write(payload)
 
         do_GET = do_POST = _answer
 
@@ -367,6 +382,7 @@ def plain_http_server(status: int = 404, body: bytes = b'{"detail":"Not Found"}'
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    HITS[server.server_address[1]] = []
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

@@ -487,3 +487,36 @@ def test_rollout_cli_answers_bad_flags_and_dead_servers_at_once(argv, code, matc
     assert got == code and re.search(match, err), err[-800:]
     assert seconds < 30 and "Traceback" not in err and "left the rotation" not in err
     assert not (tmp_path / "kept.jsonl").exists()
+
+
+MODELS = json.dumps({"object": "list", "data": [{"id": "m", "object": "model", "max_model_len": 256}]}).encode()
+
+
+@pytest.mark.parametrize("status", [500, 502, 503, 408, 429])
+def test_a_server_answering_a_retryable_status_is_failed_over(status, servers):
+    """5xx (a server fault) and 408/429 ("try again") send the request to another server; the one that answered
+    leaves the rotation for a while."""
+    from .helpers import hits, plain_http_server
+
+    with plain_http_server(
+        routes={"/v1/models": (200, MODELS), "/v1/completions": (status, b'{"error": "busy"}')}
+    ) as bad:
+        client = RolloutClient([bad, servers[0].url], request_timeout=30, max_inflight_per_server=4)
+        results = client.generate([[432, 375]] * 6, max_tokens=2)
+        client.close()
+    assert len(results) == 6 and all(choice["token_ids"] for choices in results for choice in choices)
+    assert hits(bad).count("/v1/completions") >= 1  # it was asked, and its answer was not final
+    assert {s.url: s.served for s in client.servers}[servers[0].url] == 6
+
+
+def test_a_request_the_server_rejects_as_bad_is_not_retried_elsewhere(servers):
+    """400: the request itself is wrong (too long, a bad parameter); another server would reject it too."""
+    from .helpers import hits, plain_http_server
+
+    rejection = (400, b'{"error": {"message": "This model\'s maximum context length is 256 tokens"}}')
+    with plain_http_server(routes={"/v1/models": (200, MODELS), "/v1/completions": rejection}) as bad:
+        client = RolloutClient([bad], request_timeout=30)
+        with pytest.raises(RolloutError, match=r"rejected the request \(400\).*maximum context length"):
+            client.generate([[432, 375]], max_tokens=2)
+        client.close()
+    assert hits(bad).count("/v1/completions") == 1

@@ -37,6 +37,11 @@ LORA_PREFIX = "trl-scale-"  # the adapters a LoRA sync loads; older ones with it
 SERVER_KEY = "_trl_scale_server"  # set on each returned choice: the server that generated it
 
 
+# 4xx answers that mean "not now" rather than "not this request": failed over like a 5xx (every other 4xx is final:
+# another server would refuse the same request).
+RETRYABLE = (408, 429)
+
+
 class RolloutError(RuntimeError):
     """A rollout or weight sync that cannot complete; the message names the servers and the cause."""
 
@@ -187,10 +192,10 @@ class RolloutClient:
                     headers=self.headers,
                     timeout=(min(10.0, self.request_timeout), self.generation_timeout),
                 )
-                if 400 <= response.status_code < 500:
+                if 400 <= response.status_code < 500 and response.status_code not in RETRYABLE:
                     self._release(server, ok=True)
                     raise RolloutError(f"{server.url} rejected the request ({response.status_code}): {response.text}")
-                response.raise_for_status()
+                response.raise_for_status()  # 5xx, 408, 429: fail over
                 choices = response.json()["choices"]  # malformed JSON raises here: a server fault, fail over
                 _check_choices(choices, n)
                 self._release(server, ok=True, seconds=time.monotonic() - sent)
