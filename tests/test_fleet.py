@@ -27,6 +27,7 @@ from trl_scale.rollout.fleet import (
     LocalLauncher,
     ServerFleet,
     check_python_has,
+    restart_delay,
     server_command,
     server_environment,
     start_failure_fix,
@@ -94,11 +95,14 @@ def test_the_fleet_restarts_a_killed_server_at_its_address_and_stops_everything(
         }
         first = fleet.handles[0]
         os.killpg(first.group, signal.SIGKILL)  # a crash
+        killed_at = time.monotonic()
         deadline = time.monotonic() + 120
         while fleet.restarts < 1 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert fleet.metrics()["rollout/server_restarts"] == 1.0 and fleet.deaths == 1
         assert fleet.handles[0] is not first and fleet.urls == urls  # a new process at the same address
+        # relaunched within seconds of the crash (the first backoff is 1 s; 30 s is the cap for later attempts)
+        assert fleet.handles[0].started_at - killed_at < 10
         assert requests.get(f"{urls[0]}/health", timeout=5).ok
         fleet.check()  # both can serve
         # Out of restarts: a server killed once more than it may restart is given up; with none left, check() says so.
@@ -406,3 +410,44 @@ def test_a_start_failure_names_the_field_to_change():
     assert "managed_server_python" in start_failure_fix(1, "ModuleNotFoundError: No module named 'vllm'")
     assert "managed_server_args" in start_failure_fix(2, "error: unrecognized arguments: --bogus")
     assert "managed_server_model" in start_failure_fix(1, "OSError: not a model")
+
+
+def test_restarts_back_off_from_one_second_to_a_cap_of_thirty():
+    assert [restart_delay(attempt) for attempt in (1, 2, 3, 5, 6, 20)] == [1.0, 2.0, 4.0, 16.0, 30.0, 30.0]
+
+
+NORMAL_END = """
+import sys
+import trl_scale.trainers.fleet as trainer_fleet
+from tests.helpers import server_grpo
+from tests.test_fleet import ServeLauncher
+
+trainer_fleet.launcher_for = lambda trainer, spec: ServeLauncher(spec)
+model, out, marker = sys.argv[1:]
+trainer = server_grpo(model, out, None, vllm_server_base_urls=None, managed_servers=1, max_steps=1,
+                      managed_server_env={"TRL_SCALE_FLEET_MARK": marker}, managed_server_ready_timeout=120,
+                      weight_sync="shared_dir")
+print("LOG_DIR", trainer.rollout_fleet.launcher.log_dir, flush=True)
+trainer.train()  # and the script ends: no close(), no exception
+"""
+
+
+def test_a_managed_run_that_ends_normally_leaves_no_process_and_no_log(tiny_llama, tmp_path):
+    """The interpreter's exit stops the servers in order (the exit hook) and removes their logs: nothing failed, so
+    nothing is kept. (Without the hook the reaper still stops the processes, but their logs stay behind in /tmp.)"""
+    marker = f"{os.getpid()}-{time.time_ns()}"
+    from .helpers import ROOT
+
+    run = subprocess.run(
+        [sys.executable, "-c", NORMAL_END, tiny_llama, str(tmp_path / "out"), marker],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    (log_dir,) = [Path(line.split(" ", 1)[1]) for line in run.stdout.splitlines() if line.startswith("LOG_DIR ")]
+    assert log_dir.name.startswith("trl-scale-servers-")
+    assert not wait_gone(marker, 30), "server processes outlived a run that ended normally"
+    assert not log_dir.exists(), sorted(p.name for p in log_dir.iterdir())

@@ -114,6 +114,12 @@ def start_failure_fix(returncode, log: str) -> str:
     return "Fix: check managed_server_model and managed_server_args against the log above"
 
 
+def restart_delay(attempt: int) -> float:
+    """Seconds before restart `attempt` (1, 2, ...): 1, 2, 4, ... capped at 30, so a crash is answered within a
+    second and a server that keeps dying is not restarted in a tight loop."""
+    return min(30.0, 2.0 ** (attempt - 1))
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as probe:
         probe.bind((host, 0))
@@ -164,6 +170,7 @@ class LocalServer:
         self.command, self.env, self.host, self.port, self.log_path = command, env, host, port, log_path
         self.url = f"http://{host}:{port}"
         self.reaper = reaper
+        self.started_at = time.monotonic()
         with open(log_path, "ab") as log:
             log.write(f"\n$ {shlex.join(command)}\n".encode())
             log.flush()
@@ -389,7 +396,7 @@ class ServerFleet:
         try:
             while self.attempts[index] < self.spec.max_restarts and not self._closed.is_set():
                 self.attempts[index] += 1
-                self._closed.wait(min(30.0, 2.0 ** (self.attempts[index] - 1)))
+                self._closed.wait(restart_delay(self.attempts[index]))
                 if self._closed.is_set():
                     return
                 old = self.handles[index]
