@@ -219,45 +219,78 @@ def test_a_trainer_whose_training_raises_stops_its_servers(tiny_llama, tmp_path,
     assert not log_dir.exists()  # no server failed: no log left behind in /tmp
 
 
-def test_a_restarted_server_catches_up_to_the_current_weights_before_the_next_sync(tiny_llama, tmp_path, monkeypatch):
-    """The only managed server, killed after step 1, comes back on its original weights; its restart loads the last
-    sync's weights into it at once, with no sync in between, so it rejoins the rotation. The next step's sync waits
-    for it (and must not hold what the catch-up needs). Training going on with a second server while one restarts:
-    tests/test_fleet_vllm.py."""
-    servers = 1
+def _seeded_sample(url: str, model: str | None) -> dict:
+    """A seeded sample with its log-probs from the server at `url`: equal across servers exactly when their weights
+    (and adapter) are."""
+    body = {"prompt": [[432, 375, 373]], "max_tokens": 5, "logprobs": 0, "temperature": 1.0, "seed": 0}
+    body["model"] = model or requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    answer = requests.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    if "choices" not in answer:  # e.g. the adapter asked for is not loaded there
+        return {"tokens": None, "logprobs": [], "error": answer}
+    choice = answer["choices"][0]
+    return {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}
+
+
+def _close(a: dict, b: dict, tolerance: float = 1e-5) -> bool:
+    return a["tokens"] == b["tokens"] and max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) <= tolerance
+
+
+@pytest.mark.parametrize("weight_sync", ["shared_dir", "lora"])
+def test_a_restarted_server_catches_up_to_the_current_weights_before_the_next_sync(
+    weight_sync, tiny_llama, tmp_path, monkeypatch
+):
+    """The only managed server, killed after step 2, comes back on its original weights; its restart loads the last
+    sync's weights (or adapter) into it at once, with no sync in between, so it rejoins the rotation serving them:
+    its seeded samples and their log-probs equal those it served right after that sync, and differ from the base
+    model's. The next step's sync waits for it (and must not hold what the catch-up needs). Training going on with a
+    second server while one restarts: tests/test_fleet_vllm.py."""
+    from peft import LoraConfig
     from transformers import TrainerCallback
 
     marker = f"{os.getpid()}-{time.time_ns()}"
-    overrides = dict(max_steps=3, managed_servers=servers, managed_server_ready_timeout=60)
+    overrides = dict(max_steps=3, managed_server_ready_timeout=60, weight_sync=weight_sync, learning_rate=5e-2)
+    if weight_sync == "lora":
+        overrides["peft_config"] = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     trainer = _managed_grpo(tiny_llama, tmp_path, monkeypatch, marker, **overrides)
     fleet, generation = trainer.rollout_fleet, trainer.vllm_generation
-    seen = {}
+    url = fleet.urls[0]
+    base = _seeded_sample(url, None)  # the original weights, as a restarted server holds them
+    after_sync, seen = [], {}
+    sync = generation.sync_weights
+
+    def recorded_sync():
+        sync()
+        after_sync.append(_seeded_sample(url, generation.lora_name))
+
+    generation.sync_weights = recorded_sync
     restarted = fleet.on_restarted
 
-    def observed(url):  # runs in the restart thread, before the server counts as back
-        restarted(url)
-        served = requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"]
-        server = next(s for s in generation.client.servers if s.url == url)
-        seen.update(served=served, current=generation.version, syncs=generation.sync_count)
-        seen.update(in_rotation=generation.client._current(server))
+    def observed(restarted_url):  # runs in the restart thread, before the server counts as back
+        restarted(restarted_url)
+        server = next(s for s in generation.client.servers if s.url == restarted_url)
+        seen.update(
+            version=generation.version, syncs=generation.sync_count, in_rotation=generation.client._current(server)
+        )
+        seen["served_version"] = generation.client.version_reader(server)
+        seen["sample"] = _seeded_sample(restarted_url, generation.lora_name)
 
     fleet.on_restarted = observed
 
-    class KillAfterStep1(TrainerCallback):
+    class KillAfterStep2(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 1:
+            if state.global_step == 2:
                 seen["syncs_at_kill"] = generation.sync_count
                 os.killpg(fleet.handles[0].group, signal.SIGKILL)
-                deadline = time.monotonic() + 60
-                while servers > 1 and fleet.restarts < 1 and time.monotonic() < deadline:
-                    time.sleep(0.2)
 
-    trainer.add_callback(KillAfterStep1())
+    trainer.add_callback(KillAfterStep2())
     try:
         trainer.train()
         assert trainer.state.global_step == 3 and fleet.restarts == 1, seen
-        assert seen["served"] == seen["current"] and seen["in_rotation"], seen  # caught up, serving
-        assert seen["syncs"] == seen["syncs_at_kill"], seen  # by the restart, not by a sync
+        assert seen["version"] is not None and seen["version"].startswith("trl-scale-"), seen  # a real version
+        assert seen["served_version"] == seen["version"] and seen["in_rotation"], seen  # caught up, serving
+        assert seen["syncs"] == seen["syncs_at_kill"] == 2, seen  # by the restart, not by a sync
+        assert len(after_sync) == 3 and _close(seen["sample"], after_sync[1]), (seen["sample"], after_sync)
+        assert not _close(after_sync[1], base, tolerance=1e-3), (after_sync[1], base)  # the check can fail
     finally:
         trainer.close_rollout_servers()
     assert not wait_gone(marker, 30)
