@@ -18,7 +18,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from trl_scale.rollout.fleet import FleetSpec, LocalLauncher, ServerFleet
+from trl_scale.fleet import FleetSpec, LocalLauncher, ServerFleet
 from trl_scale.toy import build_tiny_model
 from trl_scale.toy.models import VLLM_CPU_SHAPE
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,16 +22,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from trl_scale.net import free_port
 
 
 def start_server(model_path: str, token_delay: float, cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:
     """A `trl-scale serve` process on one thread; `cpus` pins it to those cores (Linux)."""
-    port = _free_port()
+    port = free_port("127.0.0.1")
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     command = [sys.executable, "-m", "trl_scale.cli", "serve", "--model", model_path, "--port", str(port)]
     command += ["--token-delay", str(token_delay)]

@@ -100,9 +100,9 @@ def seeded_tensor(*shape, seed=0):
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from trl_scale.net import free_port as port_free_on
+
+    return port_free_on("127.0.0.1")
 
 
 @contextmanager

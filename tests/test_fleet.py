@@ -21,8 +21,7 @@ import pytest
 import requests
 
 import trl_scale
-from trl_scale.rollout.client import RolloutError
-from trl_scale.rollout.fleet import (
+from trl_scale.fleet import (
     FleetSpec,
     LocalLauncher,
     ServerFleet,
@@ -32,6 +31,7 @@ from trl_scale.rollout.fleet import (
     server_environment,
     start_failure_fix,
 )
+from trl_scale.rollout.client import RolloutError
 
 from .helpers import subprocess_env
 
@@ -144,7 +144,7 @@ def test_a_server_too_slow_to_start_fails_the_start_naming_its_kept_log(tiny_lla
 
 KILLED_TRAINER = """
 import json, sys, time
-from trl_scale.rollout.fleet import LocalServer, Reaper
+from trl_scale.fleet import LocalServer, Reaper
 reaper = Reaper()
 servers = [
     LocalServer([sys.executable, "-c", "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"],

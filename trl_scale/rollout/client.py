@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import requests
 
+from ..errors import RolloutError
 from ..logs import get_logger
 from .urls import definite_failure
 
@@ -40,10 +41,6 @@ SERVER_KEY = "_trl_scale_server"  # set on each returned choice: the server that
 # 4xx answers that mean "not now" rather than "not this request": failed over like a 5xx (every other 4xx is final:
 # another server would refuse the same request).
 RETRYABLE = (408, 429)
-
-
-class RolloutError(RuntimeError):
-    """A rollout or weight sync that cannot complete; the message names the servers and the cause."""
 
 
 @dataclass

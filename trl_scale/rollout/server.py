@@ -14,7 +14,6 @@ real vLLM runs with trl-scale's plugin (`trl_scale_vllm_plugin.gloo`). JSON and 
 
 import argparse
 import hmac
-import ipaddress
 import os
 import threading
 import time
@@ -22,18 +21,10 @@ import time
 import torch
 
 from ..model_paths import check_model_path
+from ..net import is_loopback
 from .server_rl import add_rl_routes
 
 MAX_REQUEST_BYTES = 16 * 2**20  # JSON requests; weight bodies are bounded by the model's own size
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:

@@ -11,22 +11,11 @@ connections, and a trainer started beside its servers must wait through that.
 
 from __future__ import annotations
 
-import ipaddress
 from urllib.parse import urlparse
 
+from ..net import is_loopback
+
 URL_FIX = "use http://HOST:PORT (e.g. http://10.0.0.5:8000), one entry per server"
-
-
-def is_loopback(host: str | None) -> bool:
-    """`localhost`, or any address of the loopback range (127.0.0.0/8, ::1)."""
-    if not host:
-        return False
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_server_urls(urls: list[str], field: str = "vllm_server_base_urls") -> list[str]:

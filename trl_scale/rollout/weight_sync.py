@@ -20,8 +20,8 @@ from concurrent.futures import TimeoutError, as_completed
 from urllib.parse import urlparse
 
 from ..logs import get_logger
+from ..net import free_port, is_loopback
 from .client import LORA_PREFIX, RolloutClient, RolloutError, ServerState
-from .urls import is_loopback
 
 logger = get_logger(__name__)
 
@@ -191,7 +191,7 @@ class GroupSync(WeightSync):
 
         world_size, offsets = group_layout([s.world_size for s in members])
         sender = make_sender()
-        address, port = _trainer_address([s.url for s in members]), _free_port()
+        address, port = _trainer_address([s.url for s in members]), free_port()
         requests_out = {}
         for server, offset in zip(members, offsets):
             init_info = {
@@ -358,12 +358,6 @@ def _broadcast(sender, named_tensors: Iterable, receiving: dict, pool, deadline:
         failure = trouble()
         time.sleep(0.02)
     return failure or trouble()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
 
 
 def _trainer_address(urls: list[str]) -> str:

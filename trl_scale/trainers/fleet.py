@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 
 from ..distributed.main_process import broadcast_from_main, run_on_main
+from ..fleet import FleetSpec, LocalLauncher, ServerFleet
 from ..logs import get_logger
-from ..rollout.fleet import FleetSpec, LocalLauncher, ServerFleet
 
 logger = get_logger(__name__)
 
@@ -101,7 +101,7 @@ def launcher_for(trainer, spec: FleetSpec):
     args = trainer.args
     if args.managed_server_placement == "ray":
         from ..distributed.ray_backend import init_ray
-        from ..distributed.server_hosts import RayLauncher
+        from ..fleet.ray_hosts import RayLauncher
 
         init_ray(args.ray_address)
         return RayLauncher(spec, resources=args.managed_server_resources, timeout=args.ray_call_timeout)

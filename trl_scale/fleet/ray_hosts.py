@@ -15,9 +15,11 @@ from pathlib import Path
 
 import requests
 
+from ..distributed.ray_backend import RoleError, check_cluster_fits
 from ..logs import get_logger
-from ..rollout.fleet import FleetSpec, LocalServer, Reaper, free_port, server_command, server_environment
-from .ray_backend import RoleError, check_cluster_fits
+from ..net import free_port
+from .local import LocalServer, Reaper
+from .spec import FleetSpec, server_command, server_environment
 
 logger = get_logger(__name__)
 
