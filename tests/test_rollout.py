@@ -95,7 +95,7 @@ def test_server_answers_openai_clients_usage_chat_and_what_it_refuses(servers, t
 
 def test_serving_a_reward_model_checkpoint_is_refused(tmp_path):
     """A sequence-classification checkpoint has no LM head: transformers would make a random one."""
-    from trl_scale.rollout.server import create_app
+    from trl_scale.serve import create_app
     from trl_scale.toy import build_tiny_model
 
     path = build_tiny_model(tmp_path / "reward", kind="reward")

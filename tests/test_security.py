@@ -13,8 +13,8 @@ import pytest
 import requests
 import torch
 
-from trl_scale.rollout import server as server_module
-from trl_scale.rollout.server import check_bind, create_app
+from trl_scale.serve import app as app_module
+from trl_scale.serve import check_bind, create_app
 
 from .helpers import Server, free_port, subprocess_env
 
@@ -94,8 +94,8 @@ def test_non_loopback_bind_without_a_key_is_refused_before_loading():
 
 def test_bearer_token_is_compared_in_constant_time(served, monkeypatch):
     calls = []
-    real = server_module.hmac.compare_digest
-    monkeypatch.setattr(server_module.hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))
+    real = app_module.hmac.compare_digest
+    monkeypatch.setattr(app_module.hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))
     url = served(api_key="s3cret")
     assert requests.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=10).status_code == 401
     assert requests.get(f"{url}/v1/models", timeout=10).status_code == 401
@@ -155,7 +155,7 @@ def test_remote_code_in_a_model_directory_never_runs_unless_asked(tiny_llama, tm
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilModel"}
     (model_dir / "config.json").write_text(json.dumps(config))
     env = subprocess_env()
-    code = f"from trl_scale.rollout.server import create_app; create_app({str(model_dir)!r})"
+    code = f"from trl_scale.serve import create_app; create_app({str(model_dir)!r})"
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert not marker.exists(), "the model directory's code ran"
     assert result.returncode == 0, result.stderr[-2000:]  # loaded with transformers' own class instead
@@ -167,7 +167,7 @@ def test_remote_code_in_a_model_directory_never_runs_unless_asked(tiny_llama, tm
 def test_serve_without_its_extra_names_the_install_command(monkeypatch, capsys):
     import importlib.util
 
-    from trl_scale.rollout.server import serve
+    from trl_scale.serve import serve
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))

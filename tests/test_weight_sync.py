@@ -21,8 +21,8 @@ from transformers import TrainerCallback
 
 import trl_scale
 from trl_scale.rollout import RolloutClient, RolloutError
-from trl_scale.rollout.server import weights_digest_of
 from trl_scale.rollout.weight_sync import GroupSync, WeightSync
+from trl_scale.serve import weights_digest_of
 
 from .helpers import cpu_args, server_grpo, start_servers
 

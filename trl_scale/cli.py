@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "rollout":
         return _rollout(rest)
     if command == "serve":
-        from .rollout.server import serve
+        from .serve import serve
 
         return serve(rest)
     if command == "check-servers":

@@ -1,5 +1,6 @@
-"""Rollout over OpenAI-compatible completion servers: the client, TRL's generation interface over it, and a
-transformers-backed server (`trl-scale serve`)."""
+"""The trainer's rollout client over OpenAI-compatible completion servers: the router, weight sync, preflight, TRL's
+generation interface over them, asynchronous rollout. The servers themselves are elsewhere: `trl_scale.serve`
+(`trl-scale serve`) and `trl_scale.fleet` (managed vLLM servers); this package imports neither."""
 
 __all__ = ["RolloutClient", "RolloutError", "ServerRolloutGeneration"]
 

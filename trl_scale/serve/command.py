@@ -1,0 +1,86 @@
+"""`trl-scale serve`'s command line: checks what it can before minutes of model loading (the bind address without a
+token, the `serve` extra), then serves with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+
+from ..net import is_loopback
+from .served import MAX_REQUEST_BYTES
+
+
+def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
+    """A server reachable beyond this machine takes weight updates and runs generation for whoever connects: it needs
+    a bearer token, or an explicit opt-out."""
+    if not is_loopback(host) and not api_key and not allow_unauthenticated:
+        raise ValueError(
+            f"refusing to serve on {host!r} without a bearer token: anyone who can reach it could replace the model's "
+            "weights. Fix: pass --api-key KEY (or set TRL_SCALE_API_KEY), bind --host 127.0.0.1, or pass "
+            "--allow-unauthenticated on a trusted network."
+        )
+
+
+DESCRIPTION = (
+    "`trl-scale serve`: a transformers-backed server speaking vLLM's contract (the OpenAI-compatible routes and the "
+    "dev-mode RL routes of vLLM 0.22-0.33), for CPU machines and tests."
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trl-scale serve", description=DESCRIPTION)
+    parser.add_argument("--model", required=True, help="path of a causal LM saved with save_pretrained")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("TRL_SCALE_API_KEY"), help="require this bearer token")
+    parser.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve on a non-loopback address without --api-key (trusted networks only)",
+    )
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="run code shipped in the model directory (off by default)"
+    )
+    parser.add_argument(
+        "--max-request-mb", type=float, default=MAX_REQUEST_BYTES / 2**20, help="largest JSON request body, in MiB"
+    )
+    parser.add_argument("--token-delay", type=float, default=0.0, help="seconds per generated token (benchmarks)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--world-size", type=int, default=1, help="ranks this server brings to the weight-transfer group (as TP x DP)"
+    )
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank accepted (vLLM's default)")
+    parser.add_argument(
+        "--weight-transfer-timeout", type=float, default=300.0, help="seconds a weight broadcast may take"
+    )
+    return parser
+
+
+def serve(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        check_bind(args.host, args.api_key, args.allow_unauthenticated)  # before minutes of model loading
+    except ValueError as error:
+        parser.error(str(error))
+    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:  # before minutes of model loading, and with the fix
+        parser.error(f"needs {' and '.join(missing)}, not installed here. Fix: pip install 'trl-scale[serve]'")
+    import uvicorn
+
+    from .app import create_app
+
+    app = create_app(
+        args.model,
+        api_key=args.api_key,
+        token_delay=args.token_delay,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+        max_request_bytes=int(args.max_request_mb * 2**20),
+        world_size=args.world_size,
+        max_lora_rank=args.max_lora_rank,
+        weight_transfer_timeout=args.weight_transfer_timeout,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

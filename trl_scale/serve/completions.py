@@ -1,0 +1,165 @@
+"""`/v1/completions` on a transformers model, answered as vLLM answers it: prompts as token ids or text, `n` choices
+per prompt (prompt-major), sampling parameters, the sampled tokens' processed log-probs, vLLM's refusals (another
+model, streaming, beyond the context)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .protocol import CompletionRequest, error_response
+from .served import RequestError, ServedModel
+
+
+def prompt_ids(served: ServedModel, request: CompletionRequest) -> list[list[int]]:
+    """The request's prompts as token ids (text tokenized without special tokens), each checked against the vocab."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    if not prompt:
+        raise RequestError(400, "prompt is empty: send token-id lists or strings")
+    tokenizer = served.tokenizer
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p) for p in prompt]
+    vocab = served.model.config.vocab_size
+    for i, seq in enumerate(ids):
+        if not seq:
+            raise RequestError(400, f"prompt {i} has no tokens")
+        if min(seq) < 0 or max(seq) >= vocab:
+            raise RequestError(400, f"prompt {i} has token ids outside [0, {vocab})")
+    return ids
+
+
+def refusal(served: ServedModel, request):
+    """vLLM's answers to a request this server cannot serve: another model (404), streaming (400: this server
+    answers whole responses only). None when it can."""
+    if request.model not in (None, served.model_name, *served.lora):
+        message = f"The model `{request.model}` does not exist (not served here: serving {served.model_name!r})."
+        return error_response(message, "NotFoundError", 404)
+    if request.stream:
+        message = "trl-scale serve does not stream: send stream=false (the whole response comes at once)"
+        return error_response(message, "BadRequestError", 400)
+    return None
+
+
+def beyond_context(served: ServedModel, prompts: list[list[int]], max_tokens: int):
+    """vLLM answers 400 when a prompt and its max_tokens do not fit the model's context. None when they fit."""
+    longest, context = max(len(p) for p in prompts), served.max_model_len
+    if longest + max_tokens > context:
+        message = (
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the completion). Please "
+            "reduce the length of the prompt or of max_tokens."
+        )
+        return error_response(message, "BadRequestError", 400)
+    return None
+
+
+def complete(served: ServedModel, request: CompletionRequest):
+    """The whole route: refusals, then a generation admitted through the pause gate."""
+    refused = refusal(served, request)
+    if refused is not None:
+        return refused
+    prompts = prompt_ids(served, request)
+    too_long = beyond_context(served, prompts, request.max_tokens)
+    if too_long is not None:
+        return too_long
+    with served.gate.generation():
+        return generate(served, request, prompts)
+
+
+def _sampling(request: CompletionRequest, pad: int) -> dict:
+    greedy = request.temperature == 0.0
+    return dict(
+        max_new_tokens=request.max_tokens,
+        do_sample=not greedy,
+        temperature=None if greedy else request.temperature,
+        top_p=None if greedy else request.top_p,
+        top_k=None if greedy or request.top_k <= 0 else request.top_k,
+        min_p=None if greedy or request.min_p <= 0 else request.min_p,
+        repetition_penalty=request.repetition_penalty if request.repetition_penalty != 1.0 else None,
+        pad_token_id=pad,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+
+
+def _run(served: ServedModel, request: CompletionRequest, expanded: list[list[int]]):
+    """model.generate on the left-padded prompts, under the model's lock and with the request's adapter; returns
+    (completion token rows, their processed log-probs per step)."""
+    width = max(len(p) for p in expanded)
+    tokenizer, model = served.tokenizer, served.model
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in expanded])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in expanded])
+    with served.lock:
+        if request.seed is not None:
+            torch.manual_seed(request.seed)
+        if served.lora:
+            if request.model in served.lora:
+                model.set_adapter(request.model)
+                model.enable_adapters()
+            else:
+                model.disable_adapters()
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **_sampling(request, pad))
+        if served.settings.token_delay:  # a slower server: fewer tokens per second, with the model held
+            time.sleep(served.settings.token_delay * (out.sequences.shape[1] - width) * len(expanded))
+    # Processed log-probs (after temperature/top-k/top-p), as vLLM's `processed_logprobs` mode gives them.
+    step_logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)
+    return out.sequences[:, width:].tolist(), step_logprobs
+
+
+def _logprobs(served: ServedModel, request: CompletionRequest, tokens: list[int], step_logprobs) -> dict:
+    """vLLM's `logprobs` of one choice: the sampled tokens' and, with `logprobs > 0`, the top ones per step."""
+    chosen = step_logprobs.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+
+    def label(token: int) -> str:
+        return f"token_id:{token}" if request.return_tokens_as_token_ids else served.tokenizer.decode([token])
+
+    top = []
+    for pos, token in enumerate(tokens):
+        entry = {label(token): chosen[pos]}
+        if request.logprobs > 0:
+            values, ids = step_logprobs[pos].topk(request.logprobs)
+            entry.update({label(j): v for j, v in zip(ids.tolist(), values.tolist())})
+        top.append(entry)
+    return {"tokens": [label(t) for t in tokens], "token_logprobs": chosen, "top_logprobs": top}
+
+
+def generate(served: ServedModel, request: CompletionRequest, prompts: list[list[int]]) -> dict:
+    expanded = [p for p in prompts for _ in range(request.n)]  # prompt-major, as vLLM orders choices
+    sequences, step_logprobs = _run(served, request, expanded)
+    eos_id = served.model.generation_config.eos_token_id
+    eos = set(eos_id if isinstance(eos_id, list) else [eos_id])
+    choices = []
+    for i, sequence in enumerate(sequences):
+        stop = next((pos for pos, t in enumerate(sequence) if t in eos), None)
+        tokens = sequence if stop is None else sequence[: stop + 1]
+        choice = {
+            "index": i,
+            "text": served.tokenizer.decode(tokens, skip_special_tokens=True),
+            "token_ids": tokens,
+            "prompt_token_ids": expanded[i],
+            "finish_reason": "stop" if stop is not None else "length",
+            "logprobs": None,
+        }
+        if request.logprobs is not None:
+            choice["logprobs"] = _logprobs(served, request, tokens, step_logprobs[i, : len(tokens)])
+        choices.append(choice)
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(len(c["token_ids"]) for c in choices)
+    return {
+        "id": f"cmpl-{time.time_ns()}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": request.model or served.model_name,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
