@@ -12,6 +12,7 @@ LAYERS = {
     "trl_scale.logs": 0,
     "trl_scale.numbers": 0,
     "trl_scale.net": 0,
+    "trl_scale.ranks": 0,
     "trl_scale.errors": 0,
     "trl_scale.seams": 0,
     "trl_scale.ppo_core": 0,
@@ -21,6 +22,7 @@ LAYERS = {
     "trl_scale.rollout": 2,
     "trl_scale.distributed": 2,
     "trl_scale.fleet": 2,
+    "trl_scale.serve": 2,
     "trl_scale.trainers": 3,
     "trl_scale.callbacks": 4,
     "trl_scale.toy": 4,
@@ -67,6 +69,78 @@ def _imports(path, module: str):
                 yield target
 
 
+# The three products of rollout, each its own package: the trainer's client, the fleet that runs servers, and
+# `trl-scale serve`. None imports another; the trainers wire them together (the fleet's callbacks, the URLs).
+INDEPENDENT = ("trl_scale.rollout", "trl_scale.fleet", "trl_scale.serve")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every trl_scale module -> the trl_scale modules it imports (lazy imports included), each target resolved to
+    the module that defines it (a package's `__init__` when a name comes from the package)."""
+    raw = {}
+    for path in PACKAGE.rglob("*.py"):
+        module = _module_name(path)
+        raw[module] = set(_imports(path, module))
+
+    def resolve(target: str) -> str:
+        while target not in raw and "." in target:
+            target = target.rpartition(".")[0]
+        return target
+
+    return {module: {resolve(t) for t in targets} - {module} for module, targets in raw.items()}
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)})"
+        for module, targets in graph.items()
+        for target in sorted(targets)
+        if _layer(target) > _layer(module)
+    ]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles (strongly connected groups of more than one module, or a module importing itself)."""
+    order, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        on_stack.add(module)
+        for target in graph.get(module, ()):
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+                on_stack.discard(group[-1])
+            if len(group) > 1 or module in graph.get(module, ()):
+                found.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return found
+
+
+def crossings(graph: dict[str, set[str]], packages=INDEPENDENT) -> list[str]:
+    """Imports from one of `packages` into another."""
+
+    def owner(module: str) -> str | None:
+        return next((p for p in packages if module == p or module.startswith(p + ".")), None)
+
+    return [
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        for target in sorted(targets)
+        if owner(module) and owner(target) and owner(module) != owner(target)
+    ]
+
+
 def test_no_module_is_over_500_lines():
     long = {
         str(p.relative_to(ROOT)): n
@@ -77,10 +151,29 @@ def test_no_module_is_over_500_lines():
 
 
 def test_imports_point_down_the_layers():
-    upward = []
-    for path in PACKAGE.rglob("*.py"):
-        module = _module_name(path)
-        for target in _imports(path, module):
-            if _layer(target) > _layer(module):
-                upward.append(f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)})")
+    upward = upward_imports(import_graph())
     assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycle_anywhere():
+    found = cycles(import_graph())
+    assert not found, found
+
+
+def test_client_fleet_and_serve_import_nothing_of_each_other():
+    found = crossings(import_graph())
+    assert not found, "\n".join(found)
+
+
+def test_each_rule_goes_red_on_a_planted_violation():
+    """The rules above, on small graphs with one violation planted each: they must see it."""
+    assert upward_imports({"trl_scale.scoring.engine": {"trl_scale.trainers.wiring"}})
+    assert cycles({"trl_scale.a": {"trl_scale.b"}, "trl_scale.b": {"trl_scale.c"}, "trl_scale.c": {"trl_scale.a"}})
+    assert cycles({"trl_scale.a": {"trl_scale.a"}})
+    assert crossings({"trl_scale.fleet.supervisor": {"trl_scale.rollout.client"}})
+    assert crossings({"trl_scale.serve.app": {"trl_scale.fleet"}})
+    clean = {
+        "trl_scale.rollout.client": {"trl_scale.errors", "trl_scale.net"},
+        "trl_scale.fleet.local": {"trl_scale.net"},
+    }
+    assert not (upward_imports(clean) or cycles(clean) or crossings(clean))
