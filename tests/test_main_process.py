@@ -17,6 +17,7 @@ class ServiceDown(RuntimeError):
 def _ranks(rank: int, world: int, port: int, results) -> None:
     import torch.distributed as dist
 
+    from trl_scale import ranks
     from trl_scale.distributed import main_process
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -48,6 +49,19 @@ def _ranks(rank: int, world: int, port: int, results) -> None:
             main_process.run_on_main(fails_to_start)
         except ServiceDown as error:
             seen["start_error"] = str(error)
+
+        # Every rank does its own part; one rank's failure fails all of them, with its type and its rank named.
+        def rank_local_part():
+            if rank == 1:
+                raise ServiceDown("disk full on this node")
+            return rank
+
+        try:
+            ranks.agree(rank_local_part)
+        except ServiceDown as error:
+            seen["agree_error"] = str(error)
+        seen["agreed"] = ranks.agree(lambda: rank * 7)  # no failure: each rank keeps its own result
+        seen["decided"] = ranks.decide_on_main(lambda: f"decided by rank {dist.get_rank()}")
         dist.barrier()  # both ranks got here: nothing is left waiting
     finally:
         results[rank] = seen
@@ -64,13 +78,20 @@ def test_main_process_collectives_route_answers_and_errors_to_every_rank():
     assert results[0]["main_only"] == "started" and results[1]["main_only"] is None
     for rank in range(world):
         assert results[rank]["error"] == "critic group: its worker died during step"
-        assert results[rank]["start_error"] == "critic group could not start"
+        assert results[rank]["start_error"] == "on rank 0 of 2: critic group could not start"
+        assert results[rank]["agree_error"] == "on rank 1 of 2: disk full on this node"
+        assert results[rank]["agreed"] == 7 * rank and results[rank]["decided"] == "decided by rank 0"
 
 
 def test_with_one_process_the_calls_run_in_place():
+    from trl_scale import ranks
     from trl_scale.distributed import main_process
 
     assert main_process.call_on_main(3, lambda payloads: [payloads[0] + 1]) == 4
     assert main_process.start_on_main(3, lambda payloads: lambda: [payloads[0] * 2]).result() == 6
     with pytest.raises(ZeroDivisionError):
         main_process.call_on_main(3, lambda payloads: [1 / 0])
+
+    with pytest.raises(ZeroDivisionError, match="division by zero"):  # the original, unchanged
+        ranks.agree(lambda: 1 / 0)
+    assert ranks.decide_on_main(lambda: "here") == "here" and ranks.run_on_main(lambda: 5) == 5

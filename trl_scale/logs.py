@@ -9,19 +9,8 @@ nothing: no torch or transformers (the CLI's `--help` and `check-servers` stay l
 from __future__ import annotations
 
 import logging
-import os
-import sys
 
-
-def is_main_process() -> bool:
-    """Rank 0 of the torch.distributed group when one is initialised, else by the launcher's RANK (accelerate,
-    torchrun), else True (one process)."""
-    if "torch" in sys.modules:  # never imported here just to ask
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank() == 0
-    return int(os.environ.get("RANK", "0")) == 0
+from .ranks import is_main_process
 
 
 class _MainProcessLogger(logging.LoggerAdapter):

@@ -12,6 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..ranks import is_main_process, run_on_main, world_size
+
+__all__ = ["PendingOnMain", "call_on_main", "is_main_process", "run_on_main", "start_on_main", "world_size"]
+
 
 class _Failure:
     """An exception raised on the main process, sent to the ranks in place of their results."""
@@ -26,16 +30,6 @@ def _process_group():
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist
     return None
-
-
-def is_main_process() -> bool:
-    dist = _process_group()
-    return dist is None or dist.get_rank() == 0
-
-
-def world_size() -> int:
-    dist = _process_group()
-    return 1 if dist is None else dist.get_world_size()
 
 
 def _gather_to_main(payload: Any) -> list | None:
@@ -58,37 +52,6 @@ def _scatter_from_main(parts: list | None) -> Any:
     if isinstance(part, _Failure):
         raise part.error
     return part
-
-
-def _broadcast_from_main(value: Any) -> Any:
-    dist = _process_group()
-    if dist is None:
-        result = value
-    else:
-        holder = [value]
-        dist.broadcast_object_list(holder, src=0)
-        result = holder[0]
-    if isinstance(result, _Failure):
-        raise result.error
-    return result
-
-
-def broadcast_from_main(value: Any) -> Any:
-    """The main process's ``value`` on every rank (a collective: every rank calls it; in place with one process)."""
-    return _broadcast_from_main(value)
-
-
-def run_on_main(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on the main process only (e.g. to start a role group); its result there, None elsewhere. If it
-    raises, every rank raises the same error."""
-    outcome, failure = None, None
-    if is_main_process():
-        try:
-            outcome = fn()
-        except Exception as error:  # sent to every rank, re-raised there and here
-            failure = _Failure(error)
-    _broadcast_from_main(failure)
-    return outcome
 
 
 class PendingOnMain:

@@ -18,16 +18,27 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+from dataclasses import dataclass
 
-from accelerate.utils import broadcast_object_list
 from trl.generation.vllm_generation import VLLMGeneration
 
 from ..logs import get_logger
+from ..ranks import agree, broadcast_from_main, decide_on_main
 from .client import LORA_PREFIX, SERVER_KEY, RolloutClient, RolloutError
 from .weight_dir import WeightDirectory
 from .weight_sync import GroupSync, LoraSync, SharedDirSync
 
 logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ServersFit:
+    """What the preflight found: the weight-sync mode the servers take, their engine backend ("nccl"), and the
+    smallest context among them."""
+
+    weight_sync: str
+    backend: str | None
+    max_model_len: int | None
 
 
 class ServerRolloutGeneration(VLLMGeneration):
@@ -43,10 +54,12 @@ class ServerRolloutGeneration(VLLMGeneration):
         logprobs: bool = True,
         require_logprobs: bool = False,
         fleet=None,
+        managed: bool = False,
     ):
         self.trainer = trainer
         self.client = client
         self.fleet = fleet  # managed servers (main process only): checked before each batch and sync
+        self.managed = managed  # this run manages its servers (every rank knows): a failed sync is tried once more
         self._sync_lock = threading.Lock()  # a sync and a restarted server's catch-up, one at a time
         self._weights_path: str | None = None  # where the current weights are (shared_dir, lora), for catch-ups
         if fleet is not None:
@@ -88,24 +101,25 @@ class ServerRolloutGeneration(VLLMGeneration):
     # them against this run (`preflight`) before the first step.
     def _init_vllm(self) -> None:
         self.client.wait_until_ready(self.ready_timeout)
-        accelerator = self.accelerator
-        decision = [None]
-        if accelerator.is_main_process:
+
+        def preflight() -> ServersFit:
             try:
-                decision = [("ok", self._preflight())]
-            except Exception as error:  # every rank raises it, none waits forever
-                decision = [("error", f"{type(error).__name__}: {error}")]
-        decision = broadcast_object_list(decision, from_process=0) if accelerator.num_processes > 1 else decision
-        status, value = decision[0]
-        if status == "error":
-            raise ValueError(value)
-        self.weight_sync, self.weight_backend, self.server_max_model_len = value
+                return self._preflight()
+            except Exception as error:  # a configuration problem, raised as one type on every rank
+                raise ValueError(f"{type(error).__name__}: {error}") from error
+
+        fit = decide_on_main(preflight)
+        self.weight_sync, self.weight_backend, self.server_max_model_len = (
+            fit.weight_sync,
+            fit.backend,
+            fit.max_model_len,
+        )
         if self.weight_sync == "nccl" and self.weight_dir is not None:  # "auto" chose a group: no directory needed
             self.weight_dir.release()
         if self.weight_sync == "lora":
             self.client.version_reader = self.lora_sync.server_version
 
-    def _preflight(self) -> tuple[str, str | None, int | None]:
+    def _preflight(self) -> ServersFit:
         """Every server inspected once; all problems raised together (one line each: server, flag, fix), warnings
         logged. Returns the weight-sync mode, the servers' engine backend for "nccl", and the smallest
         `max_model_len`."""
@@ -142,21 +156,21 @@ class ServerRolloutGeneration(VLLMGeneration):
         max_model_len = min(lengths) if lengths else None
         backend = backends.pop() if len(backends) == 1 else None
         if mode in ("lora", "shared_dir"):
-            return mode, None, max_model_len
+            return ServersFit(mode, None, max_model_len)
         if mode == "nccl":
             if backend == "nccl":
                 check_nccl_sender()
-            return "nccl", backend, max_model_len
+            return ServersFit("nccl", backend, max_model_len)
         # auto: a group where the servers offer an engine this trainer can drive, else a shared directory
         if backend == GLOO_BACKEND:
-            return "nccl", backend, max_model_len
+            return ServersFit("nccl", backend, max_model_len)
         if backend == "nccl":
             try:
                 check_nccl_sender()
-                return "nccl", backend, max_model_len
+                return ServersFit("nccl", backend, max_model_len)
             except RuntimeError as error:
                 logger.warning("weight_sync='auto' uses 'shared_dir': %s", error)
-        return "shared_dir", None, max_model_len
+        return ServersFit("shared_dir", None, max_model_len)
 
     # ---- generation -------------------------------------------------------------------------------------
 
@@ -298,24 +312,28 @@ class ServerRolloutGeneration(VLLMGeneration):
         version = f"{LORA_PREFIX}{self._run_id}-{self.sync_count + 1}"
         if self.prefetcher is not None:  # each prefetched batch generated whole by the weights it is tagged with
             self.prefetcher.settle()
-        status, value = self._sync_once(version, retry_on_error=True)
-        if status == "retry":
-            logger.warning("weight sync failed (%s); waiting for a managed server, then trying once more", value)
-            status, value = self._sync_once(version, retry_on_error=False)
-        if status != "ok":
-            raise RolloutError(f"weight sync failed: {value}")
-        self.sync_count += 1
-        self.version = value
-        if self.weight_sync == "lora":
-            self.lora_name = value
-        self.client.version = value  # every rank routes only to servers on this version
-
-    def _sync_once(self, version: str, retry_on_error: bool) -> tuple[str, str]:
-        """One sync on every rank; returns the main process's outcome: ("ok", version), ("retry", why) when a
-        managed fleet may bring a server back, or ("error", why)."""
-        accelerator = self.accelerator
-        outcome = [("ok", version)]
         try:
+            self._sync_on_every_rank(version)
+        except Exception as error:
+            if not self.managed:
+                raise RolloutError(f"weight sync failed: {type(error).__name__}: {error}") from error
+            logger.warning("weight sync failed (%s); waiting for a managed server, then trying once more", error)
+            try:
+                self._sync_on_every_rank(version)
+            except Exception as again:
+                raise RolloutError(f"weight sync failed: {type(again).__name__}: {again}") from again
+        self.sync_count += 1
+        self.version = version
+        if self.weight_sync == "lora":
+            self.lora_name = version
+        self.client.version = version  # every rank routes only to servers on this version
+
+    def _sync_on_every_rank(self, version: str) -> None:
+        """One sync: every rank does its part (the parameter walk; the main process also sends), and a failure on
+        any rank fails it on all of them, naming that rank (`agree`). Then every rank takes the main process's
+        server list: a managed server restarted elsewhere has a new URL."""
+
+        def this_rank() -> None:
             self._check_fleet()  # outside the lock: it may wait for a restart, whose catch-up takes the lock
             with self._sync_lock:
                 if self.weight_sync == "lora":
@@ -324,17 +342,12 @@ class ServerRolloutGeneration(VLLMGeneration):
                     self._sync_collective(version)
                 else:
                     self._sync_shared_dir(version)
-        except Exception as error:
-            retry = retry_on_error and self.fleet is not None
-            outcome = [("retry" if retry else "error", f"{type(error).__name__}: {error}")]
-        if accelerator.num_processes > 1:
-            # With the outcome, the main process's server list: a managed server restarted elsewhere has a new URL.
-            outcome = [(*outcome[0], [s.url for s in self.client.servers])]
-            outcome = broadcast_object_list(outcome, from_process=0)
-            for old, new in zip([s.url for s in self.client.servers], outcome[0][2]):
-                if old != new:
-                    self.client.replace_url(old, new)
-        return outcome[0][0], outcome[0][1]
+
+        agree(this_rank)
+        current = [s.url for s in self.client.servers]
+        for old, new in zip(current, broadcast_from_main(current)):
+            if old != new:
+                self.client.replace_url(old, new)
 
     def _metadata(self) -> list[tuple[str, str, list[int]]]:
         # The servers must know every tensor before the first is broadcast: walked once, then cached (as TRL does).

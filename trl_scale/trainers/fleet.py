@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 
-from ..distributed.main_process import broadcast_from_main, run_on_main
 from ..fleet import FleetSpec, LocalLauncher, ServerFleet
 from ..logs import get_logger
+from ..ranks import broadcast_from_main, run_on_main
 
 logger = get_logger(__name__)
 

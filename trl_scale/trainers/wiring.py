@@ -8,9 +8,9 @@ import uuid
 from collections import defaultdict
 from contextlib import contextmanager
 
-from ..distributed.main_process import run_on_main
 from ..distributed.roles import RayReference
 from ..logs import get_logger
+from ..ranks import broadcast_from_main, run_on_main
 from ..rollout.weight_dir import WeightDirectory
 from ..scoring import PackingStats, ScoringSettings, install_packed_scoring
 
@@ -36,7 +36,7 @@ class ServerRolloutMixin:
 
         args = self.args
         self.rollout_fleet = None
-        run_id = uuid.uuid4().hex[:8]
+        run_id = broadcast_from_main(uuid.uuid4().hex[:8])  # one id on every rank: it names the weight versions
         # Claimed before any server starts: a directory another run uses, or one not writable, fails here.
         weight_dir = run_on_main(lambda: claimed_weight_dir(args, run_id))
         if args.managed_servers:
@@ -72,6 +72,7 @@ class ServerRolloutMixin:
                 logprobs=asks_logprobs,
                 require_logprobs=correction,
                 fleet=self.rollout_fleet,
+                managed=bool(args.managed_servers),
             )
         except BaseException:  # no server outlives a trainer that never got built, no lock a directory
             self.close_rollout_servers()
