@@ -10,6 +10,6 @@ if [ "${TRL_SCALE_SKIP_VLLM:-0}" != "1" ]; then
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 # Two workers (pytest-xdist): most tests hold one core (one torch thread), so two at a time use the machine's two;
-# each module stays on one worker, the Ray modules share one (tests/conftest.py).
+# each module runs whole on one worker, in order (its module-scoped servers start once).
 .venv/bin/python -m pytest -m "not gpu and not vllm and not launchers and not learning" -p no:cacheprovider -q \
-    --durations=15 -n 2 --dist loadgroup "$@"
+    --durations=15 -n 2 --dist loadfile "$@"

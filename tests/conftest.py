@@ -11,16 +11,8 @@ import torch  # noqa: E402
 from trl_scale.toy import build_tiny_model, build_tiny_vlm  # noqa: E402
 from trl_scale.toy.models import VLLM_CPU_SHAPE  # noqa: E402
 
-# With pytest-xdist (`-n 2 --dist loadgroup`, what scripts/test.sh runs) each module's tests stay on one worker, in
-# order (its module-scoped servers start once), and the modules that start a Ray cluster share one worker: two local
-# clusters at once would contend for the same node's resources.
-XDIST_GROUPS = {"test_ray": "ray", "test_fleet_ray": "ray"}
-
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        module = item.module.__name__.rpartition(".")[2]
-        item.add_marker(pytest.mark.xdist_group(XDIST_GROUPS.get(module, item.module.__name__)))
     has_cuda = torch.cuda.is_available()
     try:
         import vllm  # noqa: F401

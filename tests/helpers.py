@@ -333,15 +333,36 @@ use_cpu: true
 """
 
 
+def group_sync(client, timeout: float = 60):
+    """A `GroupSync` over the servers' weight-transfer engine, read as the trainer's preflight reads it."""
+    from trl_scale.rollout.preflight import inspect_all
+    from trl_scale.rollout.weight_sync import GroupSync, SyncSettings
+
+    reports = [r for r in inspect_all(client.get_url, client.post_url, [s.url for s in client.servers]) if r.reachable]
+    backends = {r.weight_transfer for r in reports}
+    assert reports and len(backends) == 1 and None not in backends, backends
+    return GroupSync(client, SyncSettings(timeout=timeout, backend=backends.pop()))
+
+
+def push(sync, state_dict: dict, version: str | None = None) -> str:
+    """Send a whole state dict through a weight-sync mode; returns the version it got."""
+    import uuid
+
+    from trl_scale.rollout.weight_sync import PolicyWeights
+
+    version = version or f"push-{uuid.uuid4().hex[:8]}"
+    sync.sync(PolicyWeights.of_state_dict(state_dict), version)
+    return version
+
+
 def push_weights(urls: list[str], state_dict: dict, timeout: float = 60) -> str:
     """Send a whole state dict to servers over their weight-transfer engine (a fresh group, closed after)."""
     from trl_scale.rollout import RolloutClient
-    from trl_scale.rollout.weight_sync import GroupSync
 
     client = RolloutClient(urls, request_timeout=60)
-    sync = GroupSync(client)
+    sync = group_sync(client, timeout)
     try:
-        return sync.push(state_dict, timeout=timeout)
+        return push(sync, state_dict)
     finally:
         sync.close()
         client.close()

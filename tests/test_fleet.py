@@ -269,7 +269,7 @@ def test_a_restarted_server_catches_up_to_the_current_weights_before_the_next_sy
         restarted(restarted_url)
         server = next(s for s in generation.client.servers if s.url == restarted_url)
         seen.update(
-            version=generation.version, syncs=generation.sync_count, in_rotation=generation.client._current(server)
+            version=generation.version, syncs=generation.sync_count, in_rotation=generation.client.is_current(server)
         )
         seen["served_version"] = generation.client.version_reader(server)
         seen["sample"] = _seeded_sample(restarted_url, generation.lora_name)
@@ -307,8 +307,9 @@ def test_a_server_dying_right_after_the_fleet_check_is_waited_for(dies_before, t
     trainer = _managed_grpo(tiny_llama, tmp_path, monkeypatch, marker, max_steps=3, managed_server_ready_timeout=60)
     fleet, generation = trainer.rollout_fleet, trainer.vllm_generation
     killed = []
-    name = "_sync_shared_dir" if dies_before == "sync" else "_request"
-    proceed = getattr(generation, name)
+    # the sync mode's sync (its walk, write and reload), or the batch's requests
+    target, name = (generation.sync_mode, "sync") if dies_before == "sync" else (generation, "_request")
+    proceed = getattr(target, name)
 
     def die_then_proceed(*args):
         if generation.sync_count == 1 and not killed:  # after the first step's sync: step 2's sync or its batch
@@ -319,7 +320,7 @@ def test_a_server_dying_right_after_the_fleet_check_is_waited_for(dies_before, t
                 time.sleep(0.1)
         return proceed(*args)
 
-    monkeypatch.setattr(generation, name, die_then_proceed)
+    monkeypatch.setattr(target, name, die_then_proceed)
     try:
         trainer.train()
         assert killed and trainer.state.global_step == 3 and fleet.restarts == 1

@@ -141,6 +141,22 @@ def crossings(graph: dict[str, set[str]], packages=INDEPENDENT) -> list[str]:
     ]
 
 
+def private_reach_ins(sources: dict[str, str]) -> list[str]:
+    """`x._name` where `x` is not `self`, `cls` or `super()`: a reach into another object's private state."""
+    found = []
+    for name, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+                continue
+            found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
 def test_no_module_is_over_500_lines():
     long = {
         str(p.relative_to(ROOT)): n
@@ -148,6 +164,22 @@ def test_no_module_is_over_500_lines():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"split these by job: {long}"
+
+
+def function_lengths(root) -> list[tuple[int, str]]:
+    """(lines, "path:name") of every function under `root`, longest first."""
+    found = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.append((node.end_lineno - node.lineno + 1, f"{path.relative_to(ROOT)}:{node.name}"))
+    return sorted(found, reverse=True)
+
+
+def test_no_function_is_over_80_lines_and_none_in_serve_over_60():
+    """Small functions: the longest anywhere under 80 lines, in `serve` (route handlers) under 60."""
+    assert function_lengths(PACKAGE)[0][0] < 80, function_lengths(PACKAGE)[:3]
+    assert function_lengths(PACKAGE / "serve")[0][0] <= 60, function_lengths(PACKAGE / "serve")[:3]
 
 
 def test_imports_point_down_the_layers():
@@ -165,6 +197,13 @@ def test_client_fleet_and_serve_import_nothing_of_each_other():
     assert not found, "\n".join(found)
 
 
+def test_the_rollout_client_reaches_into_no_object_s_private_state():
+    """The weight-sync modes use the router's public API (`each`, `live`, `post`, `record_sync`, ...), not its
+    `_pool`, `_lock` or `_post`; the generation interface hands them callables, not itself."""
+    found = private_reach_ins({str(p.relative_to(ROOT)): p.read_text() for p in (PACKAGE / "rollout").rglob("*.py")})
+    assert not found, "\n".join(found)
+
+
 def test_each_rule_goes_red_on_a_planted_violation():
     """The rules above, on small graphs with one violation planted each: they must see it."""
     assert upward_imports({"trl_scale.scoring.engine": {"trl_scale.trainers.wiring"}})
@@ -172,6 +211,8 @@ def test_each_rule_goes_red_on_a_planted_violation():
     assert cycles({"trl_scale.a": {"trl_scale.a"}})
     assert crossings({"trl_scale.fleet.supervisor": {"trl_scale.rollout.client"}})
     assert crossings({"trl_scale.serve.app": {"trl_scale.fleet"}})
+    assert private_reach_ins({"sync.py": "def sync(client):\n    return client._pool.submit(print)\n"})
+    assert not private_reach_ins({"ok.py": "class A(B):\n    def f(self):\n        return self._x, super()._y()\n"})
     clean = {
         "trl_scale.rollout.client": {"trl_scale.errors", "trl_scale.net"},
         "trl_scale.fleet.local": {"trl_scale.net"},

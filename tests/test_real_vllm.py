@@ -66,7 +66,7 @@ def rl_urls(fleet) -> list[str]:
     """A and B serving the base weights again, with no adapter loaded (an earlier test synced its policy)."""
     client = RolloutClient(fleet.rl_urls)
     try:
-        SharedDirSync(client).sync(fleet.model_path, "base")
+        SharedDirSync(client).reload(fleet.model_path, "base")
     finally:
         client.close()
     for url in fleet.rl_urls:

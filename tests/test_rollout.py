@@ -14,13 +14,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 import trl_scale
 from trl_scale.rollout import RolloutClient, RolloutError
-from trl_scale.rollout.weight_sync import GroupSync, SharedDirSync
+from trl_scale.rollout.weight_sync import SharedDirSync, SyncSettings
 from trl_scale.toy import build_tiny_model, counting_prompts
 
 from .helpers import (
     black_hole_server,
     cpu_args,
     free_port,
+    group_sync,
+    push,
     push_weights,
     server_grpo,
     server_rloo_or_ppo,
@@ -210,7 +212,7 @@ def test_stalled_weight_sync_fails_within_the_timeout(tmp_path):
         client = RolloutClient([hung], request_timeout=5)
         start = time.monotonic()
         with pytest.raises(RolloutError, match="weight_sync_timeout=2"):
-            SharedDirSync(client).sync(str(tmp_path), "v1", timeout=2)
+            SharedDirSync(client, SyncSettings(timeout=2)).reload(str(tmp_path), "v1")
         assert time.monotonic() - start < 10 and accepted
 
 
@@ -218,8 +220,8 @@ def test_a_server_that_missed_a_sync_leaves_the_rotation(servers, tiny_llama):
     dead = f"http://127.0.0.1:{free_port()}"
     client = RolloutClient([servers[0].url, dead], request_timeout=30, retry_after=60)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
-    sync = GroupSync(client)
-    version = sync.push(dict(model.state_dict()), timeout=30)  # one server takes it, the dead one cannot
+    sync = group_sync(client, timeout=30)
+    version = push(sync, dict(model.state_dict()))  # one server takes it, the dead one cannot
     sync.close()
     assert {s.url: s.version == version for s in client.servers} == {servers[0].url: True, dead: False}
     client.generate([[432]] * 4, max_tokens=2)
@@ -425,13 +427,14 @@ def test_a_sync_without_a_directory_leaves_no_copy_of_the_weights(servers, tiny_
     peft = {"peft_config": LoraConfig(r=4, target_modules=["q_proj", "v_proj"])} if weight_sync == "lora" else {}
     trainer = server_grpo(tiny_llama, tmp_path, [s.url for s in servers], weight_sync=weight_sync, max_steps=2, **peft)
     made = []
-    sync = getattr(trainer.vllm_generation, f"_sync_{weight_sync}")
+    mode = trainer.vllm_generation.sync_mode
+    sync = mode.sync
 
-    def recording(version):
-        sync(version)
+    def recording(weights, version):
+        sync(weights, version)
         made.append(trainer.vllm_generation.weight_dir.root)
 
-    setattr(trainer.vllm_generation, f"_sync_{weight_sync}", recording)
+    mode.sync = recording
     trainer.train()
     assert len(made) == 2 and made[0] == made[1] and made[0].startswith(tempfile.gettempdir())
     assert not os.path.exists(made[0])  # removed at the end of train()

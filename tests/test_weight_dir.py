@@ -56,7 +56,7 @@ def test_a_sync_touches_nothing_it_did_not_write(servers, tiny_llama, tmp_path, 
     class AfterEachStep(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             seen.append(sorted(os.listdir(run_dir)))
-            current = os.path.basename(generation._weights_path)
+            current = os.path.basename(generation.sync_mode.current)
             assert seen[-1] == [current], seen
 
     trainer.add_callback(AfterEachStep())

@@ -21,10 +21,10 @@ from transformers import TrainerCallback
 
 import trl_scale
 from trl_scale.rollout import RolloutClient, RolloutError
-from trl_scale.rollout.weight_sync import GroupSync, WeightSync
+from trl_scale.rollout.weight_sync import SharedDirSync, SyncSettings
 from trl_scale.serve import weights_digest_of
 
-from .helpers import cpu_args, server_grpo, start_servers
+from .helpers import cpu_args, group_sync, push, server_grpo, start_servers
 
 pytest.importorskip("fastapi")
 
@@ -197,7 +197,7 @@ def test_a_restarted_server_is_left_out_until_a_sync_reaches_it_then_rejoins(tin
             server = _server_digest(url)
             assert {name: server[name] for name in policy} == policy
         client = trainer.vllm_generation.client
-        assert all(client._current(s) for s in client.servers)
+        assert all(client.is_current(s) for s in client.servers)
         before = {s.url: s.served for s in client.servers}
         client.generate([[432, 375]] * 40, max_tokens=2)  # more than one server's in-flight cap: both work
         assert {s.url: s.served for s in client.servers}[restarted.url] > before[restarted.url]
@@ -215,8 +215,8 @@ def test_a_server_killed_mid_broadcast_fails_the_sync_within_the_timeout(tiny_ll
     try:
         client = RolloutClient([survivor.url, victim.url], request_timeout=30)
         state = dict(AutoModelForCausalLM.from_pretrained(tiny_llama).state_dict())
-        sync = GroupSync(client)
-        sync.push(state, timeout=20)  # the group forms and a first sync goes through
+        sync = group_sync(client, timeout=20)
+        push(sync, state)  # the group forms and a first sync goes through
         send = weight_transfer.GlooSender.send
 
         def send_then_kill(self, named_tensors):
@@ -231,10 +231,10 @@ def test_a_server_killed_mid_broadcast_fails_the_sync_within_the_timeout(tiny_ll
         monkeypatch.setattr(weight_transfer.GlooSender, "send", send_then_kill)
         start = time.monotonic()
         with pytest.raises(RolloutError, match="weight broadcast abandoned: .*update_weights failed"):
-            sync.push(state, timeout=20)
+            push(sync, state)
         assert time.monotonic() - start < 20 + 10
         monkeypatch.setattr(weight_transfer.GlooSender, "send", send)
-        version = sync.push(state, timeout=20)  # the group is rebuilt without it
+        version = push(sync, state)  # the group is rebuilt without it
         assert {s.url: s.version == version for s in client.servers} == {survivor.url: True, victim.url: False}
     finally:
         survivor.stop()
@@ -253,8 +253,8 @@ def test_an_abandoned_broadcast_failing_late_leaves_the_rebuilt_group_in_place(t
     try:
         client = RolloutClient([server.url], request_timeout=30)
         state = dict(AutoModelForCausalLM.from_pretrained(tiny_llama).state_dict())
-        sync = GroupSync(client)
-        sync.push(state, timeout=20)  # group A forms
+        sync = group_sync(client, timeout=20)
+        push(sync, state)  # group A forms
         abandoned = sync.group
         update_info = {"names": ["x"], "dtype_names": ["float32"], "shapes": [[1]]}
         requests.post(f"{server.url}/start_weight_update", json={}, timeout=10).raise_for_status()
@@ -266,11 +266,11 @@ def test_an_abandoned_broadcast_failing_late_leaves_the_rebuilt_group_in_place(t
         waiting.start()  # the server now receives on group A, from a sender that never sends
         time.sleep(1.0)
         sync.group = None  # the trainer gives group A up and opens group B
-        sync.push(state, timeout=20)
-        abandoned["sender"].close()  # group A's receive fails now, after group B formed
+        push(sync, state)
+        abandoned.sender.close()  # group A's receive fails now, after group B formed
         waiting.join(timeout=60)
         assert not waiting.is_alive()
-        version = sync.push(state, timeout=20)  # over group B, still in place
+        version = push(sync, state)  # over group B, still in place
         assert client.servers[0].version == version
     finally:
         server.stop()
@@ -297,13 +297,13 @@ def test_a_server_restarted_right_before_a_group_sync_rejoins_it(tiny_llama):
     try:
         client = RolloutClient([steady.url, restarted.url], request_timeout=30)
         state = dict(AutoModelForCausalLM.from_pretrained(tiny_llama).state_dict())
-        sync = GroupSync(client)
-        sync.push(_perturbed(state, 1), timeout=20)
-        members = sync.group["members"]
+        sync = group_sync(client, timeout=20)
+        push(sync, _perturbed(state, 1))
+        members = sync.group.members
         restarted.restart()  # same port, original weights, no weight-transfer engine
         second = _perturbed(state, 2)
-        version = sync.push(second, timeout=20)
-        assert sync.group["members"] == members and all(s.version == version for s in client.servers)
+        version = push(sync, second)
+        assert sync.group.members == members and all(s.version == version for s in client.servers)
         assert _holds(steady.url, second) and _holds(restarted.url, second)
         sync.close()
         client.close()
@@ -322,9 +322,9 @@ def test_a_receiver_failing_while_alive_leaves_the_group_closed_and_the_next_syn
     try:
         client = RolloutClient([server.url], request_timeout=30)
         state = dict(AutoModelForCausalLM.from_pretrained(tiny_llama).state_dict())
-        sync = GroupSync(client)
-        sync.push(_perturbed(state, 1), timeout=20)
-        post = client._post
+        sync = group_sync(client, timeout=20)
+        push(sync, _perturbed(state, 1))
+        post = client.post
         failed = []
 
         def update_weights_fails_once(target, path, *args, **kwargs):
@@ -333,12 +333,12 @@ def test_a_receiver_failing_while_alive_leaves_the_group_closed_and_the_next_syn
                 raise RolloutError(f"{target.url}/update_weights answered 500: receive failed")
             return post(target, path, *args, **kwargs)
 
-        monkeypatch.setattr(client, "_post", update_weights_fails_once)
+        monkeypatch.setattr(client, "post", update_weights_fails_once)
         with pytest.raises(RolloutError, match="weight broadcast abandoned: /update_weights failed"):
-            sync.push(_perturbed(state, 2), timeout=20)
+            push(sync, _perturbed(state, 2))
         assert failed and sync.group is None and requests.get(f"{server.url}/health", timeout=5).ok
         third = _perturbed(state, 3)
-        version = sync.push(third, timeout=20)
+        version = push(sync, third)
         assert client.servers[0].version == version and _holds(server.url, third)
         sync.close()
         client.close()
@@ -433,7 +433,7 @@ def test_a_paused_server_holds_new_requests_until_resumed(tiny_llama):
     try:
         client = RolloutClient([server.url], request_timeout=30)
         requests.post(f"{server.url}/pause?mode=keep", timeout=10)
-        pending = client._pool.submit(client.generate, [[432]], 1, None, max_tokens=2)
+        pending = client.submit(client.generate, [[432]], 1, None, max_tokens=2)
         time.sleep(1.0)
         assert not pending.done()  # held, not refused or dropped (vLLM's mode=keep)
         requests.post(f"{server.url}/resume", timeout=10)
@@ -448,13 +448,13 @@ def test_pause_wait_returns_once_started_generations_have_finished(tiny_llama):
     (server,) = start_servers(tiny_llama, 1, ("--token-delay", "2"))  # 2 s per token: 4 tokens take 8 s
     try:
         client = RolloutClient([server.url], request_timeout=30, generation_timeout=60)
-        started = client._pool.submit(client.generate, [[432]], 1, None, max_tokens=4, temperature=0.0)
+        started = client.submit(client.generate, [[432]], 1, None, max_tokens=4, temperature=0.0)
         time.sleep(1.5)  # admitted and generating (a request reaches the server in milliseconds, seconds under load)
         before = time.monotonic()
-        WeightSync(client)._pause(client.servers[0])
+        SharedDirSync(client)._pause(client.servers[0])
         assert time.monotonic() - before > 3.0  # the pause waited for the generation (mode=keep returns at once)
         assert started.result(timeout=10)[0][0]["token_ids"]  # finished while the server stays paused
-        held = client._pool.submit(client.generate, [[432]], 1, None, max_tokens=1)
+        held = client.submit(client.generate, [[432]], 1, None, max_tokens=1)
         time.sleep(1.0)
         assert not held.done()  # new requests wait for the resume
         requests.post(f"{server.url}/resume", timeout=10)
@@ -546,7 +546,7 @@ class _StuckSender:
 def test_a_broadcast_is_abandoned_on_a_failed_receiver_or_a_stall_and_every_parameter_is_still_walked():
     from concurrent.futures import Future, ThreadPoolExecutor
 
-    from trl_scale.rollout.weight_sync import _broadcast
+    from trl_scale.rollout.weight_sync.group import _broadcast
 
     pool = ThreadPoolExecutor(4)
     # a server dies mid-broadcast while the trainer's sender is stuck
@@ -574,25 +574,17 @@ def test_a_broadcast_is_abandoned_on_a_failed_receiver_or_a_stall_and_every_para
 def test_a_sync_that_fails_before_its_broadcast_still_walks_every_parameter():
     """Rank 0 raising before the walk (no server answers, the group does not form) must not leave the other
     ranks waiting in their ZeRO-3/FSDP gathers: the walk is finished in any case."""
-    from types import SimpleNamespace
-
-    from trl_scale.rollout.generation import ServerRolloutGeneration
+    from trl_scale.rollout.weight_sync import GroupSync, PolicyWeights
 
     walked = []
 
-    def refuse(*args, **kwargs):
-        raise RolloutError("weight sync: no server answers /health")
+    class NoServerAnswers(GroupSync):
+        def broadcast(self, metadata, named_tensors, version):
+            raise RolloutError("weight sync: no server answers /health")
 
-    fake = SimpleNamespace(
-        _metadata=lambda: [],
-        _iter_named_params=lambda: _walk(walked),
-        accelerator=SimpleNamespace(is_main_process=True),
-        group_sync=SimpleNamespace(sync=refuse),
-        weight_backend="trl_scale_gloo",
-        weight_sync_timeout=5,
-    )
+    weights = PolicyWeights(named_tensors=lambda: _walk(walked), metadata=lambda: [], is_main=True)
     with pytest.raises(RolloutError, match="no server answers"):
-        ServerRolloutGeneration._sync_collective(fake, "v1")
+        NoServerAnswers(client=None).sync(weights, "v1")
     assert walked == list(range(20))
 
 
@@ -626,19 +618,18 @@ def test_a_server_a_sync_misses_is_reported_once_then_back_when_a_sync_reaches_i
     import logging
 
     from trl_scale.rollout import RolloutClient
-    from trl_scale.rollout.weight_sync import SharedDirSync
 
     steady, flaky = start_servers(tiny_llama, 2)
     client = RolloutClient([steady.url, flaky.url], request_timeout=30)
-    sync = SharedDirSync(client)
+    sync = SharedDirSync(client, SyncSettings(timeout=30))
     try:
-        with caplog.at_level(logging.INFO, logger="trl_scale.rollout.weight_sync"):
-            sync.sync(tiny_llama, "v1", timeout=30)
+        with caplog.at_level(logging.INFO, logger="trl_scale.rollout.weight_sync.base"):
+            sync.reload(tiny_llama, "v1")
             flaky.stop()
-            sync.sync(tiny_llama, "v2", timeout=30)
-            sync.sync(tiny_llama, "v3", timeout=30)
+            sync.reload(tiny_llama, "v2")
+            sync.reload(tiny_llama, "v3")
             flaky.restart()
-            sync.sync(tiny_llama, "v4", timeout=30)
+            sync.reload(tiny_llama, "v4")
         messages = [record.getMessage() for record in caplog.records]
         missed = [m for m in messages if "did not reach" in m]
         assert len(missed) == 1 and flaky.url in missed[0], messages

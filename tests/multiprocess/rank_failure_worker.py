@@ -20,14 +20,15 @@ def main() -> None:
             rank = trainer.accelerator.process_index
             generation = trainer.vllm_generation
             if rank == 1:
-                walk = generation._sync_shared_dir
+                mode = generation.sync_mode
+                walk = mode.sync
 
-                def fails_on_this_rank(version):
+                def fails_on_this_rank(weights, version):
                     if generation.sync_count == 1:
                         raise OSError("No space left on device (rank 1's copy of the weights)")
-                    return walk(version)
+                    return walk(weights, version)
 
-                generation._sync_shared_dir = fails_on_this_rank
+                mode.sync = fails_on_this_rank
             trainer.train()
         else:  # managed servers that cannot start: the same exception type on every rank as with one process
             server_grpo(model, out, None, managed_servers=1, managed_server_python=sys.executable)
@@ -36,7 +37,10 @@ def main() -> None:
     import torch.distributed as dist
 
     rank = dist.get_rank() if rank is None else rank
-    print(f"RESULT rank={rank} {outcome}".replace("\n", " "), flush=True)
+    # One write per line: print() writes the text and its newline apart, and two ranks share this pipe.
+    line = outcome.replace("\n", " ")
+    sys.stdout.write(f"RESULT rank={rank} {line}\n")
+    sys.stdout.flush()
     end_distributed_worker()
 
 

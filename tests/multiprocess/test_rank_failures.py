@@ -13,7 +13,8 @@ from ..helpers import ROOT, accelerate_launch, launcher_failure, start_servers, 
 def _results(command: list[str]) -> dict[int, str]:
     done = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=400)
     output = done.stdout + done.stderr
-    found = dict(re.findall(r"RESULT rank=(\d) (.*)", done.stdout))
+    # Each rank writes its line at once, but the launcher's other output may still cut in: read up to the next one.
+    found = dict(re.findall(r"RESULT rank=(\d) (.*?)(?=RESULT rank=|$)", done.stdout, flags=re.MULTILINE))
     assert sorted(found) == ["0", "1"], launcher_failure(output)
     return {int(rank): outcome for rank, outcome in found.items()}
 

@@ -4,6 +4,7 @@ trainers' configs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ..logs import get_logger
 from ..numbers import check_positive
@@ -30,7 +31,7 @@ class DistributedArguments:
     ray_call_timeout (`float`, defaults to `300`): bound on every call to a Ray worker.
 """  # its section of each config's docstring (`config_docstring`)
 
-    backend: str = field(
+    backend: Literal["local", "ray"] = field(
         default="local",
         metadata={"help": "'local' (in the trainer processes) or 'ray' (reward models and the critic on Ray groups)."},
     )

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ..model_paths import check_model_path
 from ..numbers import check_positive, check_whole
+from .settings import WeightSyncName
 
 # `vllm.LLM` settings TRL sets for the engine and the trainer to stay in step (the set of TRL's proposed
 # `vllm_llm_kwargs`, huggingface/trl#6816): a user value for one of them is refused.
@@ -118,7 +120,7 @@ class RolloutArguments:
             "again later. TRL's single vllm_server_base_url keeps working."
         },
     )
-    weight_sync: str = field(
+    weight_sync: WeightSyncName = field(
         default="auto",
         metadata={
             "help": "How weights reach the servers: 'nccl' (a weight-transfer group over every server: vLLM's NCCL "
@@ -216,7 +218,7 @@ class RolloutArguments:
         default=None,
         metadata={"help": "Local placement: GPU ids to hand out in order, managed_server_gpus per server."},
     )
-    managed_server_placement: str = field(
+    managed_server_placement: Literal["local", "ray"] = field(
         default="local",
         metadata={"help": "'local' (subprocesses of the main process) or 'ray' (Ray actors in a placement group)."},
     )

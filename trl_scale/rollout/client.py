@@ -22,7 +22,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 
 import requests
@@ -100,7 +101,7 @@ class RolloutClient:
         self._session.mount("https://", adapter)
         self._model_names: dict[str, str] = {}
         self.version: str | None = None  # the weights every server should serve; None until the first sync
-        self.version_reader: Callable[[ServerState], str | None] = self._weight_info
+        self.version_reader: Callable[[ServerState], str | None] = self.weight_version
         # A trainer waits through refused connections (a starting vLLM refuses them while its model loads); commands
         # that talk to running servers (`trl-scale rollout`) set this to fail at once.
         self.refused_is_definite = False
@@ -118,7 +119,9 @@ class RolloutClient:
         with self._lock:
             while True:
                 now = time.monotonic()
-                usable = [s for s in self.servers if s.url not in exclude and self._current(s) and s.down_until <= now]
+                usable = [
+                    s for s in self.servers if s.url not in exclude and self.is_current(s) and s.down_until <= now
+                ]
                 if not usable:
                     return None
                 free = sorted(
@@ -258,9 +261,9 @@ class RolloutClient:
 
     def _any_may_return(self, deadline: float) -> bool:
         with self._lock:
-            return any((self._current(s) or s.unchecked) and s.down_until < deadline for s in self.servers)
+            return any((self.is_current(s) or s.unchecked) and s.down_until < deadline for s in self.servers)
 
-    def _current(self, server: ServerState) -> bool:
+    def is_current(self, server: ServerState) -> bool:
         """Serves the current weights (as far as we know): before the first sync every server does."""
         return not server.unchecked and (self.version is None or server.version == self.version)
 
@@ -280,10 +283,10 @@ class RolloutClient:
 
     # ---- readiness and versions ------------------------------------------------------------------------
 
-    def _get(self, server: ServerState, path: str, timeout: float = 10.0) -> requests.Response:
+    def get(self, server: ServerState, path: str, timeout: float = 10.0) -> requests.Response:
         return self._session.get(f"{server.url}{path}", headers=self.headers, timeout=timeout)
 
-    def _post(self, server: ServerState, path: str, timeout: float, json=None) -> requests.Response:
+    def post(self, server: ServerState, path: str, timeout: float, json=None) -> requests.Response:
         # JSON or nothing: no weight-sync route of vLLM's takes a binary body.
         response = self._session.post(f"{server.url}{path}", json=json, headers=self.headers, timeout=timeout)
         if response.status_code >= 400:
@@ -301,7 +304,7 @@ class RolloutClient:
             for server in list(waiting):
                 status, failure = None, None
                 try:
-                    response = self._get(server, "/health", timeout=max(0.5, min(5.0, deadline - time.monotonic())))
+                    response = self.get(server, "/health", timeout=max(0.5, min(5.0, deadline - time.monotonic())))
                     if response.status_code == 200:
                         waiting.remove(server)
                         continue
@@ -323,9 +326,9 @@ class RolloutClient:
                 )
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
-    def _weight_info(self, server: ServerState) -> str | None:
+    def weight_version(self, server: ServerState) -> str | None:
         """vLLM's `/weight_info` (dev mode): the version set by the last `/finish_weight_update`."""
-        response = self._get(server, "/weight_info", timeout=5)
+        response = self.get(server, "/weight_info", timeout=5)
         response.raise_for_status()
         version = response.json().get("weight_version")
         return None if version is None else str(version)
@@ -349,6 +352,57 @@ class RolloutClient:
             with self._lock:
                 server.version, server.unchecked = version, False
                 self._lock.notify_all()
+
+    # ---- what the weight-sync modes use: the one place they touch the router's state --------------------------
+
+    def submit(self, fn, *args, **kwargs) -> Future:
+        """`fn(*args, **kwargs)` on the client's threads (a call that blocks, e.g. a weight-transfer rendezvous)."""
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def each(
+        self, servers: list[ServerState], call: Callable[[ServerState], object], timeout: float
+    ) -> dict[str, str]:
+        """`call(server)` on every server concurrently, bounded by `timeout`: the errors, by URL."""
+        futures = {self._pool.submit(call, server): server for server in servers}
+        failed: dict[str, str] = {}
+        try:
+            for future in as_completed(futures, timeout=timeout + 5):
+                try:
+                    future.result()
+                except Exception as error:
+                    failed[futures[future].url] = repr(error)
+        except FutureTimeoutError:
+            for future, server in futures.items():
+                if not future.done():
+                    failed[server.url] = f"no answer within weight_sync_timeout={timeout}s"
+        return failed
+
+    def live(self, timeout: float) -> list[ServerState]:
+        """The servers answering `/health` now, in server order."""
+        alive = []
+
+        def health(server: ServerState) -> None:
+            self.get(server, "/health", timeout=min(5.0, timeout)).raise_for_status()
+            alive.append(server)
+
+        self.each(self.servers, health, timeout)
+        return [s for s in self.servers if s in alive]
+
+    def record_sync(self, version: str, took: list[ServerState]) -> None:
+        """A sync to `version` reached `took`: they are current; every other server stays out of the rotation until
+        a sync (or a catch-up) reaches it."""
+        with self._lock:
+            self.version = version
+            for server in self.servers:
+                if server in took:
+                    server.version, server.unchecked = version, False
+            self._lock.notify_all()
+
+    def rejoin(self, server: ServerState, version: str) -> None:
+        """One server caught up to `version` on its own (a restarted server): back in the rotation."""
+        with self._lock:
+            server.version, server.unchecked, server.down_until = version, False, 0.0
+            self._lock.notify_all()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

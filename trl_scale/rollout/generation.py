@@ -15,7 +15,6 @@ Weight sync modes (`weight_sync`):
 
 from __future__ import annotations
 
-import os
 import threading
 import uuid
 from dataclasses import dataclass
@@ -25,8 +24,9 @@ from trl.generation.vllm_generation import VLLMGeneration
 from ..logs import get_logger
 from ..ranks import agree, broadcast_from_main, decide_on_main
 from .client import LORA_PREFIX, SERVER_KEY, RolloutClient, RolloutError
+from .settings import RolloutSettings
 from .weight_dir import WeightDirectory
-from .weight_sync import GroupSync, LoraSync, SharedDirSync
+from .weight_sync import PolicyWeights, SyncSettings, WeightSyncMode, choose_mode, weight_sync_for
 
 logger = get_logger(__name__)
 
@@ -44,63 +44,48 @@ class ServersFit:
 class ServerRolloutGeneration(VLLMGeneration):
     def __init__(
         self,
-        trainer,
+        model,
+        accelerator,
+        processing_class,
         client: RolloutClient,
-        weight_sync: str = "auto",
+        settings: RolloutSettings,
         weight_dir: WeightDirectory | None = None,
-        run_id: str | None = None,
-        weight_sync_timeout: float = 120.0,
-        ready_timeout: float = 240.0,
-        logprobs: bool = True,
-        require_logprobs: bool = False,
         fleet=None,
-        managed: bool = False,
     ):
-        self.trainer = trainer
         self.client = client
+        self.settings = settings
         self.fleet = fleet  # managed servers (main process only): checked before each batch and sync
-        self.managed = managed  # this run manages its servers (every rank knows): a failed sync is tried once more
         self._sync_lock = threading.Lock()  # a sync and a restarted server's catch-up, one at a time
-        self._weights_path: str | None = None  # where the current weights are (shared_dir, lora), for catch-ups
         if fleet is not None:
             fleet.on_moved = client.replace_url
             fleet.on_restarted = self.catch_up
-        # One strategy per weight-sync mode (the one this run uses is picked in _init_vllm).
-        self.group_sync, self.shared_dir_sync, self.lora_sync = (
-            GroupSync(client),
-            SharedDirSync(client),
-            LoraSync(client),
-        )
-        self.requested_weight_sync = weight_sync
         # Where shared_dir / lora syncs write (the main process's; None on the others): a directory of this run's own.
         self.weight_dir = weight_dir
-        self.weight_sync_timeout = weight_sync_timeout
-        self.ready_timeout = ready_timeout
+        self.sync_mode: WeightSyncMode | None = None  # chosen in _init_vllm, from what the servers offer
         # The sampler's log-probs feed an importance-sampling correction: a choice without them is an error (TRL
         # would turn NaN into a ratio of 1, silently switching the correction off).
-        self.require_logprobs = require_logprobs
+        self.require_logprobs = settings.require_logprobs
         self.server_max_model_len: int | None = None
         self.lora_name: str | None = None
         self.sync_count = 0
         self.version: str | None = None  # the weights the servers serve, as the last sync named them
         # versions and adapter names never collide across runs or resumes
-        self._run_id = run_id or uuid.uuid4().hex[:8]
-        args = trainer.args
+        self._run_id = settings.run_id or uuid.uuid4().hex[:8]
         super().__init__(
-            model=trainer.model,
-            accelerator=trainer.accelerator,
-            processing_class=trainer.processing_class,
+            model=model,
+            accelerator=accelerator,
+            processing_class=processing_class,
             mode="server",
             server_base_url=client.servers[0].url,
-            server_timeout=ready_timeout,
-            max_completion_length=args.max_completion_length,
-            logprobs=0 if logprobs else None,
+            server_timeout=settings.ready_timeout,
+            max_completion_length=settings.max_completion_length,
+            logprobs=0 if settings.logprobs else None,
         )
 
     # TRL's `_init_vllm` imports vLLM and builds its one-server client; ours waits for every server and checks
     # them against this run (`preflight`) before the first step.
     def _init_vllm(self) -> None:
-        self.client.wait_until_ready(self.ready_timeout)
+        self.client.wait_until_ready(self.settings.ready_timeout)
 
         def preflight() -> ServersFit:
             try:
@@ -109,31 +94,27 @@ class ServerRolloutGeneration(VLLMGeneration):
                 raise ValueError(f"{type(error).__name__}: {error}") from error
 
         fit = decide_on_main(preflight)
-        self.weight_sync, self.weight_backend, self.server_max_model_len = (
-            fit.weight_sync,
-            fit.backend,
-            fit.max_model_len,
-        )
+        self.weight_sync, self.server_max_model_len = fit.weight_sync, fit.max_model_len
         if self.weight_sync == "nccl" and self.weight_dir is not None:  # "auto" chose a group: no directory needed
             self.weight_dir.release()
-        if self.weight_sync == "lora":
-            self.client.version_reader = self.lora_sync.server_version
+        settings = SyncSettings(self.settings.weight_sync_timeout, self.weight_dir, fit.backend)
+        self.sync_mode = weight_sync_for(self.weight_sync, self.client, settings)
+        self.client.version_reader = self.sync_mode.server_version
 
     def _preflight(self) -> ServersFit:
         """Every server inspected once; all problems raised together (one line each: server, flag, fix), warnings
         logged. Returns the weight-sync mode, the servers' engine backend for "nccl", and the smallest
         `max_model_len`."""
         from .preflight import RunNeeds, all_problems, check_vocabulary, inspect_all
-        from .weight_transfer import GLOO_BACKEND, check_nccl_sender
 
-        mode = self.requested_weight_sync
+        mode = self.settings.weight_sync
         model = self.accelerator.unwrap_model(self.model)
         peft_config = getattr(model, "peft_config", {}).get("default") if hasattr(model, "peft_config") else None
         needs = RunNeeds(
             weight_sync=mode,
-            max_completion_length=self.trainer.args.max_completion_length,
+            max_completion_length=self.settings.max_completion_length,
             importance_sampling=self.require_logprobs,
-            sampling=self._sampling(),
+            sampling=self.settings.sampling,
             lora_config=peft_config if mode == "lora" else None,
             vocab_size=model.config.get_text_config().vocab_size,
         )
@@ -153,44 +134,11 @@ class ServerRolloutGeneration(VLLMGeneration):
         for warning in dict.fromkeys(warnings):
             logger.warning(warning)
         lengths = [r.max_model_len for r in reports if r.max_model_len]
-        max_model_len = min(lengths) if lengths else None
         backend = backends.pop() if len(backends) == 1 else None
-        if mode in ("lora", "shared_dir"):
-            return ServersFit(mode, None, max_model_len)
-        if mode == "nccl":
-            if backend == "nccl":
-                check_nccl_sender()
-            return ServersFit("nccl", backend, max_model_len)
-        # auto: a group where the servers offer an engine this trainer can drive, else a shared directory
-        if backend == GLOO_BACKEND:
-            return ServersFit("nccl", backend, max_model_len)
-        if backend == "nccl":
-            try:
-                check_nccl_sender()
-                return ServersFit("nccl", backend, max_model_len)
-            except RuntimeError as error:
-                logger.warning("weight_sync='auto' uses 'shared_dir': %s", error)
-        return ServersFit("shared_dir", None, max_model_len)
+        chosen = choose_mode(mode, backend)
+        return ServersFit(chosen, backend if chosen == "nccl" else None, min(lengths) if lengths else None)
 
     # ---- generation -------------------------------------------------------------------------------------
-
-    def _sampling(self) -> dict:
-        args = self.trainer.args
-        sampling = {
-            "max_tokens": args.max_completion_length,
-            "temperature": args.temperature,
-            "top_p": args.top_p,
-            "top_k": args.top_k if args.top_k is not None else -1,
-            "min_p": args.min_p or 0.0,
-            "repetition_penalty": args.repetition_penalty,
-            "logprobs": self.logprobs,
-            "return_tokens_as_token_ids": True,  # as TRL sends it
-        }
-        sampling.update(args.generation_kwargs or {})
-        regex = getattr(args, "vllm_structured_outputs_regex", None)
-        if regex is not None:  # as TRL's client sends it (vllm_client.py:441-442), taking precedence
-            sampling["structured_outputs"] = {"regex": regex}
-        return sampling
 
     def _request(self, prompts) -> list[list[dict]]:
         """One batch's completions from the servers: consecutive copies of a prompt (TRL's sampler puts a prompt's
@@ -203,7 +151,7 @@ class ServerRolloutGeneration(VLLMGeneration):
             else:
                 groups.append([prompt, 1])
         results = self.client.generate(
-            [p for p, _ in groups], n=[n for _, n in groups], model=self.lora_name, **self._sampling()
+            [p for p, _ in groups], n=[n for _, n in groups], model=self.lora_name, **self.settings.sampling
         )
         return [choice for choices in results for choice in choices]
 
@@ -232,12 +180,13 @@ class ServerRolloutGeneration(VLLMGeneration):
         )
 
     def release_weight_dir(self) -> None:
-        """Remove what the syncs wrote (the servers have loaded it) and the directory's lock: the end of `train()`.
-        The next sync claims the directory again."""
-        if self.weight_dir is not None:
-            with self._sync_lock:
+        """Release what the sync mode holds (the weights it wrote, the directory's lock): the end of `train()`. The
+        next sync takes it again."""
+        with self._sync_lock:
+            if self.sync_mode is not None:
+                self.sync_mode.close()
+            elif self.weight_dir is not None:
                 self.weight_dir.release()
-                self._weights_path = None
 
     prefetcher = None
     last_versions: list[int] = []  # per completion of the last batch: the sync count its weights came from
@@ -274,7 +223,7 @@ class ServerRolloutGeneration(VLLMGeneration):
 
     def _check_fleet(self) -> None:
         """Managed servers: an error when none can serve any more; when they are the only servers and all are down
-        but restarting, wait for one (the main process; the others wait in the sync's broadcast)."""
+        but restarting, wait for one (the main process; the others wait in the sync's collectives)."""
         if self.fleet is None:
             return
         if len(self.client.servers) == self.fleet.spec.num_servers:
@@ -290,32 +239,27 @@ class ServerRolloutGeneration(VLLMGeneration):
         sync rebuilds the group with it; until then the router leaves it out. Never raises (a restart thread)."""
         with self._sync_lock:
             server = next((s for s in self.client.servers if s.url == url.rstrip("/")), None)
-            if self.version is None or server is None or self._weights_path is None:
+            if self.version is None or server is None or self.sync_mode is None:
                 return  # before the first sync every server serves the initial weights
             try:
-                if self.weight_sync == "shared_dir":
-                    self.shared_dir_sync.catch_up(server, self._weights_path, self.version, self.weight_sync_timeout)
-                elif self.weight_sync == "lora":
-                    self.lora_sync.catch_up(server, self.version, self._weights_path, self.weight_sync_timeout)
-                else:
-                    return
-                logger.warning("rollout server %s restarted and caught up to weights %s", url, self.version)
+                if self.sync_mode.catch_up(server, self.version):
+                    logger.warning("rollout server %s restarted and caught up to weights %s", url, self.version)
             except Exception as error:
                 logger.warning("rollout server %s could not catch up (%r); the next sync brings it back", url, error)
 
     def sync_weights(self) -> None:
         """Push the policy's current weights to every server. Every rank walks the parameters (gathering shards
-        is a collective); the main process sends. Its outcome reaches every rank, so a failed sync raises on all
-        of them instead of leaving the others waiting. With managed servers a failed sync is tried once more, by
-        every rank, after the fleet has a server serving again: one can pass the fleet's check and die before the
-        weights reach it (its restart is then waited for, not taken for the end of the run)."""
+        is a collective); the main process sends. A failure on any rank fails the sync on every rank, naming that
+        rank, instead of leaving the others waiting or going on. With managed servers a failed sync is tried once
+        more, by every rank, after the fleet has a server serving again: one can pass the fleet's check and die
+        before the weights reach it (its restart is then waited for, not taken for the end of the run)."""
         version = f"{LORA_PREFIX}{self._run_id}-{self.sync_count + 1}"
         if self.prefetcher is not None:  # each prefetched batch generated whole by the weights it is tagged with
             self.prefetcher.settle()
         try:
             self._sync_on_every_rank(version)
         except Exception as error:
-            if not self.managed:
+            if not self.settings.managed:
                 raise RolloutError(f"weight sync failed: {type(error).__name__}: {error}") from error
             logger.warning("weight sync failed (%s); waiting for a managed server, then trying once more", error)
             try:
@@ -336,18 +280,22 @@ class ServerRolloutGeneration(VLLMGeneration):
         def this_rank() -> None:
             self._check_fleet()  # outside the lock: it may wait for a restart, whose catch-up takes the lock
             with self._sync_lock:
-                if self.weight_sync == "lora":
-                    self._sync_lora(version)
-                elif self.weight_sync == "nccl":
-                    self._sync_collective(version)
-                else:
-                    self._sync_shared_dir(version)
+                self.sync_mode.sync(self._policy_weights(), version)
 
         agree(this_rank)
         current = [s.url for s in self.client.servers]
         for old, new in zip(current, broadcast_from_main(current)):
             if old != new:
                 self.client.replace_url(old, new)
+
+    def _policy_weights(self) -> PolicyWeights:
+        """The policy's weights as the sync modes read them: TRL's walk under vLLM's names, and the adapter."""
+        return PolicyWeights(
+            named_tensors=self._iter_named_params,
+            metadata=self._metadata,
+            adapter=self._adapter,
+            is_main=self.accelerator.is_main_process,
+        )
 
     def _metadata(self) -> list[tuple[str, str, list[int]]]:
         # The servers must know every tensor before the first is broadcast: walked once, then cached (as TRL does).
@@ -358,59 +306,9 @@ class ServerRolloutGeneration(VLLMGeneration):
             ]
         return self._weight_metadata
 
-    def _sync_collective(self, version: str) -> None:
-        from .weight_transfer import make_sender
-
-        metadata = self._metadata()
-        params = self._iter_named_params()
-        try:
-            if self.accelerator.is_main_process:
-                self.group_sync.sync(
-                    metadata,
-                    params,
-                    version,
-                    lambda: make_sender(self.weight_backend, self.weight_sync_timeout),
-                    timeout=self.weight_sync_timeout,
-                )
-        finally:
-            # The rest of the walk, whatever happened above (a sync that failed before its broadcast, too): the other
-            # ranks wait in its ZeRO-3/FSDP gathers until this rank has walked every parameter.
-            for _ in params:
-                pass
-
-    def _sync_shared_dir(self, version: str) -> None:
-        from safetensors.torch import save_file
-
-        main = self.accelerator.is_main_process
-        state = {}
-        for name, tensor in self._iter_named_params():
-            if main:  # a copy: a gathered ZeRO-3 parameter is released when the walk moves on
-                state[name] = tensor.detach().to("cpu", copy=True).contiguous()
-        if not main:
-            return
-        # A fresh directory per sync, written completely before any server reads it; this run's previous one is
-        # removed once the servers have loaded it (nothing the run did not write).
-        directory = self.weight_dir.new_version(f"weights-{version}")
-        save_file(state, os.path.join(directory, "model.safetensors"))
-        self.shared_dir_sync.sync(directory, version, timeout=self.weight_sync_timeout)
-        self._weights_path = directory
-        self.weight_dir.keep_only(directory)
-
-    def _sync_lora(self, version: str) -> None:
-        """Every rank gathers the adapter (a ZeRO-3 or FSDP2 policy holds only shards of it); the main process
-        writes it as PEFT saves adapters and has the servers load it."""
-        from safetensors.torch import save_file
-
+    def _adapter(self) -> tuple[dict, object]:
         model = self.accelerator.unwrap_model(self.model)
-        state = adapter_state_dict(model)
-        if not self.accelerator.is_main_process:
-            return
-        path = self.weight_dir.new_version(version)
-        model.peft_config["default"].save_pretrained(path)
-        save_file(state, os.path.join(path, "adapter_model.safetensors"))
-        self.lora_sync.sync(version, path, version, timeout=self.weight_sync_timeout)
-        self._weights_path = path
-        self.weight_dir.keep_only(path)
+        return adapter_state_dict(model), model.peft_config["default"]
 
 
 def adapter_state_dict(model) -> dict:

@@ -14,8 +14,11 @@ from .served import RequestError, ServedModel, weights_digest_of
 
 
 def add_rl_routes(app: FastAPI, served: ServedModel) -> None:
-    settings = served.settings
+    _add_pause_routes(app, served)
+    _add_weight_version_routes(app, served)
 
+
+def _add_pause_routes(app: FastAPI, served: ServedModel) -> None:
     @app.post("/pause")
     def pause(mode: str = "abort"):
         if mode not in ("abort", "wait", "keep"):
@@ -39,6 +42,10 @@ def add_rl_routes(app: FastAPI, served: ServedModel) -> None:
     def reset_prefix_cache():
         served.prefix_cache_resets += 1  # no prefix cache here; counted so tests see the call
         return {"success": True}
+
+
+def _add_weight_version_routes(app: FastAPI, served: ServedModel) -> None:
+    settings = served.settings
 
     @app.get("/get_world_size")
     def get_world_size(include_dp: bool = True):

@@ -134,6 +134,38 @@ def plot_rewards(rewards: list[float], path: str, before: float, after: float) -
     return path
 
 
+def _demo_config(output_dir: str, max_steps, batch_size, num_generations, learning_rate, seed) -> dict:
+    """The demo's GRPO settings: a constant learning rate, no KL term, a log line per step, nothing saved."""
+    return dict(
+        output_dir=os.path.join(output_dir, "grpo"),
+        max_steps=max_steps,
+        per_device_train_batch_size=batch_size,
+        num_generations=num_generations,
+        max_completion_length=COUNT_TARGET_LENGTH,
+        learning_rate=learning_rate,
+        lr_scheduler_type="constant",
+        beta=0.0,
+        temperature=1.0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        activation_checkpointing=False,
+        seed=seed,
+        log_level="warning",
+    )
+
+
+def _progress_bar_only(trainer) -> None:
+    """Keep the progress bar (when asked), drop the per-step metric dicts the Trainer prints at every log."""
+    from transformers import PrinterCallback, ProgressCallback
+
+    trainer.remove_callback(PrinterCallback)
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, ProgressCallback):
+            callback.on_log = lambda *args, **kwargs: None
+
+
 def run_demo(
     output_dir: str = "trl-scale-demo",
     max_steps: int = 800,
@@ -164,23 +196,8 @@ def run_demo(
     greedy_before = evaluate_counting(model, tokenizer, greedy=True)
 
     args = GRPOConfig(
-        output_dir=os.path.join(output_dir, "grpo"),
-        max_steps=max_steps,
-        per_device_train_batch_size=per_device_train_batch_size,
-        num_generations=num_generations,
-        max_completion_length=COUNT_TARGET_LENGTH,
-        learning_rate=learning_rate,
-        lr_scheduler_type="constant",
-        beta=0.0,
-        temperature=1.0,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        bf16=False,
-        activation_checkpointing=False,
-        seed=seed,
+        **_demo_config(output_dir, max_steps, per_device_train_batch_size, num_generations, learning_rate, seed),
         disable_tqdm=not show_progress,
-        log_level="warning",
         **config_overrides,
     )
     trainer = GRPOTrainer(
@@ -190,13 +207,7 @@ def run_demo(
         train_dataset=counting_prompts(max_steps * per_device_train_batch_size // num_generations + 64, seed=seed),
         processing_class=tokenizer,
     )
-    # Keep the progress bar (when asked), drop the per-step metric dicts the Trainer prints at every log.
-    from transformers import PrinterCallback, ProgressCallback
-
-    trainer.remove_callback(PrinterCallback)
-    for callback in trainer.callback_handler.callbacks:
-        if isinstance(callback, ProgressCallback):
-            callback.on_log = lambda *args, **kwargs: None
+    _progress_bar_only(trainer)
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start
@@ -210,11 +221,8 @@ def run_demo(
     model_dir = os.path.join(output_dir, "final-model")
     trainer.save_model(model_dir)
     tokenizer.save_pretrained(model_dir)
-    plot_path = None
-    if make_plot:
-        plot_path = plot_rewards(
-            train_rewards, os.path.join(output_dir, "reward_curve.png"), reward_before, reward_after
-        )
+    curve = os.path.join(output_dir, "reward_curve.png")
+    plot_path = plot_rewards(train_rewards, curve, reward_before, reward_after) if make_plot else None
     result = DemoResult(
         reward_before=reward_before,
         reward_after=reward_after,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ..numbers import check_whole
 from .grpo_config import GRPOConfig
@@ -103,7 +104,7 @@ class PPOConfig(GRPOConfig):
     """
 
     kl_coef: float = field(default=0.05, metadata={"help": "Weight of the per-token KL penalty in the reward."})
-    kl_estimator: str = field(default="k1", metadata={"help": "KL estimator: 'k1' or 'k3'."})
+    kl_estimator: Literal["k1", "k3"] = field(default="k1", metadata={"help": "KL estimator: 'k1' or 'k3'."})
     gamma: float = field(default=1.0, metadata={"help": "GAE discount factor."})
     lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
     cliprange: float = field(default=0.2, metadata={"help": "Clip range of the policy ratio."})

@@ -32,6 +32,7 @@ class ServerRolloutMixin:
 
     def _install_server_rollout(self, logprobs: bool) -> None:
         from ..rollout import RolloutClient, ServerRolloutGeneration
+        from ..rollout.settings import RolloutSettings
         from ..rollout.urls import check_server_urls
 
         args = self.args
@@ -61,18 +62,17 @@ class ServerRolloutMixin:
         correction = bool(getattr(self, "vllm_importance_sampling_correction", False))  # GRPO, PPO; not RLOO
         asks_logprobs = logprobs and hasattr(self, "vllm_importance_sampling_correction")  # as TRL: GRPO, not RLOO
         try:
+            settings = RolloutSettings.from_config(
+                args, logprobs=asks_logprobs, require_logprobs=correction, run_id=run_id
+            )
             self.vllm_generation = ServerRolloutGeneration(
-                self,
+                self.model,
+                self.accelerator,
+                self.processing_class,
                 client,
-                weight_sync=args.weight_sync,
+                settings,
                 weight_dir=weight_dir,
-                run_id=run_id,
-                weight_sync_timeout=args.weight_sync_timeout,
-                ready_timeout=args.vllm_server_timeout,
-                logprobs=asks_logprobs,
-                require_logprobs=correction,
                 fleet=self.rollout_fleet,
-                managed=bool(args.managed_servers),
             )
         except BaseException:  # no server outlives a trainer that never got built, no lock a directory
             self.close_rollout_servers()

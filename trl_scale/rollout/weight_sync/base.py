@@ -1,0 +1,118 @@
+"""The one interface every weight-sync mode implements, and what they share.
+
+A mode is built from the router (`RolloutClient`) and typed `SyncSettings`, owns its state (the weights directory,
+the current copy, the weight-transfer group), and offers the same four methods:
+
+- `sync(weights, version)`: on every rank (the parameter walk gathers shards; the main process also writes or sends),
+  bring every live server to `version`, between a pause and a resume, and record which servers took it;
+- `catch_up(server, version)`: on the main process, bring one restarted server to the current weights without
+  waiting for the next sync (False where the mode cannot: the next sync rebuilds);
+- `server_version(server)`: the version a server reports (the router keeps only current servers in the rotation);
+- `close()`: what the mode holds, released (the end of `train()`; the next sync takes it again).
+
+`PolicyWeights` is what a mode reads from the trainer: callables, so a mode never reaches into the trainer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ...logs import get_logger
+from ..client import RolloutClient, RolloutError, ServerState
+from ..weight_dir import WeightDirectory
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class PolicyWeights:
+    """The policy's weights as a sync reads them, on every rank."""
+
+    named_tensors: Callable[[], Iterator]  # (vLLM name, whole tensor), one at a time; a collective walk
+    metadata: Callable[[], list[tuple[str, str, list[int]]]]  # (name, dtype, shape) of every tensor, in walk order
+    adapter: Callable[[], tuple[dict, object]] | None = None  # LoRA: (adapter tensors by PEFT name, its config)
+    is_main: bool = True  # the process that talks to the servers
+
+    @classmethod
+    def of_state_dict(cls, state: dict) -> PolicyWeights:
+        """A whole state dict held by one process (tools, tests)."""
+        metadata = [(k, str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in state.items()]
+        return cls(named_tensors=lambda: iter(state.items()), metadata=lambda: metadata)
+
+
+@dataclass(frozen=True)
+class SyncSettings:
+    timeout: float = 120.0  # weight_sync_timeout: control calls, and each broadcast collective
+    weight_dir: WeightDirectory | None = None  # shared_dir / lora: where this run writes (the main process's)
+    backend: str | None = None  # nccl: the servers' weight-transfer engine
+
+
+class WeightSyncMode(ABC):
+    """See the module docstring."""
+
+    name: ClassVar[str]
+
+    def __init__(self, client: RolloutClient, settings: SyncSettings | None = None):
+        self.client = client
+        self.settings = settings or SyncSettings()
+        self._missed: set[str] = set()  # servers the last syncs did not reach (said once, not at every sync)
+
+    @abstractmethod
+    def sync(self, weights: PolicyWeights, version: str) -> None: ...
+
+    @abstractmethod
+    def catch_up(self, server: ServerState, version: str) -> bool: ...
+
+    def server_version(self, server: ServerState) -> str | None:
+        return self.client.weight_version(server)
+
+    def close(self) -> None:
+        if self.settings.weight_dir is not None:
+            self.settings.weight_dir.release()
+
+    # ---- shared steps -----------------------------------------------------------------------------------
+
+    def _paused(self, servers: list[ServerState], work: Callable[[list[ServerState]], object]):
+        """`/pause?mode=wait`, `work(paused servers)`, then `/resume` on every paused server, also when the work
+        failed. "wait" lets the generations a server has started finish with the weights they started with (vLLM's
+        "keep" would freeze them and finish them with the new weights: completions sampled from two versions, and
+        which tokens came from which depends on timing); requests not yet admitted wait for the resume."""
+        timeout = self.settings.timeout
+        refused = self.client.each(servers, self._pause, timeout)
+        paused = [s for s in servers if s.url not in refused]
+        try:
+            return work(paused)
+        finally:
+            self.client.each(paused, lambda s: self.client.post(s, "/resume", timeout), timeout)
+
+    def _pause(self, server: ServerState) -> None:
+        # It returns once the server's running generations have finished: bounded as one generation is.
+        generation = self.client.generation_timeout
+        self.client.post(server, "/pause?mode=wait", None if generation is None else 30.0 + generation)
+
+    def _reset_prefix_cache(self, server: ServerState) -> None:
+        # vLLM V1 keeps prefix caching on: blocks computed with the old weights must not be reused.
+        self.client.post(server, "/reset_prefix_cache", self.settings.timeout)
+
+    def _finish(self, what: str, version: str, took: list[ServerState], failed: dict[str, str]) -> None:
+        """Record the new version; servers that did not take it stay out of the rotation until a sync does."""
+        self.client.record_sync(version, took)
+        if not took:
+            raise RolloutError(
+                f"{what} reached no server within weight_sync_timeout={self.settings.timeout}s: "
+                f"{failed or 'all servers down'}"
+            )
+        missed = {s.url for s in self.client.servers if s not in took}
+        if missed - self._missed:
+            logger.warning(
+                "%s did not reach %s (%s); they stay out of the rotation until a sync reaches them",
+                what,
+                sorted(missed - self._missed),
+                failed,
+            )
+        if self._missed - missed:
+            logger.info("%s reached %s again; back in the rotation", what, sorted(self._missed - missed))
+        self._missed = missed
