@@ -614,3 +614,21 @@ def test_check_servers_accepts_and_explains_urls_as_the_trainer_does(kind, argv_
         url = (argv_url or "http://127.0.0.1:{port}").format(port=free_port())
         status = run(url)
     assert status == code and re.search(match, capsys.readouterr().err)
+
+
+def test_preflight_boundaries_a_context_as_long_as_the_completions_and_a_rank_at_the_servers_limit():
+    """Both boundaries, on a server report as the preflight reads one (the same checks against real vLLM:
+    tests/test_real_vllm.py): completions as long as the whole context leave no token for a prompt (refused), and an
+    adapter of exactly the server's --max-lora-rank loads (vLLM refuses only above it)."""
+    from peft import LoraConfig
+
+    from trl_scale.rollout.preflight import RunNeeds, ServerReport, problems_of
+
+    report = ServerReport("http://s", reachable=True, max_model_len=256, dev_mode=True, lora_enabled=True)
+    report.max_lora_rank, report.runtime_lora = 8, True
+    assert any("leaves no room" in e for e in problems_of(report, RunNeeds(max_completion_length=256))[0])
+    assert not problems_of(report, RunNeeds(max_completion_length=255))[0]
+    lora = RunNeeds(weight_sync="lora", lora_config=LoraConfig(r=8))
+    assert not problems_of(report, lora)[0]
+    lora = RunNeeds(weight_sync="lora", lora_config=LoraConfig(r=9))
+    assert any("rank 9, above the server's --max-lora-rank 8" in e for e in problems_of(report, lora)[0])
