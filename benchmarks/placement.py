@@ -88,7 +88,7 @@ def main() -> None:
     model_path = build_tiny_model(
         tempfile.mkdtemp(prefix="placement-"), hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4
     )
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     steps = 12 if args.quick else 32
     colocated = run("local", model_path, steps)
     split = run("ray", model_path, steps)

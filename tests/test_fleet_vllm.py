@@ -78,7 +78,7 @@ def test_managed_vllm_example_learns_through_a_killed_server(tmp_path):
         model=_resolve_model(model_args.model_name_or_path, args),
         reward_funcs=[counting_reward],
         args=args,
-        train_dataset=_load_dataset(script_args, "grpo")["train"],
+        train_dataset=_load_dataset(script_args)["train"],
     )
     try:
         urls = trainer.rollout_fleet.urls

@@ -29,7 +29,9 @@ ray = pytest.importorskip("ray")
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    # address="local": Ray's default would join a cluster another module (test_fleet_ray, on the other xdist
+    # worker) recorded in /tmp/ray/ray_current_cluster, and refuse num_cpus for it (CI failed that way).
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     yield
     ray.shutdown()
 
@@ -406,3 +408,39 @@ def test_after_a_dead_critic_worker_the_checkpoint_resumes_exactly(tiny_llama, t
     for e, g in paired(expected, got):
         for key in keys:
             assert g[key] == pytest.approx(e[key], abs=1e-6), (key, g[key], e[key])
+
+
+RAY_ADDRESS_CHILD = """
+import ray
+from ray.cluster_utils import Cluster
+from trl_scale.distributed.ray_backend import init_ray
+
+other = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+try:
+    init_ray(None)  # another job's cluster is recorded in RAY_TMPDIR/ray_current_cluster: not ours to join
+    own = ray.get_runtime_context().gcs_address
+    ray.shutdown()
+    import os
+    os.environ["RAY_ADDRESS"] = other.address
+    init_ray(None)  # RAY_ADDRESS (as `ray job submit` sets it) is a choice made for this run: honoured
+    joined = ray.get_runtime_context().gcs_address
+    ray.shutdown()
+    print("ADDRESSES", own != other.address, joined == other.address)
+finally:
+    other.shutdown()
+"""
+
+
+def test_ray_address_none_starts_a_cluster_of_its_own_unless_ray_address_is_set():
+    """Ray's own default joins whichever cluster was last recorded on this machine (`ray start`, or a test's
+    `Cluster` in another process): a run with ray_address=None would land on someone else's nodes."""
+    import sys
+    import tempfile
+
+    temp_dir = tempfile.mkdtemp(prefix="rt-", dir="/tmp")  # short: Ray's socket paths live under it
+    env = subprocess_env(RAY_TMPDIR=temp_dir, RAY_AUTH_MODE="disabled")
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run(
+        [sys.executable, "-c", RAY_ADDRESS_CHILD], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert "ADDRESSES True True" in result.stdout, result.stdout[-2000:] + result.stderr[-4000:]

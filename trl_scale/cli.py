@@ -2,6 +2,8 @@
 
     trl-scale grpo|rloo|dpo|ppo --config file.yaml [--field value ...]
     trl-scale serve --model PATH [--host 127.0.0.1] [--port N] [--api-key KEY] [--token-delay S]
+    trl-scale check-servers URL... [--weight-sync MODE] [--max-completion-length N] [--json]
+    trl-scale rollout {rejection-sample,eval} --servers URL... --tokenizer PATH --dataset D --reward-funcs F
     trl-scale demo [--max-steps N] [--family llama|qwen2]
 
 Training commands parse TRL's `ScriptArguments`, the method's config and TRL's `ModelConfig` with `TrlParser`
@@ -69,7 +71,7 @@ def _resolve_reward_func(name: str):
         raise ValueError(f"reward_funcs entry {name!r} could not be imported: {error}") from error
 
 
-def _load_dataset(script_args, method: str):
+def _load_dataset(script_args):
     from .toy import counting_prompts, preference_pairs
 
     name = script_args.dataset_name
@@ -186,7 +188,7 @@ def train(method: str, argv: list[str]) -> int:
         model_init_kwargs.update(training_args.model_init_kwargs)
     training_args.model_init_kwargs = model_init_kwargs or None
     try:
-        dataset = _load_dataset(script_args, method)
+        dataset = _load_dataset(script_args)
     except ValueError as error:  # no rows, no dataset_name: a usage error, its message says the fix
         parser.error(str(error))
     kwargs = dict(
@@ -291,7 +293,7 @@ def _rollout(argv: list[str]) -> int:
         num_toy_examples=64,
     )
     try:
-        dataset = _load_dataset(script, "rollout")[args.split]
+        dataset = _load_dataset(script)[args.split]
         rewards = [_resolve_reward_func(name) for name in args.reward_funcs]
     except ValueError as error:
         parser.error(str(error))

@@ -21,7 +21,8 @@ class DistributedArguments:
 
     backend (`str`, defaults to `"local"`): `"ray"` puts reward models (and PPO's critic) on Ray role groups,
         started and called by the main trainer process for every rank.
-    ray_address (`str` or `None`): a Ray cluster; `None` starts a local one.
+    ray_address (`str` or `None`): a Ray cluster (`"auto"`: the one `ray start` started on this machine); `None`
+        starts a local one of this run's own, or joins the one `RAY_ADDRESS` names.
     reward_placement, critic_placement, reference_placement (`dict` or `None`):
         `{"num_workers": 1, "num_gpus_per_worker": 1.0, "num_cpus_per_worker": 1}` per role, plus optional
         `"resources"` (custom Ray resources per worker, e.g. `{"node_b": 1}`, to pin a role to nodes). The reference
@@ -35,7 +36,13 @@ class DistributedArguments:
         default="local",
         metadata={"help": "'local' (in the trainer processes) or 'ray' (reward models and the critic on Ray groups)."},
     )
-    ray_address: str | None = field(default=None, metadata={"help": "Ray cluster address; None starts a local one."})
+    ray_address: str | None = field(
+        default=None,
+        metadata={
+            "help": "Ray cluster address ('auto': the one `ray start` started here); None starts a local one of this "
+            "run's own, or joins RAY_ADDRESS's."
+        },
+    )
     reward_placement: dict | None = field(
         default=None,
         metadata={"help": "Reward group: {'num_workers': 1, 'num_gpus_per_worker': 1.0, 'num_cpus_per_worker': 1}."},

@@ -72,7 +72,7 @@ class Placement:
         return placement
 
 
-def _check_reachable(address: str, timeout: float = 10.0) -> None:
+def _check_reachable(address: str, named_by: str, timeout: float = 10.0) -> None:
     """`ray.init` waits minutes on an address where nothing listens; a TCP connect answers in seconds."""
     import socket
 
@@ -84,9 +84,22 @@ def _check_reachable(address: str, timeout: float = 10.0) -> None:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except OSError as error:
         raise RuntimeError(
-            f"ray_address={address!r}: could not reach a Ray cluster ({type(error).__name__}: {error}). Fix: start "
-            "one there (`ray start --head`), correct the address, or set ray_address=None to start a local cluster"
+            f"{named_by}: could not reach a Ray cluster ({type(error).__name__}: {error}). Fix: start one there "
+            "(`ray start --head`), correct the address, or set ray_address=None (and unset RAY_ADDRESS) to start a "
+            "local cluster"
         ) from error
+
+
+def resolve_ray_address(address: str | None) -> tuple[str, str]:
+    """(address for `ray.init`, the setting that named it). `None` is a cluster of this run's own, or the one
+    `RAY_ADDRESS` names (as under `ray job submit`) — never Ray's own default, which attaches to whichever cluster
+    `ray start` (or another job's test cluster) last recorded in /tmp/ray/ray_current_cluster on this machine."""
+    if address is not None:
+        return address, f"ray_address={address!r}"
+    from_env = os.environ.get("RAY_ADDRESS", "")
+    if from_env:
+        return from_env, f"RAY_ADDRESS={from_env!r} (ray_address=None)"
+    return "local", "ray_address=None"
 
 
 def init_ray(address: str | None = None) -> None:
@@ -95,17 +108,18 @@ def init_ray(address: str | None = None) -> None:
 
     if ray.is_initialized():
         return
-    if address is None:
+    address, named_by = resolve_ray_address(address)
+    if address == "local":
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     else:
-        _check_reachable(address)
+        _check_reachable(address, named_by)
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     except (ConnectionError, RuntimeError, ValueError) as error:
         raise RuntimeError(
-            f"ray_address={address!r}: could not reach a Ray cluster ({type(error).__name__}: "
+            f"{named_by}: could not reach a Ray cluster ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''}). Fix: start one there (`ray start --head`), correct "
-            "the address, or set ray_address=None to start a local cluster"
+            "the address, or set ray_address=None (and unset RAY_ADDRESS) to start a local cluster"
         ) from error
 
 

@@ -36,7 +36,7 @@ class RoleWorker:
     """Runs inside a Ray actor: loads its model from a path and serves one role ('reward' or 'critic')."""
 
     def __init__(self, role: str, model_path: str, settings: dict):
-        torch.set_num_threads(max(1, int(settings.get("num_threads", 1))))
+        torch.set_num_threads(1)  # an actor beside others on the node's cores: one thread, as the trainer runs
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.role, self.settings = role, settings
@@ -74,7 +74,7 @@ class RoleWorker:
         model.eval()
         scoring = settings["scoring"]  # the trainer's ScoringSettings: scored as the policy is
         add_fused_lm_head(model, temperature=scoring.temperature, cast_lm_head_to_fp32=scoring.cast_lm_head_to_fp32)
-        install_packed_scoring(model, outputs=(), **scoring.packing_kwargs())
+        install_packed_scoring(model, scoring)
         self.autocast_dtype = getattr(torch, settings["autocast_dtype"]) if settings.get("autocast_dtype") else None
         self.model = model
 

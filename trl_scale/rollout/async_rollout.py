@@ -95,12 +95,6 @@ class RolloutPrefetcher:
             except Exception:
                 pass
 
-    def drop_all(self) -> None:
-        for future, _ in self.in_flight.values():
-            future.cancel()
-        self.in_flight.clear()
-        self.upcoming.clear()
-
 
 class LookaheadIterator:
     """The trainer's batch iterator, read `staleness × every` batches ahead; each upcoming generation batch (one

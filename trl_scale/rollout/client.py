@@ -35,7 +35,7 @@ from .urls import definite_failure
 logger = get_logger(__name__)
 
 
-LORA_PREFIX = "trl-scale-"  # the adapters a LoRA sync loads; older ones with it are unloaded
+VERSION_PREFIX = "trl-scale-"  # every weight version this run names (and, under LoRA, the adapters it loads)
 SERVER_KEY = "_trl_scale_server"  # set on each returned choice: the server that generated it
 
 

@@ -23,7 +23,7 @@ from trl.generation.vllm_generation import VLLMGeneration
 
 from ..logs import get_logger
 from ..ranks import agree, broadcast_from_main, decide_on_main
-from .client import LORA_PREFIX, SERVER_KEY, RolloutClient, RolloutError
+from .client import SERVER_KEY, VERSION_PREFIX, RolloutClient, RolloutError
 from .settings import RolloutSettings
 from .weight_dir import WeightDirectory
 from .weight_sync import PolicyWeights, SyncSettings, WeightSyncMode, choose_mode, weight_sync_for
@@ -253,7 +253,7 @@ class ServerRolloutGeneration(VLLMGeneration):
         rank, instead of leaving the others waiting or going on. With managed servers a failed sync is tried once
         more, by every rank, after the fleet has a server serving again: one can pass the fleet's check and die
         before the weights reach it (its restart is then waited for, not taken for the end of the run)."""
-        version = f"{LORA_PREFIX}{self._run_id}-{self.sync_count + 1}"
+        version = f"{VERSION_PREFIX}{self._run_id}-{self.sync_count + 1}"
         if self.prefetcher is not None:  # each prefetched batch generated whole by the weights it is tagged with
             self.prefetcher.settle()
         try:

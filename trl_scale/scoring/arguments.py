@@ -18,7 +18,9 @@ class ScoringArguments:
     padding_free (`bool` or `None`, defaults to `None`):
         Score only real tokens, packed into rows with `position_ids` restarting per sequence. `None` packs where a
         one-off probe of the model finds packing exact, and otherwise runs TRL's padded path with one warning;
-        `True` makes an inexact model an error; `False` runs TRL's padded path and gives TRL's numbers exactly.
+        `True` makes an inexact model an error; `False` runs TRL's padded path and gives TRL's numbers exactly. In
+        `DPOConfig` this is TRL's own `padding_free` (a bool there, default `False`, which TRL 1.16 disables when
+        `True`): TRL users' YAML keeps working, with the meanings above, and the default becomes `None`.
     token_budget (`int` or `None`, defaults to `None`):
         Most real tokens in one packed forward; larger batches are split into balanced micro-batches, the same
         number on every data-parallel rank. `None` is automatic: sdpa/eager (dense attention) get rows no wider
@@ -34,7 +36,9 @@ class ScoringArguments:
             "restarting per sequence (no attention mask, no KV cache) and project only labelled tokens through "
             "the chunked log-prob head. None (default): pack where a one-off probe finds it exact for the model, "
             "else TRL's padded path with a warning. True: the same, but an inexact model is an error. False: TRL's "
-            "padded path unchanged, with identical numbers."
+            "padded path unchanged, with identical numbers. The same in GRPO, RLOO, PPO and DPO; in DPO it is TRL's "
+            "own field (a bool there, default False, whose True TRL 1.16 disables): a YAML written for TRL keeps "
+            "working, True and False meaning what they mean in TRL, and unset (None) packing where exact."
         },
     )
     token_budget: int | None = field(

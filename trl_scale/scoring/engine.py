@@ -56,17 +56,6 @@ class PackingStats:
         return logs
 
 
-@dataclass
-class PackedScoringConfig:
-    token_budget: int | None = None
-    logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE
-    temperature: float = 1.0
-    outputs: tuple[str, ...] = ()
-    stats: PackingStats = field(default_factory=PackingStats)
-    padding_free: bool | None = None  # None: pack where exact, else TRL's path; True: an inexact model is an error
-    cast_lm_head_to_fp32: bool = False
-
-
 @dataclass(frozen=True)
 class ScoringSettings:
     """How a model's tokens are scored, built once from a trainer's config (`from_config`) and handed to the
@@ -89,9 +78,15 @@ class ScoringSettings:
             cast_lm_head_to_fp32=getattr(args, "cast_lm_head_to_fp32", False),
         )
 
-    def packing_kwargs(self) -> dict:
-        """The keywords of `install_packed_scoring`."""
-        return dataclasses.asdict(self)
+
+@dataclass
+class PackedScoringConfig:
+    """What one model's packed forward uses: the scoring settings, the extra outputs asked for, and the live
+    figures it collects."""
+
+    settings: ScoringSettings
+    outputs: tuple[str, ...] = ()
+    stats: PackingStats = field(default_factory=PackingStats)
 
 
 def _same_count_on_every_rank(count: int, device: torch.device) -> int:
@@ -139,12 +134,14 @@ def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attentio
     batch_size, seq_len = input_ids.shape
     # TRL scores hidden[:, t] against labels[:, t + 1]; in the padded layout, position t's label is the next column.
     shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
-    packed, outputs, anchor = packed_backbone_forward(model.base_model, input_ids, attention_mask, config.token_budget)
+    packed, outputs, anchor = packed_backbone_forward(
+        model.base_model, input_ids, attention_mask, config.settings.token_budget
+    )
     softcap, logit_scale = logit_transform_of(model.config)
     lm_head = model.get_output_embeddings()
     # TRL's head options: the fp32 head runs on upcast hidden states outside autocast (`cast_lm_head_to_fp32`).
     head_autocast = nullcontext()
-    if config.cast_lm_head_to_fp32:
+    if config.settings.cast_lm_head_to_fp32:
         head_autocast = torch.autocast(lm_head.weight.device.type, enabled=False)
 
     names = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -158,15 +155,15 @@ def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attentio
                 anchor = hidden.sum() * 0.0 if anchor is None else anchor + hidden.sum() * 0.0
                 continue
             hidden = hidden[scored].to(weight.device)
-            if config.cast_lm_head_to_fp32:
+            if config.settings.cast_lm_head_to_fp32:
                 hidden = hidden.float()
             per_token = chunked_logprobs(
                 hidden,
                 weight,
                 bias,
                 targets[scored],
-                config.temperature,
-                config.logprob_chunk_size,
+                config.settings.temperature,
+                config.settings.logprob_chunk_size,
                 softcap,
                 logit_scale,
                 config.outputs,
@@ -205,29 +202,20 @@ def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attentio
 
 def install_packed_scoring(
     model,
-    token_budget: int | None = None,
-    logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE,
-    temperature: float = 1.0,
+    settings: ScoringSettings | None = None,
     outputs: tuple[str, ...] = (),
     stats: PackingStats | None = None,
-    padding_free: bool | None = None,
-    cast_lm_head_to_fp32: bool = False,
+    **fields,
 ) -> PackedScoringConfig | None:
     """Wrap ``model.forward`` (already patched by TRL's ``add_fused_lm_head``) so that packable
-    ``fused_lm_head=True`` calls run packed. Returns the live config (its ``stats`` collect padding figures), or
-    None where packing is not exact for this model (TRL's forward stays; see :func:`.support.use_packing`)."""
-    if not use_packing(model.base_model, padding_free):
+    ``fused_lm_head=True`` calls run packed, scored as ``settings`` say (or a `ScoringSettings` of ``fields``, e.g.
+    ``token_budget=10``). Returns the live config (its ``stats`` collect padding figures), or None where packing is
+    not exact for this model (TRL's forward stays; see :func:`.support.use_packing`)."""
+    settings = dataclasses.replace(settings or ScoringSettings(), **fields)
+    if not use_packing(model.base_model, settings.padding_free):
         return None
     trl_forward = model.forward
-    config = PackedScoringConfig(
-        token_budget,
-        logprob_chunk_size,
-        temperature,
-        tuple(outputs),
-        stats or PackingStats(),
-        padding_free,
-        cast_lm_head_to_fp32,
-    )
+    config = PackedScoringConfig(settings, tuple(outputs), stats or PackingStats())
 
     # Keep the class signature: `generate` validates its kwargs against it (as TRL's fused forward does).
     @functools.wraps(type(model).forward)
@@ -245,7 +233,7 @@ def install_packed_scoring(
             and attention_mask.dim() == 2
             and set(kwargs) - {"input_ids", "attention_mask"} <= _PACKABLE_KWARGS
             and kwargs.get("use_cache") in (None, False)
-            and use_packing(self.base_model, config.padding_free, probe_now=True, width=input_ids.size(1))
+            and use_packing(self.base_model, config.settings.padding_free, probe_now=True, width=input_ids.size(1))
         )
         if not packable:
             if fused_lm_head:

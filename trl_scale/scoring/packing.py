@@ -192,22 +192,6 @@ def pack_padded_batch(
     return PackedBatch(micro_batches, batch_size, seq_len, int(sum(lengths)))
 
 
-def pack_sequences(
-    sequences: list[list[int]],
-    token_budget: int | None = None,
-    pad_token_id: int = 0,
-    row_capacity: int | Literal["longest"] | None = None,
-) -> PackedBatch:
-    """Pack raw token-id sequences (no padding anywhere); ``flat_index`` refers to their right-padded layout."""
-    seq_len = max((len(s) for s in sequences), default=0)
-    input_ids = torch.full((len(sequences), seq_len), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, seq in enumerate(sequences):
-        input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attention_mask[i, : len(seq)] = 1
-    return pack_padded_batch(input_ids, attention_mask, token_budget, row_capacity=row_capacity)
-
-
 def packed_forward_kwargs(micro_batch: PackedMicroBatch, varlen_kwargs: bool = False) -> dict:
     """The only kwargs a packed backbone forward gets: no attention mask, no cache (see the module docstring).
 

@@ -146,14 +146,13 @@ class PackedScoringMixin:
         # reference on its Ray group).
         # (DPO keeps its own padding_free apart from TRL's flag: the caller's value stands.)
         settings = ScoringSettings.from_config(self.args, temperature)
-        self.scoring_settings = dataclasses.replace(settings, padding_free=padding_free)
-        settings = self.scoring_settings.packing_kwargs()
+        self.scoring_settings = settings = dataclasses.replace(settings, padding_free=padding_free)
         policy = self.accelerator.unwrap_model(self.model)
         if isinstance(policy, PeftModel):
             policy = policy.get_base_model()
-        packed = install_packed_scoring(policy, outputs=policy_outputs, stats=stats, **settings)
+        packed = install_packed_scoring(policy, settings, outputs=policy_outputs, stats=stats)
         if getattr(self, "ref_model", None) is not None and not isinstance(self.ref_model, RayReference):
-            install_packed_scoring(self.accelerator.unwrap_model(self.ref_model), outputs=(), stats=stats, **settings)
+            install_packed_scoring(self.accelerator.unwrap_model(self.ref_model), settings, stats=stats)
         self._packing_stats = stats if packed is not None else None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from ...logs import get_logger
-from ..client import LORA_PREFIX, RolloutError, ServerState
+from ..client import VERSION_PREFIX, RolloutError, ServerState
 from .base import PolicyWeights, WeightSyncMode
 
 logger = get_logger(__name__)
@@ -45,7 +45,7 @@ class LoraSync(WeightSyncMode):
         body = {"lora_name": name, "lora_path": path, "load_inplace": False}
         self.client.post(server, "/v1/load_lora_adapter", self.client.load_timeout, json=body)
         listed = self.client.get(server, "/v1/models", timeout=timeout).json()["data"][1:]
-        for old in [m["id"] for m in listed if m["id"].startswith(LORA_PREFIX) and m["id"] != name]:
+        for old in [m["id"] for m in listed if m["id"].startswith(VERSION_PREFIX) and m["id"] != name]:
             try:
                 self.client.post(server, "/v1/unload_lora_adapter", timeout, json={"lora_name": old})
             except RolloutError as error:  # gone meanwhile: nothing to free
