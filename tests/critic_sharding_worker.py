@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import end_distributed_worker
-from trl_scale.critic import CriticUpdater, load_critic
+from trl_scale.critic import CriticSettings, CriticUpdater, load_critic
 
 ROWS, PROMPT, COMPLETION = 8, 4, 6
 
@@ -77,10 +77,7 @@ def _deepspeed_config(sharding: str):
 def _updater(model_path: str, sharding: str) -> CriticUpdater:
     updater = CriticUpdater(
         load_critic(model_path, seed=0),
-        learning_rate=1e-2,
-        gradient_accumulation_steps=2,
-        max_grad_norm=1.0,
-        cliprange_value=0.5,
+        CriticSettings(learning_rate=1e-2, gradient_accumulation_steps=2, max_grad_norm=1.0, cliprange_value=0.5),
         sharding="deepspeed" if sharding.startswith("zero") else sharding,
         deepspeed_config=_deepspeed_config(sharding),
     )

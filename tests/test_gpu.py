@@ -55,16 +55,19 @@ def test_packed_scoring_on_cuda_matches_padded(tiny_llama):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: one per critic worker")
 def test_critic_group_averages_gradients_over_nccl(tiny_reward_model):
     ray = pytest.importorskip("ray")
-    from trl_scale.critic import CriticUpdater, load_critic
+    from trl_scale.critic import CriticSettings, CriticUpdater, load_critic
+    from trl_scale.critic.ray import RayCritic
     from trl_scale.distributed.ray_backend import Placement, RoleGroup, init_ray
-    from trl_scale.distributed.roles import RayCritic
+    from trl_scale.distributed.role_workers import CriticWorkerSettings
 
     init_ray()
-    settings = dict(learning_rate=1e-2, max_grad_norm=None)
+    settings = CriticSettings(learning_rate=1e-2, max_grad_norm=None)
     placement = Placement(num_workers=2, num_gpus_per_worker=1.0)
-    group = RoleGroup("critic", tiny_reward_model, placement, {"updater": settings, "seed": 0}, timeout=300)
+    group = RoleGroup(
+        "critic", tiny_reward_model, placement, CriticWorkerSettings(updater=settings, seed=0), timeout=300
+    )
     remote = RayCritic(group)
-    local = CriticUpdater(load_critic(tiny_reward_model, 0), **settings)
+    local = CriticUpdater(load_critic(tiny_reward_model, 0), settings)
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(5, 300, (6, 9), generator=generator)
     attention_mask = torch.ones_like(input_ids)

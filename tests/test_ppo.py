@@ -406,17 +406,22 @@ def test_the_trainer_uses_the_advantages_its_rollout_defines(tiny_llama, tmp_pat
         gamma=0.95,
         learning_rate=1e-2,
     )
-    generate = trainer._generate_and_score_completions
+    generate, calculate_rewards = trainer._generate_and_score_completions, trainer._calculate_rewards
 
     def keep(inputs):
         critic_state = {k: v.clone() for k, v in trainer.value_model.state_dict().items()}
         batch = generate(inputs)
         captured["critic"] = critic_state
         captured["batch"] = {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
-        captured["rewards"] = trainer._last_rewards_per_func.clone()
         return batch
 
+    def keep_rewards(*args):
+        rewards = calculate_rewards(*args)
+        captured["rewards"] = rewards.clone()  # the batch's, as TRL gathered them
+        return rewards
+
     trainer._generate_and_score_completions = keep
+    trainer._calculate_rewards = keep_rewards
     trainer.train()
     batch = captured["batch"]
     prompt_ids, completion_ids = batch["prompt_ids"], batch["completion_ids"]
@@ -467,7 +472,7 @@ def test_the_local_and_ray_critics_implement_one_critic_interface():
     import inspect
 
     from trl_scale.critic import Critic, CriticUpdater
-    from trl_scale.distributed.roles import RayCritic
+    from trl_scale.critic.ray import RayCritic
 
     members = [name for name in vars(Critic) if not name.startswith("_")]
     assert {"values", "step_async", "set_scheduler", "weights", "shard_bytes"} <= set(members)

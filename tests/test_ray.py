@@ -273,15 +273,18 @@ def test_ray_critic_with_more_workers_than_rows_matches_the_local_critic(tiny_re
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from trl_scale.critic import CriticUpdater
+    from trl_scale.critic import CriticSettings, CriticUpdater
+    from trl_scale.critic.ray import RayCritic
     from trl_scale.distributed.ray_backend import Placement, RoleGroup
-    from trl_scale.distributed.roles import RayCritic
+    from trl_scale.distributed.role_workers import CriticWorkerSettings
 
-    settings = dict(learning_rate=1e-2, padding_free=padding_free, max_grad_norm=None)
+    settings = CriticSettings(learning_rate=1e-2, padding_free=padding_free, max_grad_norm=None)
     placement = Placement(num_workers=2, num_cpus_per_worker=0.5)
-    group = RoleGroup("critic", tiny_reward_model, placement, {"updater": settings, "seed": 0}, timeout=120)
+    group = RoleGroup(
+        "critic", tiny_reward_model, placement, CriticWorkerSettings(updater=settings, seed=0), timeout=120
+    )
     remote = RayCritic(group)
-    local = CriticUpdater(AutoModelForSequenceClassification.from_pretrained(tiny_reward_model), **settings)
+    local = CriticUpdater(AutoModelForSequenceClassification.from_pretrained(tiny_reward_model), settings)
 
     input_ids = torch.tensor([[0, 5, 6, 7, 8, 9, 0]])  # one row: prompt of 2 (left-padded to 3), completion of 3
     attention_mask = (input_ids != 0).long()

@@ -1,4 +1,5 @@
-"""Two network facts every part needs, written once: a free TCP port, and whether a host is this machine's loopback."""
+"""Network facts every part needs, written once: a free TCP port, whether a host is this machine's loopback, and
+whether a server answers its health route."""
 
 from __future__ import annotations
 
@@ -22,4 +23,14 @@ def is_loopback(host: str | None) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
+        return False
+
+
+def answers_health(url: str, timeout: float = 2.0) -> bool:
+    """`GET {url}/health` answers 200 now (a vLLM server, or `trl-scale serve`, ready for requests)."""
+    import requests
+
+    try:
+        return requests.get(f"{url}/health", timeout=timeout).status_code == 200
+    except requests.RequestException:
         return False

@@ -4,10 +4,13 @@ trainers' configs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ..logs import get_logger
 from ..numbers import check_positive
+
+if TYPE_CHECKING:
+    from .ray_backend import Placement
 
 logger = get_logger(__name__)
 
@@ -69,6 +72,13 @@ class DistributedArguments:
         super().__post_init__()
         self._validate_distributed_arguments()
 
+    def placement(self, role: Literal["reward", "critic", "reference"]) -> Placement:
+        """The role's `*_placement` field as a `Placement` (validated: every key and number), the one parser of the
+        three fields, used at construction and where the groups start."""
+        from .ray_backend import Placement
+
+        return Placement.from_config(getattr(self, f"{role}_placement"), f"{role}_placement")
+
     def _validate_distributed_arguments(self) -> None:
         if self.backend not in ("local", "ray"):
             raise ValueError(f"backend={self.backend!r}: use 'local' or 'ray'")
@@ -81,21 +91,17 @@ class DistributedArguments:
                     "backend='ray' needs Ray, which is not installed. Fix: pip install 'trl-scale[ray]' (or set "
                     "backend='local' to keep every model in the trainer processes)"
                 )
-            from .ray_backend import Placement
-
-            Placement.from_config(self.reward_placement, "reward_placement")
-            Placement.from_config(self.critic_placement, "critic_placement")
-            if self.reference_placement is not None:
-                Placement.from_config(self.reference_placement, "reference_placement")
+            for role in ("reward", "critic") + (("reference",) if self.reference_placement is not None else ()):
+                self.placement(role)
         elif self.reference_placement is not None:
             raise ValueError("reference_placement places the reference on a Ray group: set backend='ray' too")
         else:
-            from .ray_backend import Placement
-
-            for name in ("reward_placement", "critic_placement"):
-                if getattr(self, name, None) is not None:  # checked anyway: a typo must not wait for backend='ray'
-                    Placement.from_config(getattr(self, name), name)
-                    logger.warning(f"{name} is unused with backend='local': every model stays in the trainers")
+            for role in ("reward", "critic"):
+                if getattr(self, f"{role}_placement", None) is not None:  # a typo must not wait for backend='ray'
+                    self.placement(role)
+                    logger.warning(
+                        f"{role}_placement is unused with backend='local': every model stays in the trainers"
+                    )
         if self.reference_placement is not None and getattr(self, "sync_ref_model", False):
             raise ValueError(
                 "sync_ref_model=True is not supported with reference_placement (the reference lives on a Ray group); "

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 from ..logs import get_logger
 from ..numbers import check_non_negative, check_whole
-from .role_workers import RoleWorker
+from .role_workers import RoleWorker, RoleWorkerSettings
 
 logger = get_logger(__name__)
 
@@ -36,7 +37,9 @@ class Placement:
     num_workers: int = 1
     num_gpus_per_worker: float = 0.0
     num_cpus_per_worker: float = 1.0
-    sharding: str = "fsdp2"  # the critic's, across its workers: "fsdp2" or "replicated" (critic_placement only)
+    sharding: Literal["fsdp2", "replicated"] = (
+        "fsdp2"  # the critic's, across its workers: "fsdp2" or "replicated" (critic_placement only)
+    )
     resources: dict | None = None  # custom Ray resources per worker, e.g. {"node_b": 1}: pins a role to nodes
 
     @classmethod
@@ -152,7 +155,9 @@ class RoleGroup:
 
     STATELESS_ROLES = ("reward", "reference")
 
-    def __init__(self, role: str, model_path: str, placement: Placement, settings: dict, timeout: float = 300.0):
+    def __init__(
+        self, role: str, model_path: str, placement: Placement, settings: RoleWorkerSettings, timeout: float = 300.0
+    ):
         from ray.util.placement_group import placement_group
 
         self.role, self.timeout = role, timeout
@@ -226,6 +231,12 @@ class RoleGroup:
 
     def call_all(self, method: str, *args):
         return self._call([getattr(w, method).remote(*args) for w in self.workers], method)
+
+    def start_map(self, method: str, per_worker_args: list[tuple]):
+        """`method` started on every worker, each with its own arguments; returns what collects the results
+        (bounded, as every call). No retry: for a stateful role, whose calls must not run twice."""
+        refs = [getattr(w, method).remote(*a) for w, a in zip(self.workers, per_worker_args)]
+        return lambda: self._call(refs, method)
 
     def map(self, method: str, per_worker_args: list[tuple]) -> list:
         """`method` on every worker, each with its own arguments; a stateless role restarts dead workers and

@@ -4,10 +4,47 @@ policy, each loaded from a path and fed `RoleRows` (token ids without padding) o
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from ..scoring.packing import UnpaddedRows
+
+if TYPE_CHECKING:
+    from ..critic.base import CriticSettings
+    from ..scoring import ScoringSettings
+
+
+@dataclass(frozen=True)
+class RewardWorkerSettings:
+    """A reward worker scores texts with the tokenizer TRL would load for that reward model."""
+
+    tokenizer_path: str
+
+
+@dataclass(frozen=True)
+class CriticWorkerSettings:
+    """A critic worker: its updater's settings, the seed of a new value head (as the local critic's), and how its
+    group holds the critic across workers (FSDP2 needs the group's process group: with several workers only)."""
+
+    updater: CriticSettings
+    seed: int
+    sharding: Literal["fsdp2", "replicated"] = "replicated"
+
+
+@dataclass(frozen=True)
+class ReferenceWorkerSettings:
+    """A reference worker loads the policy's checkpoint as TRL loads its reference (dtype, attention kernel) and
+    scores it as the trainer scores the policy (`scoring`: temperature, fp32 head, packing), under the trainer's
+    mixed precision (`autocast_dtype`, e.g. "bfloat16")."""
+
+    scoring: ScoringSettings
+    dtype: str | None = None
+    attn_implementation: str | None = None
+    autocast_dtype: str | None = None
+
+
+RoleWorkerSettings = RewardWorkerSettings | CriticWorkerSettings | ReferenceWorkerSettings
 
 
 @dataclass
@@ -33,9 +70,10 @@ class RoleRows:
 
 
 class RoleWorker:
-    """Runs inside a Ray actor: loads its model from a path and serves one role ('reward' or 'critic')."""
+    """Runs inside a Ray actor: loads its model from a path and serves one role ('reward', 'critic' or
+    'reference'), as its settings' type says."""
 
-    def __init__(self, role: str, model_path: str, settings: dict):
+    def __init__(self, role: str, model_path: str, settings: RoleWorkerSettings):
         torch.set_num_threads(1)  # an actor beside others on the node's cores: one thread, as the trainer runs
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -46,19 +84,19 @@ class RoleWorker:
             return
         if role == "reward":
             model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1).to(self.device)
-            self.tokenizer = AutoTokenizer.from_pretrained(settings.get("tokenizer_path") or model_path)
+            self.tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or model_path)
             model.config.pad_token_id = self.tokenizer.pad_token_id  # pooling at the last non-pad token, as TRL
             model.eval()
             self.model = model
         else:
-            from ..critic import CriticUpdater, load_critic
+            from ..critic.updater import CriticUpdater, load_critic
 
-            critic = load_critic(model_path, settings["seed"]).to(self.device)
+            critic = load_critic(model_path, settings.seed).to(self.device)
             # Replicated until the group's process group exists (`init_process_group`): FSDP2 shards over it.
-            self.updater = CriticUpdater(critic, **settings["updater"])
-            self.sharding = settings.get("sharding", "replicated")
+            self.updater = CriticUpdater(critic, settings.updater)
+            self.sharding = settings.sharding
 
-    def _load_reference(self, model_path: str, settings: dict) -> None:
+    def _load_reference(self, model_path: str, settings: ReferenceWorkerSettings) -> None:
         """The frozen reference policy, scored as TRL scores its `ref_model`: its fused log-prob head (and
         trl-scale's packed scoring when the trainer packs)."""
         from transformers import AutoModelForCausalLM
@@ -66,30 +104,27 @@ class RoleWorker:
 
         from ..scoring import install_packed_scoring
 
-        dtype = settings.get("dtype")
+        dtype = settings.dtype
         dtype = getattr(torch, dtype) if dtype not in (None, "auto") else dtype
         model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=dtype, attn_implementation=settings.get("attn_implementation")
+            model_path, dtype=dtype, attn_implementation=settings.attn_implementation
         ).to(self.device)
         model.eval()
-        scoring = settings["scoring"]  # the trainer's ScoringSettings: scored as the policy is
+        scoring = settings.scoring  # the trainer's ScoringSettings: scored as the policy is
         add_fused_lm_head(model, temperature=scoring.temperature, cast_lm_head_to_fp32=scoring.cast_lm_head_to_fp32)
         install_packed_scoring(model, scoring)
-        self.autocast_dtype = getattr(torch, settings["autocast_dtype"]) if settings.get("autocast_dtype") else None
+        self.autocast_dtype = getattr(torch, settings.autocast_dtype) if settings.autocast_dtype else None
         self.model = model
 
     def ping(self) -> str:
         return self.role
 
     def rendezvous_address(self) -> tuple[str, int]:
-        import socket
-
         import ray
 
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        from ..net import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
 
     def init_process_group(self, rank: int, world_size: int, address: str, port: int) -> None:
         """Join the group's own process group and start from rank 0's weights."""
@@ -101,9 +136,9 @@ class RoleWorker:
             for parameter in self.updater.critic.parameters():
                 dist.broadcast(parameter.data, src=0)
         if self.sharding != "replicated":
-            from ..critic import CriticUpdater
+            from ..critic.updater import CriticUpdater
 
-            self.updater = CriticUpdater(self.updater.critic, **self.settings["updater"], sharding=self.sharding)
+            self.updater = CriticUpdater(self.updater.critic, self.settings.updater, sharding=self.sharding)
 
     @torch.no_grad()
     def rewards(self, texts: list[str]) -> list[float]:

@@ -14,10 +14,8 @@ import threading
 import time
 from pathlib import Path
 
-import requests
-
 from ..logs import get_logger
-from ..net import free_port
+from ..net import answers_health, free_port
 from .spec import FleetSpec, check_python_has, server_command, server_environment
 
 logger = get_logger(__name__)
@@ -90,10 +88,7 @@ class LocalServer:
         return self.process.poll()
 
     def ready(self) -> bool:
-        try:
-            return requests.get(f"{self.url}/health", timeout=2).status_code == 200
-        except requests.RequestException:
-            return False
+        return answers_health(self.url)
 
     def log_tail(self, chars: int = 2000) -> str:
         try:

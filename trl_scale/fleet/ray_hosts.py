@@ -13,11 +13,9 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-import requests
-
 from ..distributed.ray_backend import RoleError, check_cluster_fits
 from ..logs import get_logger
-from ..net import free_port
+from ..net import answers_health, free_port
 from .local import LocalServer, Reaper
 from .spec import FleetSpec, server_command, server_environment
 
@@ -99,10 +97,7 @@ class RayServer:
             return None  # busy or slow to answer: judged again on the next poll
 
     def ready(self) -> bool:
-        try:
-            return requests.get(f"{self.url}/health", timeout=2).status_code == 200
-        except requests.RequestException:
-            return False
+        return answers_health(self.url)
 
     def log_tail(self, chars: int = 2000) -> str:
         import ray

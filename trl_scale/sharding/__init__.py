@@ -1,3 +1,2 @@
-"""How a model the trainer holds outside TRL's engine is laid out across processes, below the critic and the Ray
-backend: ZeRO-3 helpers (`zero.py`) and the critic holders, replicated, a DeepSpeed engine or FSDP2
-(`critic_sharding.py`)."""
+"""How a model the trainer holds outside TRL's engine is laid out across processes: ZeRO-3 helpers (`zero.py`),
+below the critic's holders (`critic.holders`) and the Ray backend."""

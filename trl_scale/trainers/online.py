@@ -8,6 +8,7 @@ from contextlib import nullcontext
 
 import torch
 
+from ..distributed.role_workers import ReferenceWorkerSettings
 from ..distributed.roles import RayReference, start_reference
 from ..logs import get_logger
 from ..scoring import ScoringSettings
@@ -159,7 +160,7 @@ class OnlineTrainerMixin(
         init_kwargs = args.model_init_kwargs or {}
         dtype = init_kwargs.get("dtype", self.model.dtype)
         mixed = {"bf16": "bfloat16", "fp16": "float16"}.get(str(self.accelerator.mixed_precision))
-        settings = dict(
+        settings = ReferenceWorkerSettings(
             dtype=str(dtype).removeprefix("torch."),  # "auto" passes through, as TRL passes it
             attn_implementation=init_kwargs.get("attn_implementation", self.model.config._attn_implementation),
             scoring=ScoringSettings.from_config(args, self.temperature),

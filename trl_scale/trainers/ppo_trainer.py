@@ -22,16 +22,17 @@ from transformers import (
 )
 
 from .. import ppo_core
-from ..model_paths import check_model_path
-from ..sharding.critic_sharding import (
+from ..critic import build_critic
+from ..critic.holders import (
     CRITIC_DEEPSPEED_DIR,
     CRITIC_OPTIMIZER_NAME,
 )
+from ..model_paths import check_model_path
 from .construction import image_columns, overridden
 from .grpo_trainer import GRPOTrainer
+from .handoff import Handoff
 from .hub import TRL_SCALE_TAG
 from .ppo_config import PPOConfig
-from .ppo_critic import build_critic
 
 VALUE_MODEL_DIR = "value_model"
 
@@ -109,9 +110,14 @@ class PPOTrainer(GRPOTrainer):
                 callbacks=callbacks,
                 **kwargs,
             )
-        self.beta = 0.0
+        self.beta = 0.0  # the KL goes into the reward, not the loss
         # The critic, local (replicated or sharded as the launcher shards the policy) or on its Ray group.
-        self.critic = build_critic(self, value_model, model, reward_list, images)
+        built = build_critic(
+            args, self.accelerator, self.processing_class, self.model, value_model, model, reward_list, images
+        )
+        self.critic, self.value_model, self.critic_config = built.critic, built.model, built.config
+        self._rewards_per_func = Handoff("PPOTrainer's rewards_per_func (from _calculate_rewards)")
+        self._critic_update = Handoff("PPOTrainer's pending critic update (from _compute_loss)")
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         scheduler = super().create_scheduler(num_training_steps, optimizer)
@@ -136,15 +142,15 @@ class PPOTrainer(GRPOTrainer):
                 "needs a score for every completion (a critic cannot learn from a missing return). Fix: return a "
                 "float for every completion (e.g. 0.0 for unparsable output)."
             )
-        self._last_rewards_per_func = rewards_per_func
+        self._rewards_per_func.give(rewards_per_func)  # TRL's code between here and the caller drops them
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
-        self.beta = self.args.kl_coef  # let TRL compute the reference log-probs (model, or disabled adapter)
-        try:
+        self._rewards_per_func.clear()
+        # beta != 0 while TRL scores the batch: it then computes the reference log-probs (model, or disabled adapter)
+        with overridden(self, beta=self.args.kl_coef):
             batch = super()._generate_and_score_completions(inputs)
-        finally:
-            self.beta = 0.0
+        rewards_per_func = self._rewards_per_func.take()
         args = self.args
         device = self.accelerator.device
         prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
@@ -181,7 +187,7 @@ class PPOTrainer(GRPOTrainer):
                 (self.accelerator.process_index + 1) * len(prompt_ids),
             )
             weights = self.reward_weights.to(device).unsqueeze(0)
-            scores = (self._last_rewards_per_func * weights).nansum(dim=1)[process_slice]
+            scores = (rewards_per_func * weights).nansum(dim=1)[process_slice]
             if args.missing_eos_penalty is not None:
                 # EOS counts where it ends the completion (its last real token), not inside a tool turn or as padding
                 ends_with_eos = ppo_core.ends_with(completion_ids, completion_mask, self.eos_token_ids)
@@ -247,7 +253,7 @@ class PPOTrainer(GRPOTrainer):
         # Like GRPO's token-mean losses, scaled here for gradient accumulation (loss_is_scaled_for_ga).
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         if mode == "train":  # collected after the policy's backward (training_step), which it overlaps
-            self._pending_critic_update = critic_update
+            self._critic_update.give(critic_update)
         else:
             self._log_critic(*critic_update.result(), mode)
 
@@ -273,8 +279,9 @@ class PPOTrainer(GRPOTrainer):
         return mask.sum().item() / per_process
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        self._critic_update.clear()
         loss = super().training_step(model, inputs, num_items_in_batch)
-        pending, self._pending_critic_update = getattr(self, "_pending_critic_update", None), None
+        pending = self._critic_update.take_if_given()
         if pending is not None:
             self._log_critic(*pending.result(), "train")
         return loss
@@ -308,7 +315,7 @@ class PPOTrainer(GRPOTrainer):
             from safetensors.torch import save_file
 
             os.makedirs(critic_dir, exist_ok=True)
-            self._critic_config.save_pretrained(critic_dir)
+            self.critic_config.save_pretrained(critic_dir)
             weights = {k: v.contiguous() for k, v in weights.items()}
             save_file(weights, os.path.join(critic_dir, "model.safetensors"), metadata={"format": "pt"})
             if self.processing_class is not None:

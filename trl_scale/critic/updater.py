@@ -3,58 +3,11 @@ two backends run the same code and give the same numbers."""
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
-from . import ppo_core
-from .scoring import token_scores, use_packing
-
-
-class Critic(Protocol):
-    """What PPOTrainer asks of its critic, wherever it lives: in the trainer processes (`CriticUpdater`, replicated
-    or sharded) or on a Ray role group (`distributed.roles.RayCritic`). Built by `trainers.ppo_critic.build_critic`;
-    `tests/test_ppo.py` checks both implement every member with the same parameters."""
-
-    scheduler: object | None  # None until `set_scheduler` (the step count is known)
-    grad_norm: float | None  # of the optimizer step the last micro-step ended; None inside a window or not measured
-
-    def set_scheduler(
-        self, scheduler_type: str, num_warmup_steps: int, num_training_steps: int, kwargs=None
-    ) -> None: ...
-
-    def values(
-        self, input_ids, attention_mask, prompt_len: int, num_tokens: int, multimodal_inputs: dict | None = None
-    ) -> torch.Tensor:
-        """Each completion token's value, ``[B, num_tokens]`` (a collective: every rank calls it)."""
-
-    def step_async(
-        self,
-        input_ids,
-        attention_mask,
-        prompt_len,
-        old_values,
-        returns,
-        mask,
-        train=True,
-        multimodal_inputs=None,
-        loss_scale: float = 1.0,
-    ):
-        """Start one micro-step's value loss (and, in training, its update); `.result()` is `(loss, stats)`."""
-
-    def weights(self) -> dict | None:
-        """The whole critic's weights (on the main process; a collective where sharded)."""
-
-    def state(self, with_weights: bool = True) -> dict | None: ...
-
-    def load_state(self, state: dict) -> None: ...
-
-    def save_training_state(self, directory: str, is_main_process: bool) -> None: ...
-
-    def load_training_state(self, directory: str, weights: dict) -> None: ...
-
-    def shard_bytes(self) -> dict[str, int]:
-        """What this trainer process holds of the critic: {"parameters": bytes, "optimizer": bytes}."""
+from .. import ppo_core
+from ..scoring import token_scores, use_packing
+from .base import CriticSettings, CriticSharding, Finished
 
 
 def completion_values(
@@ -85,7 +38,7 @@ def load_critic(source, seed: int):
     if isinstance(source, str):
         from transformers import AutoModelForSequenceClassification
 
-        from .sharding.zero import whole_parameters
+        from ..sharding.zero import whole_parameters
 
         # Whole, not ZeRO-3 partitions: no DeepSpeed engine manages the critic, each rank holds a replica.
         with torch.random.fork_rng(devices=[]), whole_parameters():
@@ -120,55 +73,35 @@ class CriticModule(torch.nn.Module):
         )
 
 
-class Finished:
-    """An already-computed result with the `.result()` of a future."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
-
-
 class CriticUpdater:
     """A critic with its own optimizer and scheduler: values, clipped value loss, gradient accumulation, stepping.
-    ``sharding`` holds it as the launcher holds the policy (see `sharding.critic_sharding`): "replicated",
+    ``sharding`` holds it as the launcher holds the policy (see `critic.holders`): "replicated",
     "fsdp2", or "deepspeed" (its engine is built with the scheduler, once the step count is known; until then the
     critic is whole)."""
 
     def __init__(
         self,
         critic,
-        learning_rate: float,
-        betas=(0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        padding_free: bool | None = None,
-        token_budget: int | None = None,
-        cliprange_value: float = 0.2,
-        vf_coef: float = 0.1,
-        gradient_accumulation_steps: int = 1,
-        max_grad_norm: float | None = 1.0,
-        sharding: str = "replicated",
+        settings: CriticSettings,
+        sharding: CriticSharding = "replicated",
         deepspeed_config=None,
         fsdp_plugin=None,
     ):
-        from .sharding.critic_sharding import FSDP2Critic, ReplicatedCritic
+        from .holders import FSDP2Critic, ReplicatedCritic
 
-        self.critic = critic
-        self.padding_free = padding_free
-        self.cliprange_value, self.vf_coef = cliprange_value, vf_coef
-        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.critic, self.settings = critic, settings
         self.micro_steps = 0
         self.grad_norm: float | None = None
         self.sharding = sharding
-        self._optimizer_settings = dict(lr=learning_rate, betas=betas, eps=eps, weight_decay=weight_decay)
+        self._optimizer_settings = dict(
+            lr=settings.learning_rate, betas=settings.betas, eps=settings.eps, weight_decay=settings.weight_decay
+        )
         self._deepspeed_config = deepspeed_config  # (num_training_steps) -> config, for the "deepspeed" engine
-        module = CriticModule(critic, padding_free, token_budget)
+        module = CriticModule(critic, settings.padding_free, settings.token_budget)
         if sharding == "fsdp2":
-            self.holder = FSDP2Critic(module, self._optimizer_settings, max_grad_norm, fsdp_plugin)
+            self.holder = FSDP2Critic(module, self._optimizer_settings, settings.max_grad_norm, fsdp_plugin)
         elif sharding in ("replicated", "deepspeed"):
-            self.holder = ReplicatedCritic(module, self._optimizer_settings, max_grad_norm)
+            self.holder = ReplicatedCritic(module, self._optimizer_settings, settings.max_grad_norm)
         else:
             raise ValueError(f"unknown critic sharding {sharding!r}")
 
@@ -183,7 +116,7 @@ class CriticUpdater:
     def set_scheduler(self, scheduler_type: str, num_warmup_steps: int, num_training_steps: int, kwargs=None):
         args = (scheduler_type, num_warmup_steps, num_training_steps, kwargs)
         if self.sharding == "deepspeed":
-            from .sharding.critic_sharding import DeepSpeedCritic
+            from .holders import DeepSpeedCritic
 
             config = self._deepspeed_config(num_training_steps)
             self.holder = DeepSpeedCritic(self.holder.module, self._optimizer_settings, config, args)
@@ -193,7 +126,9 @@ class CriticUpdater:
     def _empty_padded_shard(self, input_ids) -> bool:
         """An empty shard (fewer rows than workers) on the padded path has nothing to run. The packed path still
         runs a dummy forward there, because its forwards are counted across workers."""
-        return input_ids.size(0) == 0 and not use_packing(self.critic.base_model, self.padding_free, probe_now=True)
+        return input_ids.size(0) == 0 and not use_packing(
+            self.critic.base_model, self.settings.padding_free, probe_now=True
+        )
 
     def _must_run(self) -> bool:
         """Sharded, every rank runs every forward and backward (they gather and reduce collectively)."""
@@ -251,9 +186,13 @@ class CriticUpdater:
         with torch.set_grad_enabled(train):
             self.holder.module.train(train)
             vpred = self.holder.module(input_ids, attention_mask, prompt_len, mask.size(1), multimodal_inputs)
-            loss, clipfrac = ppo_core.clipped_value_loss(vpred, old_values, returns, mask, self.cliprange_value)
+            loss, clipfrac = ppo_core.clipped_value_loss(
+                vpred, old_values, returns, mask, self.settings.cliprange_value
+            )
             if train and loss.requires_grad:
-                self.holder.backward(loss_scale * self.vf_coef * loss / self.gradient_accumulation_steps)
+                self.holder.backward(
+                    loss_scale * self.settings.vf_coef * loss / self.settings.gradient_accumulation_steps
+                )
         stats = {
             "val/vpred": ppo_core.masked_mean(vpred.detach(), mask),
             "val/error": ppo_core.masked_mean((vpred.detach() - returns) ** 2, mask),
@@ -265,7 +204,9 @@ class CriticUpdater:
         """Count a micro-step; at the end of an accumulation window the holder reduces, clips and steps."""
         self.micro_steps += 1
         # the gradient norm (before clipping) of the optimizer step just taken, None inside a window
-        self.grad_norm = self.holder.end_micro_step(boundary=self.micro_steps % self.gradient_accumulation_steps == 0)
+        self.grad_norm = self.holder.end_micro_step(
+            boundary=self.micro_steps % self.settings.gradient_accumulation_steps == 0
+        )
 
     def step_async(
         self,

@@ -1,77 +1,78 @@
 """PPOTrainer's critic: where it comes from (`value_model`, the first reward model, or the policy's backbone with a
 new head), the checks it must pass, and the one factory that builds it, in the trainer processes (`CriticUpdater`:
 replicated, or sharded as the launcher shards the policy) or on its Ray role group (`RayCritic`). Both implement
-`trl_scale.critic.Critic`."""
+`Critic`."""
 
 from __future__ import annotations
 
 import copy
 import inspect
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
-from ..critic import Critic, CriticUpdater, load_critic
-from ..scoring import ScoringSettings
-from ..sharding.critic_sharding import critic_sharding, deepspeed_critic_config
 from ..sharding.zero import gathered, whole_parameters
+from .base import Critic, CriticSettings
+from .holders import critic_sharding, deepspeed_critic_config
+from .updater import CriticUpdater, load_critic
 
 
-def build_critic(trainer, value_model, model, reward_list: list, images: list[str]) -> Critic:
-    """The critic for this run; sets `trainer.value_model` (the local critic's model, None on Ray) and
-    `trainer._critic_config` (the config saved beside its weights)."""
-    args = trainer.args
-    scoring = ScoringSettings.from_config(args)  # the critic scores its rows as the policy does
-    updater_settings = dict(
-        learning_rate=args.value_learning_rate or args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon,
-        weight_decay=args.weight_decay,
-        padding_free=scoring.padding_free,
-        token_budget=scoring.token_budget,
-        cliprange_value=args.cliprange_value,
-        vf_coef=args.vf_coef,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        max_grad_norm=args.max_grad_norm,
-    )
+@dataclass
+class BuiltCritic:
+    """What `build_critic` gives the trainer: the critic, the local critic's model (None on Ray: no trainer process
+    holds it) and the config saved beside its weights (None on a process that never saves it)."""
+
+    critic: Critic
+    model: PreTrainedModel | None
+    config: object | None
+
+
+def build_critic(
+    args, accelerator, processing_class, policy, value_model, model, reward_list: list, images: list[str]
+) -> BuiltCritic:
+    """The critic for a PPO run with ``args``: from ``value_model``, else the first reward model of ``reward_list``,
+    else ``policy`` (the prepared policy; ``model`` is what the user passed, a path or an object)."""
+    settings = CriticSettings.from_config(args)
+    source = partial(value_model_source, accelerator, policy, args.seed, value_model, model, reward_list)
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)  # a VLM's processor holds one
     if args.backend == "ray":
         # The critic lives on its own role group, started by the main process: no trainer process holds it.
-        from ..distributed.roles import start_critic
+        from .ray import start_critic
+
+        config = []  # known on the main process, the only one that saves it
 
         def check(path: str) -> None:
-            check_value_model_tokenizer(trainer, path)
-            trainer._critic_config = AutoConfig.from_pretrained(path, num_labels=1)
+            check_value_model_tokenizer(tokenizer, path, None)
+            config.append(AutoConfig.from_pretrained(path, num_labels=1))
 
-        trainer.value_model = None
-        trainer._critic_config = None  # known on the main process, the only one that saves it
-        source = partial(value_model_source, trainer, value_model, model, reward_list)  # built on the main process
-        return start_critic(source, updater_settings, args, check)
-    else:
-        trainer.value_model = load_critic(value_model_source(trainer, value_model, model, reward_list), args.seed)
-        check_value_model_tokenizer(trainer, value_model)
-        if images:
-            if value_model is not None:
-                origin = "value_model"
-            elif first_reward_model(reward_list) is not None:
-                origin = "the critic (from the first reward model in reward_funcs, as value_model=None)"
-            else:
-                origin = "the critic (from the policy, as value_model=None)"
-            check_critic_takes_images(trainer.value_model, images, origin)
-        trainer.value_model.to(trainer.accelerator.device)
-        trainer._critic_config = trainer.value_model.config
-        # Held as the launcher holds the policy: replicated (DDP), its own DeepSpeed engine, or FSDP2.
-        sharding = critic_sharding(trainer.accelerator)
-        return CriticUpdater(
-            trainer.value_model,
-            **updater_settings,
-            sharding=sharding,
-            deepspeed_config=partial(deepspeed_critic_config, trainer.accelerator, args, trainer.value_model),
-            fsdp_plugin=trainer.accelerator.state.fsdp_plugin if sharding == "fsdp2" else None,
-        )
+        critic = start_critic(source, settings, args, check)  # built on the main process
+        return BuiltCritic(critic, None, config[0] if config else None)
+    critic_model = load_critic(source(), args.seed)
+    check_value_model_tokenizer(tokenizer, value_model, critic_model)
+    if images:
+        if value_model is not None:
+            origin = "value_model"
+        elif first_reward_model(reward_list) is not None:
+            origin = "the critic (from the first reward model in reward_funcs, as value_model=None)"
+        else:
+            origin = "the critic (from the policy, as value_model=None)"
+        check_critic_takes_images(critic_model, images, origin)
+    critic_model.to(accelerator.device)
+    # Held as the launcher holds the policy: replicated (DDP), its own DeepSpeed engine, or FSDP2.
+    sharding = critic_sharding(accelerator)
+    critic = CriticUpdater(
+        critic_model,
+        settings,
+        sharding=sharding,
+        deepspeed_config=partial(deepspeed_critic_config, accelerator, args, critic_model),
+        fsdp_plugin=accelerator.state.fsdp_plugin if sharding == "fsdp2" else None,
+    )
+    return BuiltCritic(critic, critic_model, critic_model.config)
 
 
-def value_model_source(trainer, value_model, policy, reward_list):
+def value_model_source(accelerator, policy, seed: int, value_model, model, reward_list):
     """Where the critic comes from: `value_model`, else the first reward model (the classic RLHF recipe),
     else the policy (its backbone with a new scalar head). A path or a model object."""
     if value_model is not None:
@@ -80,17 +81,17 @@ def value_model_source(trainer, value_model, policy, reward_list):
     if isinstance(reward, str):
         return reward
     if reward is not None:  # a copy: the critic trains, the reward model must not
-        return copy.deepcopy(trainer.accelerator.unwrap_model(reward))
-    if isinstance(policy, str):
-        return policy
-    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+        return copy.deepcopy(accelerator.unwrap_model(reward))
+    if isinstance(model, str):
+        return model
+    unwrapped = accelerator.unwrap_model(policy)
     base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
     config = copy.deepcopy(base.config)
     config.num_labels = 1
     # As `load_critic`: a seeded head, the trainer's RNG untouched, whole parameters (under ZeRO-3 the policy's
     # are partitions: read them gathered).
     with torch.random.fork_rng(devices=[]), whole_parameters():
-        torch.manual_seed(trainer.args.seed)
+        torch.manual_seed(seed)
         try:
             critic = AutoModelForSequenceClassification.from_config(config)
         except ValueError as error:
@@ -104,8 +105,9 @@ def value_model_source(trainer, value_model, policy, reward_list):
     return critic
 
 
-def check_value_model_tokenizer(trainer, value_model) -> None:
-    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)  # a VLM's processor holds one
+def check_value_model_tokenizer(tokenizer, value_model, critic) -> None:
+    """The critic reads the policy's token ids: ``value_model`` (a path) must share the policy's vocabulary, and
+    ``critic`` (the loaded model, when local) embed every token with one output."""
     policy_vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else None
     if isinstance(value_model, str) and policy_vocab is not None:
         try:
@@ -118,7 +120,6 @@ def check_value_model_tokenizer(trainer, value_model) -> None:
                 "policy's token ids, so it must share its vocabulary. Fix: pass a value model trained with the "
                 "policy's tokenizer, or leave value_model=None to initialise it from the policy."
             )
-    critic = getattr(trainer, "value_model", None)
     if critic is None:
         return
     if critic.get_input_embeddings().num_embeddings < len(tokenizer):

@@ -10,7 +10,7 @@ its own engine or wrapper with its own optimizer and scheduler (as OpenRLHF and 
   gradients and optimizer state, ZeRO-3 parameters too.
 - :class:`FSDP2Critic`: `fully_shard` on each decoder layer and on the whole, as accelerate wraps the policy.
 
-All take the critic as one module whose forward returns values (`critic.CriticModule`), so a wrapper sees every
+All take the critic as one module whose forward returns values (`critic.updater.CriticModule`), so a wrapper sees every
 submodule inside one root forward, and offer the same calls: `backward`, `end_micro_step`, `set_scheduler`,
 `full_state_dict` / `load_full_state_dict` (collectives; the whole critic), `save` / `load` (optimizer and
 scheduler into a checkpoint folder).
@@ -255,7 +255,7 @@ class DeepSpeedCritic:
         return list(self.engine.module.parameters())
 
     def full_state_dict(self) -> dict:
-        from .zero import gathered
+        from ..sharding.zero import gathered
 
         with gathered(self.engine.module):
             return {k: v.detach().cpu().clone() for k, v in _strip(self.engine.module.state_dict()).items()}
