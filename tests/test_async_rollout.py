@@ -200,6 +200,30 @@ def test_stale_completions_without_an_off_policy_correction_are_refused(tmp_path
     trl_scale.GRPOConfig(output_dir=str(tmp_path), async_rollout_staleness=1, **server)  # corrected: accepted
 
 
+def test_streaming_mode_is_refused_where_nothing_would_stream(tmp_path):
+    server = dict(
+        use_vllm=True, vllm_mode="server", vllm_server_base_urls=["http://127.0.0.1:1"], use_cpu=True, bf16=False
+    )
+    with pytest.raises(ValueError, match="async_rollout_staleness=0 none does. Fix: async_rollout_staleness=1"):
+        trl_scale.GRPOConfig(output_dir=str(tmp_path), async_rollout_mode="streaming", **server)
+    with pytest.raises(ValueError, match="weight_sync='lora'.*keeps the adapter it started with"):
+        trl_scale.GRPOConfig(
+            output_dir=str(tmp_path),
+            async_rollout_staleness=1,
+            async_rollout_mode="streaming",
+            weight_sync="lora",
+            **server,
+        )
+    with pytest.raises(ValueError, match="async_rollout_mode='fast': use 'ordered' or 'streaming'"):
+        trl_scale.GRPOConfig(output_dir=str(tmp_path), async_rollout_staleness=1, async_rollout_mode="fast", **server)
+    config = trl_scale.GRPOConfig(
+        output_dir=str(tmp_path), async_rollout_staleness=1, async_rollout_mode="streaming", **server
+    )
+    from trl_scale.rollout.settings import RolloutSettings
+
+    assert RolloutSettings.from_config(config, logprobs=True, require_logprobs=True, run_id="r").streaming
+
+
 def test_the_prefetcher_never_serves_a_batch_older_than_the_bound():
     """The bound itself: a request made at version v is served at versions v .. v + staleness and regenerated
     after; a batch is matched by its prompt ids only."""

@@ -83,6 +83,21 @@ class RolloutArguments:
         the off-policy gap. A sync happens once per generation batch, so with `steps_per_generation` × epochs
         optimizer steps per batch, k syncs are k × that many optimizer steps. Needs
         `vllm_importance_sampling_correction=True`; RLOO, which TRL gives no such correction, refuses it.
+    async_rollout_mode (`str`, defaults to `"ordered"`): with `async_rollout_staleness ≥ 1`, how a weight sync meets
+        the generations in flight. `"ordered"`: it waits for them (every prefetched batch is generated whole by the
+        weights it is tagged with: a run's numbers do not depend on timing). `"streaming"`: it does not drain; the
+        servers pause between two decoding steps (vLLM's `/pause?mode=keep`), load the new weights, and the running
+        generations go on with them (their keys and values recomputed), so a completion may hold tokens of two
+        versions, each with the sampler log-prob of the weights that drew it (what the correction uses), and the
+        sync never waits for the longest answer. A completion is still never trained more than k syncs after its
+        first token. Not with `weight_sync="lora"` (a running generation keeps the adapter it started with).
+    logprobs_on_sampler_support (`bool`, defaults to `True`): with `top_k`, `top_p` or `min_p` truncating vLLM's
+        sampling and `vllm_importance_sampling_correction=True`, score the trainer's log-probs on the support vLLM
+        samples from (its rule applied to the trainer's own logits, the sampled token always in it): vLLM's
+        log-probs are renormalised over that support, so against whole-vocabulary log-probs every importance ratio
+        of an unchanged policy is the kept mass (~0.9 at top_p=0.9) instead of 1. The policy trained is then the
+        truncated one that samples. `False`: TRL's whole-vocabulary log-probs. Refused with penalties or logit biases
+        that change the logits before truncation (the trainer cannot repeat them).
 
     vllm_llm_kwargs (`dict` or `None`): with `vllm_mode="colocate"` (TRL's default: vLLM in the trainer), extra
         `vllm.LLM` settings on top of TRL's (e.g. `{"dtype": "bfloat16", "hf_overrides": {...}}`); the engine's dtype
@@ -167,6 +182,22 @@ class RolloutArguments:
             "trainer trains; a completion is trained on at most k weight syncs after the weights it was sampled from "
             "(one sync per generation batch: k x steps_per_generation x epochs optimizer steps), importance-sampling "
             "corrected (GRPO, PPO; RLOO refuses it)."
+        },
+    )
+    async_rollout_mode: Literal["ordered", "streaming"] = field(
+        default="ordered",
+        metadata={
+            "help": "With async_rollout_staleness >= 1: 'ordered' (a sync waits for the generations in flight: "
+            "reproducible) or 'streaming' (a sync lands between decoding steps; running generations go on with the "
+            "new weights)."
+        },
+    )
+    logprobs_on_sampler_support: bool = field(
+        default=True,
+        metadata={
+            "help": "With top_k/top_p/min_p and the importance-sampling correction: score the trainer on the tokens "
+            "vLLM samples from (its log-probs are renormalised there), so an unchanged policy's ratio is 1, not the "
+            "kept mass. False: TRL's whole-vocabulary log-probs."
         },
     )
     rollout_max_inflight_per_server: int = field(
@@ -310,6 +341,9 @@ class RolloutArguments:
             )
 
     def _validate_rollout_arguments(self) -> None:
+        from ..scoring.sampler_support import SamplerSupport
+
+        SamplerSupport.from_config(self)  # a truncation the trainer cannot repeat fails here, not at the first step
         self.vllm_llm_kwargs = check_llm_kwargs(dict_field(self.vllm_llm_kwargs, "vllm_llm_kwargs")) or None
         if self.vllm_server_base_urls is not None:
             from .urls import check_server_urls
@@ -348,6 +382,20 @@ class RolloutArguments:
             minimum=1,
             fix="use a positive whole number of requests (default 8); with 0 no request could ever be sent",
         )
+        if self.async_rollout_mode not in ("ordered", "streaming"):
+            raise ValueError(f"async_rollout_mode={self.async_rollout_mode!r}: use 'ordered' or 'streaming'")
+        if self.async_rollout_mode == "streaming":
+            if not self.async_rollout_staleness:
+                raise ValueError(
+                    "async_rollout_mode='streaming' lets generations run across weight syncs; with "
+                    "async_rollout_staleness=0 none does. Fix: async_rollout_staleness=1 (or more)"
+                )
+            if self.weight_sync == "lora":
+                raise ValueError(
+                    "async_rollout_mode='streaming' with weight_sync='lora': a generation running across a sync keeps "
+                    "the adapter it started with (and the sync unloads it). Fix: async_rollout_mode='ordered', or "
+                    "weight_sync='shared_dir' / 'nccl'"
+                )
         if self.async_rollout_staleness:
             if not hasattr(self, "vllm_importance_sampling_correction"):  # RLOO
                 raise ValueError(

@@ -97,7 +97,8 @@ class ServerRolloutGeneration(VLLMGeneration):
         self.weight_sync, self.server_max_model_len = fit.weight_sync, fit.max_model_len
         if self.weight_sync == "nccl" and self.weight_dir is not None:  # "auto" chose a group: no directory needed
             self.weight_dir.release()
-        settings = SyncSettings(self.settings.weight_sync_timeout, self.weight_dir, fit.backend)
+        pause_mode = "keep" if self.settings.streaming else "wait"
+        settings = SyncSettings(self.settings.weight_sync_timeout, self.weight_dir, fit.backend, pause_mode)
         self.sync_mode = weight_sync_for(self.weight_sync, self.client, settings)
         self.client.version_reader = self.sync_mode.server_version
 
@@ -115,6 +116,7 @@ class ServerRolloutGeneration(VLLMGeneration):
             max_completion_length=self.settings.max_completion_length,
             importance_sampling=self.require_logprobs,
             sampling=self.settings.sampling,
+            on_sampler_support=self.settings.on_sampler_support,
             lora_config=peft_config if mode == "lora" else None,
             vocab_size=model.config.get_text_config().vocab_size,
         )
@@ -176,8 +178,14 @@ class ServerRolloutGeneration(VLLMGeneration):
         # Its own threads: a prefetch waits on the client's request pool, which must never wait on itself.
         self._prefetch_pool = ThreadPoolExecutor(max_workers=max(1, staleness), thread_name_prefix="prefetch")
         self.prefetcher = RolloutPrefetcher(
-            staleness, tokenize, lambda ids: self._prefetch_pool.submit(self._request, [list(p) for p in ids])
+            staleness, tokenize, lambda ids: self._prefetch_pool.submit(self._request_spanned, [list(p) for p in ids])
         )
+
+    def _request_spanned(self, prompts) -> tuple[list[dict], int]:
+        """`_request`, and the newest weight version its tokens can come from: the sync count when it finished (one
+        more while a sync is under way, whose new weights a streaming sync lets it reach)."""
+        choices = self._request(prompts)
+        return choices, self.sync_count + (1 if self._syncing else 0)
 
     def release_weight_dir(self) -> None:
         """Release what the sync mode holds (the weights it wrote, the directory's lock): the end of `train()`. The
@@ -189,7 +197,9 @@ class ServerRolloutGeneration(VLLMGeneration):
                 self.weight_dir.release()
 
     prefetcher = None
-    last_versions: list[int] = []  # per completion of the last batch: the sync count its weights came from
+    _syncing = False  # a weight sync is under way (streaming: running generations may reach its weights)
+    last_versions: list[int] = []  # per completion of the last batch: the sync count its first token came from
+    last_version_spans: list[tuple[int, int]] = []  # per completion: (first, newest possible) sync counts
 
     def generate(self, prompts, images=None, num_generations=1, profiler=None):
         """Each rank sends its own prompts. With async rollout, a batch prefetched at most `staleness` syncs ago
@@ -199,12 +209,14 @@ class ServerRolloutGeneration(VLLMGeneration):
         self._check_fleet()
         taken = self.prefetcher.take(prompts, self.sync_count) if self.prefetcher is not None else None
         if taken is not None:
-            choices, version = taken
+            (choices, newest), version = taken
         else:
             choices, version = self._request_from_fleet(prompts), self.sync_count
+            newest = version
         if self.prefetcher is not None:
             self.prefetcher.submit_upcoming(self.sync_count)
-        self.last_versions = [version] * len(choices)
+        self.last_versions = [version] * len(choices)  # the weights of each completion's first token
+        self.last_version_spans = [(version, newest)] * len(choices)  # ... and of its last at the newest
         completion_ids, logprobs, logprob_ids = [], [], []
         for choice in choices:
             completion_ids.append(choice["token_ids"])
@@ -254,8 +266,20 @@ class ServerRolloutGeneration(VLLMGeneration):
         more, by every rank, after the fleet has a server serving again: one can pass the fleet's check and die
         before the weights reach it (its restart is then waited for, not taken for the end of the run)."""
         version = f"{VERSION_PREFIX}{self._run_id}-{self.sync_count + 1}"
-        if self.prefetcher is not None:  # each prefetched batch generated whole by the weights it is tagged with
-            self.prefetcher.settle()
+        if self.prefetcher is not None and not self.settings.streaming:
+            self.prefetcher.settle()  # "ordered": each prefetched batch generated whole by the weights of its tag
+        self._syncing = True
+        try:
+            self._sync_with_retry(version)
+        finally:
+            self._syncing = False
+        self.sync_count += 1
+        self.version = version
+        if self.weight_sync == "lora":
+            self.lora_name = version
+        self.client.version = version  # every rank routes only to servers on this version
+
+    def _sync_with_retry(self, version: str) -> None:
         try:
             self._sync_on_every_rank(version)
         except Exception as error:
@@ -266,11 +290,6 @@ class ServerRolloutGeneration(VLLMGeneration):
                 self._sync_on_every_rank(version)
             except Exception as again:
                 raise RolloutError(f"weight sync failed: {type(again).__name__}: {again}") from again
-        self.sync_count += 1
-        self.version = version
-        if self.weight_sync == "lora":
-            self.lora_name = version
-        self.client.version = version  # every rank routes only to servers on this version
 
     def _sync_on_every_rank(self, version: str) -> None:
         """One sync: every rank does its part (the parameter walk; the main process also sends), and a failure on

@@ -82,6 +82,7 @@ class RunNeeds:
     max_completion_length: int | None = None
     importance_sampling: bool = False  # the sampler's log-probs feed an importance-sampling correction
     sampling: dict = field(default_factory=dict)  # temperature, top_p, top_k, min_p, repetition_penalty
+    on_sampler_support: bool = False  # the trainer scores on the sampler's top-k/top-p/min-p support
     lora_config: object | None = None  # the policy's peft config (weight_sync="lora")
     vocab_size: int | None = None
     policy_path: str | None = None
@@ -167,6 +168,9 @@ def lora_refusals(config, max_rank: int | None) -> list[str]:
     return problems
 
 
+_TRUNCATION = ("top_p", "top_k", "min_p")
+
+
 def distorting_sampling(sampling: dict) -> list[str]:
     """The sampling settings under which raw log-probs are not the sampling distribution's."""
     found = []
@@ -231,6 +235,13 @@ def problems_of(report: ServerReport, needs: RunNeeds) -> tuple[list[str], list[
                 f"{url}: runs with --logprobs-mode {report.logprobs_mode}, which biases the importance-sampling "
                 f"correction once sampling is not neutral. Fix: {LOGPROBS_FIX}"
             )
+    truncation = [name for name in distorting_sampling(needs.sampling) if name.split("=")[0] in _TRUNCATION]
+    if needs.importance_sampling and truncation and not needs.on_sampler_support:
+        warnings.append(
+            f"{url}: with {', '.join(truncation)} vLLM's log-probs are renormalised over the tokens it keeps, and the "
+            "trainer scores the whole vocabulary: every importance ratio carries the kept mass (an unchanged policy's "
+            "is below 1). Fix: logprobs_on_sampler_support=True"
+        )
     return errors, warnings
 
 

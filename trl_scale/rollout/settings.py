@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..scoring.sampler_support import SamplerSupport
+
 WeightSyncName = Literal["auto", "nccl", "shared_dir", "lora"]
 
 
@@ -20,6 +22,8 @@ class RolloutSettings:
     require_logprobs: bool = False  # they feed an importance-sampling correction: a server without them is an error
     managed: bool = False  # this run manages its servers: a failed sync is tried once more after a restart
     run_id: str = ""  # names the weight versions and adapters of this run (the same on every rank)
+    on_sampler_support: bool = False  # the trainer scores its log-probs on the sampler's truncated support
+    streaming: bool = False  # async_rollout_mode="streaming": syncs land between decoding steps (pause "keep")
 
     @classmethod
     def from_config(cls, args, *, logprobs: bool, require_logprobs: bool, run_id: str) -> RolloutSettings:
@@ -47,4 +51,6 @@ class RolloutSettings:
             require_logprobs=require_logprobs,
             managed=bool(args.managed_servers),
             run_id=run_id,
+            on_sampler_support=SamplerSupport.from_config(args) is not None,
+            streaming=getattr(args, "async_rollout_mode", "ordered") == "streaming",
         )

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .logprob_head import DEFAULT_LOGPROB_CHUNK_SIZE, chunked_logprobs, gathered_lm_head, logit_transform_of
 from .packing import pack_padded_batch, packed_forward_kwargs, unpack
+from .sampler_support import SamplerSupport, kept_log_mass
 from .support import packing_support, use_packing
 
 # Keyword arguments a packable call may carry besides input_ids/attention_mask/labels.
@@ -66,16 +67,19 @@ class ScoringSettings:
     logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK_SIZE
     temperature: float = 1.0
     cast_lm_head_to_fp32: bool = False
+    sampler_support: SamplerSupport | None = None  # log-probs on the sampler's support (see `sampler_support`)
 
     @classmethod
     def from_config(cls, args, temperature: float = 1.0) -> ScoringSettings:
-        """From a trl-scale config (`ScoringArguments` fields; GRPO's `cast_lm_head_to_fp32` where it has one)."""
+        """From a trl-scale config (`ScoringArguments` fields; GRPO's `cast_lm_head_to_fp32` where it has one; an
+        online trainer's sampling truncation where `logprobs_on_sampler_support` asks for it)."""
         return cls(
             padding_free=args.padding_free,
             token_budget=args.token_budget,
             logprob_chunk_size=args.logprob_chunk_size,
             temperature=temperature,
             cast_lm_head_to_fp32=getattr(args, "cast_lm_head_to_fp32", False),
+            sampler_support=SamplerSupport.from_config(args),
         )
 
 
@@ -129,57 +133,74 @@ def packed_backbone_forward(backbone, input_ids, attention_mask, token_budget: i
 
 def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items_in_batch):
     """The packed equivalent of TRL's ``_fused_forward`` for a padded batch; returns a ``FusedCausalLMOutput``."""
-    from trl.trainer.utils import FusedCausalLMOutput
-
     batch_size, seq_len = input_ids.shape
     # TRL scores hidden[:, t] against labels[:, t + 1]; in the padded layout, position t's label is the next column.
     shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
     packed, outputs, anchor = packed_backbone_forward(
         model.base_model, input_ids, attention_mask, config.settings.token_budget
     )
+    pieces = [(micro_batch.flat_index, hidden) for micro_batch, hidden in outputs]
+    config.stats.padded_tokens += batch_size * seq_len
+    config.stats.real_tokens += packed.num_real_tokens
+    config.stats.forwarded_tokens += packed.forwarded_tokens
+    config.stats.micro_batches += len(packed.micro_batches)
+    config.stats.calls += 1
+    return _scored_output(model, config, pieces, shift_labels, anchor, num_items_in_batch, record=True)
+
+
+def padded_fused_forward(model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items_in_batch):
+    """TRL's padded forward (the backbone as TRL calls it), scored by the chunked head with the settings' sampler
+    support: the calls packing cannot take, when log-probs must be on the sampler's support."""
+    batch_size, seq_len = input_ids.shape
+    shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    flat_index = torch.arange(batch_size * seq_len, device=input_ids.device)
+    pieces = [(flat_index, hidden.reshape(batch_size * seq_len, -1))]
+    return _scored_output(model, config, pieces, shift_labels, None, num_items_in_batch)
+
+
+def _scored_output(
+    model, config: PackedScoringConfig, pieces, shift_labels, anchor, num_items_in_batch, record: bool = False
+):
+    """Score the labelled tokens of ``pieces`` (``(flat index into [B, T], hidden [n, H])``) with the chunked head
+    and lay the fields out as TRL's fused forward returns them (``[B, T-1]``)."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    batch_size, seq_len = shift_labels.shape
+    settings = config.settings
     softcap, logit_scale = logit_transform_of(model.config)
     lm_head = model.get_output_embeddings()
     # TRL's head options: the fp32 head runs on upcast hidden states outside autocast (`cast_lm_head_to_fp32`).
     head_autocast = nullcontext()
-    if config.settings.cast_lm_head_to_fp32:
+    if settings.cast_lm_head_to_fp32:
         head_autocast = torch.autocast(lm_head.weight.device.type, enabled=False)
 
     names = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
     collected: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     indices: list[torch.Tensor] = []
     with gathered_lm_head(lm_head) as (weight, bias), head_autocast:
-        for micro_batch, hidden in outputs:
-            targets = shift_labels.reshape(-1)[micro_batch.flat_index]
+        for flat_index, hidden in pieces:
+            targets = shift_labels.reshape(-1)[flat_index]
             scored = targets != -100
             if not scored.any():
                 anchor = hidden.sum() * 0.0 if anchor is None else anchor + hidden.sum() * 0.0
                 continue
             hidden = hidden[scored].to(weight.device)
-            if config.settings.cast_lm_head_to_fp32:
+            if settings.cast_lm_head_to_fp32:
                 hidden = hidden.float()
-            per_token = chunked_logprobs(
-                hidden,
-                weight,
-                bias,
-                targets[scored],
-                config.settings.temperature,
-                config.settings.logprob_chunk_size,
-                softcap,
-                logit_scale,
-                config.outputs,
-            )
+            head = (settings.temperature, settings.logprob_chunk_size, softcap, logit_scale)
+            per_token = list(chunked_logprobs(hidden, weight, bias, targets[scored], *head, config.outputs))
+            if settings.sampler_support is not None:
+                mass = kept_log_mass(hidden, weight, bias, targets[scored], settings.sampler_support, *head)
+                per_token[0] = per_token[0] - mass.to(per_token[0].dtype)
             for name, value in zip(names, per_token):
                 if value is not None:
                     collected[name].append(value)
-            indices.append(micro_batch.flat_index[scored])
-            config.stats.tokens_per_micro_batch.append(micro_batch.flat_index.numel())
-    config.stats.padded_tokens += batch_size * seq_len
-    config.stats.real_tokens += packed.num_real_tokens
-    config.stats.forwarded_tokens += packed.forwarded_tokens
-    config.stats.micro_batches += len(packed.micro_batches)
-    config.stats.calls += 1
+            indices.append(flat_index[scored])
+            if record:  # packing's figures
+                config.stats.tokens_per_micro_batch.append(flat_index.numel())
 
-    flat_index = torch.cat(indices) if indices else input_ids.new_zeros(0)
+    flat_index = torch.cat(indices) if indices else shift_labels.new_zeros(0)
     fields = {}
     for name in names:
         if name != "log_probs" and name not in config.outputs:
@@ -187,7 +208,7 @@ def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attentio
             continue
         values = torch.cat(collected[name]) if collected[name] else weight.new_zeros(0, dtype=torch.float32)
         if name == "is_top1":
-            full = torch.zeros(batch_size * seq_len, dtype=torch.bool, device=input_ids.device)
+            full = torch.zeros(batch_size * seq_len, dtype=torch.bool, device=shift_labels.device)
             full[flat_index] = values
             fields[name] = full.view(batch_size, seq_len)[:, :-1]
         else:
@@ -212,7 +233,8 @@ def install_packed_scoring(
     ``token_budget=10``). Returns the live config (its ``stats`` collect padding figures), or None where packing is
     not exact for this model (TRL's forward stays; see :func:`.support.use_packing`)."""
     settings = dataclasses.replace(settings or ScoringSettings(), **fields)
-    if not use_packing(model.base_model, settings.padding_free):
+    on_support = settings.sampler_support is not None
+    if not on_support and not use_packing(model.base_model, settings.padding_free):
         return None
     trl_forward = model.forward
     config = PackedScoringConfig(settings, tuple(outputs), stats or PackingStats())
@@ -222,7 +244,7 @@ def install_packed_scoring(
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
         input_ids = kwargs.get("input_ids")
         attention_mask = kwargs.get("attention_mask")
-        packable = (
+        padded_call = (
             fused_lm_head
             and not args
             and labels is not None
@@ -233,24 +255,40 @@ def install_packed_scoring(
             and attention_mask.dim() == 2
             and set(kwargs) - {"input_ids", "attention_mask"} <= _PACKABLE_KWARGS
             and kwargs.get("use_cache") in (None, False)
-            and use_packing(self.base_model, config.settings.padding_free, probe_now=True, width=input_ids.size(1))
         )
-        if not packable:
-            if fused_lm_head:
-                config.stats.fallbacks += 1
-            return trl_forward(
-                *args,
-                fused_lm_head=fused_lm_head,
-                labels=labels,
-                shift_labels=shift_labels,
-                num_items_in_batch=num_items_in_batch,
-                **kwargs,
-            )
-        return packed_fused_forward(self, config, input_ids, attention_mask, labels, num_items_in_batch)
+        width = input_ids.size(1) if padded_call else 0
+        if padded_call and use_packing(self.base_model, config.settings.padding_free, probe_now=True, width=width):
+            return packed_fused_forward(self, config, input_ids, attention_mask, labels, num_items_in_batch)
+        if padded_call and on_support:
+            return padded_fused_forward(self, config, input_ids, attention_mask, labels, num_items_in_batch)
+        if fused_lm_head:
+            config.stats.fallbacks += 1
+            if on_support:
+                _warn_off_support_once()
+        return trl_forward(
+            *args,
+            fused_lm_head=fused_lm_head,
+            labels=labels,
+            shift_labels=shift_labels,
+            num_items_in_batch=num_items_in_batch,
+            **kwargs,
+        )
 
     model.forward = types.MethodType(forward, model)
     model._trl_scale_packed_scoring = config
     return config
+
+
+@functools.cache
+def _warn_off_support_once() -> None:
+    from ..logs import get_logger
+
+    get_logger(__name__).warning(
+        "a scoring call with inputs the chunked head cannot take (images, precomputed embeddings, position_ids) "
+        "went to TRL's forward: its log-probs cover the whole vocabulary, not the sampler's top-k/top-p/min-p "
+        "support, so its importance ratios carry the kept mass. Set logprobs_on_sampler_support=False to silence "
+        "this, or sample without truncation"
+    )
 
 
 def token_scores(

@@ -18,7 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from ...logs import get_logger
 from ..client import RolloutClient, RolloutError, ServerState
@@ -48,6 +48,9 @@ class SyncSettings:
     timeout: float = 120.0  # weight_sync_timeout: control calls, and each broadcast collective
     weight_dir: WeightDirectory | None = None  # shared_dir / lora: where this run writes (the main process's)
     backend: str | None = None  # nccl: the servers' weight-transfer engine
+    # "wait": a sync drains the running generations first (each finishes with the weights it started with);
+    # "keep": it freezes them between two decoding steps, and they go on with the new weights (streaming rollout)
+    pause_mode: Literal["wait", "keep"] = "wait"
 
 
 class WeightSyncMode(ABC):
@@ -76,10 +79,11 @@ class WeightSyncMode(ABC):
     # ---- shared steps -----------------------------------------------------------------------------------
 
     def _paused(self, servers: list[ServerState], work: Callable[[list[ServerState]], object]):
-        """`/pause?mode=wait`, `work(paused servers)`, then `/resume` on every paused server, also when the work
-        failed. "wait" lets the generations a server has started finish with the weights they started with (vLLM's
-        "keep" would freeze them and finish them with the new weights: completions sampled from two versions, and
-        which tokens came from which depends on timing); requests not yet admitted wait for the resume."""
+        """`/pause`, `work(paused servers)`, then `/resume` on every paused server, also when the work failed.
+        "wait" lets the generations a server has started finish with the weights they started with; "keep" freezes
+        them and they finish with the new weights (a completion sampled from two versions, each token's sampler
+        log-prob that of the weights that drew it; which tokens came from which depends on timing). Requests not yet
+        admitted wait for the resume either way."""
         timeout = self.settings.timeout
         refused = self.client.each(servers, self._pause, timeout)
         paused = [s for s in servers if s.url not in refused]
@@ -89,13 +93,29 @@ class WeightSyncMode(ABC):
             self.client.each(paused, lambda s: self.client.post(s, "/resume", timeout), timeout)
 
     def _pause(self, server: ServerState) -> None:
+        if self.settings.pause_mode == "keep":  # returns between two decoding steps
+            self.client.post(server, "/pause?mode=keep", self.settings.timeout)
+            return
         # It returns once the server's running generations have finished: bounded as one generation is.
         generation = self.client.generation_timeout
         self.client.post(server, "/pause?mode=wait", None if generation is None else 30.0 + generation)
 
     def _reset_prefix_cache(self, server: ServerState) -> None:
-        # vLLM V1 keeps prefix caching on: blocks computed with the old weights must not be reused.
-        self.client.post(server, "/reset_prefix_cache", self.settings.timeout)
+        """vLLM V1 keeps prefix caching on: blocks computed with the old weights must not be reused. Generations
+        frozen by a "keep" pause hold blocks, and vLLM refuses the reset while any are held (`success: false`): they
+        are preempted instead, and re-prefilled with the new weights on resume, their tokens so far kept."""
+        keep = self.settings.pause_mode == "keep"
+        path = "/reset_prefix_cache?reset_running_requests=true" if keep else "/reset_prefix_cache"
+        response = self.client.post(server, path, self.settings.timeout)
+        try:
+            success = response.json().get("success", True)
+        except (ValueError, AttributeError):  # an older server answers with no body
+            success = True
+        if success is False:
+            raise RolloutError(
+                f"{server.url}: vLLM did not reset its prefix cache after the weight change (blocks still held), so "
+                "new requests could reuse keys and values of the old weights"
+            )
 
     def _finish(self, what: str, version: str, took: list[ServerState], failed: dict[str, str]) -> None:
         """Record the new version; servers that did not take it stay out of the rotation until a sync does."""
