@@ -5,6 +5,7 @@ batches come from requests sent while the trainer trained, and training still le
 import time
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 import trl_scale
@@ -69,6 +70,11 @@ def test_no_trained_completion_is_older_than_the_bound(servers, tiny_llama, tmp_
     # Nothing generated past the last step: every request sent was trained on, none is left running.
     assert not prefetcher.in_flight and prefetcher.served_from_prefetch + prefetcher.generated_now == generations
     assert len(step_logs(trainer, ("loss",))) == 6
+    # the correction's ratios before TRL clips them are logged beside TRL's clipped ones (stale batches: not all 1)
+    raw_max, clipped_max = "sampling/importance_sampling_ratio_raw/max", "sampling/importance_sampling_ratio/max"
+    logs = [log for log in step_logs(trainer, (raw_max, clipped_max)) if log]  # the steps that generated
+    assert len(logs) == generations and all(log[raw_max] >= log[clipped_max] - 1e-6 for log in logs)
+    assert any(abs(log[raw_max] - 1.0) > 1e-3 for log in logs)
 
 
 def _delayed(send, seconds: float):
@@ -182,22 +188,76 @@ def test_ppo_trains_on_prefetched_rollouts_within_the_bound(servers, tiny_llama,
 
 
 def test_stale_completions_without_an_off_policy_correction_are_refused(tmp_path):
-    """RLOO (TRL recomputes its old log-probs with the current weights: ratio 1 whatever the sampler) and GRPO with
-    the importance-sampling correction off would train prefetched completions uncorrected."""
+    """GRPO or RLOO with the importance-sampling correction off would train prefetched completions uncorrected."""
     import trl_scale
 
     server = dict(
         use_vllm=True, vllm_mode="server", vllm_server_base_urls=["http://127.0.0.1:1"], use_cpu=True, bf16=False
     )
-    with pytest.raises(
-        ValueError, match="RLOO trains prefetched .* no off-policy correction.*async_rollout_staleness=0"
-    ):
-        trl_scale.RLOOConfig(output_dir=str(tmp_path), async_rollout_staleness=1, **server)
-    with pytest.raises(ValueError, match="vllm_importance_sampling_correction=False nothing corrects"):
-        trl_scale.GRPOConfig(
-            output_dir=str(tmp_path), async_rollout_staleness=1, vllm_importance_sampling_correction=False, **server
-        )
-    trl_scale.GRPOConfig(output_dir=str(tmp_path), async_rollout_staleness=1, **server)  # corrected: accepted
+    for config_cls in (trl_scale.GRPOConfig, trl_scale.RLOOConfig):
+        with pytest.raises(ValueError, match="vllm_importance_sampling_correction=False nothing corrects"):
+            config_cls(
+                output_dir=str(tmp_path),
+                async_rollout_staleness=1,
+                vllm_importance_sampling_correction=False,
+                **server,
+            )
+        config_cls(output_dir=str(tmp_path), async_rollout_staleness=1, **server)  # corrected: accepted
+    with pytest.raises(ValueError, match="RLOO's loss is per sequence. Fix: 'sequence_mask' or 'sequence_truncate'"):
+        trl_scale.RLOOConfig(output_dir=str(tmp_path), vllm_importance_sampling_mode="token_truncate", **server)
+    # a synchronous RLOO run asks the servers for no log-probs and corrects nothing: TRL's numbers
+    assert not trl_scale.RLOOConfig(output_dir=str(tmp_path), **server).corrects_sampler_logprobs
+
+
+def test_rloo_async_weights_each_sequence_by_its_importance_ratio(servers, tiny_llama, tmp_path, monkeypatch):
+    """TRL's RLOO has no off-policy correction; trl-scale's weights each prefetched sequence's loss by
+    exp(old_logps - sum of the servers' log-probs of its tokens), truncated at clip_max, by scaling its advantage
+    (exactly the loss's weight: RLOO's per-sequence loss is linear in a positive factor of the advantage). Red when
+    the correction is skipped or the ratio inverted; stale batches make some weights differ from 1."""
+    import trl
+
+    seen = []
+    score = trl.RLOOTrainer._generate_and_score_completions
+
+    def recording(self, inputs):
+        batch = score(self, inputs)  # TRL's batch, before trl-scale's correction
+        seen.append((batch["advantages"].clone(), list(self.vllm_generation.last_sampler_logprobs)))
+        return batch
+
+    monkeypatch.setattr(trl.RLOOTrainer, "_generate_and_score_completions", recording)
+    trainer = server_rloo_or_ppo(
+        "rloo",
+        tiny_llama,
+        tmp_path,
+        [s.url for s in servers],
+        max_steps=5,
+        learning_rate=3e-2,  # the policy moves between syncs: prefetched batches are visibly stale
+        async_rollout_staleness=1,
+        vllm_importance_sampling_mode="sequence_truncate",
+        generation_kwargs={"seed": 0},
+    )
+    corrected = []
+    outer = trainer._generate_and_score_completions
+
+    def keep(inputs):
+        batch = outer(inputs)
+        corrected.append({k: batch[k].clone() for k in ("advantages", "old_logps", "completion_mask")})
+        return batch
+
+    trainer._generate_and_score_completions = keep
+    trainer.train()
+    assert len(seen) == len(corrected) == 5
+    weights = []
+    for (advantages, sampler), batch in zip(seen, corrected):
+        mask = batch["completion_mask"]
+        sampling = torch.zeros(mask.shape)
+        for i, values in enumerate(sampler):
+            sampling[i, : len(values)] = torch.tensor(values[: mask.size(1)])
+        expected = torch.exp(batch["old_logps"] - (sampling * mask).sum(1)).clamp(max=3.0)
+        assert torch.allclose(batch["advantages"], advantages * expected, atol=1e-6)
+        weights.append(expected)
+    assert max((w - 1).abs().max().item() for w in weights) > 1e-2  # stale batches were corrected ...
+    assert (weights[0] - 1).abs().max() < 1e-3  # ... and the first, generated on-policy, was not
 
 
 def test_streaming_mode_is_refused_where_nothing_would_stream(tmp_path):

@@ -419,15 +419,28 @@ def _stream_completion(url: str, body: dict, received: list, first_token) -> Non
                 first_token.set()
 
 
-def test_a_keep_sync_lands_between_decoding_steps_of_a_running_request(fleet, rl_urls, tmp_path):
-    """Syncs that do not drain (`pause_mode="keep"`), against real vLLM, the order forced: a long request is running
-    (its first tokens streamed back) when the sync pauses the server, loads other weights and resumes. The request
-    is not waited for and not lost: it finishes with its first tokens sampled from the old weights and the rest from
-    the new ones, each token's sampler log-prob that of the weights that drew it (the frozen request's keys and
-    values recomputed with the new weights: the prefix-cache reset preempts it). Red with "wait" (the request
-    finishes on the old weights) or without the preemption (stale keys and values: the tail matches neither)."""
+def _sync_during_a_request(url: str, body: dict, sync) -> list:
+    """A streamed request, and ``sync()`` as soon as its first token is back; the request's (token, log-prob)
+    pairs, every one of them (nothing lost)."""
     import threading
 
+    received, first_token = [], threading.Event()
+    reader = threading.Thread(target=_stream_completion, args=(url, body, received, first_token))
+    reader.start()
+    assert first_token.wait(120)
+    sync()
+    reader.join(300)
+    assert len(received) == body["max_tokens"], len(received)
+    return received
+
+
+def test_a_keep_sync_lands_between_decoding_steps_of_a_running_request(fleet, rl_urls, tmp_path):
+    """Syncs that do not drain (`pause_mode="keep"`), against real vLLM: a long request is running (its first
+    tokens streamed back) when the sync pauses the server, loads other weights and resumes. The request is not
+    waited for and not lost: it finishes with its first tokens sampled from the old weights and the rest from the
+    new ones, each token's sampler log-prob that of the weights that drew it. A try whose request finished before
+    the sync's pause (every token the old weights') is tried again; with "wait" every try is such a one, and the
+    test fails."""
     from transformers import AutoModelForCausalLM
 
     from trl_scale.rollout.weight_sync import SyncSettings
@@ -443,42 +456,41 @@ def test_a_keep_sync_lands_between_decoding_steps_of_a_running_request(fleet, rl
     body = {
         "model": served_models(fleet.a.url)[0],
         "prompt": [PROBE],
-        "max_tokens": 200,
+        "max_tokens": 240,
         "ignore_eos": True,
         "temperature": 1.0,
-        "seed": 0,
         "logprobs": 0,
         "return_tokens_as_token_ids": True,
     }
-    received, first_token = [], threading.Event()
-    reader = threading.Thread(target=_stream_completion, args=(fleet.a.url, body, received, first_token))
-    reader.start()
-    assert first_token.wait(120)
-    # Frozen at once, between two decoding steps (the sync's own pause would come only after its client's checks,
-    # by which time a fast server may have finished the request); the sync's resume releases it.
-    requests.post(f"{fleet.a.url}/pause?mode=keep", timeout=30).raise_for_status()
-    client = RolloutClient([fleet.a.url])
-    try:
-        SharedDirSync(client, SyncSettings(timeout=120, pause_mode="keep")).reload(str(tmp_path / "new"), "v-keep")
-    finally:
-        client.close()
-    reader.join(300)
-    assert len(received) == 200, len(received)
 
-    tokens = [token for token, _ in received]
-    sampler = torch.tensor([value for _, value in received], dtype=torch.float64)
-    ids = torch.tensor([PROBE + tokens])
-
-    def logprobs(model) -> torch.Tensor:
+    def off(model, tokens, sampler) -> torch.Tensor:
+        ids = torch.tensor([PROBE + tokens])
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0, len(PROBE) - 1 : -1].double()
-        return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        return (logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0] - sampler).abs()
 
-    off_old, off_new = (logprobs(old) - sampler).abs(), (logprobs(new) - sampler).abs()
-    switch = int((off_old > 1e-4).nonzero()[0]) if (off_old > 1e-4).any() else len(tokens)
-    assert 1 <= switch < len(tokens), (switch, off_old[:5], off_new[:5])  # tokens from both versions
-    assert off_old[:switch].max() <= 1e-4  # the first ones: the old weights'
-    assert off_new[switch:].max() <= 1e-4, off_new[switch:].max()  # the rest: the new weights'
+    client = RolloutClient([fleet.a.url])
+    sync = SharedDirSync(client, SyncSettings(timeout=120, pause_mode="keep"))
+    try:
+        for attempt in range(4):
+            sync.reload(fleet.model_path, f"v-old-{attempt}")  # each try starts on the old weights
+            received = _sync_during_a_request(
+                fleet.a.url,
+                dict(body, seed=attempt),
+                lambda attempt=attempt: sync.reload(str(tmp_path / "new"), f"v-new-{attempt}"),
+            )
+            tokens = [token for token, _ in received]
+            sampler = torch.tensor([value for _, value in received], dtype=torch.float64)
+            off_old, off_new = off(old, tokens, sampler), off(new, tokens, sampler)
+            if (off_old > 1e-4).any():
+                break
+        else:
+            pytest.fail("in 4 tries no sync landed while the request was running: each finished on the old weights")
+    finally:
+        client.close()
+    switch = int((off_old > 1e-4).nonzero()[0])
+    assert switch >= 1, (off_old[:5], off_new[:5])  # tokens from both versions
+    assert off_new[switch:].max() <= 1e-4, off_new[switch:].max()  # after the first new-weight token, only those
 
 
 def test_a_streaming_run_trains_each_token_with_the_sampler_log_prob_of_its_weights(fleet, rl_urls, tmp_path):
@@ -552,3 +564,73 @@ def test_a_streaming_run_trains_each_token_with_the_sampler_log_prob_of_its_weig
             switch = int((old > 1e-4).nonzero()[0]) if (old > 1e-4).any() else len(old)
             # how many rows span two versions depends on timing (the test above forces one)
             assert switch == len(old) or (new[switch:] <= 1e-4).all(), (row, switch, old, new)
+
+
+def test_rloo_async_against_real_vllm_is_corrected_with_the_servers_log_probs(fleet, rl_urls, tmp_path, monkeypatch):
+    """RLOO with async rollout (TRL refuses nothing here; it has no correction at all): each prefetched sequence's
+    advantage is weighted by exp(old_logps - the sum of real vLLM's log-probs of its tokens), truncated at 3, and
+    those log-probs are the weights' it was sampled from (checked against a forward of that checkpoint)."""
+    import trl
+
+    seen = []
+    score = trl.RLOOTrainer._generate_and_score_completions
+
+    def recording(self, inputs):
+        batch = score(self, inputs)
+        generation = self.vllm_generation
+        seen.append((batch["advantages"].clone(), list(generation.last_sampler_logprobs), generation.last_versions))
+        return batch
+
+    monkeypatch.setattr(trl.RLOOTrainer, "_generate_and_score_completions", recording)
+    trainer = _trainer(
+        "rloo",
+        fleet.model_path,
+        tmp_path,
+        [fleet.a.url],
+        "shared_dir",
+        max_steps=4,
+        async_rollout_staleness=1,
+        vllm_importance_sampling_mode="sequence_truncate",
+    )
+    generation, checkpoints, corrected = trainer.vllm_generation, {}, []
+    sync = generation.sync_weights
+
+    def recording_sync():
+        sync()
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        checkpoints[generation.sync_count] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    generation.sync_weights = recording_sync
+    outer = trainer._generate_and_score_completions
+
+    def keep(inputs):
+        batch = outer(inputs)
+        corrected.append({k: v.clone() for k, v in batch.items() if torch.is_tensor(v)})
+        return batch
+
+    trainer._generate_and_score_completions = keep
+    trainer.train()
+    assert len(seen) == len(corrected) == 4
+
+    from transformers import AutoModelForCausalLM
+
+    sampler_model = AutoModelForCausalLM.from_pretrained(fleet.model_path, dtype=torch.float32)
+    moved = 0.0
+    for (advantages, sampler, versions), batch in zip(seen, corrected):
+        mask = batch["completion_mask"]
+        sampling = torch.zeros(mask.shape)
+        for i, values in enumerate(sampler):
+            sampling[i, : len(values)] = torch.tensor(values[: mask.size(1)])
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        attention = torch.cat([batch["prompt_mask"], mask], 1)
+        sampler_model.load_state_dict(checkpoints[versions[0]])
+        with torch.no_grad():
+            logits = sampler_model(
+                input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0)
+            ).logits[:, -mask.size(1) - 1 : -1]
+        drawn = logits.log_softmax(-1).gather(2, batch["completion_ids"][..., None])[..., 0]
+        assert ((drawn - sampling) * mask).abs().max() <= 1e-4  # the servers' log-probs: of the tagged weights
+        expected = torch.exp(batch["old_logps"] - (sampling * mask).sum(1)).clamp(max=3.0)
+        assert torch.allclose(batch["advantages"], advantages * expected, atol=1e-6)
+        moved = max(moved, (expected - 1).abs().max().item())
+    assert moved > 1e-3  # stale batches got weights other than 1

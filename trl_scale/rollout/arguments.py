@@ -79,15 +79,15 @@ class RolloutArguments:
     async_rollout_staleness (`int`, defaults to `0`):
         0: generate each batch when it is needed (synchronous, TRL's behaviour). k ≥ 1: the servers generate the
         next k generation batches while the trainer trains; no completion is trained on more than k weight syncs
-        after the weights it was sampled from, and TRL's vLLM importance-sampling correction (GRPO, PPO) corrects
-        the off-policy gap. A sync happens once per generation batch, so with `steps_per_generation` × epochs
-        optimizer steps per batch, k syncs are k × that many optimizer steps. Needs
-        `vllm_importance_sampling_correction=True`; RLOO, which TRL gives no such correction, refuses it.
+        after the weights it was sampled from, and the vLLM importance-sampling correction (TRL's for GRPO and PPO,
+        trl-scale's per-sequence one for RLOO) corrects the off-policy gap. A sync happens once per generation batch,
+        so with `steps_per_generation` × epochs optimizer steps per batch, k syncs are k × that many optimizer steps.
+        Needs `vllm_importance_sampling_correction=True`.
     async_rollout_mode (`str`, defaults to `"ordered"`): with `async_rollout_staleness ≥ 1`, how a weight sync meets
         the generations in flight. `"ordered"`: it waits for them (every prefetched batch is generated whole by the
         weights it is tagged with: a run's numbers do not depend on timing). `"streaming"`: it does not drain; the
         servers pause between two decoding steps (vLLM's `/pause?mode=keep`), load the new weights, and the running
-        generations go on with them (their keys and values recomputed), so a completion may hold tokens of two
+        generations go on with them (measured against real vLLM), so a completion may hold tokens of two
         versions, each with the sampler log-prob of the weights that drew it (what the correction uses), and the
         sync never waits for the longest answer. A completion is still never trained more than k syncs after its
         first token. Not with `weight_sync="lora"` (a running generation keeps the adapter it started with).
@@ -181,7 +181,7 @@ class RolloutArguments:
             "help": "0: synchronous rollout. k >= 1: the servers generate the next k generation batches while the "
             "trainer trains; a completion is trained on at most k weight syncs after the weights it was sampled from "
             "(one sync per generation batch: k x steps_per_generation x epochs optimizer steps), importance-sampling "
-            "corrected (GRPO, PPO; RLOO refuses it)."
+            "corrected (TRL's correction for GRPO and PPO, trl-scale's per-sequence one for RLOO)."
         },
     )
     async_rollout_mode: Literal["ordered", "streaming"] = field(
@@ -397,16 +397,50 @@ class RolloutArguments:
                     "weight_sync='shared_dir' / 'nccl'"
                 )
         if self.async_rollout_staleness:
-            if not hasattr(self, "vllm_importance_sampling_correction"):  # RLOO
-                raise ValueError(
-                    f"async_rollout_staleness={self.async_rollout_staleness}: RLOO trains prefetched (stale) "
-                    "completions with no off-policy correction (TRL's RLOO recomputes its old log-probs with the "
-                    "current weights, so its ratio starts at 1). Fix: async_rollout_staleness=0, or GRPOTrainer / "
-                    "PPOTrainer, whose vLLM importance-sampling correction covers it"
-                )
             if not self.vllm_importance_sampling_correction:
                 raise ValueError(
                     f"async_rollout_staleness={self.async_rollout_staleness} trains completions sampled from older "
                     "weights; with vllm_importance_sampling_correction=False nothing corrects for it. Fix: "
                     "vllm_importance_sampling_correction=True (default), or async_rollout_staleness=0"
                 )
+
+
+@dataclass
+class RLOOCorrectionArguments:
+    """RLOO's vLLM importance-sampling correction (TRL's RLOO has none): GRPO's fields, sequence modes only."""
+
+    FIELDS_DOC = """
+    > Off-policy correction (RLOO with `async_rollout_staleness ≥ 1`)
+
+    vllm_importance_sampling_correction (`bool`, defaults to `True`), vllm_importance_sampling_mode (`str`, defaults
+    to `"sequence_mask"`), vllm_importance_sampling_clip_min (`float` or `None`), vllm_importance_sampling_clip_max
+    (`float`, defaults to `3.0`): GRPO's fields and rules, per sequence (RLOO's loss is per sequence). TRL's RLOO
+    scores its old log-probs with the weights current at scoring time, the sampler's only when generation is
+    synchronous; with prefetched completions each sequence's loss is weighted by `exp(sum(old - sampling))`,
+    truncated (`"sequence_truncate"`) or zeroed outside the bounds (`"sequence_mask"`), from the servers' log-probs
+    of the sampled tokens. A synchronous run (staleness 0) is TRL's, unchanged.
+"""
+
+    vllm_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={"help": "RLOO with async rollout: weight each sequence's loss by old / sampler probability."},
+    )
+    vllm_importance_sampling_mode: Literal["sequence_mask", "sequence_truncate"] = field(
+        default="sequence_mask",
+        metadata={"help": "'sequence_mask' (weights outside the bounds set to 0) or 'sequence_truncate' (clamped)."},
+    )
+    vllm_importance_sampling_clip_min: float | None = field(default=None, metadata={"help": "Lower bound."})
+    vllm_importance_sampling_clip_max: float | None = field(default=3.0, metadata={"help": "Upper bound."})
+
+    @property
+    def corrects_sampler_logprobs(self) -> bool:
+        """The servers' log-probs feed this run's correction: only prefetched (stale) completions are corrected."""
+        return bool(self.vllm_importance_sampling_correction and getattr(self, "async_rollout_staleness", 0))
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.vllm_importance_sampling_mode not in ("sequence_mask", "sequence_truncate"):
+            raise ValueError(
+                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}: RLOO's loss is per sequence. "
+                "Fix: 'sequence_mask' or 'sequence_truncate'"
+            )

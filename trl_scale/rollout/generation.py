@@ -200,6 +200,7 @@ class ServerRolloutGeneration(VLLMGeneration):
     _syncing = False  # a weight sync is under way (streaming: running generations may reach its weights)
     last_versions: list[int] = []  # per completion of the last batch: the sync count its first token came from
     last_version_spans: list[tuple[int, int]] = []  # per completion: (first, newest possible) sync counts
+    last_sampler_logprobs: list[list[float]] = []  # per completion of the last batch: its tokens' sampler log-probs
 
     def generate(self, prompts, images=None, num_generations=1, profiler=None):
         """Each rank sends its own prompts. With async rollout, a batch prefetched at most `staleness` syncs ago
@@ -231,6 +232,8 @@ class ServerRolloutGeneration(VLLMGeneration):
                 [[v] for v in values] if values is not None else [[float("nan")] for _ in choice["token_ids"]]
             )
             logprob_ids.append([[t] for t in choice["token_ids"]])
+        # TRL's RLOO drops the log-probs `generate` returns: its trl-scale correction reads them here
+        self.last_sampler_logprobs = [[values[0] for values in row] for row in logprobs]
         return [list(p) for p in prompts], completion_ids, logprobs, logprob_ids
 
     def _check_fleet(self) -> None:

@@ -42,11 +42,10 @@ class SamplerSupport:
         request is built), when its log-probs feed the importance-sampling correction and
         `logprobs_on_sampler_support` is on; None otherwise. Refuses what changes the support in a way the trainer
         cannot repeat from its own logits (penalties that depend on the text so far, logit biases)."""
-        if not (
-            getattr(args, "logprobs_on_sampler_support", False)
-            and getattr(args, "use_vllm", False)
-            and getattr(args, "vllm_importance_sampling_correction", False)
-        ):
+        corrects = getattr(
+            args, "corrects_sampler_logprobs", getattr(args, "vllm_importance_sampling_correction", False)
+        )
+        if not (getattr(args, "logprobs_on_sampler_support", False) and getattr(args, "use_vllm", False) and corrects):
             return None
         sampling = {"top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p}
         sampling.update({k: v for k, v in (args.generation_kwargs or {}).items() if k in sampling})

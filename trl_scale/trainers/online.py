@@ -70,6 +70,41 @@ class OnlineTrainerMixin(
                 )
         return rewards_per_func
 
+    def _generate_and_score_completions(self, inputs):
+        batch = super()._generate_and_score_completions(inputs)
+        self._log_raw_importance_ratios(batch)
+        return batch
+
+    def _log_raw_importance_ratios(self, batch: dict) -> None:
+        """The correction's ratios before TRL clips them (`sampling/importance_sampling_ratio_raw/*`), the share
+        clipped, and the share of completions generated across a weight sync (streaming: tokens of two versions)."""
+        from ..rollout.correction import raw_ratio_statistics
+
+        if "importance_sampling_ratio" not in batch or "sampling_per_token_logps" not in batch:
+            return
+        mask = batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
+        stats = raw_ratio_statistics(
+            batch["old_per_token_logps"],
+            batch["sampling_per_token_logps"],
+            mask,
+            self.vllm_importance_sampling_mode,
+            self.vllm_importance_sampling_clip_min,
+            self.vllm_importance_sampling_clip_max,
+        )
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        if stats is not None:
+            gather = self.accelerator.gather
+            metrics["sampling/importance_sampling_ratio_raw/min"].append(gather(stats["min"]).min().item())
+            metrics["sampling/importance_sampling_ratio_raw/mean"].append(gather(stats["mean"]).mean().item())
+            metrics["sampling/importance_sampling_ratio_raw/max"].append(gather(stats["max"]).max().item())
+            metrics["sampling/importance_sampling_ratio/clipped_fraction"].append(
+                gather(stats["clipped"]).mean().item()
+            )
+        spans = getattr(getattr(self, "vllm_generation", None), "last_version_spans", None)
+        if spans:
+            spanning = torch.tensor(sum(first != newest for first, newest in spans) / len(spans), device=mask.device)
+            metrics["rollout/completions_overlapping_a_sync"].append(self.accelerator.gather(spanning).mean().item())
+
     def __init__(self, *args, **kwargs):
         arguments = trl_arguments(self, args, kwargs)
         model, config = arguments["model"], arguments.get("args")

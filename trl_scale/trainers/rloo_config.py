@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from trl import RLOOConfig as _TRLRLOOConfig
 
 from ..distributed.arguments import DistributedArguments
-from ..rollout.arguments import RolloutArguments
+from ..rollout.arguments import RLOOCorrectionArguments, RolloutArguments
 from ..scoring.arguments import ScoringArguments
 from .construction import config_docstring
 
 
 @dataclass
-class RLOOConfig(DistributedArguments, RolloutArguments, ScoringArguments, _TRLRLOOConfig):
-    __doc__ = config_docstring("RLOO", ScoringArguments, RolloutArguments, DistributedArguments)
+class RLOOConfig(RLOOCorrectionArguments, DistributedArguments, RolloutArguments, ScoringArguments, _TRLRLOOConfig):
+    __doc__ = config_docstring(
+        "RLOO", ScoringArguments, RolloutArguments, RLOOCorrectionArguments, DistributedArguments
+    )

@@ -59,8 +59,12 @@ class ServerRolloutMixin:
             generation_timeout=generation_timeout,
             load_timeout=args.weight_load_timeout,
         )
-        correction = bool(getattr(self, "vllm_importance_sampling_correction", False))  # GRPO, PPO; not RLOO
-        asks_logprobs = logprobs and hasattr(self, "vllm_importance_sampling_correction")  # as TRL: GRPO, not RLOO
+        # GRPO and PPO: TRL's correction (TRL asks for the log-probs whenever it has one); RLOO: trl-scale's, for
+        # prefetched completions only (a synchronous RLOO run asks for none, as TRL's)
+        correction = bool(
+            getattr(args, "corrects_sampler_logprobs", getattr(self, "vllm_importance_sampling_correction", False))
+        )
+        asks_logprobs = logprobs and (hasattr(self, "vllm_importance_sampling_correction") or correction)
         try:
             settings = RolloutSettings.from_config(
                 args, logprobs=asks_logprobs, require_logprobs=correction, run_id=run_id
