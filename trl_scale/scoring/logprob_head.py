@@ -45,6 +45,26 @@ def _logits(hidden, weight, bias, logit_scale, softcap, inv_t, compute_dtype, ou
     return z, softcap_grad
 
 
+def through_head(grad_z, sl, hidden, weight, transform, softcap_grad, grad_hidden, grad_weight, grad_bias) -> None:
+    """Carry one chunk's gradient with respect to its transformed logits ``z`` back through the transform
+    (temperature, softcap, logit scale) and the projection, into the hidden rows ``sl`` and the accumulated weight
+    and bias gradients (each None where not needed). ``transform``: ``(softcap, logit_scale, inv_t, compute_dtype)``,
+    as a head's forward saved them."""
+    _, logit_scale, inv_t, compute_dtype = transform
+    if inv_t != 1.0:
+        grad_z.mul_(inv_t)
+    if softcap_grad is not None:
+        grad_z.mul_(softcap_grad)
+    if logit_scale != 1.0:
+        grad_z.mul_(logit_scale)
+    if grad_hidden is not None:
+        grad_hidden[sl] = torch.mm(grad_z.to(compute_dtype), weight.to(compute_dtype)).to(hidden.dtype)
+    if grad_weight is not None:
+        grad_weight.addmm_(grad_z.t(), hidden[sl].to(grad_weight.dtype))
+    if grad_bias is not None:
+        grad_bias.add_(grad_z.sum(0))
+
+
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """sum(a * b, -1) without an [n, V] temporary."""
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
@@ -165,18 +185,7 @@ class ChunkedLogProbHead(torch.autograd.Function):
             else:
                 grad_z = p.mul_(g_lp.unsqueeze(1)).neg_()
             grad_z.scatter_add_(1, targets[sl].unsqueeze(1), g_lp.unsqueeze(1))
-            if inv_t != 1.0:
-                grad_z.mul_(inv_t)
-            if softcap_grad is not None:
-                grad_z.mul_(softcap_grad)
-            if logit_scale != 1.0:
-                grad_z.mul_(logit_scale)
-            if need_h:
-                grad_hidden[sl] = torch.mm(grad_z.to(compute_dtype), weight.to(compute_dtype)).to(hidden.dtype)
-            if need_w:
-                grad_weight.addmm_(grad_z.t(), hidden[sl].to(acc_dtype))
-            if need_b:
-                grad_bias.add_(grad_z.sum(0))
+            through_head(grad_z, sl, hidden, weight, ctx.args[1:], softcap_grad, grad_hidden, grad_weight, grad_bias)
         grad_weight = grad_weight.to(weight.dtype) if need_w else None
         grad_bias = grad_bias.to(bias.dtype) if need_b else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None

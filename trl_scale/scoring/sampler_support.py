@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .logprob_head import DEFAULT_LOGPROB_CHUNK_SIZE, _logits
+from .logprob_head import DEFAULT_LOGPROB_CHUNK_SIZE, _logits, through_head
 
 
 @dataclass(frozen=True)
@@ -159,18 +159,8 @@ class KeptLogMass(torch.autograd.Function):
                 keep = kept_tokens(z, support, targets[sl])
                 p_kept = (z - log_z_kept[sl].unsqueeze(1)).exp_().mul_(keep)
                 grad_z = p_kept.sub_(z.sub_(log_z[sl].unsqueeze(1)).exp_()).mul_(grad_mass[sl].unsqueeze(1))
-                if inv_t != 1.0:
-                    grad_z.mul_(inv_t)
-                if softcap_grad is not None:
-                    grad_z.mul_(softcap_grad)
-                if logit_scale != 1.0:
-                    grad_z.mul_(logit_scale)
-                if need_h:
-                    grad_hidden[sl] = torch.mm(grad_z.to(compute_dtype), weight.to(compute_dtype)).to(hidden.dtype)
-                if need_w:
-                    grad_weight.addmm_(grad_z.t(), hidden[sl].to(acc))
-                if need_b:
-                    grad_bias.add_(grad_z.sum(0))
+                transform = (softcap, logit_scale, inv_t, compute_dtype)
+                through_head(grad_z, sl, hidden, weight, transform, softcap_grad, grad_hidden, grad_weight, grad_bias)
         grad_weight = grad_weight.to(weight.dtype) if need_w else None
         grad_bias = grad_bias.to(bias.dtype) if need_b else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
