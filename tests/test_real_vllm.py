@@ -181,6 +181,42 @@ def test_every_sync_reaches_every_real_vllm_server(fleet, rl_urls, tmp_path, met
     assert moved > 100 * SYNC_TOLERANCE, moved
 
 
+def _record_run(trainer) -> tuple[dict, list]:
+    """Record, as `trainer` trains: the policy's weights after each sync (by sync count), and per generated batch its
+    tensors, each completion's first version and (first, newest) span, and the sync count it was trained at."""
+    generation = trainer.vllm_generation
+    checkpoints, batches = {}, []
+    sync, score = generation.sync_weights, trainer._generate_and_score_completions
+
+    def recording_sync():
+        sync()
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        checkpoints[generation.sync_count] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def recording_score(inputs):
+        batch = score(inputs)
+        tensors = {k: v.clone() for k, v in batch.items() if torch.is_tensor(v)}
+        spans = list(generation.last_version_spans)
+        batches.append((tensors, list(generation.last_versions), spans, generation.sync_count))
+        return batch
+
+    generation.sync_weights = recording_sync
+    trainer._generate_and_score_completions = recording_score
+    return checkpoints, batches
+
+
+def _drawn_logprobs(model, checkpoint: dict, batch: dict, temperature: float = 1.0) -> torch.Tensor:
+    """``[B, W]`` log-probs of a batch's completion tokens under ``checkpoint`` (the weights a server sampled with),
+    positions restarting per sequence as a server's do."""
+    model.load_state_dict(checkpoint)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0))
+    logits = logits.logits[:, -batch["completion_ids"].size(1) - 1 : -1] / temperature
+    return logits.log_softmax(-1).gather(2, batch["completion_ids"][..., None])[..., 0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["grpo", "ppo"])
 def test_sampler_logprobs_from_real_vllm_feed_the_importance_sampling_correction(fleet, rl_urls, tmp_path, method):
@@ -200,25 +236,9 @@ def test_sampler_logprobs_from_real_vllm_feed_the_importance_sampling_correction
         vllm_importance_sampling_mode="token_truncate",
     )
     generation = trainer.vllm_generation
-    checkpoints, batches = {}, []
-    sync = generation.sync_weights
-
-    def recording_sync():
-        sync()
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        checkpoints[generation.sync_count] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-    generation.sync_weights = recording_sync
-    score = trainer._generate_and_score_completions
-
-    def recording_score(inputs):
-        batch = score(inputs)
-        tensors = {k: v for k, v in batch.items() if torch.is_tensor(v)}
-        batches.append((tensors, list(generation.last_versions), generation.sync_count))
-        return batch
-
-    trainer._generate_and_score_completions = recording_score
+    checkpoints, recorded = _record_run(trainer)
     trainer.train()
+    batches = [(tensors, versions, current) for tensors, versions, _, current in recorded]
 
     from transformers import AutoModelForCausalLM
 
@@ -228,19 +248,12 @@ def test_sampler_logprobs_from_real_vllm_feed_the_importance_sampling_correction
     for batch, versions, current in batches:
         mask = batch["completion_mask"].bool()
         assert mask.any()
-        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-        positions = (attention.cumsum(1) - 1).clamp(min=0)
-        width = batch["completion_ids"].size(1)
         # A batch is sampled with the weights of its tag or newer (a prefetched request still queued when the next
         # sync starts waits for it), never older: each completion must match one checkpoint in that range.
-        candidates = []
-        for version in range(versions[0], current + 1):
-            sampler.load_state_dict(checkpoints[version])
-            with torch.no_grad():
-                logits = sampler(input_ids=ids, attention_mask=attention, position_ids=positions).logits
-            logits = logits[:, -width - 1 : -1] / 0.8
-            candidates.append(logits.log_softmax(-1).gather(2, batch["completion_ids"][..., None])[..., 0])
+        candidates = [
+            _drawn_logprobs(sampler, checkpoints[version], batch, temperature=0.8)
+            for version in range(versions[0], current + 1)
+        ]
         sampling = batch["sampling_per_token_logps"]
         errors = torch.stack([((sampling - c) * mask).abs().amax(1) for c in candidates])  # [versions, rows]
         best = errors.argmin(0)
@@ -512,53 +525,20 @@ def test_a_streaming_run_trains_each_token_with_the_sampler_log_prob_of_its_weig
         async_rollout_staleness=1,
         async_rollout_mode="streaming",
     )
-    generation = trainer.vllm_generation
-    checkpoints, batches = {}, []
-    sync = generation.sync_weights
-
-    def recording_sync():
-        sync()
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        checkpoints[generation.sync_count] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-    generation.sync_weights = recording_sync
-    score = trainer._generate_and_score_completions
-
-    def recording_score(inputs):
-        batch = score(inputs)
-        tensors = {k: v for k, v in batch.items() if torch.is_tensor(v)}
-        batches.append((tensors, list(generation.last_version_spans), generation.sync_count))
-        return batch
-
-    trainer._generate_and_score_completions = recording_score
+    checkpoints, recorded = _record_run(trainer)
     trainer.train()
+    batches = [(tensors, spans, current) for tensors, _, spans, current in recorded]
     assert trainer.state.global_step == 4 and len(batches) == 4
 
     from transformers import AutoModelForCausalLM
 
     sampler = AutoModelForCausalLM.from_pretrained(fleet.model_path, dtype=torch.float32)
-
-    def logprobs(version, ids, attention, width):
-        sampler.load_state_dict(checkpoints[version])
-        with torch.no_grad():
-            logits = sampler(input_ids=ids, attention_mask=attention, position_ids=positions(attention)).logits
-        return logits[:, -width - 1 : -1].log_softmax(-1)
-
-    def positions(attention):
-        return (attention.cumsum(1) - 1).clamp(min=0)
-
     for batch, spans, current in batches:
         first, newest = spans[0]
         assert current - first <= 1 and first <= newest <= first + 1  # never older than k = 1
-        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-        attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-        width = batch["completion_ids"].size(1)
-        tokens = batch["completion_ids"][..., None]
         sampled = batch["sampling_per_token_logps"]
-        off = {
-            v: (logprobs(v, ids, attention, width).gather(2, tokens)[..., 0] - sampled).abs() for v in {first, newest}
-        }
-        for row in range(ids.size(0)):
+        off = {v: (_drawn_logprobs(sampler, checkpoints[v], batch) - sampled).abs() for v in {first, newest}}
+        for row in range(sampled.size(0)):
             real = batch["completion_mask"][row].bool()
             old, new = off[first][row][real], off[newest][row][real]
             switch = int((old > 1e-4).nonzero()[0]) if (old > 1e-4).any() else len(old)
@@ -592,24 +572,9 @@ def test_rloo_async_against_real_vllm_is_corrected_with_the_servers_log_probs(fl
         async_rollout_staleness=1,
         vllm_importance_sampling_mode="sequence_truncate",
     )
-    generation, checkpoints, corrected = trainer.vllm_generation, {}, []
-    sync = generation.sync_weights
-
-    def recording_sync():
-        sync()
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        checkpoints[generation.sync_count] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-    generation.sync_weights = recording_sync
-    outer = trainer._generate_and_score_completions
-
-    def keep(inputs):
-        batch = outer(inputs)
-        corrected.append({k: v.clone() for k, v in batch.items() if torch.is_tensor(v)})
-        return batch
-
-    trainer._generate_and_score_completions = keep
+    checkpoints, recorded = _record_run(trainer)
     trainer.train()
+    corrected = [tensors for tensors, *_ in recorded]
     assert len(seen) == len(corrected) == 4
 
     from transformers import AutoModelForCausalLM
@@ -621,14 +586,7 @@ def test_rloo_async_against_real_vllm_is_corrected_with_the_servers_log_probs(fl
         sampling = torch.zeros(mask.shape)
         for i, values in enumerate(sampler):
             sampling[i, : len(values)] = torch.tensor(values[: mask.size(1)])
-        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-        attention = torch.cat([batch["prompt_mask"], mask], 1)
-        sampler_model.load_state_dict(checkpoints[versions[0]])
-        with torch.no_grad():
-            logits = sampler_model(
-                input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0)
-            ).logits[:, -mask.size(1) - 1 : -1]
-        drawn = logits.log_softmax(-1).gather(2, batch["completion_ids"][..., None])[..., 0]
+        drawn = _drawn_logprobs(sampler_model, checkpoints[versions[0]], batch)
         assert ((drawn - sampling) * mask).abs().max() <= 1e-4  # the servers' log-probs: of the tagged weights
         expected = torch.exp(batch["old_logps"] - (sampling * mask).sum(1)).clamp(max=3.0)
         assert torch.allclose(batch["advantages"], advantages * expected, atol=1e-6)
