@@ -1,0 +1,613 @@
+"""The GPU figures, stock TRL and trl-scale side by side in one run (one GPU, under 9 minutes).
+
+1. ``head``: the log-prob head, forward + backward, bf16, 8k and 32k tokens x hidden 1536 and 2048 x vocab 151,936:
+   peak memory above the inputs and time for TRL's fused Triton kernel, full logits (the pre-1.15 path: logits,
+   log-softmax, gather, entropy), trl-scale's head (``chunked_logprobs``, which dispatches to TRL's kernel on CUDA)
+   and trl-scale's torch head (what runs where Triton does not).
+2. ``scoring``: policy scoring (forward + backward, activation checkpointing as TRL's default) of a long-tailed
+   batch on a Qwen2-0.5B-shaped model built from a config (random weights, bf16), TRL's padded path vs trl-scale's
+   packed rows, per attention kernel present (sdpa, flex attention; flash varlen where ``flash_attn`` is
+   installed): real tokens/s, MFU, and packed = padded (bf16 ≤ 1e-2; fp32 on a small case ≤ 1e-5).
+3. ``e2e``: training steps with local generation (vLLM is not there): stock TRL's GRPOTrainer vs trl-scale's; and
+   trl-scale's PPOTrainer (TRL has none since 1.13) with packing off (TRL's padded path) vs on. Median step time
+   after a warm-up step, and ``ThroughputCallback``'s MFU (6 x parameters x tokens/s over the peak).
+
+MFU in (2) counts the useful FLOPs of the real tokens only: ``6 x body parameters x real tokens + 6 x vocab x hidden
+x scored tokens + 6 x layers x attention width x sum of squared sequence lengths`` (causal attention; the
+activation-checkpointing recompute not counted), over the H100's dense bf16 peak (989 TFLOP/s; the measured
+8192^3 bf16 matmul rate is printed beside it).
+
+Usage: python benchmarks/gpu.py [--smoke] [--parts head,scoring,e2e] [--out DIR] [--budget-s 510]
+``--smoke`` runs every part on CPU with tiny shapes in fp32 (CI runs it so that the script cannot rot). Each figure
+is one JSON line (also appended to DIR/gpu.jsonl); a markdown table of them comes last. How to run it on a lent GPU:
+README, "Measuring on a GPU" (``bash scripts/prepare_gpu.sh`` prints the command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling benchmarks (packing, e2e)
+
+H100_BF16_PEAK = 989e12  # dense, datasheet
+VOCAB = 151_936  # Qwen2/Qwen3's
+# Qwen2-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, tied embeddings).
+QWEN2_05B = dict(
+    hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2
+)
+
+
+@dataclass
+class Sizes:
+    """Shapes of one run: the GPU's by default, tiny ones for ``--smoke``."""
+
+    head_shapes: list[tuple[int, int]]  # (tokens, hidden)
+    head_vocab: int
+    model: dict
+    vocab: int
+    batch_size: int
+    max_prompt: int
+    max_completion: int
+    repeats: int
+    e2e_batch: int
+    e2e_generations: int
+    e2e_completion: int
+    e2e_prompt_words: tuple[int, int]
+    e2e_steps: int
+    dtype: str
+    attention: list[str] = field(default_factory=lambda: ["sdpa"])
+
+
+GPU_SIZES = Sizes(
+    head_shapes=[(8192, 1536), (8192, 2048), (32768, 1536), (32768, 2048)],
+    head_vocab=VOCAB,
+    model=QWEN2_05B,
+    vocab=VOCAB,
+    batch_size=16,
+    max_prompt=512,
+    max_completion=4096,
+    repeats=3,
+    e2e_batch=16,
+    e2e_generations=8,
+    e2e_completion=128,
+    e2e_prompt_words=(16, 512),
+    e2e_steps=3,
+    dtype="bfloat16",
+    attention=["sdpa", "flex_attention", "flash_attention_2"],
+)
+SMOKE_SIZES = Sizes(
+    head_shapes=[(96, 32)],
+    head_vocab=1000,
+    model=dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
+    vocab=1000,
+    batch_size=4,
+    max_prompt=16,
+    max_completion=32,
+    repeats=1,
+    e2e_batch=4,
+    e2e_generations=2,
+    e2e_completion=8,
+    e2e_prompt_words=(2, 24),
+    e2e_steps=2,
+    dtype="float32",
+)
+
+
+class Report:
+    """Collects figures: one JSON line each on stdout (and in ``out/gpu.jsonl``), a table at the end."""
+
+    def __init__(self, out_dir: str | None, device_name: str, deadline: float):
+        self.rows: list[dict] = []
+        self.path = os.path.join(out_dir, "gpu.jsonl") if out_dir else None
+        self.device_name = device_name
+        self.deadline = deadline
+
+    def add(self, figure: str, **values) -> dict:
+        row = {"benchmark": "gpu", "figure": figure, "device": self.device_name, **values}
+        self.rows.append(row)
+        line = json.dumps(row, default=_round)
+        print(line, flush=True)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
+        return row
+
+    def seconds_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def _round(value):
+    return round(value, 4) if isinstance(value, float) else str(value)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(fn: Callable[[], object], device, repeats: int) -> tuple[float, float | None]:
+    """(median seconds, peak MiB allocated above the level before the call) of ``fn`` after one warm-up call."""
+    import torch
+
+    fn()
+    _sync(device)
+    peak = None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    if device.type == "cuda":
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return statistics.median(times), peak
+
+
+def matmul_tflops(device) -> float | None:
+    """The bf16 8192^3 matmul rate, measured (None on CPU)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    seconds, _ = measure(lambda: a @ b, device, 10)
+    return 2 * 8192**3 / seconds / 1e12
+
+
+# ----------------------------------------------------------------------------------------------- 1. the head
+
+
+def head_variants() -> dict[str, Callable]:
+    """Each: (hidden, weight, targets) -> (logprobs, entropy), differentiable."""
+    import torch
+    from trl.kernels import ChunkedLogProbFunction
+    from trl.trainer import utils as trl_utils
+
+    from trl_scale.scoring import ChunkedLogProbHead, chunked_logprobs
+    from trl_scale.scoring.logprob_head import DEFAULT_LOGPROB_CHUNK_SIZE
+
+    def trl_fused(h, w, t):
+        chunk = trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE
+        return ChunkedLogProbFunction.apply(h, w, None, t, 1.0, chunk, None, 1.0, ("entropy",))[:2]
+
+    def full_logits(h, w, t):
+        logp_all = (h @ w.t()).float().log_softmax(-1)
+        return logp_all.gather(1, t[:, None])[:, 0], -(logp_all.exp() * logp_all).sum(-1)
+
+    def trl_scale_head(h, w, t):
+        return chunked_logprobs(h, w, None, t, 1.0, DEFAULT_LOGPROB_CHUNK_SIZE, None, 1.0, ("entropy",))[:2]
+
+    def trl_scale_torch_head(h, w, t):
+        chunk = DEFAULT_LOGPROB_CHUNK_SIZE
+        return ChunkedLogProbHead.apply(h, w, None, t, 1.0, chunk, None, 1.0, ("entropy",))[:2]
+
+    del torch
+    return {
+        "trl_fused": trl_fused,
+        "full_logits": full_logits,
+        "trl_scale": trl_scale_head,
+        "trl_scale_torch_head": trl_scale_torch_head,
+    }
+
+
+def head_figures(report: Report, sizes: Sizes, device, dtype) -> None:
+    import torch
+
+    from trl_scale.scoring.logprob_head import use_trl_kernel
+
+    variants = head_variants()
+    for tokens, hidden in sizes.head_shapes:
+        generator = torch.Generator().manual_seed(tokens + hidden)
+        h = torch.randn(tokens, hidden, generator=generator).to(device, dtype).requires_grad_()
+        w = (torch.randn(sizes.head_vocab, hidden, generator=generator) * 0.02).to(device, dtype).requires_grad_()
+        t = torch.randint(0, sizes.head_vocab, (tokens,), generator=generator).to(device)
+        grad_out = torch.randn(tokens, generator=generator).to(device)
+        reference = None
+        for name, head in variants.items():
+            if report.seconds_left() < 60:
+                report.add("head", variant=name, tokens=tokens, hidden=hidden, skipped="out of time")
+                continue
+            result: dict = {}
+
+            def step(head=head, result=result):
+                h.grad = w.grad = None
+                logp, entropy = head(h, w, t)
+                (logp.float() * grad_out).sum().backward()
+                result["logp"] = logp.detach().float()
+
+            try:
+                seconds, peak = measure(step, device, sizes.repeats)
+            except torch.OutOfMemoryError:
+                h.grad = w.grad = None
+                torch.cuda.empty_cache()
+                report.add("head", variant=name, tokens=tokens, hidden=hidden, vocab=sizes.head_vocab, oom=True)
+                continue
+            if name == "trl_fused":
+                reference = result["logp"]
+            diff = (result["logp"] - reference).abs().max().item() if reference is not None else None
+            report.add(
+                "head",
+                variant=name,
+                tokens=tokens,
+                hidden=hidden,
+                vocab=sizes.head_vocab,
+                dtype=str(dtype).removeprefix("torch."),
+                ms=seconds * 1e3,
+                peak_mib=peak,
+                max_abs_logp_diff_vs_trl_fused=diff,
+                uses_trl_kernel=use_trl_kernel(device) if name == "trl_scale" else None,
+            )
+        del h, w, t, grad_out, reference
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# -------------------------------------------------------------------------------------- 2. packed scoring
+
+
+def qwen2_config(sizes: Sizes, attention: str, dtype):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=sizes.vocab,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+        attn_implementation=attention,
+        dtype=dtype,
+        **sizes.model,
+    )
+
+
+def model_flops(config, input_mask, labels) -> float:
+    """Useful training FLOPs of one scoring forward+backward (see the module's docstring)."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    attention_width = config.num_attention_heads * head_dim
+    kv_width = config.num_key_value_heads * head_dim
+    body = layers * (2 * hidden * attention_width + 2 * hidden * kv_width + 3 * hidden * config.intermediate_size)
+    lengths = input_mask.sum(1).double()
+    real, scored = float(lengths.sum()), float((labels != -100).sum())
+    attention = 6 * layers * attention_width * float((lengths**2).sum())
+    return 6 * body * real + 6 * config.vocab_size * hidden * scored + attention
+
+
+def attention_available(name: str, device) -> str | None:
+    """None when ``name`` can run on ``device``, else why not."""
+    import importlib.util
+
+    if name == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        return "flash_attn is not installed"
+    if name != "sdpa" and device.type != "cuda":
+        return "GPU only here (torch's flex attention has no CPU backward)"
+    return None
+
+
+def scoring_models(config, device, checkpointing: bool):
+    """(TRL's padded model, trl-scale's packed model, the packed config) with the same weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from trl_scale.scoring import install_packed_scoring
+
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(config).to(device)
+    ours = AutoModelForCausalLM.from_config(config).to(device)
+    ours.load_state_dict(stock.state_dict())
+    packed = None
+    for model in (stock, ours):
+        model.train()
+        add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+        if model is ours:
+            packed = install_packed_scoring(model, outputs=("entropy",))
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return stock, ours, packed
+
+
+def score_once(model, batch):
+    input_ids, mask, labels = batch
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=input_ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    valid = out.label_mask
+    (-(out.log_probs * valid).sum() / valid.sum()).backward()
+    return out.log_probs.detach().float(), valid.bool()
+
+
+def scoring_figure(report: Report, sizes: Sizes, device, dtype, attention: str, small: bool = False) -> None:
+    """One attention kernel: padded vs packed on the same batch (``small``: an fp32 exactness case)."""
+    import torch
+    from packing import long_tailed_batch
+
+    if small:
+        sizes = SMOKE_SIZES
+    config = qwen2_config(sizes, attention, dtype)
+    stock, ours, packed = scoring_models(config, device, checkpointing=not small)
+    cpu_batch = long_tailed_batch(sizes.batch_size, sizes.max_prompt, sizes.max_completion, sizes.vocab)
+    batch = tuple(x.to(device) for x in cpu_batch[:3])
+    flops = model_flops(config, cpu_batch[1], cpu_batch[2])
+    real_tokens = int(cpu_batch[1].sum())
+    row = dict(
+        attention=attention,
+        dtype=str(dtype).removeprefix("torch."),
+        batch=sizes.batch_size,
+        padded_tokens=cpu_batch[0].numel(),
+        real_tokens=real_tokens,
+        packed=packed is not None,
+    )
+    results = {}
+    for name, model in (("trl_padded", stock), ("trl_scale_packed", ours)):
+        out: dict = {}
+
+        def step(model=model, out=out):
+            out["logp"], out["valid"] = score_once(model, batch)
+
+        seconds, peak = measure(step, device, 1 if small else sizes.repeats)
+        results[name] = out
+        row[f"{name}_s"] = seconds
+        row[f"{name}_peak_mib"] = peak
+        row[f"{name}_tokens_per_s"] = real_tokens / seconds
+        row[f"{name}_mfu"] = flops / seconds / H100_BF16_PEAK if device.type == "cuda" else None
+    valid = results["trl_padded"]["valid"]
+    diff = (results["trl_padded"]["logp"] - results["trl_scale_packed"]["logp"])[valid].abs()
+    row.update(
+        speedup=row["trl_padded_s"] / row["trl_scale_packed_s"],
+        max_abs_logp_diff=diff.max().item(),
+        mean_abs_logp_diff=diff.mean().item(),
+        tolerance=1e-5 if dtype == torch.float32 else 1e-2,
+    )
+    row["within_tolerance"] = row["max_abs_logp_diff"] <= row["tolerance"]
+    report.add("scoring_small_fp32" if small else "scoring", **row)
+    del stock, ours
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def scoring_figures(report: Report, sizes: Sizes, device, dtype) -> None:
+    import torch
+
+    scoring_figure(report, sizes, device, torch.float32, "sdpa", small=True)
+    for attention in sizes.attention:
+        why_not = attention_available(attention, device)
+        if why_not is None and report.seconds_left() < 150:
+            why_not = "out of time"
+        if why_not:
+            report.add("scoring", attention=attention, skipped=why_not)
+            continue
+        try:
+            scoring_figure(report, sizes, device, dtype, attention)
+        except Exception as error:  # a kernel that fails here is a figure too; the others still run
+            report.add("scoring", attention=attention, error=f"{type(error).__name__}: {error}"[:400])
+
+
+# ----------------------------------------------------------------------------------------- 3. end to end
+
+
+def e2e_model(sizes: Sizes, dtype) -> str:
+    """A Qwen2-0.5B-shaped model with the toy tokenizer, saved and loaded with ``from_pretrained``. With random
+    weights it samples ids the toy tokenizer does not have (they decode to nothing), so every completion runs
+    to ``max_completion_length``: the step's cost is fixed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trl_scale.toy import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = qwen2_config(sizes, "sdpa", dtype)
+    config.pad_token_id, config.eos_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id, None
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    path = tempfile.mkdtemp(prefix="gpu-e2e-model-")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def e2e_dataset(sizes: Sizes, count: int):
+    """Prompts with long-tailed lengths (log-uniform between the bounds): the scoring batch's padding."""
+    from datasets import Dataset
+
+    from trl_scale.toy import TOY_WORDS
+
+    rng = random.Random(0)
+    low, high = sizes.e2e_prompt_words
+    rows = []
+    for _ in range(count):
+        length = int(math.exp(rng.uniform(math.log(low), math.log(high))))
+        rows.append({"prompt": " ".join(rng.choice(TOY_WORDS) for _ in range(length))})
+    return Dataset.from_list(rows)
+
+
+def completion_length_reward(completions, **kwargs) -> list[float]:
+    return [len(c) / 100 for c in completions]
+
+
+def e2e_run(trainer_name: str, impl: str, model_path: str, sizes: Sizes, device) -> dict:
+    """One short training run; returns the median step time after the first step and the last logged metrics."""
+    import torch
+    import trl
+    from e2e import StepTimer
+
+    import trl_scale
+    from trl_scale.callbacks import ThroughputCallback
+
+    torch.manual_seed(0)
+    timer = StepTimer()
+    on_gpu = device.type == "cuda"
+    config_cls = {"grpo": (trl if impl == "trl" else trl_scale).GRPOConfig, "ppo": trl_scale.PPOConfig}[trainer_name]
+    trainer_cls = {"grpo": (trl if impl == "trl" else trl_scale).GRPOTrainer, "ppo": trl_scale.PPOTrainer}[
+        trainer_name
+    ]
+    extra = {"padding_free": False} if impl == "trl_scale_padded" else {}
+    config = config_cls(
+        output_dir=tempfile.mkdtemp(prefix=f"gpu-e2e-{trainer_name}-{impl}-"),
+        max_steps=sizes.e2e_steps,
+        per_device_train_batch_size=sizes.e2e_batch,
+        max_completion_length=sizes.e2e_completion,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        bf16=on_gpu,
+        use_cpu=not on_gpu,
+        seed=0,
+        disable_tqdm=True,
+        shuffle_dataset=False,
+        # PPO: one rollout and one update per step, as GRPO's default (num_iterations=1) does.
+        **({"num_generations": sizes.e2e_generations} if trainer_name == "grpo" else {"num_ppo_epochs": 1}),
+        **extra,
+    )
+    dataset = e2e_dataset(sizes, sizes.e2e_batch * sizes.e2e_steps)
+    trainer = trainer_cls(
+        model=model_path,
+        reward_funcs=completion_length_reward,
+        args=config,
+        train_dataset=dataset,
+        callbacks=[timer.callback, ThroughputCallback()],
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    step_s = statistics.median(timer.seconds[1:])
+    last = logs[-1]
+    result = {"step_s": step_s, "num_tokens": last.get("num_tokens"), "loss": last.get("loss")}
+    result["tokens_per_s"] = (logs[-1]["num_tokens"] - logs[0]["num_tokens"]) / sum(timer.seconds[1:])
+    params = sum(p.numel() for p in trainer.model.parameters())
+    # ThroughputCallback's MFU where trl-scale logs it; the same formula from TRL's logs for stock TRL.
+    result["mfu"] = last.get("throughput/mfu")
+    if result["mfu"] is None and on_gpu:
+        result["mfu"] = 6 * params * result["tokens_per_s"] / H100_BF16_PEAK
+    result["pad_fraction_removed"] = last.get("padding_free/pad_fraction_removed")
+    del trainer
+    if on_gpu:
+        torch.cuda.empty_cache()
+    return result
+
+
+def e2e_figures(report: Report, sizes: Sizes, device, dtype) -> None:
+    model_path = e2e_model(sizes, dtype)
+    pairs = {"grpo": ("trl", "trl_scale"), "ppo": ("trl_scale_padded", "trl_scale")}
+    for trainer_name, (baseline, ours) in pairs.items():
+        if report.seconds_left() < 90:
+            report.add("e2e", trainer=trainer_name, skipped="out of time")
+            continue
+        results = {impl: e2e_run(trainer_name, impl, model_path, sizes, device) for impl in (baseline, ours)}
+        report.add(
+            "e2e",
+            trainer=trainer_name,
+            baseline=baseline,
+            baseline_step_s=results[baseline]["step_s"],
+            trl_scale_step_s=results[ours]["step_s"],
+            step_time_ratio=results[ours]["step_s"] / results[baseline]["step_s"],
+            baseline_mfu=results[baseline]["mfu"],
+            trl_scale_mfu=results[ours]["mfu"],
+            baseline_tokens_per_s=results[baseline]["tokens_per_s"],
+            trl_scale_tokens_per_s=results[ours]["tokens_per_s"],
+            pad_fraction_removed=results[ours]["pad_fraction_removed"],
+            batch=sizes.e2e_batch,
+            completion_length=sizes.e2e_completion,
+        )
+
+
+# ----------------------------------------------------------------------------------------------- summary
+
+
+def table(rows: list[dict]) -> str:
+    """A markdown table of the figures: one line each, the columns that matter for its kind."""
+    lines = ["| figure | case | baseline | trl-scale | ratio / check |", "|---|---|---|---|---|"]
+    for r in rows:
+        if "skipped" in r or "error" in r or r.get("oom"):
+            why = r.get("skipped") or r.get("error") or "out of memory"
+            case = r.get("variant") or r.get("attention") or r.get("trainer")
+            lines.append(f"| {r['figure']} | {case} {r.get('tokens', '')} | | | {why} |")
+        elif r["figure"] == "head":
+            peak = f"{r['peak_mib']:.0f} MiB" if r["peak_mib"] is not None else "n/a"
+            case = f"{r['variant']} {r['tokens']}x{r['hidden']}x{r['vocab']}"
+            lines.append(f"| head | {case} | | {r['ms']:.1f} ms, {peak} | diff {r['max_abs_logp_diff_vs_trl_fused']} |")
+        elif r["figure"].startswith("scoring"):
+            mfu = r["trl_scale_packed_mfu"]
+            mfu_text = f", MFU {r['trl_padded_mfu']:.1%} -> {mfu:.1%}" if mfu is not None else ""
+            lines.append(
+                f"| {r['figure']} | {r['attention']} {r['dtype']}, {r['real_tokens']}/{r['padded_tokens']} real "
+                f"| {r['trl_padded_tokens_per_s']:.0f} tok/s | {r['trl_scale_packed_tokens_per_s']:.0f} tok/s "
+                f"| {r['speedup']:.2f}x{mfu_text}; max diff {r['max_abs_logp_diff']:.1e} |"
+            )
+        elif r["figure"] == "e2e":
+            mfu = r["trl_scale_mfu"]
+            mfu_text = f", MFU {r['baseline_mfu']:.1%} -> {mfu:.1%}" if mfu is not None else ""
+            lines.append(
+                f"| e2e | {r['trainer']} vs {r['baseline']} | {r['baseline_step_s']:.2f} s/step "
+                f"| {r['trl_scale_step_s']:.2f} s/step | {r['step_time_ratio']:.2f}{mfu_text} |"
+            )
+        else:
+            lines.append(f"| {r['figure']} | {json.dumps(r, default=_round)} | | | |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, fp32, any device (CI)")
+    parser.add_argument("--parts", default="head,scoring,e2e")
+    parser.add_argument("--out", default=None, help="folder for gpu.jsonl and gpu.md")
+    parser.add_argument("--budget-s", type=float, default=510.0, help="parts past this many seconds are skipped")
+    args = parser.parse_args(argv)
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not args.smoke and device.type != "cuda":
+        parser.error("no CUDA device: run with --smoke on CPU")
+    sizes = SMOKE_SIZES if args.smoke else GPU_SIZES
+    dtype = getattr(torch, sizes.dtype)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    report = Report(args.out, name, time.monotonic() + args.budget_s)
+    import transformers
+    import trl
+
+    report.add(
+        "environment",
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        trl=trl.__version__,
+        measured_bf16_matmul_tflops=matmul_tflops(device),
+        smoke=args.smoke,
+    )
+    parts = {"head": head_figures, "scoring": scoring_figures, "e2e": e2e_figures}
+    for part in args.parts.split(","):
+        start = time.monotonic()
+        parts[part](report, sizes, device, dtype)
+        print(f"# {part}: {time.monotonic() - start:.0f} s", flush=True)
+    summary = table(report.rows)
+    print(summary)
+    if args.out:
+        with open(os.path.join(args.out, "gpu.md"), "w") as f:
+            f.write(summary + "\n")
+    return report.rows
+
+
+if __name__ == "__main__":
+    main()
