@@ -18,8 +18,8 @@ activation-checkpointing recompute not counted), over the H100's dense bf16 peak
 8192^3 bf16 matmul rate is printed beside it).
 
 Usage: python benchmarks/gpu.py [--smoke] [--parts head,scoring,e2e] [--out DIR] [--budget-s 510]
-``--smoke`` runs every part on CPU with tiny shapes in fp32 (CI runs it so that the script cannot rot). Each figure
-is one JSON line (also appended to DIR/gpu.jsonl); a markdown table of them comes last. How to run it on a lent GPU:
+``--smoke`` runs every part on CPU with tiny shapes (bf16, the e2e part fp32); CI runs it so that the script cannot
+rot. Each figure is one JSON line (also appended to DIR/gpu.jsonl); a markdown table of them comes last. How to run it on a lent GPU:
 README, "Measuring on a GPU" (``bash scripts/prepare_gpu.sh`` prints the command).
 """
 
@@ -103,7 +103,7 @@ SMOKE_SIZES = Sizes(
     e2e_completion=8,
     e2e_prompt_words=(2, 24),
     e2e_steps=2,
-    dtype="float32",
+    dtype="bfloat16",  # so that the bf16 checks run too; the e2e part trains in fp32 on CPU
 )
 
 
@@ -231,9 +231,9 @@ def head_figures(report: Report, sizes: Sizes, device, dtype) -> None:
                 continue
             result: dict = {}
 
-            def step(head=head, result=result):
+            def step(head=head, result=result, h=h, w=w, t=t, grad_out=grad_out):
                 h.grad = w.grad = None
-                logp, entropy = head(h, w, t)
+                logp, _ = head(h, w, t)
                 (logp.float() * grad_out).sum().backward()
                 result["logp"] = logp.detach().float()
 
@@ -259,7 +259,7 @@ def head_figures(report: Report, sizes: Sizes, device, dtype) -> None:
                 max_abs_logp_diff_vs_trl_fused=diff,
                 uses_trl_kernel=use_trl_kernel(device) if name == "trl_scale" else None,
             )
-        del h, w, t, grad_out, reference
+        h = w = t = grad_out = reference = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -377,13 +377,38 @@ def scoring_figure(report: Report, sizes: Sizes, device, dtype, attention: str, 
         speedup=row["trl_padded_s"] / row["trl_scale_packed_s"],
         max_abs_logp_diff=diff.max().item(),
         mean_abs_logp_diff=diff.mean().item(),
-        tolerance=1e-5 if dtype == torch.float32 else 1e-2,
     )
-    row["within_tolerance"] = row["max_abs_logp_diff"] <= row["tolerance"]
+    if dtype == torch.float32:
+        row["within_tolerance"] = row["max_abs_logp_diff"] <= 1e-5
+    else:
+        row.update(low_precision_errors(stock, batch, valid, results))
     report.add("scoring_small_fp32" if small else "scoring", **row)
     del stock, ours
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def low_precision_errors(stock, batch, valid, results) -> dict:
+    """Each bf16 path's distance from the same weights scored in fp32 (TRL's padded path): bf16 rounding moves both
+    paths by about 1e-2 per token on its own, so packed = padded is judged by packed being no further from fp32
+    than TRL's padded path is (mean within 10 %, max within 50 %)."""
+    import torch
+
+    stock.float()
+    with torch.no_grad():
+        input_ids, mask, labels = batch
+        reference = stock(input_ids=input_ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs
+    errors = {}
+    for name in ("trl_padded", "trl_scale_packed"):
+        error = (results[name]["logp"] - reference.float())[valid].abs()
+        errors[f"{name}_vs_fp32_max"], errors[f"{name}_vs_fp32_mean"] = error.max().item(), error.mean().item()
+    errors["within_tolerance"] = (
+        errors["trl_scale_packed_vs_fp32_mean"] <= 1.1 * errors["trl_padded_vs_fp32_mean"]
+        and errors["trl_scale_packed_vs_fp32_max"] <= 1.5 * errors["trl_padded_vs_fp32_max"]
+    )
+    return errors
+
+
 
 
 def scoring_figures(report: Report, sizes: Sizes, device, dtype) -> None:
@@ -417,7 +442,8 @@ def e2e_model(sizes: Sizes, dtype) -> str:
 
     tokenizer = build_tokenizer()
     config = qwen2_config(sizes, "sdpa", dtype)
-    config.pad_token_id, config.eos_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id, None
+    config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    config.bos_token_id = None
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(dtype)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -508,7 +534,9 @@ def e2e_run(trainer_name: str, impl: str, model_path: str, sizes: Sizes, device)
 
 
 def e2e_figures(report: Report, sizes: Sizes, device, dtype) -> None:
-    model_path = e2e_model(sizes, dtype)
+    import torch
+
+    model_path = e2e_model(sizes, dtype if device.type == "cuda" else torch.float32)
     pairs = {"grpo": ("trl", "trl_scale"), "ppo": ("trl_scale_padded", "trl_scale")}
     for trainer_name, (baseline, ours) in pairs.items():
         if report.seconds_left() < 90:
@@ -546,14 +574,20 @@ def table(rows: list[dict]) -> str:
         elif r["figure"] == "head":
             peak = f"{r['peak_mib']:.0f} MiB" if r["peak_mib"] is not None else "n/a"
             case = f"{r['variant']} {r['tokens']}x{r['hidden']}x{r['vocab']}"
-            lines.append(f"| head | {case} | | {r['ms']:.1f} ms, {peak} | diff {r['max_abs_logp_diff_vs_trl_fused']} |")
+            diff = r["max_abs_logp_diff_vs_trl_fused"]
+            lines.append(f"| head | {case} | | {r['ms']:.1f} ms, {peak} | max diff vs TRL's kernel {diff} |")
         elif r["figure"].startswith("scoring"):
             mfu = r["trl_scale_packed_mfu"]
             mfu_text = f", MFU {r['trl_padded_mfu']:.1%} -> {mfu:.1%}" if mfu is not None else ""
+            fp32_text = ""
+            if "trl_padded_vs_fp32_max" in r:
+                padded, packed = r["trl_padded_vs_fp32_max"], r["trl_scale_packed_vs_fp32_max"]
+                fp32_text = f" (vs fp32: padded {padded:.1e}, packed {packed:.1e})"
             lines.append(
                 f"| {r['figure']} | {r['attention']} {r['dtype']}, {r['real_tokens']}/{r['padded_tokens']} real "
                 f"| {r['trl_padded_tokens_per_s']:.0f} tok/s | {r['trl_scale_packed_tokens_per_s']:.0f} tok/s "
-                f"| {r['speedup']:.2f}x{mfu_text}; max diff {r['max_abs_logp_diff']:.1e} |"
+                f"| {r['speedup']:.2f}x{mfu_text}; max diff {r['max_abs_logp_diff']:.1e}"
+                f"{fp32_text}, {'exact' if r['within_tolerance'] else 'NOT within tolerance'} |"
             )
         elif r["figure"] == "e2e":
             mfu = r["trl_scale_mfu"]
