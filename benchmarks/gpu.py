@@ -19,8 +19,8 @@ activation-checkpointing recompute not counted), over the H100's dense bf16 peak
 
 Usage: python benchmarks/gpu.py [--smoke] [--parts head,scoring,e2e] [--out DIR] [--budget-s 510]
 ``--smoke`` runs every part on CPU with tiny shapes (bf16, the e2e part fp32); CI runs it so that the script cannot
-rot. Each figure is one JSON line (also appended to DIR/gpu.jsonl); a markdown table of them comes last. How to run it on a lent GPU:
-README, "Measuring on a GPU" (``bash scripts/prepare_gpu.sh`` prints the command).
+rot. Each figure is one JSON line (also appended to DIR/gpu.jsonl); a markdown table of them comes last. How to
+run it on a lent GPU: README, "Measuring on a GPU" (``bash scripts/prepare_gpu.sh`` prints the command).
 """
 
 from __future__ import annotations
