@@ -409,8 +409,6 @@ def low_precision_errors(stock, batch, valid, results) -> dict:
     return errors
 
 
-
-
 def scoring_figures(report: Report, sizes: Sizes, device, dtype) -> None:
     import torch
 
