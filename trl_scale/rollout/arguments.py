@@ -83,14 +83,18 @@ class RolloutArguments:
         trl-scale's per-sequence one for RLOO) corrects the off-policy gap. A sync happens once per generation batch,
         so with `steps_per_generation` × epochs optimizer steps per batch, k syncs are k × that many optimizer steps.
         Needs `vllm_importance_sampling_correction=True`.
-    async_rollout_mode (`str`, defaults to `"ordered"`): with `async_rollout_staleness ≥ 1`, how a weight sync meets
-        the generations in flight. `"ordered"`: it waits for them (every prefetched batch is generated whole by the
-        weights it is tagged with: a run's numbers do not depend on timing). `"streaming"`: it does not drain; the
-        servers pause between two decoding steps (vLLM's `/pause?mode=keep`), load the new weights, and the running
-        generations go on with them (measured against real vLLM), so a completion may hold tokens of two
-        versions, each with the sampler log-prob of the weights that drew it (what the correction uses), and the
-        sync never waits for the longest answer. A completion is still never trained more than k syncs after its
-        first token. Not with `weight_sync="lora"` (a running generation keeps the adapter it started with).
+    async_rollout_mode (`str` or `None`, defaults to `None`): with `async_rollout_staleness ≥ 1`, how generation
+        runs ahead. `"streaming"` (the default): prompt groups stream through the servers, up to `k + 1` generation
+        batches' worth at a time, each sent as soon as another finishes, and each generation batch trains on the
+        groups that have finished (oldest weights first), so no step waits for the longest answer of its batch; a
+        sync does not drain: the servers pause between two decoding steps (vLLM's `/pause?mode=keep`), load the new
+        weights, and running generations go on with them, so a completion may hold tokens of two versions, each with
+        the sampler log-prob of the weights that drew it (what the correction uses). A group whose first token would
+        train more than k syncs old is dropped and generated again (once; then the step waits for it). Not
+        reproducible bit for bit (which group finishes first depends on timing). `"ordered"`: the next k generation
+        batches are prefetched whole and a sync waits for them: a run's numbers do not depend on timing. `None`:
+        `"streaming"`, or `"ordered"` with `weight_sync="lora"` (a running generation keeps the adapter it started
+        with).
     logprobs_on_sampler_support (`bool`, defaults to `True`): with `top_k`, `top_p` or `min_p` truncating vLLM's
         sampling and `vllm_importance_sampling_correction=True`, score the trainer's log-probs on the support vLLM
         samples from (its rule applied to the trainer's own logits, the sampled token always in it): vLLM's
@@ -184,12 +188,12 @@ class RolloutArguments:
             "corrected (TRL's correction for GRPO and PPO, trl-scale's per-sequence one for RLOO)."
         },
     )
-    async_rollout_mode: Literal["ordered", "streaming"] = field(
-        default="ordered",
+    async_rollout_mode: Literal["ordered", "streaming"] | None = field(
+        default=None,
         metadata={
-            "help": "With async_rollout_staleness >= 1: 'ordered' (a sync waits for the generations in flight: "
-            "reproducible) or 'streaming' (a sync lands between decoding steps; running generations go on with the "
-            "new weights)."
+            "help": "With async_rollout_staleness >= 1: 'streaming' (prompt groups stream through the servers, the "
+            "trainer takes finished ones; syncs land between decoding steps) or 'ordered' (whole batches prefetched, "
+            "a sync waits for them: reproducible). None: 'streaming', or 'ordered' with weight_sync='lora'."
         },
     )
     logprobs_on_sampler_support: bool = field(
@@ -382,6 +386,9 @@ class RolloutArguments:
             minimum=1,
             fix="use a positive whole number of requests (default 8); with 0 no request could ever be sent",
         )
+        if self.async_rollout_mode is None:  # streaming by default; LoRA syncs cannot reach running generations
+            streams = self.async_rollout_staleness and self.weight_sync != "lora"
+            self.async_rollout_mode = "streaming" if streams else "ordered"
         if self.async_rollout_mode not in ("ordered", "streaming"):
             raise ValueError(f"async_rollout_mode={self.async_rollout_mode!r}: use 'ordered' or 'streaming'")
         if self.async_rollout_mode == "streaming":

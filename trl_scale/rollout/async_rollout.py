@@ -39,8 +39,11 @@ def _key(prompt_ids) -> tuple:
 class RolloutPrefetcher:
     """Requests for upcoming generation batches, keyed by their prompt ids, with the version they were sent at."""
 
+    notes_first = False  # the first generation batch is generated in turn, when it is needed
+
     def __init__(self, staleness: int, tokenize: Callable[[list], list[list[int]]], request: Callable):
         self.staleness = staleness
+        self.batches_ahead = staleness  # generation batches read ahead of the one being trained
         self.tokenize = tokenize  # raw rows' prompts -> prompt token ids, as the trainer tokenizes them
         self.request = request  # prompt ids -> a Future of the generation's result
         self.upcoming: deque[list] = deque()  # raw generation batches not yet requested
@@ -97,37 +100,53 @@ class RolloutPrefetcher:
 
 
 class LookaheadIterator:
-    """The trainer's batch iterator, read `staleness × every` batches ahead; each upcoming generation batch (one
-    in `every` batches: TRL repeats a generation batch `steps_per_generation × num_iterations` times) is noted with
-    the prefetcher as soon as it is known."""
+    """The trainer's batch iterator, read `reader.batches_ahead × every` batches ahead; each upcoming generation
+    batch (one in `every` batches: TRL repeats a generation batch `steps_per_generation × num_iterations` times) is
+    noted with the reader (the prefetcher or the streamer) as soon as it is known. `phase`: batches of the current
+    generation window already trained before a resume (they are repeats, not new generation batches)."""
 
-    def __init__(self, source: Iterator, prefetcher: RolloutPrefetcher, every: int, limit: int | None = None):
-        self.source, self.prefetcher, self.every = source, prefetcher, every
-        self.limit = limit  # batches the run will still take (max_steps): none past it is prefetched
+    def __init__(self, source: Iterator, reader, every: int, limit: int | None = None, phase: int = 0):
+        self.source, self.reader, self.every = source, reader, every
+        self.limit = limit  # batches the run will still take (max_steps): none past it is read for generation
+        self.phase = phase
         self.buffer: deque = deque()
+        self.noted: deque[bool] = deque()  # per buffered batch: was it noted with the reader
         self.position = 0  # batches handed to the trainer
         self.read = 0  # batches read from the source
         self.exhausted = False
 
+    @property
+    def prefetcher(self):
+        return self.reader
+
     def __iter__(self):
         return self
 
+    def noted_ahead(self) -> int:
+        """Generation batches read and noted, not yet handed to the trainer (a checkpoint records them)."""
+        return sum(self.noted)
+
     def _fill(self) -> None:
-        wanted = 1 + self.prefetcher.staleness * self.every
+        wanted = 1 + self.reader.batches_ahead * self.every
         while not self.exhausted and len(self.buffer) < wanted:
             try:
                 batch = next(self.source)
             except StopIteration:
                 self.exhausted = True
                 return
-            if self.read % self.every == 0 and 0 < self.read and (self.limit is None or self.read < self.limit):
-                self.prefetcher.note_upcoming(batch)
+            index = self.read + self.phase
+            first = index == 0 and not self.reader.notes_first
+            note = index % self.every == 0 and not first and (self.limit is None or self.read < self.limit)
+            if note:
+                self.reader.note_upcoming(batch)
             self.read += 1
             self.buffer.append(batch)
+            self.noted.append(note)
 
     def __next__(self):
         self._fill()
         if not self.buffer:
             raise StopIteration
         self.position += 1
+        self.noted.popleft()
         return self.buffer.popleft()

@@ -166,10 +166,13 @@ class RolloutClient:
 
     # ---- generation ---------------------------------------------------------------------------------------
 
-    def complete(self, prompt: list[int], n: int = 1, model: str | None = None, **sampling) -> list[dict]:
+    def complete(
+        self, prompt: list[int], n: int = 1, model: str | None = None, on_dispatch=None, **sampling
+    ) -> list[dict]:
         """One `/v1/completions` request for one prompt, routed and retried; returns vLLM-shaped choices. Waiting
         for a server to take it is bounded by `request_timeout` (again after each failover), its generation by
-        `generation_timeout`; each server is tried at most once per round."""
+        `generation_timeout`; each server is tried at most once per round. `on_dispatch()` is called right before
+        each send (a failover sends again)."""
         deadline = time.monotonic() + self.request_timeout
         tried: set[str] = set()
         errors = []
@@ -185,6 +188,8 @@ class RolloutClient:
             try:
                 payload = {"prompt": [prompt], "n": n, "return_token_ids": True, **sampling}
                 payload["model"] = model or self._model_name(server)
+                if on_dispatch is not None:
+                    on_dispatch()
                 sent = time.monotonic()
                 response = self._session.post(
                     f"{server.url}/v1/completions",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from trl.generation.vllm_generation import VLLMGeneration
@@ -169,17 +170,64 @@ class ServerRolloutGeneration(VLLMGeneration):
             self._check_fleet()
             return self._request(prompts)
 
-    def enable_async(self, staleness: int, tokenize) -> None:
-        """Prefetch up to `staleness` generation batches ahead (see `async_rollout`)."""
+    def enable_async(self, staleness: int, tokenize, window: int | None = None) -> None:
+        """Asynchronous rollout: with `settings.streaming`, prompt groups stream through the servers, at most
+        `window` out at a time (see `streaming`); else up to `staleness` generation batches are prefetched (see
+        `async_rollout`)."""
         from concurrent.futures import ThreadPoolExecutor
 
         from .async_rollout import RolloutPrefetcher
+        from .streaming import StreamingRollout
 
+        if self.settings.streaming:
+            self.streamer = StreamingRollout(
+                staleness, tokenize, self._send_group, window or 1, version=lambda: self.sync_count
+            )
+            return
         # Its own threads: a prefetch waits on the client's request pool, which must never wait on itself.
         self._prefetch_pool = ThreadPoolExecutor(max_workers=max(1, staleness), thread_name_prefix="prefetch")
         self.prefetcher = RolloutPrefetcher(
             staleness, tokenize, lambda ids: self._prefetch_pool.submit(self._request_spanned, [list(p) for p in ids])
         )
+
+    @property
+    def read_ahead(self):
+        """What reads the trainer's data ahead (the streamer or the prefetcher), or None for a synchronous run."""
+        return self.streamer if self.streamer is not None else self.prefetcher
+
+    def _send_group(self, prompt_ids: list[int], n: int, dispatched) -> tuple[list[dict], int]:
+        """One prompt group's request (streaming): its choices and the newest weights its tokens can come from.
+        With managed servers it is tried once more after the fleet serves again."""
+        sampling = self.settings.sampling
+        try:
+            choices = self.client.complete(prompt_ids, n, self.lora_name, on_dispatch=dispatched, **sampling)
+        except RolloutError as error:
+            if self.fleet is None:
+                raise
+            logger.warning("a streamed request failed (%s); waiting for a managed server, then trying again", error)
+            self.fleet.wait_until_serving()
+            choices = self.client.complete(prompt_ids, n, self.lora_name, on_dispatch=dispatched, **sampling)
+        return choices, self.sync_count + (1 if self._syncing else 0)
+
+    def take_streamed(self, num_rows: int):
+        """The next generation batch's worth of finished prompt groups (streaming; see `StreamingRollout.take`)."""
+        self._check_fleet()
+        self.client.refresh_versions(only_unchecked=True)
+        return self.streamer.take(num_rows)
+
+    @contextmanager
+    def serving(self, streamed):
+        """Within the block, TRL's `generate` call for this batch is answered from the streamed groups (their
+        prompts must be the ones asked for)."""
+        self._serving = streamed
+        try:
+            yield
+        finally:
+            self._serving = None
+
+    def close_streaming(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
 
     def _request_spanned(self, prompts) -> tuple[list[dict], int]:
         """`_request`, and the newest weight version its tokens can come from: the sync count when it finished (one
@@ -197,6 +245,8 @@ class ServerRolloutGeneration(VLLMGeneration):
                 self.weight_dir.release()
 
     prefetcher = None
+    streamer = None
+    _serving = None  # a streamed batch TRL's next generate() call is answered from
     _syncing = False  # a weight sync is under way (streaming: running generations may reach its weights)
     last_versions: list[int] = []  # per completion of the last batch: the sync count its first token came from
     last_version_spans: list[tuple[int, int]] = []  # per completion: (first, newest possible) sync counts
@@ -207,17 +257,12 @@ class ServerRolloutGeneration(VLLMGeneration):
         is served from its request, then the next batches are requested with the weights just synced."""
         if images is not None and any(image is not None for image in images):
             raise NotImplementedError("server rollout with images is not supported yet; use vLLM's own server mode")
-        self._check_fleet()
-        taken = self.prefetcher.take(prompts, self.sync_count) if self.prefetcher is not None else None
-        if taken is not None:
-            (choices, newest), version = taken
+        if self._serving is not None:
+            choices, spans = self._streamed_choices(prompts)
         else:
-            choices, version = self._request_from_fleet(prompts), self.sync_count
-            newest = version
-        if self.prefetcher is not None:
-            self.prefetcher.submit_upcoming(self.sync_count)
-        self.last_versions = [version] * len(choices)  # the weights of each completion's first token
-        self.last_version_spans = [(version, newest)] * len(choices)  # ... and of its last at the newest
+            choices, spans = self._generated_choices(prompts)
+        self.last_versions = [first for first, _ in spans]  # the weights of each completion's first token
+        self.last_version_spans = spans  # ... and of its last at the newest
         completion_ids, logprobs, logprob_ids = [], [], []
         for choice in choices:
             completion_ids.append(choice["token_ids"])
@@ -235,6 +280,28 @@ class ServerRolloutGeneration(VLLMGeneration):
         # TRL's RLOO drops the log-probs `generate` returns: its trl-scale correction reads them here
         self.last_sampler_logprobs = [[values[0] for values in row] for row in logprobs]
         return [list(p) for p in prompts], completion_ids, logprobs, logprob_ids
+
+    def _streamed_choices(self, prompts) -> tuple[list[dict], list[tuple[int, int]]]:
+        streamed, self._serving = self._serving, None  # answers one call
+        if [list(p) for p in prompts] != streamed.prompt_ids:
+            raise RuntimeError(
+                "streaming rollout: TRL asked for completions of other prompts than the streamed batch's: TRL's hook "
+                "order is not the one trl-scale was built on (see trl_scale/seams.py)"
+            )
+        return streamed.choices, list(streamed.spans)
+
+    def _generated_choices(self, prompts) -> tuple[list[dict], list[tuple[int, int]]]:
+        """Generated now, or taken from a prefetched request ("ordered")."""
+        self._check_fleet()
+        taken = self.prefetcher.take(prompts, self.sync_count) if self.prefetcher is not None else None
+        if taken is not None:
+            (choices, newest), version = taken
+        else:
+            choices, version = self._request_from_fleet(prompts), self.sync_count
+            newest = version
+        if self.prefetcher is not None:
+            self.prefetcher.submit_upcoming(self.sync_count)
+        return choices, [(version, newest)] * len(choices)
 
     def _check_fleet(self) -> None:
         """Managed servers: an error when none can serve any more; when they are the only servers and all are down

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 ROLLOUT_BUFFER_NAME = "rollout_buffer_rank{rank}.pt"
+STREAM_STATE_NAME = "rollout_stream_rank{rank}.pt"
 
 
 def check_rollout_buffers(checkpoint: str, num_processes: int) -> None:
@@ -58,6 +59,7 @@ class RolloutResumeMixin:
         (`steps_per_generation` x `num_iterations` > 1, or PPO's epochs x mini-batches) then resumes on the same
         rollout, where TRL would sample a new one and diverge from the uninterrupted run."""
         super()._save_optimizer_and_scheduler(output_dir)
+        self._save_stream_state(output_dir)
         if self._buffered_inputs is not None:
             import torch
 
@@ -67,11 +69,34 @@ class RolloutResumeMixin:
             path = os.path.join(output_dir, ROLLOUT_BUFFER_NAME.format(rank=self.accelerator.process_index))
             torch.save({"step": self._step, "inputs": self._buffered_inputs}, path)
 
+    def _save_stream_state(self, output_dir: str) -> None:
+        """Streaming rollout: the prompt groups read and not yet trained (generating, finished or queued), each
+        rank its own, so that a resume trains each once and reads on past them (see `rollout.streaming`)."""
+        streamer = getattr(getattr(self, "vllm_generation", None), "streamer", None)
+        if streamer is None:
+            return
+        import torch
+
+        lookahead = getattr(self, "_lookahead", None)
+        state = streamer.state(lookahead.noted_ahead() if lookahead is not None else 0)
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(state, os.path.join(output_dir, STREAM_STATE_NAME.format(rank=self.accelerator.process_index)))
+
+    def _load_stream_state(self, checkpoint: str) -> None:
+        streamer = getattr(getattr(self, "vllm_generation", None), "streamer", None)
+        path = os.path.join(checkpoint, STREAM_STATE_NAME.format(rank=self.accelerator.process_index))
+        if streamer is None or not os.path.isfile(path):
+            return
+        import torch
+
+        streamer.restore(torch.load(path, map_location="cpu", weights_only=False))
+
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
         check_rollout_buffers(checkpoint, self.accelerator.num_processes)
+        self._load_stream_state(checkpoint)
         path = os.path.join(checkpoint, ROLLOUT_BUFFER_NAME.format(rank=self.accelerator.process_index))
         if os.path.isfile(path):
             import torch

@@ -92,10 +92,46 @@ class ServerRolloutMixin:
                     "async_rollout_staleness > 0 prefetches plain prompt -> completion generations; this trainer has "
                     "a rollout_func or tools (multi-turn rollouts). Fix: async_rollout_staleness=0"
                 )
+            window = self._stream_window() if self.vllm_generation.settings.streaming else None
             self.vllm_generation.enable_async(
-                args.async_rollout_staleness, lambda prompts: self._tokenize_prompts(prompts)[0]
+                args.async_rollout_staleness, lambda prompts: self._tokenize_prompts(prompts)[0], window
             )
             self._lookahead = None
+
+    def _stream_window(self) -> int:
+        """Prompt groups out at a time when streaming: (staleness + 1) generation batches' worth. Each process
+        streams its own rows, so its generation batch must hold whole groups (TRL's sampler keeps a prompt's copies
+        together; accelerate hands each process consecutive rows)."""
+        args = self.args
+        rows = args.per_device_train_batch_size * args.steps_per_generation
+        group = self.num_generations or 1
+        if rows % group:
+            raise ValueError(
+                f"async_rollout_mode='streaming' streams whole prompt groups, but this process's generation batch of "
+                f"{rows} rows (per_device_train_batch_size x steps_per_generation) does not hold whole groups of "
+                f"num_generations={group}. Fix: make per_device_train_batch_size x steps_per_generation a multiple of "
+                "num_generations, or async_rollout_mode='ordered'"
+            )
+        return (args.async_rollout_staleness + 1) * rows // group
+
+    def _generate_and_score_completions(self, inputs):
+        """Streaming: the rows trained are the finished prompt groups, taken at the weights just synced, in place of
+        the rows TRL read (those were read ahead and streamed already)."""
+        generation = getattr(self, "vllm_generation", None)
+        if getattr(generation, "streamer", None) is None or not self.model.training:
+            return super()._generate_and_score_completions(inputs)
+        if self.state.global_step != self._last_loaded_step:  # TRL's sync, done first: the batch is taken after it
+            generation.sync_weights()
+            self._last_loaded_step = self.state.global_step
+        streamed = generation.take_streamed(len(inputs))
+        with generation.serving(streamed):
+            return super()._generate_and_score_completions(streamed.rows)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        streamer = getattr(getattr(self, "vllm_generation", None), "streamer", None)
+        if streamer is not None and "loss" in logs:
+            logs.update(streamer.metrics())
+        super().log(logs, start_time)
 
     def close_rollout_servers(self) -> None:
         """Stop the managed vLLM servers now (they stop by themselves when this process exits, however it does)."""
@@ -109,22 +145,27 @@ class ServerRolloutMixin:
             self.close_rollout_servers()
             raise
         finally:  # no copy of the model left behind (in /tmp or weight_sync_dir), however the run ended
-            release = getattr(getattr(self, "vllm_generation", None), "release_weight_dir", None)
+            generation = getattr(self, "vllm_generation", None)
+            if getattr(generation, "streamer", None) is not None:
+                generation.close_streaming()  # answers still generating were not needed
+            release = getattr(generation, "release_weight_dir", None)
             if release is not None:
                 release()
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """With async rollout, the epoch's batch iterator is read ahead so upcoming generation batches are known
         (also after `skip_first_batches` on resume: whatever iterator the epoch uses is wrapped)."""
-        prefetcher = getattr(getattr(self, "vllm_generation", None), "prefetcher", None)
-        if prefetcher is not None:
+        reader = getattr(getattr(self, "vllm_generation", None), "read_ahead", None)
+        if reader is not None:
             from ..rollout.async_rollout import LookaheadIterator
 
             if self._lookahead is None or self._lookahead.source is not epoch_iterator:
                 every = self.args.steps_per_generation * self.num_iterations
                 # No generation past the last step: it would run on the servers for nothing and outlive train().
-                remaining = (self.state.max_steps - self.state.global_step) * self.args.gradient_accumulation_steps
-                self._lookahead = LookaheadIterator(epoch_iterator, prefetcher, every, limit=remaining)
+                ga = self.args.gradient_accumulation_steps
+                remaining = (self.state.max_steps - self.state.global_step) * ga
+                phase = self.state.global_step * ga % every  # a resume inside a generation window
+                self._lookahead = LookaheadIterator(epoch_iterator, reader, every, limit=remaining, phase=phase)
             epoch_iterator = self._lookahead
         return super().get_batch_samples(epoch_iterator, num_batches, device)
 

@@ -1,0 +1,195 @@
+"""The streaming engine's invariants, with a stand-in for the servers whose answers finish when a test says so (the
+losing orders forced, not waited for): nothing lost or trained twice, no group trained older than the bound, the
+version taken when a request is sent, a long answer delayed but not starved, the window bounded, a resume that
+neither repeats nor skips. Against real servers: tests/test_async_rollout.py and tests/test_real_vllm.py."""
+
+import threading
+import time
+
+import pytest
+
+from trl_scale.rollout.streaming import StreamingRollout
+
+
+class Servers:
+    """Answers a group's request when `finish(prompt)` is called (or at once for prompts in `instant`)."""
+
+    def __init__(self, instant=()):
+        self.instant = set(instant)
+        self.gates: dict[int, threading.Event] = {}
+        self.sent: list[int] = []
+        self.version = 0  # the sync count, as the trainer holds it
+        self.lock = threading.Lock()
+        self.max_out = 0
+        self.out = 0
+
+    def gate(self, prompt: int) -> threading.Event:
+        with self.lock:
+            return self.gates.setdefault(prompt, threading.Event())
+
+    def finish(self, *prompts: int) -> None:
+        for prompt in prompts:
+            self.gate(prompt).set()
+
+    def send(self, prompt_ids, n, dispatched):
+        prompt = prompt_ids[0]
+        dispatched()
+        with self.lock:
+            self.sent.append(prompt)
+            self.out += 1
+            self.max_out = max(self.max_out, self.out)
+        if prompt not in self.instant:
+            assert self.gate(prompt).wait(timeout=30), f"prompt {prompt} never finished"
+        with self.lock:
+            self.out -= 1
+        return [{"token_ids": [prompt, i], "text": f"{prompt}"} for i in range(n)], self.version
+
+
+def batch(prompts, group=2):
+    """Rows as TRL's sampler makes them: `group` consecutive copies of each prompt."""
+    return [{"prompt": p, "column": f"answer-{p}"} for p in prompts for _ in range(group)]
+
+
+def make(servers, staleness=1, window=4):
+    return StreamingRollout(
+        staleness, lambda prompts: [[p] for p in prompts], servers.send, window, version=lambda: servers.version
+    )
+
+
+def wait_sent(servers, count):
+    deadline = time.monotonic() + 10
+    while len(servers.sent) < count:
+        assert time.monotonic() < deadline, servers.sent
+        time.sleep(0.01)
+
+
+def test_groups_are_taken_as_they_finish_with_their_own_rows():
+    servers = Servers()
+    stream = make(servers, window=4)
+    stream.note_upcoming(batch([1, 2]))
+    stream.note_upcoming(batch([3, 4]))
+    wait_sent(servers, 4)
+    servers.finish(4)  # the second batch's prompt finishes first, then one of the first batch's
+    time.sleep(0.1)
+    servers.finish(2)
+    taken = stream.take(4)
+    assert [row["prompt"] for row in taken.rows] == [4, 4, 2, 2]  # in the order they finished
+    assert [row["column"] for row in taken.rows] == ["answer-4"] * 2 + ["answer-2"] * 2  # each row its own columns
+    assert [c["token_ids"][0] for c in taken.choices] == [4, 4, 2, 2]
+    assert taken.prompt_ids == [[4], [4], [2], [2]]
+    stream.close()
+
+
+def test_nothing_is_lost_or_trained_twice_and_no_group_is_older_than_the_bound():
+    servers = Servers(instant=set(range(100)) - {5, 11})  # two long answers among short ones
+    stream = make(servers, staleness=1, window=6)
+    trained, ages = [], []
+    for step in range(10):
+        stream.note_upcoming(batch([3 * step, 3 * step + 1, 3 * step + 2]))
+    for step in range(8):
+        servers.version = step  # a sync before each batch
+        if step == 3:  # 5 was dropped at 2 and sent again: due now, and waited for
+            servers.finish(5, 11)
+        taken = stream.take(6)
+        trained += [row["prompt"] for row in taken.rows[::2]]
+        ages += [servers.version - first for first, _ in taken.spans]
+    assert len(trained) == len(set(trained)) == 24  # none twice
+    assert max(ages) <= 1 and min(ages) >= 0
+    assert {5, 11} <= set(trained) and stream.counts["dropped_stale"] >= 1  # long answers delayed, not starved
+    left = {g.prompt_ids[0] for g in [*stream.out, *stream.pending]}
+    assert set(trained) | left == set(range(30)) and not set(trained) & left  # none lost
+    stream.close()
+
+
+def test_the_version_is_the_one_a_request_was_sent_at_not_the_one_it_finished_at():
+    servers = Servers()
+    stream = make(servers, staleness=2, window=2)
+    stream.note_upcoming(batch([1]))
+    wait_sent(servers, 1)
+    servers.version = 1  # a sync lands while the answer is generating
+    servers.finish(1)
+    taken = stream.take(2)
+    assert taken.spans == [(0, 1), (0, 1)]  # sent at 0 (its first token's weights), finished at 1
+    stream.close()
+
+
+def test_a_group_too_old_is_dropped_sent_again_first_and_then_waited_for_at_its_deadline():
+    servers = Servers(instant={2, 3, 4, 5, 6, 7})
+    stream = make(servers, staleness=1, window=3)
+    stream.note_upcoming(batch([1, 2, 3]))  # 1 is a long answer
+    stream.note_upcoming(batch([4, 5, 6, 7]))
+    wait_sent(servers, 3)
+    taken = stream.take(4)  # version 0: the two short ones
+    assert sorted(r["prompt"] for r in taken.rows[::2]) == [2, 3]
+    servers.version = 1
+    taken = stream.take(4)  # 1 is still running (sent at 0, age 1 allowed): others are taken
+    assert 1 not in [r["prompt"] for r in taken.rows]
+    stream.note_upcoming(batch([8, 9]))  # queued behind the window
+    servers.version = 2  # 1 is now too old to train: dropped and sent again, first in line
+    taken = stream.take(2)
+    assert stream.counts["dropped_stale"] == 1 and 1 not in [r["prompt"] for r in taken.rows]
+    order = [g.prompt_ids[0] for g in [*stream.out, *stream.pending] if g.prompt_ids[0] in (1, 8, 9)]
+    assert order == [1, 8, 9]  # sent before what was queued
+    deadline = time.monotonic() + 10
+    while servers.sent.count(1) < 2:  # the re-send reaches the stand-in's thread
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    servers.version = 3  # its deadline: the trainer waits for it rather than dropping it again
+    result = {}
+    waiter = threading.Thread(target=lambda: result.setdefault("taken", stream.take(2)))
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive()  # waiting for the long answer
+    servers.finish(1)
+    waiter.join(timeout=10)
+    assert [r["prompt"] for r in result["taken"].rows] == [1, 1]
+    assert result["taken"].spans[0][0] == 2 and stream.counts["dropped_stale"] == 1
+    stream.close()
+
+
+def test_no_more_than_the_window_is_ever_out():
+    servers = Servers()
+    stream = make(servers, staleness=1, window=3)
+    for step in range(4):
+        stream.note_upcoming(batch([10 * step + i for i in range(3)]))
+    wait_sent(servers, 3)
+    time.sleep(0.2)
+    assert len(servers.sent) == 3 and len(stream.out) == 3  # the rest wait to be sent
+    servers.finish(0, 1)
+    stream.take(4)
+    wait_sent(servers, 5)
+    time.sleep(0.2)
+    assert len(servers.sent) == 5 and servers.max_out <= 3
+    servers.finish(*range(40))
+    stream.close()
+
+
+def test_a_failed_request_fails_the_batch_that_takes_it():
+    def send(prompt_ids, n, dispatched):
+        dispatched()
+        raise RuntimeError("no rollout server answered")
+
+    stream = StreamingRollout(1, lambda prompts: [[p] for p in prompts], send, 2, version=lambda: 0)
+    stream.note_upcoming(batch([1]))
+    with pytest.raises(RuntimeError, match="no rollout server answered"):
+        stream.take(2, timeout=10)
+    stream.close()
+
+
+def test_a_resume_trains_what_was_read_and_not_trained_once_and_reads_on_past_it():
+    servers = Servers(instant=set(range(100)) - {1})
+    stream = make(servers, staleness=1, window=4)
+    for step in range(3):
+        stream.note_upcoming(batch([2 * step, 2 * step + 1]))
+    trained = [r["prompt"] for r in stream.take(4).rows[::2]]  # 1 still running
+    state = stream.state(batches_read_ahead=2)
+    stream.close()
+    resumed_servers = Servers(instant=set(range(100)))
+    resumed = make(resumed_servers, staleness=1, window=4)
+    resumed.restore(state)
+    for step in range(1, 5):  # the resumed data starts at the step's batch: the first two were read already
+        resumed.note_upcoming(batch([2 * step, 2 * step + 1]))
+    for _ in range(3):
+        trained += [r["prompt"] for r in resumed.take(4).rows[::2]]
+    assert sorted(trained) == list(range(8)) and len(trained) == len(set(trained))
+    resumed.close()

@@ -1,0 +1,259 @@
+"""Streaming rollout: the servers never idle, the trainer never waits for the longest answer of its batch.
+
+With `async_rollout_mode="streaming"` (the default for `async_rollout_staleness = k ≥ 1`) the trainer's data is
+read ahead (`LookaheadIterator`, k + 1 generation batches) and cut into prompt groups (the consecutive copies of one
+prompt TRL's sampler makes: GRPO's `num_generations`). Each group is one request (`n` = its size) to whichever server
+the router picks, and up to a window of groups ((k + 1) generation batches' worth) is out at a time: as soon as a
+group finishes, the next is sent, so every server keeps generating while the trainer trains and while a long answer
+runs. For each generation batch the trainer takes the groups that have *finished*, oldest weights first, in place of
+the rows TRL read (their rows go with them, so reward functions see each completion's own columns); a long answer
+still running is trained on in a later batch.
+
+The bound: a group's version is the weight sync count when its request was sent (its first token cannot be older;
+a failover re-send is tagged anew), and it is never trained more than k syncs later. A group that finishes too late
+(or is still running when it becomes too old) is dropped, counted, and generated again, first in line. A group
+dropped once is not dropped again: at its deadline the trainer waits for it, so a prompt whose answers are long is
+delayed, never starved of training. Syncs do not drain the servers: they pause between decoding steps (vLLM's
+`/pause?mode=keep`), load, and resume; a running answer goes on with the new weights, and each completion records
+(first, newest) versions.
+
+Nothing is lost or trained twice: every row read is in exactly one group, a group leaves only when the trainer
+takes it (rows trained once) or is dropped (and re-queued); a server that dies mid-request has the request re-sent
+elsewhere by the router. Checkpoints carry the groups read and not yet trained (`state` / `restore`): a resume trains
+each of them once and reads on where the run had read, so no prompt is repeated or skipped. At the end of the run
+the groups still generating are abandoned (their answers were not needed).
+
+The order in which groups finish depends on timing, so streaming runs are not reproducible bit for bit;
+`async_rollout_mode="ordered"` (the prefetch in `async_rollout`) is.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..logs import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass(eq=False)
+class PromptGroup:
+    """The consecutive copies of one prompt in the trainer's data: generated together, trained together."""
+
+    index: int  # order of reading from the trainer's data
+    rows: list  # the trainer's rows (each with its own columns for the reward functions)
+    prompt_ids: list[int]
+    regenerated: bool = False  # dropped once as too old: waited for at its deadline, never dropped again
+    first_version: int = -1  # the sync count when its request was sent: its first token's weights at the oldest
+    newest_version: int = -1  # the newest weights any of its tokens can come from
+    choices: list[dict] | None = None
+    error: BaseException | None = None
+    future: Future | None = field(default=None, repr=False)
+    finished_at: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.future is not None and self.future.done()
+
+
+@dataclass(frozen=True)
+class StreamedBatch:
+    """A generation batch's worth of finished groups: their rows in place of the ones TRL read, one choice and one
+    (first, newest) version span per row."""
+
+    rows: list
+    prompt_ids: list[list[int]]
+    choices: list[dict]
+    spans: list[tuple[int, int]]
+
+
+# send(prompt_ids, n, dispatched) -> (choices, newest version): blocking; calls dispatched() right before each
+# request goes on the wire (again on a failover), so the group's version is taken when it is sent, not queued.
+Send = Callable[[list[int], int, Callable[[], None]], tuple[list[dict], int]]
+
+
+class StreamingRollout:
+    """Keeps up to `window` prompt groups generating on the servers, and hands the trainer finished ones."""
+
+    notes_first = True  # the first generation batch is streamed too (the prefetch generates it in turn)
+
+    def __init__(
+        self, staleness: int, tokenize: Callable[[list], list[list[int]]], send: Send, window: int, version: Callable
+    ):
+        if staleness < 1:
+            raise ValueError(f"streaming needs async_rollout_staleness >= 1, got {staleness}")
+        self.staleness = staleness
+        self.batches_ahead = staleness + 1  # generation batches read ahead of the one being trained
+        self.tokenize = tokenize  # the trainer's rows' prompts -> prompt token ids, as the trainer tokenizes them
+        self.send = send
+        self.window = window  # groups out at a time (sent and not yet taken)
+        self.version = version  # () -> the current sync count
+        self.pending: deque[PromptGroup] = deque()  # read, not sent (dropped ones go first)
+        self.out: list[PromptGroup] = []  # sent, not taken (generating or finished)
+        self._changed = threading.Condition()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, window), thread_name_prefix="stream")
+        self._read = 0  # groups read so far (their index)
+        self._skip_notes = 0  # generation batches read before a resume's checkpoint: their groups are restored
+        self._closed = False
+        self.counts = {"taken": 0, "dropped_stale": 0, "waited_for_deadline": 0, "abandoned": 0}
+
+    # ---- reading the trainer's data --------------------------------------------------------------------------
+
+    def note_upcoming(self, batch: list) -> None:
+        """A generation batch read ahead from the trainer's data: cut into prompt groups, queued, sent as the
+        window allows."""
+        if self._skip_notes:
+            self._skip_notes -= 1  # already read before the checkpoint this run resumed from
+            return
+        prompt_ids = self.tokenize([row["prompt"] for row in batch])
+        with self._changed:
+            for rows, ids in _groups(batch, prompt_ids):
+                self.pending.append(PromptGroup(self._read, rows, ids))
+                self._read += 1
+        self.pump()
+
+    def pump(self) -> None:
+        """Send queued groups while fewer than `window` are out."""
+        with self._changed:
+            while self.pending and len(self.out) < self.window and not self._closed:
+                self._dispatch(self.pending.popleft())
+
+    def _dispatch(self, group: PromptGroup) -> None:
+        group.choices, group.error, group.first_version = None, None, self.version()
+
+        def dispatched() -> None:
+            group.first_version = self.version()
+
+        def run():
+            try:
+                group.choices, group.newest_version = self.send(list(group.prompt_ids), len(group.rows), dispatched)
+            except BaseException as error:  # handed to the trainer when it takes this group
+                group.error = error
+            finally:
+                group.finished_at = time.monotonic()
+                with self._changed:
+                    self._changed.notify_all()
+
+        group.future = self._pool.submit(run)
+        self.out.append(group)
+
+    # ---- taking a batch ----------------------------------------------------------------------------------------
+
+    def take(self, num_rows: int, timeout: float | None = None) -> StreamedBatch:
+        """`num_rows` rows of finished groups for the batch trained at the current version: groups at their deadline
+        that were dropped once (waited for), then the oldest finished. Drops (and re-queues) what is too old."""
+        version = self.version()
+        oldest = version - self.staleness  # the oldest version a trained token may have
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            while True:
+                self._drop_older_than(oldest)
+                self.pump()
+                chosen = self._choose(num_rows, oldest)
+                if chosen is not None:
+                    break
+                if not self.out and not self.pending:
+                    raise RuntimeError(
+                        f"streaming rollout: {num_rows} rows wanted and no group left to generate (read "
+                        f"{self._read}); the trainer's data ran out before its last step"
+                    )
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"streaming rollout: no batch of {num_rows} rows within {timeout:g}s")
+                self._changed.wait(timeout=1.0)
+            for group in chosen:
+                self.out.remove(group)
+                if group.error is not None:
+                    raise group.error
+            self.counts["taken"] += len(chosen)
+        self.pump()
+        return StreamedBatch(
+            rows=[row for g in chosen for row in g.rows],
+            prompt_ids=[list(g.prompt_ids) for g in chosen for _ in g.rows],
+            choices=[c for g in chosen for c in g.choices],
+            spans=[(g.first_version, g.newest_version) for g in chosen for _ in g.rows],
+        )
+
+    def _drop_older_than(self, oldest: int) -> None:
+        """Groups whose first token would train older than the bound, finished or not: dropped and queued again,
+        first (in read order), marked so that next time they are waited for at their deadline instead."""
+        stale = [g for g in self.out if g.first_version < oldest]
+        for group in sorted(stale, key=lambda g: g.index, reverse=True):
+            self.out.remove(group)
+            if not group.done:
+                self.counts["abandoned"] += 1  # still generating: its answer is not waited for
+            self.counts["dropped_stale"] += 1
+            group.regenerated, group.future = True, None
+            self.pending.appendleft(group)
+
+    def _choose(self, num_rows: int, oldest: int) -> list[PromptGroup] | None:
+        """The groups for this batch, or None until they have finished: groups dropped once whose deadline is now
+        (waited for), then finished groups, oldest version first, then first finished."""
+        due = [g for g in self.out if g.regenerated and g.first_version == oldest]
+        if not all(g.done for g in due):
+            return None
+        finished = [g for g in self.out if g.done and not (g.regenerated and g.first_version == oldest)]
+        finished.sort(key=lambda g: (g.first_version, g.finished_at))
+        chosen, rows = [], 0
+        for group in due + finished:
+            if rows + len(group.rows) <= num_rows:
+                chosen.append(group)
+                rows += len(group.rows)
+            if rows == num_rows:
+                self.counts["waited_for_deadline"] += sum(g in due for g in chosen)
+                return chosen
+        return None
+
+    # ---- checkpoints and the end of the run ------------------------------------------------------------------
+
+    def state(self, batches_read_ahead: int) -> dict:
+        """What a checkpoint needs: every group read and not yet trained (in read order) and how many generation
+        batches of the trainer's data were read ahead of the step (a resume reads past them)."""
+        with self._changed:
+            groups = sorted([*self.out, *self.pending], key=lambda g: g.index)
+            return {
+                "rows": [g.rows for g in groups],
+                "prompt_ids": [g.prompt_ids for g in groups],
+                "regenerated": [g.regenerated for g in groups],
+                "batches_read_ahead": batches_read_ahead,
+            }
+
+    def restore(self, state: dict) -> None:
+        """Resume: the saved groups are queued first; the first `batches_read_ahead` generation batches the resumed
+        data gives were read (and queued or trained) before the checkpoint, so they are not read again."""
+        with self._changed:
+            for rows, ids, regenerated in zip(state["rows"], state["prompt_ids"], state["regenerated"]):
+                self.pending.append(PromptGroup(self._read, rows, ids, regenerated=regenerated))
+                self._read += 1
+            self._skip_notes = state["batches_read_ahead"]
+
+    def metrics(self) -> dict[str, float]:
+        with self._changed:
+            generating = sum(not g.done for g in self.out)
+            return {
+                "rollout/stream_groups_generating": float(generating),
+                "rollout/stream_groups_finished_waiting": float(len(self.out) - generating),
+                "rollout/stream_groups_dropped_stale": float(self.counts["dropped_stale"]),
+                "rollout/stream_groups_waited_for_deadline": float(self.counts["waited_for_deadline"]),
+            }
+
+    def close(self) -> None:
+        """The end of the run: nothing more is sent; groups still generating are abandoned (not waited for)."""
+        with self._changed:
+            self._closed = True
+            self.counts["abandoned"] += sum(not g.done for g in self.out)
+            self.pending.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _groups(batch: list, prompt_ids: list[list[int]]):
+    """(rows, prompt ids) of each run of consecutive rows with the same prompt ids."""
+    start = 0
+    for end in range(1, len(batch) + 1):
+        if end == len(batch) or list(prompt_ids[end]) != list(prompt_ids[start]):
+            yield batch[start:end], list(prompt_ids[start])
+            start = end
