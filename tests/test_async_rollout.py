@@ -56,6 +56,7 @@ def test_no_trained_completion_is_older_than_the_bound(servers, tiny_llama, tmp_
         tmp_path,
         [s.url for s in servers],
         async_rollout_staleness=staleness,
+        async_rollout_mode="ordered",
         steps_per_generation=steps_per_generation,  # a generation batch serves this many steps (TRL repeats it)
     )
     seen = _record_versions(trainer)
@@ -98,7 +99,13 @@ def test_staleness_1_trains_the_same_numbers_however_generation_and_training_are
     keys = ("loss", "reward", "grad_norm")
     runs = {}
     for timing in ("fast", "delayed"):
-        trainer = _grpo(tiny_llama, tmp_path / timing, [s.url for s in servers], async_rollout_staleness=1)
+        trainer = _grpo(
+            tiny_llama,
+            tmp_path / timing,
+            [s.url for s in servers],
+            async_rollout_staleness=1,
+            async_rollout_mode="ordered",
+        )
         if timing == "delayed":
             trainer.add_callback(SlowSteps())
             trainer.vllm_generation._request = _delayed(trainer.vllm_generation._request, 1.0)
@@ -111,7 +118,8 @@ def test_staleness_1_trains_the_same_numbers_however_generation_and_training_are
 def test_a_batch_whose_prompts_were_not_prefetched_is_generated_in_turn(servers, tiny_llama, tmp_path):
     """The prefetched request is matched by prompt ids: a batch that differs is generated now, never served the
     completions of other prompts."""
-    trainer = _grpo(tiny_llama, tmp_path, [s.url for s in servers], async_rollout_staleness=1, max_steps=3)
+    urls = [s.url for s in servers]
+    trainer = _grpo(tiny_llama, tmp_path, urls, async_rollout_staleness=1, async_rollout_mode="ordered", max_steps=3)
     prefetcher = trainer.vllm_generation.prefetcher
     tokenize = prefetcher.tokenize
     prefetcher.tokenize = lambda prompts: [ids + [7] for ids in tokenize(prompts)]  # never matches a real batch
@@ -179,7 +187,16 @@ def test_staleness_1_learns_about_as_well_as_synchronous(tmp_path):
 def test_ppo_trains_on_prefetched_rollouts_within_the_bound(servers, tiny_llama, tmp_path):
     extra = {"num_ppo_epochs": 1, "num_mini_batches": 1}
     urls = [s.url for s in servers]
-    trainer = server_rloo_or_ppo("ppo", tiny_llama, tmp_path, urls, max_steps=4, async_rollout_staleness=1, **extra)
+    trainer = server_rloo_or_ppo(
+        "ppo",
+        tiny_llama,
+        tmp_path,
+        urls,
+        max_steps=4,
+        async_rollout_staleness=1,
+        async_rollout_mode="ordered",
+        **extra,
+    )
     seen = _record_versions(trainer)
     trainer.train()
     ages = [now - version for now, versions in seen for version in versions]

@@ -18,7 +18,7 @@ class Servers:
         self.instant = set(instant)
         self.gates: dict[int, threading.Event] = {}
         self.sent: list[int] = []
-        self.version = 0  # the sync count, as the trainer holds it
+        self.version = 1  # the sync count, as the trainer holds it: nothing is sent before the first sync
         self.lock = threading.Lock()
         self.max_out = 0
         self.out = 0
@@ -36,13 +36,14 @@ class Servers:
         dispatched()
         with self.lock:
             self.sent.append(prompt)
+            ordinal = len(self.sent)  # which send this answer is from
             self.out += 1
             self.max_out = max(self.max_out, self.out)
         if prompt not in self.instant:
             assert self.gate(prompt).wait(timeout=30), f"prompt {prompt} never finished"
         with self.lock:
             self.out -= 1
-        return [{"token_ids": [prompt, i], "text": f"{prompt}"} for i in range(n)], self.version
+        return [{"token_ids": [prompt, ordinal], "text": f"{prompt}"} for _ in range(n)], self.version
 
 
 def batch(prompts, group=2):
@@ -50,9 +51,13 @@ def batch(prompts, group=2):
     return [{"prompt": p, "column": f"answer-{p}"} for p in prompts for _ in range(group)]
 
 
-def make(servers, staleness=1, window=4):
+def make(servers, staleness=1, groups_per_batch=2):
     return StreamingRollout(
-        staleness, lambda prompts: [[p] for p in prompts], servers.send, window, version=lambda: servers.version
+        staleness,
+        lambda prompts: [[p] for p in prompts],
+        servers.send,
+        groups_per_batch,
+        version=lambda: servers.version,
     )
 
 
@@ -65,7 +70,7 @@ def wait_sent(servers, count):
 
 def test_groups_are_taken_as_they_finish_with_their_own_rows():
     servers = Servers()
-    stream = make(servers, window=4)
+    stream = make(servers, groups_per_batch=2)  # before the first batch: (k + 1) x 2 groups out
     stream.note_upcoming(batch([1, 2]))
     stream.note_upcoming(batch([3, 4]))
     wait_sent(servers, 4)
@@ -82,12 +87,12 @@ def test_groups_are_taken_as_they_finish_with_their_own_rows():
 
 def test_nothing_is_lost_or_trained_twice_and_no_group_is_older_than_the_bound():
     servers = Servers(instant=set(range(100)) - {5, 11})  # two long answers among short ones
-    stream = make(servers, staleness=1, window=6)
+    stream = make(servers, staleness=1, groups_per_batch=3)
     trained, ages = [], []
     for step in range(10):
         stream.note_upcoming(batch([3 * step, 3 * step + 1, 3 * step + 2]))
     for step in range(8):
-        servers.version = step  # a sync before each batch
+        servers.version = step + 1  # a sync before each batch
         if step == 3:  # 5 was dropped at 2 and sent again: due now, and waited for
             servers.finish(5, 11)
         taken = stream.take(6)
@@ -103,38 +108,36 @@ def test_nothing_is_lost_or_trained_twice_and_no_group_is_older_than_the_bound()
 
 def test_the_version_is_the_one_a_request_was_sent_at_not_the_one_it_finished_at():
     servers = Servers()
-    stream = make(servers, staleness=2, window=2)
+    stream = make(servers, staleness=2, groups_per_batch=1)
     stream.note_upcoming(batch([1]))
     wait_sent(servers, 1)
-    servers.version = 1  # a sync lands while the answer is generating
+    servers.version = 2  # a sync lands while the answer is generating
     servers.finish(1)
     taken = stream.take(2)
-    assert taken.spans == [(0, 1), (0, 1)]  # sent at 0 (its first token's weights), finished at 1
+    assert taken.spans == [(1, 2), (1, 2)]  # sent at 1 (its first token's weights), finished at 2
     stream.close()
 
 
 def test_a_group_too_old_is_dropped_sent_again_first_and_then_waited_for_at_its_deadline():
-    servers = Servers(instant={2, 3, 4, 5, 6, 7})
-    stream = make(servers, staleness=1, window=3)
-    stream.note_upcoming(batch([1, 2, 3]))  # 1 is a long answer
-    stream.note_upcoming(batch([4, 5, 6, 7]))
-    wait_sent(servers, 3)
-    taken = stream.take(4)  # version 0: the two short ones
-    assert sorted(r["prompt"] for r in taken.rows[::2]) == [2, 3]
-    servers.version = 1
-    taken = stream.take(4)  # 1 is still running (sent at 0, age 1 allowed): others are taken
-    assert 1 not in [r["prompt"] for r in taken.rows]
-    stream.note_upcoming(batch([8, 9]))  # queued behind the window
-    servers.version = 2  # 1 is now too old to train: dropped and sent again, first in line
+    servers = Servers(instant=set(range(2, 20)))  # 1 is a long answer
+    stream = make(servers, staleness=1, groups_per_batch=1)
+    stream.note_upcoming(batch([1, 2, 3]))
+    stream.note_upcoming(batch([4, 5, 6]))
+    taken = stream.take(2)  # version 0: 1 and 2 were sent; 2 has finished
+    assert [r["prompt"] for r in taken.rows] == [2, 2]
+    servers.version = 2
+    taken = stream.take(2)  # 1 is still running (sent at 0, age 1 allowed): 3 is taken
+    assert [r["prompt"] for r in taken.rows] == [3, 3]
+    servers.version = 3  # 1 is now too old to train: dropped and sent again, before what was queued
     taken = stream.take(2)
     assert stream.counts["dropped_stale"] == 1 and 1 not in [r["prompt"] for r in taken.rows]
-    order = [g.prompt_ids[0] for g in [*stream.out, *stream.pending] if g.prompt_ids[0] in (1, 8, 9)]
-    assert order == [1, 8, 9]  # sent before what was queued
+    order = [g.prompt_ids[0] for g in [*stream.out, *stream.pending] if g.prompt_ids[0] in (1, 5, 6)]
+    assert order[0] == 1 and set(order) <= {1, 5, 6}
     deadline = time.monotonic() + 10
     while servers.sent.count(1) < 2:  # the re-send reaches the stand-in's thread
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    servers.version = 3  # its deadline: the trainer waits for it rather than dropping it again
+    servers.version = 4  # its deadline: the trainer waits for it rather than dropping it again
     result = {}
     waiter = threading.Thread(target=lambda: result.setdefault("taken", stream.take(2)))
     waiter.start()
@@ -143,23 +146,31 @@ def test_a_group_too_old_is_dropped_sent_again_first_and_then_waited_for_at_its_
     servers.finish(1)
     waiter.join(timeout=10)
     assert [r["prompt"] for r in result["taken"].rows] == [1, 1]
-    assert result["taken"].spans[0][0] == 2 and stream.counts["dropped_stale"] == 1
+    assert result["taken"].spans[0][0] == 3 and stream.counts["dropped_stale"] == 1
+    resent = [i + 1 for i, p in enumerate(servers.sent) if p == 1][1]
+    assert [c["token_ids"][1] for c in result["taken"].choices] == [resent] * 2  # not the abandoned attempt's
     stream.close()
 
 
-def test_no_more_than_the_window_is_ever_out():
+def test_no_group_is_sent_that_would_be_too_old_by_its_turn():
+    """A group sent at version V is trained by the batch at V + k at the latest: no more are out than the batches
+    up to then take (with every answer short, one more would go stale waiting its turn)."""
     servers = Servers()
-    stream = make(servers, staleness=1, window=3)
+    stream = make(servers, staleness=1, groups_per_batch=3)
     for step in range(4):
         stream.note_upcoming(batch([10 * step + i for i in range(3)]))
-    wait_sent(servers, 3)
+    wait_sent(servers, 6)  # before the first batch: the batches at 0 and 1 take 6
     time.sleep(0.2)
-    assert len(servers.sent) == 3 and len(stream.out) == 3  # the rest wait to be sent
-    servers.finish(0, 1)
-    stream.take(4)
-    wait_sent(servers, 5)
+    assert len(servers.sent) == 6
+    servers.finish(0, 1, 2)
+    stream.take(6)  # the batch at 0 is taken: only the batch at 1 is left for a group sent now, and 3 are out
     time.sleep(0.2)
-    assert len(servers.sent) == 5 and servers.max_out <= 3
+    assert len(servers.sent) == 6 and len(stream.out) == 3
+    servers.version = 2
+    servers.finish(10, 11, 12)
+    stream.take(6)  # the sync: the batches at 1 and 2 take the groups sent now
+    wait_sent(servers, 9)
+    assert servers.max_out <= 6 and stream.counts["dropped_stale"] == 0
     servers.finish(*range(40))
     stream.close()
 
@@ -169,7 +180,7 @@ def test_a_failed_request_fails_the_batch_that_takes_it():
         dispatched()
         raise RuntimeError("no rollout server answered")
 
-    stream = StreamingRollout(1, lambda prompts: [[p] for p in prompts], send, 2, version=lambda: 0)
+    stream = StreamingRollout(1, lambda prompts: [[p] for p in prompts], send, 1, version=lambda: 1)
     stream.note_upcoming(batch([1]))
     with pytest.raises(RuntimeError, match="no rollout server answered"):
         stream.take(2, timeout=10)
@@ -178,14 +189,14 @@ def test_a_failed_request_fails_the_batch_that_takes_it():
 
 def test_a_resume_trains_what_was_read_and_not_trained_once_and_reads_on_past_it():
     servers = Servers(instant=set(range(100)) - {1})
-    stream = make(servers, staleness=1, window=4)
+    stream = make(servers, staleness=1, groups_per_batch=2)
     for step in range(3):
         stream.note_upcoming(batch([2 * step, 2 * step + 1]))
     trained = [r["prompt"] for r in stream.take(4).rows[::2]]  # 1 still running
     state = stream.state(batches_read_ahead=2)
     stream.close()
     resumed_servers = Servers(instant=set(range(100)))
-    resumed = make(resumed_servers, staleness=1, window=4)
+    resumed = make(resumed_servers, staleness=1, groups_per_batch=2)
     resumed.restore(state)
     for step in range(1, 5):  # the resumed data starts at the step's batch: the first two were read already
         resumed.note_upcoming(batch([2 * step, 2 * step + 1]))
@@ -193,3 +204,18 @@ def test_a_resume_trains_what_was_read_and_not_trained_once_and_reads_on_past_it
         trained += [r["prompt"] for r in resumed.take(4).rows[::2]]
     assert sorted(trained) == list(range(8)) and len(trained) == len(set(trained))
     resumed.close()
+
+
+def test_nothing_is_sent_before_the_runs_first_weight_sync():
+    """Before it the servers hold the weights they were started with, or another run's: a completion sampled then
+    would carry a version that names none of this run's weights."""
+    servers = Servers(instant=set(range(10)))
+    servers.version = 0
+    stream = make(servers, staleness=1, groups_per_batch=2)
+    stream.note_upcoming(batch([1, 2]))
+    time.sleep(0.2)
+    assert servers.sent == []
+    servers.version = 1  # the trainer's first sync, before its first batch
+    taken = stream.take(4)
+    assert sorted(r["prompt"] for r in taken.rows[::2]) == [1, 2] and {f for f, _ in taken.spans} == {1}
+    stream.close()

@@ -170,10 +170,10 @@ class ServerRolloutGeneration(VLLMGeneration):
             self._check_fleet()
             return self._request(prompts)
 
-    def enable_async(self, staleness: int, tokenize, window: int | None = None) -> None:
-        """Asynchronous rollout: with `settings.streaming`, prompt groups stream through the servers, at most
-        `window` out at a time (see `streaming`); else up to `staleness` generation batches are prefetched (see
-        `async_rollout`)."""
+    def enable_async(self, staleness: int, tokenize, groups_per_batch: int | None = None) -> None:
+        """Asynchronous rollout: with `settings.streaming`, prompt groups stream through the servers (see
+        `streaming`; `groups_per_batch`: the groups one generation batch trains on); else up to `staleness`
+        generation batches are prefetched (see `async_rollout`)."""
         from concurrent.futures import ThreadPoolExecutor
 
         from .async_rollout import RolloutPrefetcher
@@ -181,7 +181,7 @@ class ServerRolloutGeneration(VLLMGeneration):
 
         if self.settings.streaming:
             self.streamer = StreamingRollout(
-                staleness, tokenize, self._send_group, window or 1, version=lambda: self.sync_count
+                staleness, tokenize, self._send_group, groups_per_batch or 1, version=lambda: self.sync_count
             )
             return
         # Its own threads: a prefetch waits on the client's request pool, which must never wait on itself.

@@ -49,6 +49,7 @@ class PromptGroup:
     rows: list  # the trainer's rows (each with its own columns for the reward functions)
     prompt_ids: list[int]
     regenerated: bool = False  # dropped once as too old: waited for at its deadline, never dropped again
+    attempts: int = 0  # requests sent for it (a dropped group is sent again)
     first_version: int = -1  # the sync count when its request was sent: its first token's weights at the oldest
     newest_version: int = -1  # the newest weights any of its tokens can come from
     choices: list[dict] | None = None
@@ -83,7 +84,12 @@ class StreamingRollout:
     notes_first = True  # the first generation batch is streamed too (the prefetch generates it in turn)
 
     def __init__(
-        self, staleness: int, tokenize: Callable[[list], list[list[int]]], send: Send, window: int, version: Callable
+        self,
+        staleness: int,
+        tokenize: Callable[[list], list[list[int]]],
+        send: Send,
+        groups_per_batch: int,
+        version: Callable,
     ):
         if staleness < 1:
             raise ValueError(f"streaming needs async_rollout_staleness >= 1, got {staleness}")
@@ -91,12 +97,17 @@ class StreamingRollout:
         self.batches_ahead = staleness + 1  # generation batches read ahead of the one being trained
         self.tokenize = tokenize  # the trainer's rows' prompts -> prompt token ids, as the trainer tokenizes them
         self.send = send
-        self.window = window  # groups out at a time (sent and not yet taken)
+        self.groups_per_batch = groups_per_batch  # groups one generation batch trains on
         self.version = version  # () -> the current sync count
+        self._taken_at = -1  # the version of the last batch taken
         self.pending: deque[PromptGroup] = deque()  # read, not sent (dropped ones go first)
         self.out: list[PromptGroup] = []  # sent, not taken (generating or finished)
         self._changed = threading.Condition()
-        self._pool = ThreadPoolExecutor(max_workers=max(1, window), thread_name_prefix="stream")
+        # One thread per request out, and room for abandoned ones still generating (a dropped group's first attempt
+        # holds its thread until its server answers): the pool starts threads only as they are needed.
+        self._pool = ThreadPoolExecutor(
+            max_workers=8 * (staleness + 1) * groups_per_batch + 8, thread_name_prefix="stream"
+        )
         self._read = 0  # groups read so far (their index)
         self._skip_notes = 0  # generation batches read before a resume's checkpoint: their groups are restored
         self._closed = False
@@ -117,27 +128,44 @@ class StreamingRollout:
                 self._read += 1
         self.pump()
 
+    @property
+    def window(self) -> int:
+        """Groups that may be out now: as many as the batches within a new group's deadline take. A group sent now
+        (at version V) is trained by the batch taken at V + k at the latest; the batches at V (unless already
+        taken) .. V + k take `groups_per_batch` each, oldest first, so one more group out would be too old when its
+        turn came, even with every answer short. Between a sync and its batch: (k + 1) batches' worth; after it, k."""
+        batches = self.staleness + (0 if self._taken_at == self.version() else 1)
+        return batches * self.groups_per_batch
+
     def pump(self) -> None:
-        """Send queued groups while fewer than `window` are out."""
+        """Send queued groups while fewer than `window` are out; nothing before the run's first weight sync (version
+        1): until then the servers hold whatever weights they were started with or another run left there."""
         with self._changed:
+            if self.version() < 1:
+                return
             while self.pending and len(self.out) < self.window and not self._closed:
                 self._dispatch(self.pending.popleft())
 
     def _dispatch(self, group: PromptGroup) -> None:
+        group.attempts += 1
+        attempt = group.attempts  # an abandoned attempt that finishes later must not write into a newer one
         group.choices, group.error, group.first_version = None, None, self.version()
 
         def dispatched() -> None:
-            group.first_version = self.version()
+            if group.attempts == attempt:
+                group.first_version = self.version()
 
         def run():
             try:
-                group.choices, group.newest_version = self.send(list(group.prompt_ids), len(group.rows), dispatched)
-            except BaseException as error:  # handed to the trainer when it takes this group
-                group.error = error
-            finally:
-                group.finished_at = time.monotonic()
-                with self._changed:
-                    self._changed.notify_all()
+                choices, newest = self.send(list(group.prompt_ids), len(group.rows), dispatched)
+                error = None
+            except BaseException as failure:  # handed to the trainer when it takes this group
+                choices, newest, error = None, -1, failure
+            with self._changed:
+                if group.attempts == attempt:
+                    group.choices, group.newest_version, group.error = choices, newest, error
+                    group.finished_at = time.monotonic()
+                self._changed.notify_all()
 
         group.future = self._pool.submit(run)
         self.out.append(group)
@@ -170,6 +198,7 @@ class StreamingRollout:
                 if group.error is not None:
                     raise group.error
             self.counts["taken"] += len(chosen)
+            self._taken_at = version
         self.pump()
         return StreamedBatch(
             rows=[row for g in chosen for row in g.rows],

@@ -92,16 +92,16 @@ class ServerRolloutMixin:
                     "async_rollout_staleness > 0 prefetches plain prompt -> completion generations; this trainer has "
                     "a rollout_func or tools (multi-turn rollouts). Fix: async_rollout_staleness=0"
                 )
-            window = self._stream_window() if self.vllm_generation.settings.streaming else None
+            groups = self._stream_groups_per_batch() if self.vllm_generation.settings.streaming else None
             self.vllm_generation.enable_async(
-                args.async_rollout_staleness, lambda prompts: self._tokenize_prompts(prompts)[0], window
+                args.async_rollout_staleness, lambda prompts: self._tokenize_prompts(prompts)[0], groups
             )
             self._lookahead = None
 
-    def _stream_window(self) -> int:
-        """Prompt groups out at a time when streaming: (staleness + 1) generation batches' worth. Each process
-        streams its own rows, so its generation batch must hold whole groups (TRL's sampler keeps a prompt's copies
-        together; accelerate hands each process consecutive rows)."""
+    def _stream_groups_per_batch(self) -> int:
+        """Prompt groups in this process's generation batch. Each process streams its own rows, so that batch must
+        hold whole groups (TRL's sampler keeps a prompt's copies together; accelerate hands each process
+        consecutive rows)."""
         args = self.args
         rows = args.per_device_train_batch_size * args.steps_per_generation
         group = self.num_generations or 1
@@ -112,7 +112,7 @@ class ServerRolloutMixin:
                 f"num_generations={group}. Fix: make per_device_train_batch_size x steps_per_generation a multiple of "
                 "num_generations, or async_rollout_mode='ordered'"
             )
-        return (args.async_rollout_staleness + 1) * rows // group
+        return rows // group
 
     def _generate_and_score_completions(self, inputs):
         """Streaming: the rows trained are the finished prompt groups, taken at the weights just synced, in place of

@@ -1,0 +1,204 @@
+"""Streaming rollout in training runs over real `trl-scale serve` processes (GRPO, PPO): every prompt group read is
+trained once or still out at the end, none twice; no trained completion is older than the bound; slow answers are
+delayed, not starved; a server killed mid-stream loses and duplicates nothing; a resume neither repeats nor skips.
+Each prompt carries an `id` column, which TRL hands to the reward function with the row it trained on."""
+
+import time
+from collections import Counter
+
+import pytest
+from datasets import Dataset
+from transformers import AutoTokenizer, TrainerCallback
+
+import trl_scale
+from trl_scale.toy import TOY_WORDS
+
+from .helpers import cpu_args, start_servers, token_parity_reward
+
+pytest.importorskip("fastapi")
+
+GROUP = 4
+
+
+def id_dataset(count: int = 96) -> Dataset:
+    """Distinct prompts, each with its own id."""
+    return Dataset.from_list(
+        [{"prompt": f"{TOY_WORDS[i % 40]} {TOY_WORDS[(i // 40) % 40]} {TOY_WORDS[7]}", "id": i} for i in range(count)]
+    )
+
+
+class TrainedIds:
+    """A reward function that also records, per step, the ids of the rows it scores (the rows trained on)."""
+
+    __name__ = "recorded_reward"
+
+    def __init__(self):
+        self.by_step: list[list[int]] = []
+
+    def __call__(self, completion_ids, id, **kwargs):
+        self.by_step.append(list(id))
+        return token_parity_reward(completion_ids)
+
+    def counts(self) -> Counter:
+        return Counter(i for ids in self.by_step for i in ids)
+
+
+def streaming_run(method, model_path, out, urls, recorder, **overrides):
+    settings = dict(
+        max_completion_length=6,
+        max_steps=6,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_urls=urls,
+        weight_sync_timeout=60,
+        rollout_request_timeout=60,
+        async_rollout_staleness=1,
+        generation_kwargs={"seed": 0},
+        shuffle_dataset=False,  # ids are read in order: what was skipped can be named
+    )
+    trainer_cls, config_cls = {
+        "grpo": (trl_scale.GRPOTrainer, trl_scale.GRPOConfig),
+        "ppo": (trl_scale.PPOTrainer, trl_scale.PPOConfig),
+    }[method]
+    if method == "grpo":
+        settings["num_generations"] = GROUP
+    else:
+        settings.update(num_ppo_epochs=1, num_mini_batches=1)
+    return trainer_cls(
+        model=model_path,
+        reward_funcs=recorder,
+        args=config_cls(**cpu_args(out, **{**settings, **overrides})),
+        train_dataset=id_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+    )
+
+
+def slow_first_attempts(trainer, ids: set[int], seconds: float) -> list[int]:
+    """The servers' answers for these prompts' first requests come `seconds` late (a long answer): returns the ids
+    of the requests sent, in order."""
+    generation = trainer.vllm_generation
+    prompt_to_id = {}
+    tokenize = generation.streamer.tokenize
+    for row in id_dataset():
+        prompt_to_id[tuple(tokenize([row["prompt"]])[0])] = row["id"]
+    sent, complete = [], generation.client.complete
+
+    def complete_slowly(prompt, *args, **kwargs):
+        row_id = prompt_to_id[tuple(prompt)]
+        first = row_id not in sent
+        sent.append(row_id)
+        choices = complete(prompt, *args, **kwargs)
+        if first and row_id in ids:
+            time.sleep(seconds)
+        return choices
+
+    generation.client.complete = complete_slowly
+    return sent
+
+
+def versions_recorder(trainer):
+    """Per generated batch: the sync count when it was trained, and each completion's (first, newest) span."""
+    generation, seen = trainer.vllm_generation, []
+    generate = generation.generate
+
+    def recording(*args, **kwargs):
+        result = generate(*args, **kwargs)
+        seen.append((generation.sync_count, list(generation.last_version_spans)))
+        return result
+
+    generation.generate = recording
+    return seen
+
+
+def check_once_each(trainer, recorder, group: int) -> set[int]:
+    """Every id trained is trained as one whole group, once; returns the ids trained."""
+    counts = recorder.counts()
+    assert set(counts.values()) == {group}, counts  # a group's rows together, and no group twice
+    streamer = trainer.vllm_generation.streamer
+    left = Counter(row["id"] for g in [*streamer.out, *streamer.pending] for row in g.rows)
+    assert not set(left) & set(counts)  # what is still out was not trained
+    return set(counts)
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_grpo_streams_every_group_once_within_the_bound_and_slow_answers_are_not_starved(
+    servers, tiny_llama, tmp_path, staleness
+):
+    recorder = TrainedIds()
+    trainer = streaming_run(
+        "grpo", tiny_llama, tmp_path, [s.url for s in servers], recorder, async_rollout_staleness=staleness
+    )
+    assert trainer.vllm_generation.streamer is not None and trainer.vllm_generation.prefetcher is None
+    slow = {1, 5}  # their first answers take longer than a step: dropped, sent again, then waited for
+    sent = slow_first_attempts(trainer, slow, seconds=2.5)
+    seen = versions_recorder(trainer)
+    trainer.train()
+    trained = check_once_each(trainer, recorder, GROUP)
+    assert len(trained) == 6 * 2  # 6 steps of 8 rows: 2 groups each
+    ages = [now - first for now, spans in seen for first, _ in spans]
+    assert len(seen) == 6 and max(ages) <= staleness and min(ages) >= 0
+    assert all(first <= newest for _, spans in seen for first, newest in spans)
+    assert slow <= trained  # delayed, not starved
+    counts = trainer.vllm_generation.streamer.counts
+    if staleness == 1:
+        assert counts["dropped_stale"] >= 1 and Counter(sent)[1] == 2  # sent again once, not more
+    logs = [h for h in trainer.state.log_history if "rollout/stream_groups_dropped_stale" in h]
+    assert len(logs) == 6
+
+
+def test_ppo_streams_within_the_bound(servers, tiny_llama, tmp_path):
+    recorder = TrainedIds()
+    trainer = streaming_run("ppo", tiny_llama, tmp_path, [s.url for s in servers], recorder, max_steps=4)
+    seen = versions_recorder(trainer)
+    trainer.train()
+    check_once_each(trainer, recorder, 1)
+    ages = [now - first for now, spans in seen for first, _ in spans]
+    assert len(seen) == 4 and max(ages) <= 1 and min(ages) >= 0
+
+
+def test_a_server_killed_mid_stream_loses_and_duplicates_nothing(tiny_llama, tmp_path):
+    own = start_servers(tiny_llama, 2)
+    try:
+        recorder = TrainedIds()
+        trainer = streaming_run(
+            "grpo", tiny_llama, tmp_path, [s.url for s in own], recorder, max_steps=8, rollout_request_timeout=30
+        )
+
+        class KillOne(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == 3:
+                    own[0].stop()  # requests out on it fail over to the other server
+
+        trainer.add_callback(KillOne())
+        trainer.train()
+        trained = check_once_each(trainer, recorder, GROUP)
+        assert len(trained) == 8 * 2 and own[0].process.poll() is not None
+    finally:
+        for server in own:
+            if server.process.poll() is None:
+                server.stop()
+
+
+def test_a_resume_trains_each_group_read_before_the_checkpoint_once(servers, tiny_llama, tmp_path):
+    urls = [s.url for s in servers]
+    first = TrainedIds()
+    trainer = streaming_run(
+        "grpo", tiny_llama, tmp_path, urls, first, max_steps=6, save_strategy="steps", save_steps=3
+    )
+    slow_first_attempts(trainer, {2}, seconds=1.5)  # one group is still out at the checkpoint
+    trainer.train()
+    assert (tmp_path / "checkpoint-3" / "rollout_stream_rank0.pt").is_file()
+    first.by_step = first.by_step[:3]  # what was trained up to the checkpoint
+    second = TrainedIds()
+    resumed = streaming_run("grpo", tiny_llama, tmp_path / "resumed", urls, second, max_steps=6)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    before, after = first.counts(), second.counts()
+    assert set(before.values()) == set(after.values()) == {GROUP}
+    assert not set(before) & set(after)  # nothing trained twice across the resume
+    assert len(before) == len(after) == 3 * 2
+    # nothing read twice (a group trained before the checkpoint, or restored from it, is not read again) ...
+    streamer = resumed.vllm_generation.streamer
+    left = Counter(row["id"] for g in [*streamer.out, *streamer.pending] for row in g.rows)
+    assert set(left.values()) <= {GROUP} and not set(left) & (set(before) | set(after))
+    # ... and nothing skipped: the groups trained are the first ones read, but for those still out at the end
+    assert set(range(12)) <= set(before) | set(after) | set(left)
