@@ -87,20 +87,20 @@ def test_groups_are_taken_as_they_finish_with_their_own_rows():
 
 def test_nothing_is_lost_or_trained_twice_and_no_group_is_older_than_the_bound():
     servers = Servers(instant=set(range(100)) - {5, 11})  # two long answers among short ones
+    threading.Timer(0.5, servers.finish, (5, 11)).start()
     stream = make(servers, staleness=1, groups_per_batch=3)
     trained, ages = [], []
     for step in range(10):
         stream.note_upcoming(batch([3 * step, 3 * step + 1, 3 * step + 2]))
     for step in range(8):
         servers.version = step + 1  # a sync before each batch
-        if step == 3:  # 5 was dropped at 2 and sent again: due now, and waited for
-            servers.finish(5, 11)
         taken = stream.take(6)
         trained += [row["prompt"] for row in taken.rows[::2]]
         ages += [servers.version - first for first, _ in taken.spans]
     assert len(trained) == len(set(trained)) == 24  # none twice
     assert max(ages) <= 1 and min(ages) >= 0
-    assert {5, 11} <= set(trained) and stream.counts["dropped_stale"] >= 1  # long answers delayed, not starved
+    assert {5, 11} <= set(trained)  # the long answers were waited for at their deadline ...
+    assert stream.counts["waited_for_deadline"] >= 1 and stream.counts["dropped_stale"] == 0  # ... not dropped
     left = {g.prompt_ids[0] for g in [*stream.out, *stream.pending]}
     assert set(trained) | left == set(range(30)) and not set(trained) & left  # none lost
     stream.close()
@@ -118,26 +118,14 @@ def test_the_version_is_the_one_a_request_was_sent_at_not_the_one_it_finished_at
     stream.close()
 
 
-def test_a_group_too_old_is_dropped_sent_again_first_and_then_waited_for_at_its_deadline():
+def test_a_long_answer_is_waited_for_at_its_deadline_not_dropped():
     servers = Servers(instant=set(range(2, 20)))  # 1 is a long answer
     stream = make(servers, staleness=1, groups_per_batch=1)
     stream.note_upcoming(batch([1, 2, 3]))
     stream.note_upcoming(batch([4, 5, 6]))
-    taken = stream.take(2)  # version 0: 1 and 2 were sent; 2 has finished
+    taken = stream.take(2)  # version 1: 1 and 2 were sent; 2 has finished
     assert [r["prompt"] for r in taken.rows] == [2, 2]
-    servers.version = 2
-    taken = stream.take(2)  # 1 is still running (sent at 0, age 1 allowed): 3 is taken
-    assert [r["prompt"] for r in taken.rows] == [3, 3]
-    servers.version = 3  # 1 is now too old to train: dropped and sent again, before what was queued
-    taken = stream.take(2)
-    assert stream.counts["dropped_stale"] == 1 and 1 not in [r["prompt"] for r in taken.rows]
-    order = [g.prompt_ids[0] for g in [*stream.out, *stream.pending] if g.prompt_ids[0] in (1, 5, 6)]
-    assert order[0] == 1 and set(order) <= {1, 5, 6}
-    deadline = time.monotonic() + 10
-    while servers.sent.count(1) < 2:  # the re-send reaches the stand-in's thread
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    servers.version = 4  # its deadline: the trainer waits for it rather than dropping it again
+    servers.version = 2  # 1 (sent at 1) is due now: the batch waits for it rather than take 3
     result = {}
     waiter = threading.Thread(target=lambda: result.setdefault("taken", stream.take(2)))
     waiter.start()
@@ -145,10 +133,34 @@ def test_a_group_too_old_is_dropped_sent_again_first_and_then_waited_for_at_its_
     assert waiter.is_alive()  # waiting for the long answer
     servers.finish(1)
     waiter.join(timeout=10)
-    assert [r["prompt"] for r in result["taken"].rows] == [1, 1]
-    assert result["taken"].spans[0][0] == 3 and stream.counts["dropped_stale"] == 1
+    assert [r["prompt"] for r in result["taken"].rows] == [1, 1] and result["taken"].spans[0][0] == 1
+    assert stream.counts["waited_for_deadline"] == 1 and stream.counts["dropped_stale"] == 0
+    assert servers.sent.count(1) == 1
+    stream.close()
+
+
+def test_a_group_older_than_the_bound_is_dropped_and_sent_again_first():
+    """Only what the window cannot prevent (here: two syncs with no batch between) is ever too old."""
+    servers = Servers(instant=set(range(2, 20)))  # 1 is a long answer
+    stream = make(servers, staleness=1, groups_per_batch=1)
+    stream.note_upcoming(batch([1, 2, 3]))
+    stream.note_upcoming(batch([4, 5, 6]))
+    stream.take(2)  # version 1: 2
+    servers.version = 3  # 1, sent at 1, would train two versions old
+    taken = stream.take(2)
+    assert 1 not in [r["prompt"] for r in taken.rows] and stream.counts["dropped_stale"] == 1
+    order = [g.prompt_ids[0] for g in [*stream.out, *stream.pending] if g.prompt_ids[0] in (1, 4, 5, 6)]
+    assert order[0] == 1  # sent again before what was queued
+    deadline = time.monotonic() + 10
+    while servers.sent.count(1) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    servers.version = 4  # due: waited for; the answer used is the re-send's, not the abandoned attempt's
+    servers.finish(1)
+    taken = stream.take(2)
     resent = [i + 1 for i, p in enumerate(servers.sent) if p == 1][1]
-    assert [c["token_ids"][1] for c in result["taken"].choices] == [resent] * 2  # not the abandoned attempt's
+    assert [r["prompt"] for r in taken.rows] == [1, 1] and taken.spans[0][0] == 3
+    assert [c["token_ids"][1] for c in taken.choices] == [resent] * 2
     stream.close()
 
 

@@ -10,12 +10,14 @@ the rows TRL read (their rows go with them, so reward functions see each complet
 still running is trained on in a later batch.
 
 The bound: a group's version is the weight sync count when its request was sent (its first token cannot be older;
-a failover re-send is tagged anew), and it is never trained more than k syncs later. A group that finishes too late
-(or is still running when it becomes too old) is dropped, counted, and generated again, first in line. A group
-dropped once is not dropped again: at its deadline the trainer waits for it, so a prompt whose answers are long is
-delayed, never starved of training. Syncs do not drain the servers: they pause between decoding steps (vLLM's
-`/pause?mode=keep`), load, and resume; a running answer goes on with the new weights, and each completion records
-(first, newest) versions.
+a failover re-send is tagged anew), and it is never trained more than k syncs later. No more groups are out than
+the batches up to a new group's deadline can take (`window`), and a group whose deadline has come is waited for: a
+prompt whose answers are long delays its batch, it is never dropped nor starved of training. (What is left over
+when more groups fall due at once than a batch takes is dropped, counted, and generated again, first in line.)
+Syncs do not drain the servers: they pause between decoding steps (vLLM's `/pause?mode=keep`), load, and resume;
+a running answer goes on with the new weights, and each completion records (first, newest) versions. So at
+staleness k an answer has the time of k steps to finish; a step is never shorter than the longest answer it
+trains divided by k.
 
 Nothing is lost or trained twice: every row read is in exactly one group, a group leaves only when the trainer
 takes it (rows trained once) or is dropped (and re-queued); a server that dies mid-request has the request re-sent
@@ -48,7 +50,7 @@ class PromptGroup:
     index: int  # order of reading from the trainer's data
     rows: list  # the trainer's rows (each with its own columns for the reward functions)
     prompt_ids: list[int]
-    regenerated: bool = False  # dropped once as too old: waited for at its deadline, never dropped again
+    regenerated: bool = False  # dropped once as too old and sent again
     attempts: int = 0  # requests sent for it (a dropped group is sent again)
     first_version: int = -1  # the sync count when its request was sent: its first token's weights at the oldest
     newest_version: int = -1  # the newest weights any of its tokens can come from
@@ -179,6 +181,7 @@ class StreamingRollout:
         oldest = version - self.staleness  # the oldest version a trained token may have
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
+            self.counts["waited_for_deadline"] += sum(not g.done for g in self.out if g.first_version == oldest)
             while True:
                 self._drop_older_than(oldest)
                 self.pump()
@@ -209,7 +212,8 @@ class StreamingRollout:
 
     def _drop_older_than(self, oldest: int) -> None:
         """Groups whose first token would train older than the bound, finished or not: dropped and queued again,
-        first (in read order), marked so that next time they are waited for at their deadline instead."""
+        first (in read order). The window keeps this from happening to a group that is waited for at its deadline;
+        it happens to what is left over when more groups fall due at once than a batch takes."""
         stale = [g for g in self.out if g.first_version < oldest]
         for group in sorted(stale, key=lambda g: g.index, reverse=True):
             self.out.remove(group)
@@ -220,22 +224,26 @@ class StreamingRollout:
             self.pending.appendleft(group)
 
     def _choose(self, num_rows: int, oldest: int) -> list[PromptGroup] | None:
-        """The groups for this batch, or None until they have finished: groups dropped once whose deadline is now
-        (waited for), then finished groups, oldest version first, then first finished."""
-        due = [g for g in self.out if g.regenerated and g.first_version == oldest]
+        """The groups for this batch, or None until they have finished: the groups whose deadline is now (sent at
+        the oldest version allowed: waited for, oldest read first), then finished groups, oldest version first,
+        then first finished."""
+        due, rows = [], 0
+        for group in sorted((g for g in self.out if g.first_version == oldest), key=lambda g: g.index):
+            if rows + len(group.rows) <= num_rows:
+                due.append(group)
+                rows += len(group.rows)
         if not all(g.done for g in due):
             return None
-        finished = [g for g in self.out if g.done and not (g.regenerated and g.first_version == oldest)]
+        finished = [g for g in self.out if g.done and g not in due]
         finished.sort(key=lambda g: (g.first_version, g.finished_at))
-        chosen, rows = [], 0
-        for group in due + finished:
+        chosen = list(due)
+        for group in finished:
+            if rows == num_rows:
+                break
             if rows + len(group.rows) <= num_rows:
                 chosen.append(group)
                 rows += len(group.rows)
-            if rows == num_rows:
-                self.counts["waited_for_deadline"] += sum(g in due for g in chosen)
-                return chosen
-        return None
+        return chosen if rows == num_rows else None
 
     # ---- checkpoints and the end of the run ------------------------------------------------------------------
 

@@ -1,0 +1,162 @@
+"""Streaming rollout against real vLLM servers, in a long-tailed regime and an even one: GRPO step time and samples/s
+for the synchronous run (staleness 0, what TRL does), the prefetch (`async_rollout_mode="ordered"`) and streaming
+(`"streaming"`) at staleness 1 and 2, runs alternated, on the same model, data, seed and servers.
+
+Long tail: most answers are short and a few run many times the median, up to the cap. Real vLLM batches
+continuously, so a request lasts as long as its own answer while a batch lasts as long as its longest. The lengths
+are set per prompt (its `max_tokens`, drawn once from the prompt: 80 % of prompts 12 tokens, 20 % between 96 and 160,
+`ignore_eos`), so every mode meets the same answers; the even regime gives every prompt 24 tokens. Two vLLM CPU
+servers (`.venv-vllm`, `bash scripts/setup_vllm.sh`) share one core, the trainer has the other (on 2 cores).
+
+Usage: python benchmarks/streaming.py [--quick] [--regimes long-tail,even]. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # tests/real_vllm.py: the harness that starts real vLLM servers
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+MODES = {
+    "sync": (0, "ordered"),
+    "prefetch": (1, "ordered"),
+    "streaming": (1, "streaming"),
+    "prefetch_k2": (2, "ordered"),
+    "streaming_k2": (2, "streaming"),
+}
+GROUP = 8  # completions per prompt
+PROMPTS_PER_STEP = 8
+
+
+def answer_length(prompt: list[int], regime: str) -> int:
+    """The answer length of this prompt, the same in every run (a hash of its tokens)."""
+    if regime == "even":
+        return 24
+    draw = zlib.crc32(bytes(str(prompt), "utf8")) % 100
+    return 12 if draw < 80 else 96 + (draw - 80) * 3  # 80 % short; 20 % long, up to 153
+
+
+def run(model_path: str, urls: list[str], mode: str, regime: str, steps: int, warmup: int, out: str) -> dict:
+    from transformers import AutoTokenizer, TrainerCallback
+
+    import trl_scale
+    from trl_scale.toy import counting_prompts, counting_reward
+
+    staleness, async_mode = MODES[mode]
+    ends = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(time.perf_counter())
+
+    trainer = trl_scale.GRPOTrainer(
+        model=model_path,
+        reward_funcs=counting_reward,
+        args=trl_scale.GRPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
+            num_generations=GROUP,
+            max_completion_length=160,
+            max_steps=steps,
+            learning_rate=1e-4,
+            logging_steps=1000,
+            save_strategy="no",
+            report_to="none",
+            bf16=False,
+            use_cpu=True,
+            seed=0,
+            disable_tqdm=True,
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_base_urls=urls,
+            async_rollout_staleness=staleness,
+            async_rollout_mode=async_mode,
+            rollout_request_timeout=600,
+            weight_sync_timeout=300,
+            generation_kwargs={"ignore_eos": True},
+        ),
+        train_dataset=counting_prompts(4096, seed=0),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+    )
+    trainer.add_callback(Clock())
+    client = trainer.vllm_generation.client
+    complete = client.complete
+
+    def long_tailed(prompt, n=1, model=None, on_dispatch=None, **sampling):
+        return complete(prompt, n, model, on_dispatch, **{**sampling, "max_tokens": answer_length(prompt, regime)})
+
+    client.complete = long_tailed
+    trainer.train()
+    streamer = trainer.vllm_generation.streamer
+    dropped = streamer.counts["dropped_stale"] if streamer is not None else 0
+    client.close()
+    intervals = [b - a for a, b in zip(ends, ends[1:])][warmup:]
+    step = statistics.mean(intervals)
+    return {"step_s": step, "samples_per_s": PROMPTS_PER_STEP * GROUP / step, "dropped_stale_groups": dropped}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--regimes", default="long-tail,even")
+    args = parser.parse_args()
+    import torch
+    import transformers
+
+    from tests.real_vllm import VLLM_PYTHON, start_vllm_servers, vllm_cpu_available
+    from trl_scale.toy import build_tiny_model
+    from trl_scale.toy.models import VLLM_CPU_SHAPE
+
+    if not vllm_cpu_available():
+        raise SystemExit(f"real vLLM is not installed at {VLLM_PYTHON}: bash scripts/setup_vllm.sh")
+    transformers.logging.set_verbosity_error()
+    cores = sorted(os.sched_getaffinity(0))
+    trainer_cores, server_cores = set(cores[: len(cores) // 2]), set(cores[len(cores) // 2 :])
+    steps, warmup, repeats = (8, 2, 1) if args.quick else (14, 3, 2)
+    work = tempfile.mkdtemp(prefix="streaming-bench-")
+    model_path = build_tiny_model(os.path.join(work, "model"), **VLLM_CPU_SHAPE)
+    flags = ("--logprobs-mode", "processed_logprobs", "--weight-transfer-config", '{"backend":"trl_scale_gloo"}')
+    servers = start_vllm_servers([(model_path, flags, {"max_model_len": 256}) for _ in range(2)])
+    try:
+        for server in servers:  # every process of each server on the servers' core(s)
+            for pid in server.group_pids():
+                os.sched_setaffinity(pid, server_cores)
+        os.sched_setaffinity(0, trainer_cores)
+        torch.set_num_threads(len(trainer_cores))
+        results = {regime: {mode: [] for mode in MODES} for regime in args.regimes.split(",")}
+        for regime, by_mode in results.items():
+            for repeat in range(repeats):
+                order = list(MODES) if repeat % 2 == 0 else list(reversed(MODES))
+                for mode in order:
+                    out = os.path.join(work, f"{regime}-{mode}-{repeat}")
+                    by_mode[mode].append(run(model_path, [s.url for s in servers], mode, regime, steps, warmup, out))
+                    print(regime, mode, repeat, by_mode[mode][-1], flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+    summary = {}
+    for regime, by_mode in results.items():
+        step = {mode: statistics.mean(r["step_s"] for r in runs) for mode, runs in by_mode.items()}
+        summary[regime] = {
+            "step_s": step,
+            "samples_per_s": {mode: PROMPTS_PER_STEP * GROUP / s for mode, s in step.items()},
+            "vs_sync": {mode: step[mode] / step["sync"] for mode in step},
+            "dropped_stale_groups": sum(r["dropped_stale_groups"] for r in by_mode["streaming"]),
+        }
+        ratios = summary[regime]["vs_sync"]
+        shown = ", ".join(f"{mode} {ratio:.2f}" for mode, ratio in ratios.items())
+        print(f"{regime}: sync {step['sync']:.2f} s/step; step time vs sync: {shown}")
+    print(json.dumps({"benchmark": "streaming", "quick": args.quick, "regimes": summary}))
+
+
+if __name__ == "__main__":
+    main()
