@@ -51,8 +51,14 @@ def fleet(tiny_llama_hd64, tmp_path_factory):
     )
     rl_flags = ("--logprobs-mode", "processed_logprobs", *DEV_FLAGS[2:], *LORA_FLAGS)
     raw_flags = (*DEV_FLAGS[2:], *LORA_FLAGS)  # vLLM's default log-prob mode: raw_logprobs
+    # A's context is long enough for a request that outlasts a weight sync's pause on a loaded machine (the keep-sync
+    # test: its pause, after health checks of a busy server, once came later than a 240-token answer's end).
     servers = start_vllm_servers(
-        [(tiny_llama_hd64, rl_flags, {}), (tiny_llama_hd64, raw_flags, {}), (other, (), {"dev_mode": False})]
+        [
+            (tiny_llama_hd64, rl_flags, {"max_model_len": 1024}),
+            (tiny_llama_hd64, raw_flags, {}),
+            (other, (), {"dev_mode": False}),
+        ]
     )
     yield Fleet(tiny_llama_hd64, *servers)
     for server in servers:
@@ -312,9 +318,13 @@ def test_preflight_names_every_problem_of_each_server(fleet, rl_urls, tmp_path):
     assert f"{fleet.b.url}: --logprobs-mode raw_logprobs" in message and "temperature=0.7" in message
     assert "--logprobs-mode processed_logprobs" in message and fleet.a.url not in message
 
+    # B's context is 256 (A's is longer, for the keep-sync test)
     with pytest.raises(ValueError, match=r"--max-model-len 256 leaves no room .* max_completion_length=300"):
-        _trainer("grpo", fleet.model_path, tmp_path / "len", [fleet.a.url], "shared_dir", max_completion_length=300)
+        _trainer("grpo", fleet.model_path, tmp_path / "len", [fleet.b.url], "shared_dir", max_completion_length=300)
     # the boundary: completions as long as the whole context leave no token for the prompt
+    client = RolloutClient([fleet.b.url])
+    (report,) = inspect_all(client.get_url, client.post_url, [fleet.b.url])
+    client.close()
     errors, _ = problems_of(report, RunNeeds(max_completion_length=256))
     assert any("--max-model-len 256 leaves no room" in e for e in errors), errors
     assert not problems_of(report, RunNeeds(max_completion_length=255))[0]
@@ -330,7 +340,7 @@ def test_check_servers_prints_what_each_real_server_offers(fleet):
     assert rows[fleet.b.url]["logprobs mode"] == "raw_logprobs"
     assert rows[fleet.a.url]["LoRA"] == "max rank 8" and rows[fleet.a.url]["weight transfer"] == "trl_scale_gloo"
     assert rows[fleet.plain.url]["dev mode"] == "no" and rows[fleet.plain.url]["LoRA"] == "?"
-    assert rows[fleet.a.url]["max_model_len"] == "256" and rows[fleet.a.url]["world size"] == "1"
+    assert rows[fleet.a.url]["max_model_len"] == "1024" and rows[fleet.a.url]["world size"] == "1"
 
 
 def test_rollout_cli_checks_the_tokenizer_against_real_vllm(fleet, rl_urls, tmp_path):
@@ -470,7 +480,7 @@ def test_a_keep_sync_lands_between_decoding_steps_of_a_running_request(fleet, rl
     body = {
         "model": served_models(fleet.a.url)[0],
         "prompt": [PROBE],
-        "max_tokens": 240,
+        "max_tokens": 1000,  # about 7 s on an idle machine: the sync lands long before the answer ends
         "ignore_eos": True,
         "temperature": 1.0,
         "logprobs": 0,
