@@ -240,6 +240,7 @@ def test_sampler_logprobs_from_real_vllm_feed_the_importance_sampling_correction
         max_steps=5,
         temperature=0.8,
         async_rollout_staleness=1,
+        async_rollout_mode="ordered",  # each completion of one version (streaming's per-token check: below)
         vllm_importance_sampling_mode="token_truncate",
     )
     generation = trainer.vllm_generation
@@ -273,8 +274,7 @@ def test_sampler_logprobs_from_real_vllm_feed_the_importance_sampling_correction
     assert worst_ratio <= 1e-4, worst_ratio
     # off-policy batches were trained: some ratio is far from 1 (on-policy ones are within float noise)
     assert max(lag for lag, _ in lags) > 1e-2, lags
-    assert generation.streamer is not None  # the default for staleness 1
-    assert sum(current - min(versions) for _, versions, current in batches) >= 2  # trained on earlier weights
+    assert generation.prefetcher.served_from_prefetch >= 2
 
 
 def test_preflight_names_every_problem_of_each_server(fleet, rl_urls, tmp_path):
@@ -437,9 +437,12 @@ def _stream_completion(url: str, body: dict, received: list, first_token) -> Non
         for line in response.iter_lines():
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
-            logprobs = json.loads(line[6:])["choices"][0].get("logprobs") or {}
-            for token, value in zip(logprobs.get("tokens", []), logprobs.get("token_logprobs", [])):
-                received.append((int(token.removeprefix("token_id:")), value))
+            for choice in json.loads(line[6:])["choices"]:
+                if choice.get("index", 0) != 0:  # with n > 1: the first sample's tokens only
+                    continue
+                logprobs = choice.get("logprobs") or {}
+                for token, value in zip(logprobs.get("tokens", []), logprobs.get("token_logprobs", [])):
+                    received.append((int(token.removeprefix("token_id:")), value))
             if received:
                 first_token.set()
 
@@ -491,7 +494,10 @@ def test_a_keep_sync_lands_between_decoding_steps_of_a_running_request(fleet, rl
     body = {
         "model": served_models(fleet.a.url)[0],
         "prompt": [PROBE],
-        "max_tokens": 1000,  # about 7 s on an idle machine: the sync lands long before the answer ends
+        "max_tokens": 1000,
+        # 64 samples at once: about 7 s on an idle machine (one sample took 1.8 s, and under the suite's load its
+        # whole answer once came back within 0.5 s): the sync lands long before the answer ends
+        "n": 64,
         "ignore_eos": True,
         "temperature": 1.0,
         "logprobs": 0,
@@ -509,7 +515,7 @@ def test_a_keep_sync_lands_between_decoding_steps_of_a_running_request(fleet, rl
     try:
         # The sync must land after the first token and before the last: a try where it came before the first (every
         # token the new weights') or after the last (every token the old weights') is tried again, later or earlier.
-        for attempt, after_s in enumerate((0.5, 1.0, 0.25, 1.5, 0.1, 2.5)):
+        for attempt, after_s in enumerate((1.0, 2.0, 0.5, 3.0, 0.25, 4.0)):
             sync.reload(fleet.model_path, f"v-old-{attempt}")  # each try starts on the old weights
             received = _sync_during_a_request(
                 fleet.a.url,
