@@ -181,7 +181,6 @@ def matmul_tflops(device) -> float | None:
 
 def head_variants() -> dict[str, Callable]:
     """Each: (hidden, weight, targets) -> (logprobs, entropy), differentiable."""
-    import torch
     from trl.kernels import ChunkedLogProbFunction
     from trl.trainer import utils as trl_utils
 
@@ -203,7 +202,6 @@ def head_variants() -> dict[str, Callable]:
         chunk = DEFAULT_LOGPROB_CHUNK_SIZE
         return ChunkedLogProbHead.apply(h, w, None, t, 1.0, chunk, None, 1.0, ("entropy",))[:2]
 
-    del torch
     return {
         "trl_fused": trl_fused,
         "full_logits": full_logits,

@@ -89,8 +89,8 @@ class RolloutArguments:
         groups that have finished (oldest weights first), so no step waits for the longest answer of its batch; a
         sync does not drain: the servers pause between two decoding steps (vLLM's `/pause?mode=keep`), load the new
         weights, and running generations go on with them, so a completion may hold tokens of two versions, each with
-        the sampler log-prob of the weights that drew it (what the correction uses). A group whose first token would
-        train more than k syncs old is dropped and generated again (once; then the step waits for it). Not
+        the sampler log-prob of the weights that drew it (what the correction uses). A group whose deadline (k syncs
+        after it was sent) has come is waited for, so a long answer delays its batch and is never dropped. Not
         reproducible bit for bit (which group finishes first depends on timing). `"ordered"`: the next k generation
         batches are prefetched whole and a sync waits for them: a run's numbers do not depend on timing. `None`:
         `"streaming"`, or `"ordered"` with `weight_sync="lora"` (a running generation keeps the adapter it started

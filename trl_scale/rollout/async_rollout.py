@@ -115,10 +115,6 @@ class LookaheadIterator:
         self.read = 0  # batches read from the source
         self.exhausted = False
 
-    @property
-    def prefetcher(self):
-        return self.reader
-
     def __iter__(self):
         return self
 

@@ -38,10 +38,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..logs import get_logger
-
-logger = get_logger(__name__)
-
 
 @dataclass(eq=False)
 class PromptGroup:
@@ -50,7 +46,6 @@ class PromptGroup:
     index: int  # order of reading from the trainer's data
     rows: list  # the trainer's rows (each with its own columns for the reward functions)
     prompt_ids: list[int]
-    regenerated: bool = False  # dropped once as too old and sent again
     attempts: int = 0  # requests sent for it (a dropped group is sent again)
     first_version: int = -1  # the sync count when its request was sent: its first token's weights at the oldest
     newest_version: int = -1  # the newest weights any of its tokens can come from
@@ -113,7 +108,7 @@ class StreamingRollout:
         self._read = 0  # groups read so far (their index)
         self._skip_notes = 0  # generation batches read before a resume's checkpoint: their groups are restored
         self._closed = False
-        self.counts = {"taken": 0, "dropped_stale": 0, "waited_for_deadline": 0, "abandoned": 0}
+        self.counts = {"dropped_stale": 0, "waited_for_deadline": 0}
 
     # ---- reading the trainer's data --------------------------------------------------------------------------
 
@@ -175,8 +170,8 @@ class StreamingRollout:
     # ---- taking a batch ----------------------------------------------------------------------------------------
 
     def take(self, num_rows: int, timeout: float | None = None) -> StreamedBatch:
-        """`num_rows` rows of finished groups for the batch trained at the current version: groups at their deadline
-        that were dropped once (waited for), then the oldest finished. Drops (and re-queues) what is too old."""
+        """`num_rows` rows of finished groups for the batch trained at the current version: the groups whose deadline
+        is now (waited for), then the oldest finished. Drops (and re-queues) what is too old."""
         version = self.version()
         oldest = version - self.staleness  # the oldest version a trained token may have
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -200,7 +195,6 @@ class StreamingRollout:
                 self.out.remove(group)
                 if group.error is not None:
                     raise group.error
-            self.counts["taken"] += len(chosen)
             self._taken_at = version
         self.pump()
         return StreamedBatch(
@@ -216,11 +210,9 @@ class StreamingRollout:
         it happens to what is left over when more groups fall due at once than a batch takes."""
         stale = [g for g in self.out if g.first_version < oldest]
         for group in sorted(stale, key=lambda g: g.index, reverse=True):
-            self.out.remove(group)
-            if not group.done:
-                self.counts["abandoned"] += 1  # still generating: its answer is not waited for
+            self.out.remove(group)  # one still generating is abandoned: its answer is not waited for
             self.counts["dropped_stale"] += 1
-            group.regenerated, group.future = True, None
+            group.future = None
             self.pending.appendleft(group)
 
     def _choose(self, num_rows: int, oldest: int) -> list[PromptGroup] | None:
@@ -255,7 +247,6 @@ class StreamingRollout:
             return {
                 "rows": [g.rows for g in groups],
                 "prompt_ids": [g.prompt_ids for g in groups],
-                "regenerated": [g.regenerated for g in groups],
                 "batches_read_ahead": batches_read_ahead,
             }
 
@@ -263,8 +254,8 @@ class StreamingRollout:
         """Resume: the saved groups are queued first; the first `batches_read_ahead` generation batches the resumed
         data gives were read (and queued or trained) before the checkpoint, so they are not read again."""
         with self._changed:
-            for rows, ids, regenerated in zip(state["rows"], state["prompt_ids"], state["regenerated"]):
-                self.pending.append(PromptGroup(self._read, rows, ids, regenerated=regenerated))
+            for rows, ids in zip(state["rows"], state["prompt_ids"]):
+                self.pending.append(PromptGroup(self._read, rows, ids))
                 self._read += 1
             self._skip_notes = state["batches_read_ahead"]
 
@@ -282,7 +273,6 @@ class StreamingRollout:
         """The end of the run: nothing more is sent; groups still generating are abandoned (not waited for)."""
         with self._changed:
             self._closed = True
-            self.counts["abandoned"] += sum(not g.done for g in self.out)
             self.pending.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
