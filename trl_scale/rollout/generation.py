@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 from trl.generation.vllm_generation import VLLMGeneration
 
@@ -30,6 +32,7 @@ from .weight_dir import WeightDirectory
 from .weight_sync import PolicyWeights, SyncSettings, WeightSyncMode, choose_mode, weight_sync_for
 
 logger = get_logger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -159,16 +162,19 @@ class ServerRolloutGeneration(VLLMGeneration):
         return [choice for choices in results for choice in choices]
 
     def _request_from_fleet(self, prompts) -> list[dict]:
-        """`_request`; with managed servers, tried once more after the fleet has a server serving again: the only
+        return self._retried_after_fleet(lambda: self._request(prompts))
+
+    def _retried_after_fleet(self, request: Callable[[], T]) -> T:
+        """`request()`; with managed servers, tried once more after the fleet has a server serving again: the only
         server can pass the fleet's check and die before the request reaches it."""
         try:
-            return self._request(prompts)
+            return request()
         except RolloutError as error:
             if self.fleet is None:
                 raise
             logger.warning("generation failed (%s); waiting for a managed server, then trying once more", error)
             self._check_fleet()
-            return self._request(prompts)
+            return request()
 
     def enable_async(self, staleness: int, tokenize, groups_per_batch: int | None = None) -> None:
         """Asynchronous rollout: with `settings.streaming`, prompt groups stream through the servers (see
@@ -196,17 +202,11 @@ class ServerRolloutGeneration(VLLMGeneration):
         return self.streamer if self.streamer is not None else self.prefetcher
 
     def _send_group(self, prompt_ids: list[int], n: int, dispatched) -> tuple[list[dict], int]:
-        """One prompt group's request (streaming): its choices and the newest weights its tokens can come from.
-        With managed servers it is tried once more after the fleet serves again."""
+        """One prompt group's request (streaming): its choices and the newest weights its tokens can come from."""
         sampling = self.settings.sampling
-        try:
-            choices = self.client.complete(prompt_ids, n, self.lora_name, on_dispatch=dispatched, **sampling)
-        except RolloutError as error:
-            if self.fleet is None:
-                raise
-            logger.warning("a streamed request failed (%s); waiting for a managed server, then trying again", error)
-            self.fleet.wait_until_serving()
-            choices = self.client.complete(prompt_ids, n, self.lora_name, on_dispatch=dispatched, **sampling)
+        choices = self._retried_after_fleet(
+            lambda: self.client.complete(prompt_ids, n, self.lora_name, on_dispatch=dispatched, **sampling)
+        )
         return choices, self.sync_count + (1 if self._syncing else 0)
 
     def take_streamed(self, num_rows: int):
