@@ -55,6 +55,21 @@ def cpu_args(output_dir, **overrides) -> dict:
     return args
 
 
+def record_generations(trainer, read) -> list[tuple]:
+    """Per generated batch, as `trainer` trains: the sync count it was trained at, and `read(vllm_generation)` right
+    after TRL's generate call (e.g. its completions' versions)."""
+    generation, seen = trainer.vllm_generation, []
+    generate = generation.generate
+
+    def recording(*args, **kwargs):
+        result = generate(*args, **kwargs)
+        seen.append((generation.sync_count, read(generation)))
+        return result
+
+    generation.generate = recording
+    return seen
+
+
 def step_logs(trainer, keys=("loss", "grad_norm")) -> list[dict]:
     return [{k: entry[k] for k in keys if k in entry} for entry in trainer.state.log_history if "loss" in entry]
 

@@ -11,7 +11,15 @@ from transformers import AutoTokenizer
 import trl_scale
 from trl_scale.toy import counting_prompts
 
-from .helpers import cpu_args, server_grpo, server_rloo_or_ppo, sft_counting_model, start_servers, step_logs
+from .helpers import (
+    cpu_args,
+    record_generations,
+    server_grpo,
+    server_rloo_or_ppo,
+    sft_counting_model,
+    start_servers,
+    step_logs,
+)
 
 pytest.importorskip("fastapi")
 
@@ -23,17 +31,7 @@ def _grpo(model_path, out, urls, **overrides):
 
 def _record_versions(trainer):
     """Per generated batch: the sync count when it was trained on, and the versions its completions came from."""
-    generation = trainer.vllm_generation
-    seen = []
-    generate = generation.generate
-
-    def recording(*args, **kwargs):
-        result = generate(*args, **kwargs)
-        seen.append((generation.sync_count, list(generation.last_versions)))
-        return result
-
-    generation.generate = recording
-    return seen
+    return record_generations(trainer, lambda generation: list(generation.last_versions))
 
 
 def test_staleness_0_is_the_synchronous_run(servers, tiny_llama, tmp_path):

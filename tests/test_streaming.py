@@ -61,11 +61,15 @@ def make(servers, staleness=1, groups_per_batch=2):
     )
 
 
-def wait_sent(servers, count):
+def wait_until(condition, what):
     deadline = time.monotonic() + 10
-    while len(servers.sent) < count:
-        assert time.monotonic() < deadline, servers.sent
+    while not condition():
+        assert time.monotonic() < deadline, what()
         time.sleep(0.01)
+
+
+def wait_sent(servers, count):
+    wait_until(lambda: len(servers.sent) >= count, lambda: servers.sent)
 
 
 def test_groups_are_taken_as_they_finish_with_their_own_rows():
@@ -151,10 +155,7 @@ def test_a_group_older_than_the_bound_is_dropped_and_sent_again_first():
     assert 1 not in [r["prompt"] for r in taken.rows] and stream.counts["dropped_stale"] == 1
     order = [g.prompt_ids[0] for g in [*stream.out, *stream.pending] if g.prompt_ids[0] in (1, 4, 5, 6)]
     assert order[0] == 1  # sent again before what was queued
-    deadline = time.monotonic() + 10
-    while servers.sent.count(1) < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: servers.sent.count(1) >= 2, lambda: servers.sent)  # the re-send reaches the stand-in
     servers.version = 4  # due: waited for; the answer used is the re-send's, not the abandoned attempt's
     servers.finish(1)
     taken = stream.take(2)

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, TrainerCallback
 import trl_scale
 from trl_scale.toy import TOY_WORDS
 
-from .helpers import cpu_args, start_servers, token_parity_reward
+from .helpers import cpu_args, record_generations, start_servers, token_parity_reward
 
 pytest.importorskip("fastapi")
 
@@ -98,16 +98,7 @@ def slow_first_attempts(trainer, ids: set[int], seconds: float) -> list[int]:
 
 def versions_recorder(trainer):
     """Per generated batch: the sync count when it was trained, and each completion's (first, newest) span."""
-    generation, seen = trainer.vllm_generation, []
-    generate = generation.generate
-
-    def recording(*args, **kwargs):
-        result = generate(*args, **kwargs)
-        seen.append((generation.sync_count, list(generation.last_version_spans)))
-        return result
-
-    generation.generate = recording
-    return seen
+    return record_generations(trainer, lambda generation: list(generation.last_version_spans))
 
 
 def check_once_each(trainer, recorder, group: int) -> set[int]:
