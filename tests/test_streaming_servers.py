@@ -194,3 +194,44 @@ def test_a_resume_trains_each_group_read_before_the_checkpoint_once(servers, tin
     assert set(left.values()) <= {GROUP} and not set(left) & (set(before) | set(after))
     # ... and nothing skipped: the groups trained are the first ones read, but for those still out at the end
     assert set(range(12)) <= set(before) | set(after) | set(left)
+
+
+def test_dynamic_sampling_tops_up_from_the_stream_within_the_bound(servers, tiny_llama, tmp_path):
+    """Even ids get equal rewards (no signal): each trained group has one, the top-ups come from the stream (taken
+    finished, within the staleness bound), and the trained groups are whole."""
+
+    def even_flat(completion_ids, id, **kwargs):
+        varied = [(sum((i + 1) * t for i, t in enumerate(ids)) % 97) / 97 for ids in completion_ids]
+        return [0.5 if row_id % 2 == 0 else v for row_id, v in zip(id, varied)]
+
+    trainer = streaming_run(
+        "grpo",
+        tiny_llama,
+        tmp_path,
+        [s.url for s in servers],
+        even_flat,
+        max_steps=4,
+        dynamic_sampling=True,
+        dynamic_sampling_max_oversampling=8.0,
+    )
+    trained = []  # per step: (sync count, ids, version spans) of the rows TRL's step scored
+
+    def recording_rewards(inputs, prompts, completions, completion_ids_list):
+        generation = trainer.vllm_generation
+        trained.append((generation.sync_count, [r["id"] for r in inputs], list(generation.last_version_spans)))
+        return type(trainer)._calculate_rewards(trainer, inputs, prompts, completions, completion_ids_list)
+
+    trainer._calculate_rewards = recording_rewards  # TRL's step calls it on the chosen rows only
+    generation, takes = trainer.vllm_generation, []
+    take_streamed = generation.take_streamed
+    generation.take_streamed = lambda num_rows: takes.append(num_rows) or take_streamed(num_rows)
+    trainer.train()
+    assert len(trained) == 4 and len(takes) > 4  # top-ups taken from the stream, not generated apart
+    for now, ids, spans in trained:
+        assert all(i % 2 == 1 for i in ids), ids  # the flat (even) groups were dropped
+        groups = [ids[k : k + GROUP] for k in range(0, len(ids), GROUP)]
+        assert all(len(set(group)) == 1 for group in groups) and len(set(ids)) == len(groups)  # whole groups
+        assert len(spans) == len(ids) and all(0 <= now - first <= 1 for first, _ in spans)
+    assert [h["frac_reward_zero_std"] for h in trainer.state.log_history if "loss" in h] == [0.0] * 4
+    dropped = [h["dynamic_sampling/groups_dropped"] for h in trainer.state.log_history if "loss" in h]
+    assert sum(dropped) > 0

@@ -60,15 +60,20 @@ SEAMS: tuple[Seam, ...] = (
     Seam(
         f"{G}._generate",
         OVERRIDE,
-        "trainers/wiring.py PhaseTimingMixin",
-        "generation of one batch's prompts; timed around super()",
+        "trainers/wiring.py PhaseTimingMixin, trainers/dynamic_sampling.py",
+        "generation of one batch's prompts; timed around super(). Dynamic sampling calls it on its candidate rows "
+        "and answers TRL's call with the chosen rows: it returns a tuple of per-row lists (GRPO 8 values: prompt "
+        "ids, completion ids, tool mask, completions, logprobs, extra fields (a dict of lists), images, tool images; "
+        "RLOO 3: prompt ids, completion ids, completions), and TRL's _generate_and_score_completions calls it "
+        "once, with [row['prompt'] for row in inputs] when no environment or image column is involved",
         "(self, prompts: list)",
     ),
     Seam(
         f"{G}._calculate_rewards",
         OVERRIDE,
-        "trainers/online.py, trainers/ppo_trainer.py",
-        "returns [num completions of all processes, num reward functions] with NaN where a function gave None; "
+        "trainers/online.py, trainers/ppo_trainer.py, trainers/dynamic_sampling.py",
+        "returns [num completions of all processes, num reward functions] with NaN where a function gave None, "
+        "called once per TRL step (dynamic sampling answers that call with the chosen rows' rewards); "
         "PPO reads it as every completion's score (sliced by process_index)",
         "(self, inputs, prompts, completions, completion_ids_list)",
     ),
@@ -135,6 +140,14 @@ SEAMS: tuple[Seam, ...] = (
         "trainers/wiring.py (server rollout)",
         "the global step at which the weights were last synced (TRL syncs when it differs)",
         attribute="_last_loaded_step",
+    ),
+    Seam(
+        G,
+        ATTRIBUTE,
+        "trainers/dynamic_sampling.py",
+        "a defaultdict(list) of the reward functions' log_extra columns (this process's rows), flushed into the "
+        "completions table by _generate_and_score_completions after _calculate_rewards",
+        attribute="_pending_extra_logs",
     ),
     Seam(
         G,

@@ -118,10 +118,14 @@ class StreamingRollout:
         if self._skip_notes:
             self._skip_notes -= 1  # already read before the checkpoint this run resumed from
             return
-        prompt_ids = self.tokenize([row["prompt"] for row in batch])
+        self.add(batch)
+
+    def add(self, rows: list) -> None:
+        """Rows queued after what was read (a generation batch of the trainer's data, or dynamic sampling's top-up)."""
+        prompt_ids = self.tokenize([row["prompt"] for row in rows])
         with self._changed:
-            for rows, ids in _groups(batch, prompt_ids):
-                self.pending.append(PromptGroup(self._read, rows, ids))
+            for group_rows, ids in _groups(rows, prompt_ids):
+                self.pending.append(PromptGroup(self._read, group_rows, ids))
                 self._read += 1
         self.pump()
 

@@ -8,10 +8,13 @@ from trl import GRPOConfig as _TRLGRPOConfig
 
 from ..distributed.arguments import DistributedArguments
 from ..rollout.arguments import RolloutArguments
+from ..rollout.dynamic_sampling import DynamicSamplingArguments
 from ..scoring.arguments import ScoringArguments
 from .construction import config_docstring
 
 
 @dataclass
-class GRPOConfig(DistributedArguments, RolloutArguments, ScoringArguments, _TRLGRPOConfig):
-    __doc__ = config_docstring("GRPO", ScoringArguments, RolloutArguments, DistributedArguments)
+class GRPOConfig(DistributedArguments, RolloutArguments, DynamicSamplingArguments, ScoringArguments, _TRLGRPOConfig):
+    __doc__ = config_docstring(
+        "GRPO", ScoringArguments, RolloutArguments, DynamicSamplingArguments, DistributedArguments
+    )

@@ -24,6 +24,7 @@ from .construction import (
     uses_server_rollout,
     wants_remote_reference,
 )
+from .dynamic_sampling import DynamicSamplingMixin
 from .hub import ModelCardMixin
 from .reward_checks import checked_reward_funcs
 from .wiring import PackedScoringMixin, PhaseTimingMixin, ServerRolloutMixin
@@ -49,6 +50,7 @@ class OnlineTrainerMixin(
     SafeCheckpointMixin,
     RolloutResumeMixin,
     ServerRolloutMixin,
+    DynamicSamplingMixin,
     PhaseTimingMixin,
     ModelCardMixin,
     PackedScoringMixin,
@@ -142,6 +144,7 @@ class OnlineTrainerMixin(
         ):
             super().__init__(**arguments)
         self._check_completion_length()
+        self._check_dynamic_sampling()
         if server:
             self._install_server_rollout(logprobs=True)
         self._install_packed_scoring(self.temperature, ("entropy",), self.args.padding_free)

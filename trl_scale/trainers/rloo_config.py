@@ -8,12 +8,25 @@ from trl import RLOOConfig as _TRLRLOOConfig
 
 from ..distributed.arguments import DistributedArguments
 from ..rollout.arguments import RLOOCorrectionArguments, RolloutArguments
+from ..rollout.dynamic_sampling import DynamicSamplingArguments
 from ..scoring.arguments import ScoringArguments
 from .construction import config_docstring
 
 
 @dataclass
-class RLOOConfig(RLOOCorrectionArguments, DistributedArguments, RolloutArguments, ScoringArguments, _TRLRLOOConfig):
+class RLOOConfig(
+    RLOOCorrectionArguments,
+    DistributedArguments,
+    RolloutArguments,
+    DynamicSamplingArguments,
+    ScoringArguments,
+    _TRLRLOOConfig,
+):
     __doc__ = config_docstring(
-        "RLOO", ScoringArguments, RolloutArguments, RLOOCorrectionArguments, DistributedArguments
+        "RLOO",
+        ScoringArguments,
+        RolloutArguments,
+        DynamicSamplingArguments,
+        RLOOCorrectionArguments,
+        DistributedArguments,
     )

@@ -127,6 +127,17 @@ class ServerRolloutMixin:
         with generation.serving(streamed):
             return super()._generate_and_score_completions(streamed.rows)
 
+    def _top_up_round(self, num_rows: int):
+        """Dynamic sampling's top-up, streaming: new prompt groups join the stream, and the next finished groups
+        (not necessarily those) are taken, within the staleness bound as every streamed group."""
+        generation = getattr(self, "vllm_generation", None)
+        if getattr(generation, "streamer", None) is None:
+            return super()._top_up_round(num_rows)
+        generation.streamer.add(self._top_up_rows(num_rows))
+        streamed = generation.take_streamed(num_rows)
+        with generation.serving(streamed):
+            return self._candidate_round(streamed.rows)
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         streamer = getattr(getattr(self, "vllm_generation", None), "streamer", None)
         if streamer is not None and "loss" in logs:
