@@ -8,7 +8,12 @@ are set per prompt (its `max_tokens`, drawn once from the prompt: 80 % of prompt
 `ignore_eos`), so every mode meets the same answers; the even regime gives every prompt 24 tokens. Two vLLM CPU
 servers (`.venv-vllm`, `bash scripts/setup_vllm.sh`) share one core, the trainer has the other (on 2 cores).
 
-Usage: python benchmarks/streaming.py [--quick] [--regimes long-tail,even]. The last line printed is one JSON object.
+Saturating (dynamic sampling): even lengths, and half the prompts' groups get the same reward for every answer (no
+signal): sync and streaming with `dynamic_sampling` off and on; "useful samples/s" counts the trained rows of
+groups whose rewards differ (non-zero advantage) per second.
+
+Usage: python benchmarks/streaming.py [--quick] [--regimes long-tail,even,saturating]. The last line printed is one
+JSON object.
 """
 
 from __future__ import annotations
@@ -26,23 +31,40 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # tests/real_vllm.py: the harness that starts real vLLM servers
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-MODES = {
-    "sync": (0, "ordered"),
-    "prefetch": (1, "ordered"),
-    "streaming": (1, "streaming"),
-    "prefetch_k2": (2, "ordered"),
-    "streaming_k2": (2, "streaming"),
+MODES = {  # mode -> (staleness, async_rollout_mode, dynamic_sampling)
+    "sync": (0, "ordered", False),
+    "prefetch": (1, "ordered", False),
+    "streaming": (1, "streaming", False),
+    "prefetch_k2": (2, "ordered", False),
+    "streaming_k2": (2, "streaming", False),
 }
+# Saturating: half the prompts' groups get one reward for every answer (all right or all wrong: no signal).
+DYNAMIC_MODES = {
+    "sync": (0, "ordered", False),
+    "sync_dynamic": (0, "ordered", True),
+    "streaming": (1, "streaming", False),
+    "streaming_dynamic": (1, "streaming", True),
+}
+REGIME_MODES = {"long-tail": MODES, "even": MODES, "saturating": DYNAMIC_MODES}
 GROUP = 8  # completions per prompt
 PROMPTS_PER_STEP = 8
 
 
 def answer_length(prompt: list[int], regime: str) -> int:
     """The answer length of this prompt, the same in every run (a hash of its tokens)."""
-    if regime == "even":
+    if regime in ("even", "saturating"):
         return 24
     draw = zlib.crc32(bytes(str(prompt), "utf8")) % 100
     return 12 if draw < 80 else 96 + (draw - 80) * 3  # 80 % short; 20 % long, up to 153
+
+
+def saturating_reward(prompts, completion_ids, **kwargs) -> list[float]:
+    """Half the prompts (by a hash of their text) saturate: every answer gets 1. The others: a number that differs
+    whenever the answers do."""
+    return [
+        1.0 if zlib.crc32(prompt.encode()) % 2 else (sum((i + 1) * t for i, t in enumerate(ids)) % 97) / 97
+        for prompt, ids in zip(prompts, completion_ids)
+    ]
 
 
 def run(model_path: str, urls: list[str], mode: str, regime: str, steps: int, warmup: int, out: str) -> dict:
@@ -51,7 +73,7 @@ def run(model_path: str, urls: list[str], mode: str, regime: str, steps: int, wa
     import trl_scale
     from trl_scale.toy import counting_prompts, counting_reward
 
-    staleness, async_mode = MODES[mode]
+    staleness, async_mode, dynamic = REGIME_MODES[regime][mode]
     ends = []
 
     class Clock(TrainerCallback):
@@ -60,7 +82,7 @@ def run(model_path: str, urls: list[str], mode: str, regime: str, steps: int, wa
 
     trainer = trl_scale.GRPOTrainer(
         model=model_path,
-        reward_funcs=counting_reward,
+        reward_funcs=saturating_reward if regime == "saturating" else counting_reward,
         args=trl_scale.GRPOConfig(
             output_dir=out,
             per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
@@ -68,7 +90,7 @@ def run(model_path: str, urls: list[str], mode: str, regime: str, steps: int, wa
             max_completion_length=160,
             max_steps=steps,
             learning_rate=1e-4,
-            logging_steps=1000,
+            logging_steps=1,
             save_strategy="no",
             report_to="none",
             bf16=False,
@@ -83,6 +105,8 @@ def run(model_path: str, urls: list[str], mode: str, regime: str, steps: int, wa
             rollout_request_timeout=600,
             weight_sync_timeout=300,
             generation_kwargs={"ignore_eos": True},
+            dynamic_sampling=dynamic,
+            dynamic_sampling_max_oversampling=4.0,
         ),
         train_dataset=counting_prompts(4096, seed=0),
         processing_class=AutoTokenizer.from_pretrained(model_path),
@@ -101,7 +125,15 @@ def run(model_path: str, urls: list[str], mode: str, regime: str, steps: int, wa
     client.close()
     intervals = [b - a for a, b in zip(ends, ends[1:])][warmup:]
     step = statistics.mean(intervals)
-    return {"step_s": step, "samples_per_s": PROMPTS_PER_STEP * GROUP / step, "dropped_stale_groups": dropped}
+    # useful: rows of groups whose rewards differ (a non-zero advantage), of the steps timed
+    logs = [h for h in trainer.state.log_history if "frac_reward_zero_std" in h][warmup + 1 :]
+    useful = statistics.mean(1 - h["frac_reward_zero_std"] for h in logs) if logs else float("nan")
+    return {
+        "step_s": step,
+        "samples_per_s": PROMPTS_PER_STEP * GROUP / step,
+        "useful_samples_per_s": useful * PROMPTS_PER_STEP * GROUP / step,
+        "dropped_stale_groups": dropped,
+    }
 
 
 def main() -> None:
@@ -132,10 +164,10 @@ def main() -> None:
                 os.sched_setaffinity(pid, server_cores)
         os.sched_setaffinity(0, trainer_cores)
         torch.set_num_threads(len(trainer_cores))
-        results = {regime: {mode: [] for mode in MODES} for regime in args.regimes.split(",")}
+        results = {regime: {mode: [] for mode in REGIME_MODES[regime]} for regime in args.regimes.split(",")}
         for regime, by_mode in results.items():
             for repeat in range(repeats):
-                order = list(MODES) if repeat % 2 == 0 else list(reversed(MODES))
+                order = list(by_mode) if repeat % 2 == 0 else list(reversed(by_mode))
                 for mode in order:
                     out = os.path.join(work, f"{regime}-{mode}-{repeat}")
                     by_mode[mode].append(run(model_path, [s.url for s in servers], mode, regime, steps, warmup, out))
@@ -149,8 +181,11 @@ def main() -> None:
         summary[regime] = {
             "step_s": step,
             "samples_per_s": {mode: PROMPTS_PER_STEP * GROUP / s for mode, s in step.items()},
+            "useful_samples_per_s": {
+                mode: statistics.mean(r["useful_samples_per_s"] for r in runs) for mode, runs in by_mode.items()
+            },
             "vs_sync": {mode: step[mode] / step["sync"] for mode in step},
-            "dropped_stale_groups": sum(r["dropped_stale_groups"] for r in by_mode["streaming"]),
+            "dropped_stale_groups": sum(r["dropped_stale_groups"] for r in by_mode.get("streaming", [])),
         }
         ratios = summary[regime]["vs_sync"]
         shown = ", ".join(f"{mode} {ratio:.2f}" for mode, ratio in ratios.items())

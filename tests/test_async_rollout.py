@@ -2,6 +2,7 @@
 trains only on completions at most k weight versions old (read from the versions each batch carries), most
 batches come from requests sent while the trainer trained, and training still learns."""
 
+import json
 import time
 
 import pytest
@@ -138,9 +139,10 @@ def test_async_rollout_needs_server_rollout(tmp_path):
 # importance-sampling test and the prefetcher's bound test guard the same code.
 @pytest.mark.learning
 def test_staleness_1_learns_about_as_well_as_synchronous(tmp_path):
-    """Calibrated (seed 0, SFT warm-up, 300 steps of 32): the mean training reward of the last 10 steps rises from
-    0.11 by about 0.23 synchronously and 0.18 with staleness 1. Stated margin: staleness 1 gains at least 60% of
-    the synchronous gain, and at least 0.1."""
+    """Calibrated (seed 0, SFT warm-up, 300 steps of 32, the same samples in every run): the mean training reward
+    of the last 10 steps rises from about 0.11 by about 0.23 synchronously and 0.18 with the ordered prefetch at
+    staleness 1. Stated margins, per the streaming issue: streaming at staleness 1 gains at least 80% of the
+    synchronous gain; the ordered prefetch at least 60% (its calibrated figure is 78%) and 0.1."""
     from trl_scale.toy import counting_reward
     from trl_scale.toy.tasks import COUNT_TARGET_LENGTH
 
@@ -149,13 +151,13 @@ def test_staleness_1_learns_about_as_well_as_synchronous(tmp_path):
     servers = start_servers(sft, 2)
     gains = {}
     try:
-        for staleness in (0, 1):
+        for name, staleness, mode in (("sync", 0, None), ("ordered", 1, "ordered"), ("streaming", 1, "streaming")):
             trainer = trl_scale.GRPOTrainer(
                 model=sft,
                 reward_funcs=counting_reward,
                 args=trl_scale.GRPOConfig(
                     **cpu_args(
-                        tmp_path / f"run-{staleness}",
+                        tmp_path / f"run-{name}",
                         per_device_train_batch_size=32,
                         num_generations=8,
                         max_completion_length=COUNT_TARGET_LENGTH,
@@ -165,6 +167,7 @@ def test_staleness_1_learns_about_as_well_as_synchronous(tmp_path):
                         vllm_mode="server",
                         vllm_server_base_urls=[s.url for s in servers],
                         async_rollout_staleness=staleness,
+                        async_rollout_mode=mode,
                         generation_kwargs={"seed": 0},
                     )
                 ),
@@ -174,12 +177,14 @@ def test_staleness_1_learns_about_as_well_as_synchronous(tmp_path):
             trainer.train()
             rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
             assert len(rewards) == 300
-            gains[staleness] = sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10
+            gains[name] = sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10
+            print(json.dumps({"learning": name, "gain": round(gains[name], 4), "first10": sum(rewards[:10]) / 10}))
     finally:
         for server in servers:
             server.stop()
-    assert gains[0] > 0.15, gains  # the synchronous run learns (the baseline the margin is taken against)
-    assert gains[1] >= max(0.1, 0.6 * gains[0]), gains
+    assert gains["sync"] > 0.15, gains  # the synchronous run learns (the baseline the margins are taken against)
+    assert gains["streaming"] >= 0.8 * gains["sync"], gains
+    assert gains["ordered"] >= max(0.1, 0.6 * gains["sync"]), gains
 
 
 def test_ppo_trains_on_prefetched_rollouts_within_the_bound(servers, tiny_llama, tmp_path):

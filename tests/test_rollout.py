@@ -523,3 +523,23 @@ def test_a_request_the_server_rejects_as_bad_is_not_retried_elsewhere(servers):
             client.generate([[432, 375]], max_tokens=2)
         client.close()
     assert hits(bad).count("/v1/completions") == 1
+
+
+def test_step_delay_charges_each_request_its_decoding_steps_and_overlaps_requests(tiny_llama):
+    """`--step-delay` (benchmarks' continuous batching): a request lasts step x its longest answer, whatever its n,
+    and two requests' steps overlap (`--token-delay` charges every token in turn: a batch costs the sum)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    (server,) = start_servers(tiny_llama, 1, ("--step-delay", "0.5"))
+    try:
+        client = RolloutClient([server.url], request_timeout=30, generation_timeout=60)
+        start = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(client.generate, [[5, 6, 7]], n=4, max_tokens=4, temperature=1.0) for _ in range(2)]
+            results = [future.result() for future in futures]
+        elapsed = time.monotonic() - start
+        longest = max(len(c["token_ids"]) for result in results for choices in result for c in choices)
+        assert elapsed >= 0.5 * longest  # each request its steps ...
+        assert elapsed < 0.5 * longest * 1.8  # ... at once (in turn: 2x; per token: 8x)
+    finally:
+        server.stop()

@@ -46,6 +46,13 @@ def _parser() -> argparse.ArgumentParser:
         "--max-request-mb", type=float, default=MAX_REQUEST_BYTES / 2**20, help="largest JSON request body, in MiB"
     )
     parser.add_argument("--token-delay", type=float, default=0.0, help="seconds per generated token (benchmarks)")
+    parser.add_argument(
+        "--step-delay",
+        type=float,
+        default=0.0,
+        help="seconds per decoding step of a request, overlapping other requests (benchmarks: continuous batching, "
+        "a request lasts as long as its longest answer)",
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument(
         "--world-size", type=int, default=1, help="ranks this server brings to the weight-transfer group (as TP x DP)"
@@ -75,6 +82,7 @@ def serve(argv: list[str] | None = None) -> int:
         args.model,
         api_key=args.api_key,
         token_delay=args.token_delay,
+        step_delay=args.step_delay,
         dtype=args.dtype,
         trust_remote_code=args.trust_remote_code,
         max_request_bytes=int(args.max_request_mb * 2**20),

@@ -107,6 +107,8 @@ def _run(served: ServedModel, request: CompletionRequest, expanded: list[list[in
             out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **_sampling(request, pad))
         if served.settings.token_delay:  # a slower server: fewer tokens per second, with the model held
             time.sleep(served.settings.token_delay * (out.sequences.shape[1] - width) * len(expanded))
+    if served.settings.step_delay:  # decoding steps (the longest answer), overlapping other requests' steps
+        time.sleep(served.settings.step_delay * (out.sequences.shape[1] - width))
     # Processed log-probs (after temperature/top-k/top-p), as vLLM's `processed_logprobs` mode gives them.
     step_logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)
     return out.sequences[:, width:].tolist(), step_logprobs

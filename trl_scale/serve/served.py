@@ -31,6 +31,9 @@ class ServeSettings:
     model_path: str
     api_key: str | None = None
     token_delay: float = 0.0  # seconds per generated token, with the model held (benchmarks: a slower server)
+    # seconds per decoding step of a request, the model not held: concurrent requests overlap, so a request lasts as
+    # long as its own longest answer (continuous batching, as vLLM), and a long tail costs what it costs there
+    step_delay: float = 0.0
     dtype: str = "float32"
     trust_remote_code: bool = False
     max_request_bytes: int = MAX_REQUEST_BYTES
