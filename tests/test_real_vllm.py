@@ -630,3 +630,70 @@ def test_rloo_async_against_real_vllm_is_corrected_with_the_servers_log_probs(fl
         assert torch.allclose(batch["advantages"], advantages * expected, atol=1e-6)
         moved = max(moved, (expected - 1).abs().max().item())
     assert moved > 1e-3  # stale batches got weights other than 1
+
+
+def test_a_tool_using_rollout_streams_each_turn_with_its_weights(fleet, rl_urls, tmp_path):
+    """Multi-turn, tool-using GRPO streamed (staleness 1) against real vLLM: each completion's first turn comes from
+    the stream (sampled at its span's versions), the turn after the tool's result is generated in the step with the
+    weights it trains at; each token's sampler log-prob is the one of the weights that drew it (checked against a
+    forward of those weights), tool-result tokens are masked out, and the conversation's span ends at the current
+    version."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import trl_scale
+    from trl_scale.toy.tools import build_tool_calling_model, tick, tool_prompts
+
+    model_path = build_tool_calling_model(fleet.model_path, str(tmp_path / "tool-model"))
+    config = trl_scale.GRPOConfig(
+        **cpu_args(
+            tmp_path / "run",
+            max_steps=4,
+            num_generations=4,
+            max_completion_length=80,
+            max_tool_calling_iterations=1,
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_base_urls=[fleet.a.url],
+            weight_sync="shared_dir",
+            weight_sync_timeout=60,
+            rollout_request_timeout=60,
+            learning_rate=3e-3,
+            async_rollout_staleness=1,
+            async_rollout_mode="streaming",
+        )
+    )
+    trainer = trl_scale.GRPOTrainer(
+        model=model_path,
+        reward_funcs=token_parity_reward,
+        args=config,
+        train_dataset=tool_prompts(64),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+        tools=[tick],
+    )
+    checkpoints, recorded = _record_run(trainer)
+    trainer.train()
+    assert trainer.state.global_step == 4 and len(recorded) == 4
+    sampler = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    called = 0
+    for batch, _, spans, current in recorded:
+        tool_mask, mask = batch["tool_mask"], batch["completion_mask"].bool()
+        versions = {v for first, _ in spans for v in (first, first + 1) if v in checkpoints} | {current}
+        sampled = batch["sampling_per_token_logps"]
+        off = {v: (_drawn_logprobs(sampler, checkpoints[v], batch) - sampled).abs() for v in versions}
+        for row, (first, newest) in enumerate(spans):
+            assert current - first <= 1  # never older than k = 1
+            holes = (tool_mask[row] == 0) & mask[row]
+            if not holes.any():
+                continue
+            called += 1
+            assert newest == current  # the conversation went on with the current weights
+            start, end = int(holes.nonzero()[0]), int(holes.nonzero()[-1]) + 1
+            first_turn = slice(0, start)
+            after = off.get(first + 1, off[first])  # a keep-sync may land inside the first turn
+            assert (torch.minimum(off[first][row][first_turn], after[row][first_turn]) <= 1e-4).all()
+            second_turn = mask[row].clone()
+            second_turn[:end] = False
+            assert second_turn.any() and (off[current][row][second_turn] <= 1e-4).all(), (row, off[current][row])
+    assert called >= 4, called  # most answers called the tool (about 7 in 8 after the warm-up)
+    frequencies = [h["tools/call_frequency"] for h in trainer.state.log_history if "tools/call_frequency" in h]
+    assert frequencies and max(frequencies) > 0

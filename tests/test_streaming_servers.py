@@ -235,3 +235,30 @@ def test_dynamic_sampling_tops_up_from_the_stream_within_the_bound(servers, tiny
     assert [h["frac_reward_zero_std"] for h in trainer.state.log_history if "loss" in h] == [0.0] * 4
     dropped = [h["dynamic_sampling/groups_dropped"] for h in trainer.state.log_history if "loss" in h]
     assert sum(dropped) > 0
+
+
+def test_asynchronous_rollout_refuses_a_rollout_func_naming_the_fix(servers, tiny_llama, tmp_path):
+    """A rollout_func generates inside the step with its own calls: nothing can be generated ahead of it."""
+
+    def rollout_func(prompts, trainer):
+        raise AssertionError("never called")
+
+    args = trl_scale.GRPOConfig(
+        **cpu_args(
+            tmp_path,
+            num_generations=GROUP,
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_base_urls=[s.url for s in servers],
+            async_rollout_staleness=1,
+        )
+    )
+    with pytest.raises(ValueError, match="rollout_func.*Fix: async_rollout_staleness=0"):
+        trl_scale.GRPOTrainer(
+            model=tiny_llama,
+            reward_funcs=token_parity_reward,
+            args=args,
+            train_dataset=id_dataset(),
+            processing_class=AutoTokenizer.from_pretrained(tiny_llama),
+            rollout_func=rollout_func,
+        )

@@ -89,6 +89,15 @@ SEAMS: tuple[Seam, ...] = (
         "image_position_ids=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]",
     ),
     Seam(
+        f"{G}._tool_call_loop",
+        OVERRIDE,
+        "trainers/wiring.py ServerRolloutMixin (asynchronous tool rollouts)",
+        "runs after the first turn's generate call, with the first turn's completions (completions[i][0] the "
+        "assistant message, its 'tool_calls' set when it called a tool) and generates the later turns through "
+        "vllm_generation.generate; returns (tool_mask, completions, completion_ids, logprobs, ...)",
+        "(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields)",
+    ),
+    Seam(
         f"{G}._tokenize_prompts",
         OVERRIDE,
         "trainers/online.py (prompt length check)",

@@ -87,10 +87,17 @@ class ServerRolloutMixin:
         self.vllm_mode = "server"
         self._last_loaded_step = -1
         if args.async_rollout_staleness:
-            if getattr(self, "rollout_func", None) is not None or getattr(self, "tools", None):
+            if getattr(self, "rollout_func", None) is not None:
                 raise ValueError(
-                    "async_rollout_staleness > 0 prefetches plain prompt -> completion generations; this trainer has "
-                    "a rollout_func or tools (multi-turn rollouts). Fix: async_rollout_staleness=0"
+                    "async_rollout_staleness > 0 generates ahead from the trainer's prompts; a rollout_func generates "
+                    "inside the step with its own calls. Fix: async_rollout_staleness=0 (tools are streamed: pass "
+                    "them as tools=...)"
+                )
+            if getattr(self, "environment_factories", None) is not None:
+                raise ValueError(
+                    "async_rollout_staleness > 0 generates ahead from the trainer's prompts; environment_factory "
+                    "rollouts take theirs from each environment's reset() inside the step. Fix: "
+                    "async_rollout_staleness=0, or tools=... (stateless tools are streamed)"
                 )
             groups = self._stream_groups_per_batch() if self.vllm_generation.settings.streaming else None
             self.vllm_generation.enable_async(
@@ -137,6 +144,23 @@ class ServerRolloutMixin:
         streamed = generation.take_streamed(num_rows)
         with generation.serving(streamed):
             return self._candidate_round(streamed.rows)
+
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, *args, **kwargs):
+        """Tool-using rollouts, asynchronous: each completion's first turn came from the stream or the prefetch (its
+        version span recorded by the generation), its later turns (after a tool result) are generated now, with the
+        weights this batch trains at; a conversation's span is therefore (its first turn's first version, the
+        current one) when it called a tool. Each token keeps the sampler log-prob of the weights that drew it."""
+        generation = getattr(self, "vllm_generation", None)
+        spans = list(getattr(generation, "last_version_spans", None) or [])
+        called = [bool(completion[0].get("tool_calls")) for completion in completions]
+        result = super()._tool_call_loop(prompts, prompt_ids, completion_ids, completions, *args, **kwargs)
+        if generation is not None and len(spans) == len(called):
+            now = generation.sync_count
+            generation.last_version_spans = [
+                (first, max(newest, now)) if tool else (first, newest) for (first, newest), tool in zip(spans, called)
+            ]
+            generation.last_versions = [first for first, _ in spans]
+        return result
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         streamer = getattr(getattr(self, "vllm_generation", None), "streamer", None)
