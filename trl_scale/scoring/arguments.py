@@ -75,3 +75,12 @@ class ScoringArguments:
         check_whole(
             "logprob_chunk_size", self.logprob_chunk_size, minimum=1, fix="use a positive number of tokens (e.g. 256)"
         )
+        parallelism = getattr(self, "parallelism_config", None)
+        if parallelism is not None and (getattr(parallelism, "sp_size", 1) or 1) > 1:
+            # TRL's GRPO and RLOO refuse it themselves; TRL's DPO would pass it to accelerate, whose ALST would see
+            # trl-scale's packed rows without their sequence boundaries.
+            raise ValueError(
+                f"parallelism_config.sp_size={parallelism.sp_size}: trl-scale's scoring engine shards sequences "
+                "(trl_scale.scoring.sequence_parallel) but its trainers do not take sp_size yet (issue 33). Fix: "
+                "sp_size=1"
+            )

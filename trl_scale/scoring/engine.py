@@ -24,6 +24,7 @@ import torch.distributed as dist
 from .logprob_head import DEFAULT_LOGPROB_CHUNK_SIZE, chunked_logprobs, gathered_lm_head, logit_transform_of
 from .packing import pack_padded_batch, packed_forward_kwargs, unpack
 from .sampler_support import SamplerSupport, kept_log_mass
+from .sequence_parallel import SequenceParallelGroup, summed_over_group
 from .support import packing_support, use_packing
 
 # Keyword arguments a packable call may carry besides input_ids/attention_mask/labels.
@@ -91,6 +92,7 @@ class PackedScoringConfig:
     settings: ScoringSettings
     outputs: tuple[str, ...] = ()
     stats: PackingStats = field(default_factory=PackingStats)
+    sequence_parallel: SequenceParallelGroup | None = None  # Ulysses: every rank of the group scores a slice
 
 
 def _same_count_on_every_rank(count: int, device: torch.device) -> int:
@@ -131,11 +133,59 @@ def packed_backbone_forward(backbone, input_ids, attention_mask, token_budget: i
     return packed, outputs, anchor
 
 
+def sequence_parallel_backbone_forward(
+    backbone, input_ids, attention_mask, token_budget: int | None, sp: SequenceParallelGroup
+):
+    """:func:`packed_backbone_forward` under Ulysses sequence parallelism: every rank of the SP group holds the same
+    batch, packs it the same way (one row per micro-batch, several sequences back to back), and runs the backbone
+    on its slice of each row, padded to a multiple of the group's size with filler (a sequence of its own, never
+    scored). Returns ``(packed, [(micro_batch, this rank's tokens' flat index, their hidden [n, H]), ...], anchor)``;
+    ``anchor`` is a zero that depends on every forward (a slice with no token still takes part in backward)."""
+    packed = pack_padded_batch(input_ids, attention_mask, token_budget, row_capacity=None)
+    count = _same_count_on_every_rank(len(packed.micro_batches), input_ids.device)
+    if count != len(packed.micro_batches):
+        packed = pack_padded_batch(input_ids, attention_mask, token_budget, count, row_capacity=None)
+    outputs, anchor = [], None
+    for micro_batch in packed.micro_batches:
+        width = micro_batch.input_ids.size(1)
+        padded, start, end = sp.shard(max(width, 1))
+        ids = input_ids.new_zeros((1, padded))
+        positions = torch.arange(padded, device=input_ids.device).unsqueeze(0) - width  # filler restarts at 0
+        ids[:, :width] = micro_batch.input_ids
+        positions[:, :width] = micro_batch.position_ids
+        hidden = backbone(
+            input_ids=ids[:, start:end], position_ids=positions[:, start:end], attention_mask=None, use_cache=False
+        ).last_hidden_state[0]
+        anchor = hidden.sum() * 0.0 if anchor is None else anchor + hidden.sum() * 0.0
+        mine, rows = slice_tokens(micro_batch.token_index, start, end)
+        outputs.append((micro_batch, micro_batch.flat_index[mine], hidden[rows]))
+    return packed, outputs, anchor
+
+
+def slice_tokens(token_index: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The real tokens (positions ``token_index`` in the packed row) that fall in this rank's slice ``[start,
+    end)``: a mask over them, and their rows in the slice's hidden states. Each token on exactly one rank."""
+    mine = (token_index >= start) & (token_index < end)
+    return mine, token_index[mine] - start
+
+
 def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items_in_batch):
     """The packed equivalent of TRL's ``_fused_forward`` for a padded batch; returns a ``FusedCausalLMOutput``."""
     batch_size, seq_len = input_ids.shape
     # TRL scores hidden[:, t] against labels[:, t + 1]; in the padded layout, position t's label is the next column.
     shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
+    sp = config.sequence_parallel
+    if sp is not None and sp.size > 1:
+        packed, outputs, anchor = sequence_parallel_backbone_forward(
+            model.base_model, input_ids, attention_mask, config.settings.token_budget, sp
+        )
+        config.stats.padded_tokens += batch_size * seq_len
+        config.stats.real_tokens += packed.num_real_tokens
+        config.stats.forwarded_tokens += packed.forwarded_tokens
+        config.stats.micro_batches += len(packed.micro_batches)
+        config.stats.calls += 1
+        pieces = [(flat_index, hidden) for _, flat_index, hidden in outputs]
+        return _scored_output(model, config, pieces, shift_labels, anchor, num_items_in_batch, record=True, sp=sp)
     packed, outputs, anchor = packed_backbone_forward(
         model.base_model, input_ids, attention_mask, config.settings.token_budget
     )
@@ -160,10 +210,18 @@ def padded_fused_forward(model, config: PackedScoringConfig, input_ids, attentio
 
 
 def _scored_output(
-    model, config: PackedScoringConfig, pieces, shift_labels, anchor, num_items_in_batch, record: bool = False
+    model,
+    config: PackedScoringConfig,
+    pieces,
+    shift_labels,
+    anchor,
+    num_items_in_batch,
+    record: bool = False,
+    sp: SequenceParallelGroup | None = None,
 ):
     """Score the labelled tokens of ``pieces`` (``(flat index into [B, T], hidden [n, H])``) with the chunked head
-    and lay the fields out as TRL's fused forward returns them (``[B, T-1]``)."""
+    and lay the fields out as TRL's fused forward returns them (``[B, T-1]``). Under sequence parallelism each rank
+    scored its own tokens: the fields are summed over the group, so every rank holds all of them."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     batch_size, seq_len = shift_labels.shape
@@ -208,12 +266,18 @@ def _scored_output(
             continue
         values = torch.cat(collected[name]) if collected[name] else weight.new_zeros(0, dtype=torch.float32)
         if name == "is_top1":
-            full = torch.zeros(batch_size * seq_len, dtype=torch.bool, device=shift_labels.device)
-            full[flat_index] = values
-            fields[name] = full.view(batch_size, seq_len)[:, :-1]
+            full = torch.zeros(batch_size * seq_len, dtype=torch.float32, device=shift_labels.device)
+            full[flat_index] = values.float()
+            if sp is not None:
+                full = summed_over_group(full, sp)
+            fields[name] = full.view(batch_size, seq_len)[:, :-1] > 0.5
         else:
             fields[name] = unpack(values.float(), flat_index, batch_size, seq_len)[:, :-1]
-    if anchor is not None:
+            if sp is not None:
+                if anchor is not None:  # before the sum: every rank's slice takes part in backward, scored or not
+                    fields[name] = fields[name] + anchor
+                fields[name] = summed_over_group(fields[name], sp)
+    if anchor is not None and sp is None:
         fields["log_probs"] = fields["log_probs"] + anchor
     label_mask = shift_labels[:, :-1] != -100
     denominator = label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
@@ -226,18 +290,22 @@ def install_packed_scoring(
     settings: ScoringSettings | None = None,
     outputs: tuple[str, ...] = (),
     stats: PackingStats | None = None,
+    sequence_parallel: SequenceParallelGroup | None = None,
     **fields,
 ) -> PackedScoringConfig | None:
     """Wrap ``model.forward`` (already patched by TRL's ``add_fused_lm_head``) so that packable
     ``fused_lm_head=True`` calls run packed, scored as ``settings`` say (or a `ScoringSettings` of ``fields``, e.g.
     ``token_budget=10``). Returns the live config (its ``stats`` collect padding figures), or None where packing is
-    not exact for this model (TRL's forward stays; see :func:`.support.use_packing`)."""
+    not exact for this model (TRL's forward stays; see :func:`.support.use_packing`). With ``sequence_parallel`` (a
+    group from :func:`.sequence_parallel.enable_sequence_parallel`) every scoring call runs packed and sharded
+    over the group; a call it cannot take is an error (TRL's forward would see a slice of the attention)."""
     settings = dataclasses.replace(settings or ScoringSettings(), **fields)
     on_support = settings.sampler_support is not None
-    if not on_support and not use_packing(model.base_model, settings.padding_free):
+    sharded = sequence_parallel is not None and sequence_parallel.size > 1
+    if not sharded and not on_support and not use_packing(model.base_model, settings.padding_free):
         return None
     trl_forward = model.forward
-    config = PackedScoringConfig(settings, tuple(outputs), stats or PackingStats())
+    config = PackedScoringConfig(settings, tuple(outputs), stats or PackingStats(), sequence_parallel)
 
     # Keep the class signature: `generate` validates its kwargs against it (as TRL's fused forward does).
     @functools.wraps(type(model).forward)
@@ -257,6 +325,13 @@ def install_packed_scoring(
             and kwargs.get("use_cache") in (None, False)
         )
         width = input_ids.size(1) if padded_call else 0
+        if sharded:
+            if not padded_call:
+                raise ValueError(
+                    "sequence parallelism scores padded [batch, seq] calls with labels only (no images, embeddings, "
+                    "position_ids or cache): this call is not one. Fix: sp_size=1 for this model or trainer"
+                )
+            return packed_fused_forward(self, config, input_ids, attention_mask, labels, num_items_in_batch)
         if padded_call and use_packing(self.base_model, config.settings.padding_free, probe_now=True, width=width):
             return packed_fused_forward(self, config, input_ids, attention_mask, labels, num_items_in_batch)
         if padded_call and on_support:
