@@ -73,6 +73,8 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=None)
     parser.add_argument("--lengths", default="9,23,12,5")  # odd total; 23 over half a budget of 30
     parser.add_argument("--mutation", choices=["shift", "twice", "rank0"], default=None)
+    # each rank its own batch (as data parallelism gives them), compared with unsharded data parallelism
+    parser.add_argument("--own-batches", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     from transformers import AutoModelForCausalLM
@@ -91,12 +93,18 @@ def main() -> None:
         mutate(args.mutation)
     install_packed_scoring(sharded, token_budget=args.token_budget, outputs=("entropy",), sequence_parallel=group)
     lengths = [int(n) for n in args.lengths.split(",")]
-    input_ids, mask, labels = batch(reference.config.get_text_config().vocab_size, lengths, prompt=3)
+    rank = dist.get_rank()
+    if args.own_batches and rank == 1:  # another batch, of other lengths and rows
+        lengths = [7, 30, 4]
+    vocab = reference.config.get_text_config().vocab_size
+    input_ids, mask, labels = batch(vocab, lengths, prompt=3, seed=rank if args.own_batches else 0)
     expected, expected_grads = scored(reference, input_ids, mask, labels)
     got, grads = scored(sharded, input_ids, mask, labels)
-    for value in grads.values():  # data-parallel averaging over the 2 ranks of the group
-        dist.all_reduce(value)
-        value /= 2
+    averaged = [grads] + ([expected_grads] if args.own_batches else [])
+    for values in averaged:  # data-parallel averaging over the 2 ranks (the unsharded one too, with own batches)
+        for value in values.values():
+            dist.all_reduce(value)
+            value /= 2
     valid = expected.label_mask
     result = {
         "rank": dist.get_rank(),
@@ -107,6 +115,7 @@ def main() -> None:
         "grads": max((grads[n] - g).abs().max().item() for n, g in expected_grads.items()),
         "same_grad_names": sorted(grads) == sorted(expected_grads),
         "scored_tokens": int(valid.sum()),
+        "own_batches": args.own_batches,
     }
     with open(f"{args.out}.{dist.get_rank()}", "w") as f:
         json.dump(result, f)

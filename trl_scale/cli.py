@@ -208,7 +208,11 @@ def train(method: str, argv: list[str]) -> int:
     if method == "ppo":
         kwargs["value_model"] = script_args.value_model_name_or_path
     trainer = trainer_cls(**kwargs)
-    trainer.accelerator.print(f"trl-scale {method}: training on {trainer.accelerator.num_processes} process(es)")
+    sp_size = getattr(trainer.args, "sequence_parallel_size", 1)
+    sharded = f", each packed row scored over {sp_size} ranks (sequence parallelism)" if sp_size > 1 else ""
+    trainer.accelerator.print(
+        f"trl-scale {method}: training on {trainer.accelerator.num_processes} process(es){sharded}"
+    )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}")

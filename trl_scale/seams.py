@@ -89,6 +89,14 @@ SEAMS: tuple[Seam, ...] = (
         "image_position_ids=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]",
     ),
     Seam(
+        f"{G}._generate_single_turn",
+        OVERRIDE,
+        "trainers/wiring.py PackedScoringMixin (local generation under sequence parallelism)",
+        "the local (transformers) generation of one turn; trl-scale runs it with the model's own attention, since "
+        "the sharded attention expects every rank of the group to call it with a slice of one row",
+        "(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False)",
+    ),
+    Seam(
         f"{G}._tool_call_loop",
         OVERRIDE,
         "trainers/wiring.py ServerRolloutMixin (asynchronous tool rollouts)",

@@ -27,6 +27,11 @@ class ScoringArguments:
         than the longest sequence, all in one forward; flash kernels one packed row.
     logprob_chunk_size (`int`, defaults to `256`):
         Tokens projected onto the vocabulary at once by trl-scale's chunked head (non-Triton devices).
+    sequence_parallel_size (`int`, defaults to `1`):
+        Ulysses sequence parallelism (DeepSpeed's ALST): each packed row is sharded over this many consecutive
+        ranks, so one sequence's activations are spread over them. Also read from accelerate's
+        `parallelism_config=ParallelismConfig(sp_size=N, sp_backend="deepspeed")`, as TRL's SFT takes it. GRPO and
+        RLOO (server or local generation); each rank keeps its own batch. See the README's "Long sequences".
 """  # its section of each config's docstring (`config_docstring`)
 
     padding_free: bool | None = field(
@@ -51,6 +56,13 @@ class ScoringArguments:
             "kernels each call is one packed row."
         },
     )
+    sequence_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Ulysses sequence parallelism: ranks that share each packed row of the scoring engine (1: "
+            "none). Also read from parallelism_config.sp_size (accelerate's ParallelismConfig)."
+        },
+    )
     logprob_chunk_size: int = field(
         default=DEFAULT_LOGPROB_CHUNK_SIZE,
         metadata={
@@ -61,6 +73,7 @@ class ScoringArguments:
     )
 
     def __post_init__(self):
+        self._take_sequence_parallel_size()  # before TRL's own checks, which refuse it
         super().__post_init__()
         self._validate_scoring_arguments()
 
@@ -75,12 +88,40 @@ class ScoringArguments:
         check_whole(
             "logprob_chunk_size", self.logprob_chunk_size, minimum=1, fix="use a positive number of tokens (e.g. 256)"
         )
-        parallelism = getattr(self, "parallelism_config", None)
-        if parallelism is not None and (getattr(parallelism, "sp_size", 1) or 1) > 1:
-            # TRL's GRPO and RLOO refuse it themselves; TRL's DPO would pass it to accelerate, whose ALST would see
-            # trl-scale's packed rows without their sequence boundaries.
+        check_whole(
+            "sequence_parallel_size",
+            self.sequence_parallel_size,
+            minimum=1,
+            fix="use the number of ranks that share each sequence (1: no sequence parallelism)",
+        )
+        if self.sequence_parallel_size > 1 and self.padding_free is False:
             raise ValueError(
-                f"parallelism_config.sp_size={parallelism.sp_size}: trl-scale's scoring engine shards sequences "
-                "(trl_scale.scoring.sequence_parallel) but its trainers do not take sp_size yet (issue 33). Fix: "
-                "sp_size=1"
+                f"sequence_parallel_size={self.sequence_parallel_size} shards the packed rows of the scoring engine, "
+                "but padding_free=False asks for TRL's padded path. Fix: padding_free=None (or True)"
             )
+
+    def _take_sequence_parallel_size(self) -> None:
+        """`parallelism_config.sp_size` (accelerate's, as TRL's SFT takes it) becomes `sequence_parallel_size`, and
+        leaves the config before TRL reads it: TRL refuses it for GRPO and RLOO, and accelerate would run its own
+        ALST (a data loader that slices rows into sequence shards, which are prompts here) under DeepSpeed."""
+        parallelism = getattr(self, "parallelism_config", None)
+        sp_size = (getattr(parallelism, "sp_size", 1) or 1) if parallelism is not None else 1
+        if sp_size <= 1:
+            return
+        if self.sequence_parallel_size not in (1, sp_size):
+            raise ValueError(
+                f"sequence_parallel_size={self.sequence_parallel_size} and parallelism_config.sp_size={sp_size} "
+                "disagree. Fix: set one of them"
+            )
+        others = {
+            name: getattr(parallelism, name, 1)
+            for name in ("tp_size", "cp_size", "dp_replicate_size")
+            if (getattr(parallelism, name, 1) or 1) > 1
+        }
+        if others:
+            raise ValueError(
+                f"parallelism_config sets {others} besides sp_size: trl-scale takes sp_size only (data parallelism "
+                "comes from the launcher). Fix: drop them"
+            )
+        self.sequence_parallel_size = sp_size
+        self.parallelism_config = None

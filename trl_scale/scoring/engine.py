@@ -176,16 +176,7 @@ def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attentio
     shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
     sp = config.sequence_parallel
     if sp is not None and sp.size > 1:
-        packed, outputs, anchor = sequence_parallel_backbone_forward(
-            model.base_model, input_ids, attention_mask, config.settings.token_budget, sp
-        )
-        config.stats.padded_tokens += batch_size * seq_len
-        config.stats.real_tokens += packed.num_real_tokens
-        config.stats.forwarded_tokens += packed.forwarded_tokens
-        config.stats.micro_batches += len(packed.micro_batches)
-        config.stats.calls += 1
-        pieces = [(flat_index, hidden) for _, flat_index, hidden in outputs]
-        return _scored_output(model, config, pieces, shift_labels, anchor, num_items_in_batch, record=True, sp=sp)
+        return _sequence_parallel_fused_forward(model, config, input_ids, attention_mask, labels, num_items_in_batch)
     packed, outputs, anchor = packed_backbone_forward(
         model.base_model, input_ids, attention_mask, config.settings.token_budget
     )
@@ -196,6 +187,72 @@ def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attentio
     config.stats.micro_batches += len(packed.micro_batches)
     config.stats.calls += 1
     return _scored_output(model, config, pieces, shift_labels, anchor, num_items_in_batch, record=True)
+
+
+def _sequence_parallel_fused_forward(
+    model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items_in_batch
+):
+    """Sequence parallelism over ranks that each hold their own batch (as data parallelism gives them): the SP
+    group's batches are put together into one (rows one after another, padded to the widest) and packed and scored
+    as one, every rank running its slice of each packed row; each rank keeps its own rows. Every rank thus runs the
+    same graph, so their backward runs the same collectives in the same order, and the gradients are those of each
+    rank scoring its own batch alone: their data-parallel average is the unsharded run's."""
+    sp = config.sequence_parallel
+    batches = group_batches(sp, input_ids, attention_mask, labels)
+    width = max(ids.size(1) for ids, _, _ in batches)
+
+    def joined(part: int, fill: int) -> torch.Tensor:
+        return torch.cat([torch.nn.functional.pad(b[part], (0, width - b[part].size(1)), value=fill) for b in batches])
+
+    all_ids, all_mask, all_labels = joined(0, 0), joined(1, 0), joined(2, -100)
+    rows = all_ids.size(0)
+    shift_labels = torch.cat([all_labels[:, 1:], all_labels.new_full((rows, 1), -100)], dim=1)
+    packed, outputs, anchor = sequence_parallel_backbone_forward(
+        model.base_model, all_ids, all_mask, config.settings.token_budget, sp
+    )
+    pieces = [(flat_index, hidden) for _, flat_index, hidden in outputs]
+    scored = _scored_output(model, config, pieces, shift_labels, anchor, None, record=True, sp=sp)
+    start = sum(b[0].size(0) for b in batches[: sp.rank])
+    batch_size, seq_len = input_ids.shape
+    mine = slice(start, start + batch_size)
+    fields = {
+        name: None if value is None else value[mine, : seq_len - 1]
+        for name, value in (
+            (name, getattr(scored, name))
+            for name in ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+        )
+    }
+    label_mask = scored.label_mask[mine, : seq_len - 1]
+    denominator = label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    # the figures of what the group scored together (its batches put together)
+    config.stats.padded_tokens += sum(b[0].numel() for b in batches)
+    config.stats.real_tokens += packed.num_real_tokens
+    config.stats.forwarded_tokens += sum(sp.shard(max(1, mb.input_ids.size(1)))[0] for mb in packed.micro_batches)
+    config.stats.micro_batches += len(packed.micro_batches)
+    config.stats.calls += 1
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    loss = -fields["log_probs"].sum() / denominator
+    return FusedCausalLMOutput(loss=loss, label_mask=label_mask, aux_loss=None, **fields)
+
+
+def group_batches(sp: SequenceParallelGroup, input_ids, attention_mask, labels) -> list[tuple]:
+    """Every rank's padded batch ``(input_ids, attention_mask, labels)``, in the SP group's rank order, each in its
+    own shape (padded with masked filler for the exchange, then cut back)."""
+    shape = torch.tensor(list(input_ids.shape), device=input_ids.device)
+    shapes = [torch.empty_like(shape) for _ in range(sp.size)]
+    dist.all_gather(shapes, shape, group=sp.group)
+    rows, width = (int(max(s[i] for s in shapes)) for i in (0, 1))
+    padded = []
+    for tensor, fill in ((input_ids, 0), (attention_mask, 0), (labels, -100)):
+        full = tensor.new_full((rows, width), fill)
+        full[: tensor.size(0), : tensor.size(1)] = tensor
+        gathered = [torch.empty_like(full) for _ in range(sp.size)]
+        dist.all_gather(gathered, full, group=sp.group)
+        padded.append(gathered)
+    return [
+        tuple(part[peer][: int(shapes[peer][0]), : int(shapes[peer][1])] for part in padded) for peer in range(sp.size)
+    ]
 
 
 def padded_fused_forward(model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items_in_batch):
@@ -325,7 +382,7 @@ def install_packed_scoring(
             and kwargs.get("use_cache") in (None, False)
         )
         width = input_ids.size(1) if padded_call else 0
-        if sharded:
+        if sharded and fused_lm_head:  # (a plain forward, e.g. generation, runs unsharded: see the trainers)
             if not padded_call:
                 raise ValueError(
                     "sequence parallelism scores padded [batch, seq] calls with labels only (no images, embeddings, "

@@ -189,11 +189,26 @@ def enable_sequence_parallel(model, sp_size: int) -> SequenceParallelGroup:
     return SequenceParallelGroup(sp_size, dist.get_rank(group), group)
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) over a process group; backward sums the gradients over it the same way."""
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        summed = values.clone()
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+        return summed
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        summed = grad.contiguous().clone()
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=ctx.group)
+        return summed, None
+
+
 def summed_over_group(values: torch.Tensor, group: SequenceParallelGroup) -> torch.Tensor:
     """Each rank's partial tensor (zero where another rank owns the entry), summed over the SP group, with
     autograd (backward sums the group's gradients)."""
     if group.size == 1:
         return values
-    from torch.distributed.nn.functional import all_reduce
-
-    return all_reduce(values, op=dist.ReduceOp.SUM, group=group.group)
+    return _SumOverGroup.apply(values, group.group)

@@ -69,6 +69,7 @@ class PPOTrainer(GRPOTrainer):
     """
 
     _tag_names = ["trl", TRL_SCALE_TAG, "ppo"]
+    takes_sequence_parallel = False  # the critic's values do not go through the sharded engine yet
     _name = "PPO"
 
     def __init__(

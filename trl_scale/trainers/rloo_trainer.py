@@ -17,6 +17,7 @@ class RLOOTrainer(OnlineTrainerMixin, _TRLRLOOTrainer):
     weighted by its importance weight (`RLOOCorrectionArguments`): TRL's RLOO has no correction."""
 
     _tag_names = ["trl", TRL_SCALE_TAG, "rloo"]
+    takes_sequence_parallel = True  # every scoring path goes through the packed engine
     __init__ = with_signature_of(_TRLRLOOTrainer.__init__)(OnlineTrainerMixin.__init__)
 
     def _generate_and_score_completions(self, inputs):

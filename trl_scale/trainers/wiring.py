@@ -230,10 +230,55 @@ class PackedScoringMixin:
         policy = self.accelerator.unwrap_model(self.model)
         if isinstance(policy, PeftModel):
             policy = policy.get_base_model()
-        packed = install_packed_scoring(policy, settings, outputs=policy_outputs, stats=stats)
-        if getattr(self, "ref_model", None) is not None and not isinstance(self.ref_model, RayReference):
-            install_packed_scoring(self.accelerator.unwrap_model(self.ref_model), settings, stats=stats)
+        reference = getattr(self, "ref_model", None)
+        group = self._sequence_parallel_group(policy, reference)
+        packed = install_packed_scoring(policy, settings, outputs=policy_outputs, stats=stats, sequence_parallel=group)
+        if reference is not None and not isinstance(reference, RayReference):
+            install_packed_scoring(
+                self.accelerator.unwrap_model(reference), settings, stats=stats, sequence_parallel=group
+            )
         self._packing_stats = stats if packed is not None else None
+
+    # Trainers whose every scoring path goes through the engine under sequence parallelism (GRPO, RLOO).
+    takes_sequence_parallel = False
+
+    def _sequence_parallel_group(self, policy, reference):
+        """Ulysses attention on the policy and the reference (`sequence_parallel_size` > 1), after the refusals;
+        None without sequence parallelism."""
+        sp_size = getattr(self.args, "sequence_parallel_size", 1)
+        if sp_size <= 1:
+            return None
+        if not self.takes_sequence_parallel:
+            raise ValueError(
+                f"sequence_parallel_size={sp_size}: {type(self).__name__} does not shard sequences yet (GRPOTrainer "
+                "and RLOOTrainer do; PPO's critic and DPO are next, issue 33). Fix: sequence_parallel_size=1"
+            )
+        if isinstance(reference, RayReference):
+            raise ValueError(
+                f"sequence_parallel_size={sp_size} shards the trainer's scoring, but reference_placement puts the "
+                "reference on a Ray group that scores whole rows. Fix: reference_placement=None"
+            )
+        from ..scoring.sequence_parallel import enable_sequence_parallel
+
+        self._plain_attention = policy.config._attn_implementation  # what local generation runs with
+        group = enable_sequence_parallel(policy, sp_size)
+        if reference is not None:
+            enable_sequence_parallel(self.accelerator.unwrap_model(reference), sp_size)
+        return group
+
+    def _generate_single_turn(self, *args, **kwargs):
+        """Local generation under sequence parallelism: with the model's own attention (each rank generates its
+        own rows whole; only scoring is sharded)."""
+        plain = getattr(self, "_plain_attention", None)
+        if plain is None or getattr(self, "use_vllm", False):
+            return super()._generate_single_turn(*args, **kwargs)
+        model = self.accelerator.unwrap_model(self.model)
+        sharded = model.config._attn_implementation
+        model.set_attn_implementation(plain)
+        try:
+            return super()._generate_single_turn(*args, **kwargs)
+        finally:
+            model.set_attn_implementation(sharded)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # training logs (not the final summary)
