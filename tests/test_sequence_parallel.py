@@ -108,34 +108,36 @@ def test_a_saved_config_is_checked_as_loaded(family_models):
     check_sequence_parallel(AutoConfig.from_pretrained(family_models["mistral"]), 2, 4, "sdpa")  # no refusal
 
 
-def test_trainers_that_do_not_shard_yet_refuse_it_naming_the_fix(tiny_llama, tmp_path):
-    """parallelism_config.sp_size (accelerate's) becomes sequence_parallel_size, which TRL's own checks never see;
-    DPO (and PPO, whose critic is not sharded yet) refuse it at construction."""
+def test_parallelism_config_becomes_sequence_parallel_size_and_conflicts_are_refused(tmp_path):
+    """accelerate's parallelism_config.sp_size becomes sequence_parallel_size, which TRL's own checks (refusing it
+    for GRPO and RLOO) and accelerate's own ALST never see; what contradicts it is refused naming the fix."""
     from accelerate.utils import ParallelismConfig
-    from transformers import AutoTokenizer
 
     import trl_scale
-    from trl_scale.toy import preference_pairs
 
-    config = trl_scale.DPOConfig(
-        **cpu_args(tmp_path), parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed")
-    )
-    assert config.sequence_parallel_size == 2 and config.parallelism_config is None
-    with pytest.raises(ValueError, match="DPOTrainer does not shard sequences yet.*Fix: sequence_parallel_size=1"):
-        trl_scale.DPOTrainer(
-            model=tiny_llama,
-            args=config,
-            train_dataset=preference_pairs(16),
-            processing_class=AutoTokenizer.from_pretrained(tiny_llama),
-        )
+    sp2 = ParallelismConfig(sp_size=2, sp_backend="deepspeed")
+    for config_class in (trl_scale.GRPOConfig, trl_scale.PPOConfig, trl_scale.DPOConfig):
+        extra = {"num_generations": 4} if config_class is trl_scale.GRPOConfig else {}
+        config = config_class(**cpu_args(tmp_path, **extra), parallelism_config=sp2)
+        assert config.sequence_parallel_size == 2 and config.parallelism_config is None
+    with pytest.raises(ValueError, match="padding_free=False.*Fix: padding_free=None"):
+        trl_scale.DPOConfig(**cpu_args(tmp_path), sequence_parallel_size=2, padding_free=False)
+    with pytest.raises(ValueError, match="disagree. Fix"):
+        trl_scale.DPOConfig(**cpu_args(tmp_path), sequence_parallel_size=4, parallelism_config=sp2)
 
 
-def _online_command(method: str, model: str, output_dir, *extra: str) -> list[str]:
+def _command(method: str, model: str, output_dir, *extra: str) -> list[str]:
     command = ["-m", "trl_scale.cli", method, "--config", str(ROOT / "examples" / f"{method}_tiny_cpu.yaml")]
     command += ["--model_name_or_path", model, "--output_dir", str(output_dir), "--max_steps", "3"]
-    command += ["--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "8"]
-    command += ["--reward_funcs", "tests.helpers.token_parity_reward", "--learning_rate", "1e-2", "--beta", "0.05"]
     command += ["--logging_steps", "1", "--disable_tqdm", "true", "--save_strategy", "steps", "--save_steps", "3"]
+    if method == "dpo":
+        command += ["--per_device_train_batch_size", "4"]
+    elif method == "ppo":
+        command += ["--per_device_train_batch_size", "4", "--max_completion_length", "6", "--learning_rate", "1e-2"]
+        command += ["--reward_funcs", "tests.helpers.token_parity_reward", "--num_toy_examples", "64"]
+    else:
+        command += ["--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "8"]
+        command += ["--reward_funcs", "tests.helpers.token_parity_reward", "--learning_rate", "1e-2", "--beta", "0.05"]
     return command + ["--token_budget", "40", *extra]
 
 
@@ -145,22 +147,29 @@ def _logged(output_dir) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["grpo", "rloo"])
-def test_online_trainers_with_sp_size_2_take_the_steps_of_plain_data_parallelism(family_models, tmp_path, method):
-    """2 processes (gloo), local generation (each rank generates its own rows with the model's own attention) and
-    the reference model's KL: with `--sequence_parallel_size 2` every scoring call of the policy and the reference
-    is sharded over both ranks; the steps equal those of the same 2 processes without it."""
+@pytest.mark.parametrize("method", ["grpo", "rloo", "dpo", "ppo"])
+def test_trainers_with_sp_size_2_take_the_steps_of_plain_data_parallelism(family_models, tmp_path, method):
+    """2 processes (gloo). GRPO and RLOO with local generation (each rank generates its own rows with the model's
+    own attention) and the reference model's KL; DPO with its reference model (chosen and rejected scored
+    together): with `--sequence_parallel_size 2` every scoring call of the policy and the reference is sharded over
+    both ranks, and the steps equal those of the same 2 processes without it."""
     from .helpers import accelerate_launch, run_to_completion
 
     model = family_models["qwen2"]
     plain, sharded = tmp_path / "plain", tmp_path / "sharded"
-    run_to_completion(accelerate_launch(2) + _online_command(method, model, plain))
-    command = _online_command(method, model, sharded, "--sequence_parallel_size", "2")
-    output = run_to_completion(accelerate_launch(2) + command)
+    run_to_completion(accelerate_launch(2) + _command(method, model, plain))
+    output = run_to_completion(
+        accelerate_launch(2) + _command(method, model, sharded, "--sequence_parallel_size", "2")
+    )
     expected, got = _logged(plain), _logged(sharded)
     assert len(expected) == len(got) == 3, output[-2000:]
     assert "each packed row scored over 2 ranks" in output
+    keys = ("loss", "grad_norm", "reward", "kl", "entropy", "completions/mean_length")
+    if method == "dpo":
+        keys = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen")
+    elif method == "ppo":  # the policy, the reference (KL) and the critic (values, its loss and gradients)
+        keys = ("loss", "grad_norm", "critic/grad_norm", "loss/value", "val/vpred", "objective/kl", "objective/scores")
     for step, (e, g) in enumerate(zip(expected, got), start=1):
-        for key in ("loss", "grad_norm", "reward", "kl", "entropy", "completions/mean_length"):
+        for key in keys:
             assert g[key] == pytest.approx(e[key], rel=1e-4, abs=1e-6), (step, key, g[key], e[key])
     assert any(e["grad_norm"] > 0 for e in expected)

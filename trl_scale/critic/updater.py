@@ -19,12 +19,20 @@ def completion_values(
     padding_free: bool | None,
     token_budget: int | None,
     multimodal_inputs: dict | None = None,
+    sequence_parallel=None,
 ) -> torch.Tensor:
     """Values of each completion token's state, ``[B, num_tokens]``: the critic's output at the position before
     the token (prompts are left-padded to ``prompt_len``, completions follow). ``multimodal_inputs`` are the
     policy's image inputs for these rows (``pixel_values``, ``token_type_ids``, ...), passed to the backbone."""
     values = token_scores(
-        critic.base_model, critic.score, input_ids, attention_mask, padding_free, token_budget, multimodal_inputs
+        critic.base_model,
+        critic.score,
+        input_ids,
+        attention_mask,
+        padding_free,
+        token_budget,
+        multimodal_inputs,
+        sequence_parallel,
     )
     return values[:, prompt_len - 1 : prompt_len - 1 + num_tokens]
 
@@ -57,6 +65,7 @@ class CriticModule(torch.nn.Module):
         super().__init__()
         self.critic = critic
         self.padding_free, self.token_budget = padding_free, token_budget
+        self.sequence_parallel = None  # the trainer's SP group when it shards sequences (a replicated critic)
 
     def forward(
         self, input_ids, attention_mask, prompt_len: int, num_tokens: int, multimodal_inputs: dict | None = None
@@ -70,6 +79,7 @@ class CriticModule(torch.nn.Module):
             self.padding_free,
             self.token_budget,
             multimodal_inputs,
+            self.sequence_parallel,
         )
 
 

@@ -431,6 +431,7 @@ def token_scores(
     padding_free: bool | None = None,
     token_budget: int | None = None,
     multimodal_inputs: dict | None = None,
+    sequence_parallel: SequenceParallelGroup | None = None,
 ) -> torch.Tensor:
     """Per-token scalar outputs ``head(hidden)`` of a backbone, as ``[B, T]`` (0 at padding): a critic's values.
 
@@ -440,6 +441,12 @@ def token_scores(
     packed rows cannot carry images, as on the policy's side.
     """
     batch_size, seq_len = input_ids.shape
+    if sequence_parallel is not None and sequence_parallel.size > 1:
+        if multimodal_inputs:
+            raise ValueError("sequence parallelism scores token rows only: no image inputs. Fix: sp_size=1")
+        return _sequence_parallel_token_scores(
+            backbone, head, input_ids, attention_mask, token_budget, sequence_parallel
+        )
     if multimodal_inputs or not use_packing(backbone, padding_free, probe_now=True, width=seq_len):
         hidden = backbone(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **(multimodal_inputs or {})
@@ -451,3 +458,21 @@ def token_scores(
     flat = torch.cat(values) if values else input_ids.new_zeros(0, dtype=torch.float32)
     scores = unpack(flat, torch.cat(indices) if indices else input_ids.new_zeros(0), batch_size, seq_len)
     return scores if anchor is None else scores + anchor
+
+
+def _sequence_parallel_token_scores(backbone, head, input_ids, attention_mask, token_budget, sp) -> torch.Tensor:
+    """:func:`token_scores` under sequence parallelism, as the policy is scored (see
+    :func:`_sequence_parallel_fused_forward`): the group's batches put together, each rank its slice of every
+    packed row, the values summed over the group, each rank keeping its own rows."""
+    batches = group_batches(sp, input_ids, attention_mask, attention_mask)
+    width = max(ids.size(1) for ids, _, _ in batches)
+    all_ids = torch.cat([torch.nn.functional.pad(ids, (0, width - ids.size(1))) for ids, _, _ in batches])
+    all_mask = torch.cat([torch.nn.functional.pad(mask, (0, width - mask.size(1))) for _, mask, _ in batches])
+    _, outputs, anchor = sequence_parallel_backbone_forward(backbone, all_ids, all_mask, token_budget, sp)
+    values = [head(hidden).squeeze(-1).float() for _, _, hidden in outputs]
+    indices = [flat_index for _, flat_index, _ in outputs]
+    flat = torch.cat(values) if values else all_ids.new_zeros(0, dtype=torch.float32)
+    scores = unpack(flat, torch.cat(indices) if indices else all_ids.new_zeros(0), *all_ids.shape)
+    scores = summed_over_group(scores if anchor is None else scores + anchor, sp)
+    start = sum(ids.size(0) for ids, _, _ in batches[: sp.rank])
+    return scores[start : start + input_ids.size(0), : input_ids.size(1)]

@@ -39,6 +39,7 @@ class DPOTrainer(SafeCheckpointMixin, ModelCardMixin, PackedScoringMixin, _TRLDP
     same constructor, and TRL's numbers when those are off."""
 
     _tag_names = ["trl", TRL_SCALE_TAG, "dpo"]
+    takes_sequence_parallel = True  # the policy and reference scoring calls go through the packed engine
 
     @with_signature_of(_TRLDPOTrainer.__init__)
     def __init__(self, *args, **kwargs):

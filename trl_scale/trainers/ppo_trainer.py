@@ -69,7 +69,7 @@ class PPOTrainer(GRPOTrainer):
     """
 
     _tag_names = ["trl", TRL_SCALE_TAG, "ppo"]
-    takes_sequence_parallel = False  # the critic's values do not go through the sharded engine yet
+    takes_sequence_parallel = True  # the policy, the reference and the critic go through the sharded engine
     _name = "PPO"
 
     def __init__(
@@ -117,8 +117,26 @@ class PPOTrainer(GRPOTrainer):
             args, self.accelerator, self.processing_class, self.model, value_model, model, reward_list, images
         )
         self.critic, self.value_model, self.critic_config = built.critic, built.model, built.config
+        if self._sequence_parallel is not None:
+            self._shard_critic_sequences()
         self._rewards_per_func = Handoff("PPOTrainer's rewards_per_func (from _calculate_rewards)")
         self._critic_update = Handoff("PPOTrainer's pending critic update (from _compute_loss)")
+
+    def _shard_critic_sequences(self) -> None:
+        """Sequence parallelism: the critic's values through the sharded engine too (a critic in the trainer's
+        processes, replicated: its gradients are averaged over them as the policy's)."""
+        from ..critic.updater import CriticUpdater
+        from ..scoring.sequence_parallel import enable_sequence_parallel
+
+        sp_size = self._sequence_parallel.size
+        if not isinstance(self.critic, CriticUpdater) or self.critic.sharding != "replicated":
+            raise ValueError(
+                f"sequence_parallel_size={sp_size} shards the critic's rows in the trainer's processes; this "
+                "critic is on a Ray group or sharded by DeepSpeed/FSDP (not yet with sequence parallelism). Fix: "
+                "backend='local' with a replicated critic (plain data parallelism), or sequence_parallel_size=1"
+            )
+        enable_sequence_parallel(self.value_model, sp_size)
+        self.critic.holder.module.sequence_parallel = self._sequence_parallel
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         scheduler = super().create_scheduler(num_training_steps, optimizer)

@@ -239,8 +239,9 @@ class PackedScoringMixin:
             )
         self._packing_stats = stats if packed is not None else None
 
-    # Trainers whose every scoring path goes through the engine under sequence parallelism (GRPO, RLOO).
+    # Trainers whose every scoring path goes through the engine under sequence parallelism (GRPO, RLOO, DPO, PPO).
     takes_sequence_parallel = False
+    _sequence_parallel = None  # the SP group, once enabled
 
     def _sequence_parallel_group(self, policy, reference):
         """Ulysses attention on the policy and the reference (`sequence_parallel_size` > 1), after the refusals;
@@ -250,8 +251,8 @@ class PackedScoringMixin:
             return None
         if not self.takes_sequence_parallel:
             raise ValueError(
-                f"sequence_parallel_size={sp_size}: {type(self).__name__} does not shard sequences yet (GRPOTrainer "
-                "and RLOOTrainer do; PPO's critic and DPO are next, issue 33). Fix: sequence_parallel_size=1"
+                f"sequence_parallel_size={sp_size}: {type(self).__name__} does not shard sequences. Fix: "
+                "sequence_parallel_size=1"
             )
         if isinstance(reference, RayReference):
             raise ValueError(
@@ -261,7 +262,7 @@ class PackedScoringMixin:
         from ..scoring.sequence_parallel import enable_sequence_parallel
 
         self._plain_attention = policy.config._attn_implementation  # what local generation runs with
-        group = enable_sequence_parallel(policy, sp_size)
+        group = self._sequence_parallel = enable_sequence_parallel(policy, sp_size)
         if reference is not None:
             enable_sequence_parallel(self.accelerator.unwrap_model(reference), sp_size)
         return group
