@@ -78,6 +78,11 @@ def test_realistic_gpu_yamls_parse(tmp_path):
         if method == "ppo":
             assert args.backend == "ray" and args.critic_placement["num_gpus_per_worker"] == 1.0
             assert args.reference_placement == args.reward_placement == args.critic_placement
+    parser = TrlParser((script_type, trl_scale.GRPOConfig, ModelConfig))
+    _, args, _ = parser.parse_args_and_config(
+        ["--config", str(EXAMPLES / "grpo_long_context_8gpu.yaml"), "--bf16", "false", "--output_dir", str(tmp_path)]
+    )
+    assert args.sequence_parallel_size == 2 and args.max_completion_length == 32768
     parser = TrlParser((script_type, trl_scale.PPOConfig, ModelConfig))
     _, args, _ = parser.parse_args_and_config(
         ["--config", str(EXAMPLES / "ppo_ray_cluster.yaml"), "--bf16", "false", "--output_dir", str(tmp_path)]

@@ -594,7 +594,9 @@ def test_rloo_async_against_real_vllm_is_corrected_with_the_servers_log_probs(fl
     def recording(self, inputs):
         batch = score(self, inputs)
         generation = self.vllm_generation
-        seen.append((batch["advantages"].clone(), list(generation.last_sampler_logprobs), generation.last_versions))
+        seen.append(
+            (batch["advantages"].clone(), list(generation.last_sampler_logprobs), generation.last_version_spans)
+        )
         return batch
 
     monkeypatch.setattr(trl.RLOOTrainer, "_generate_and_score_completions", recording)
@@ -617,15 +619,19 @@ def test_rloo_async_against_real_vllm_is_corrected_with_the_servers_log_probs(fl
 
     sampler_model = AutoModelForCausalLM.from_pretrained(fleet.model_path, dtype=torch.float32)
     moved = 0.0
-    for (advantages, sampler, versions), batch in zip(seen, corrected):
+    for (advantages, sampler, spans), batch in zip(seen, corrected):
         mask = batch["completion_mask"]
         sampling = torch.zeros(mask.shape)
         for i, values in enumerate(sampler):
             sampling[i, : len(values)] = torch.tensor(values[: mask.size(1)])
-        for version in set(versions):  # streaming: each prompt group its own version
-            rows = [i for i, v in enumerate(versions) if v == version]
-            drawn = _drawn_logprobs(sampler_model, checkpoints[version], batch)
-            assert ((drawn - sampling) * mask)[rows].abs().max() <= 1e-4  # the servers' log-probs: the tagged weights
+        # streaming: each prompt group its own (first, newest) versions; a keep sync that lands while a group is
+        # generating makes its later tokens the newer weights' (the full suite once caught such a row here)
+        versions = {v for span in spans for v in span if v in checkpoints}
+        off = {v: ((_drawn_logprobs(sampler_model, checkpoints[v], batch) - sampling) * mask).abs() for v in versions}
+        for row, (first, newest) in enumerate(spans):
+            old, new = off[first][row], off.get(newest, off[first])[row]
+            switch = int((old > 1e-4).nonzero()[0]) if (old > 1e-4).any() else old.numel()
+            assert (new[switch:] <= 1e-4).all(), (row, first, newest, old, new)  # the servers' log-probs: the weights
         expected = torch.exp(batch["old_logps"] - (sampling * mask).sum(1)).clamp(max=3.0)
         assert torch.allclose(batch["advantages"], advantages * expected, atol=1e-6)
         moved = max(moved, (expected - 1).abs().max().item())

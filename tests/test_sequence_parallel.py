@@ -5,6 +5,7 @@ sequences per packed row, a sequence longer than half the token budget and an od
 each mutation the issue names goes red; and the refusals name their fix."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -126,6 +127,18 @@ def test_parallelism_config_becomes_sequence_parallel_size_and_conflicts_are_ref
         trl_scale.DPOConfig(**cpu_args(tmp_path), sequence_parallel_size=4, parallelism_config=sp2)
 
 
+def test_the_accelerate_yaml_parallelism_section_is_read_and_kept_from_accelerate(tmp_path, monkeypatch):
+    """`accelerate launch` exports the YAML's `parallelism_config` as variables, from which accelerate would build
+    its own (and run its own ALST on prompt rows): trl-scale reads sp_size from them and switches that off."""
+    import trl_scale
+
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "2")
+    config = trl_scale.GRPOConfig(**cpu_args(tmp_path, num_generations=4))
+    assert config.sequence_parallel_size == 2 and config.parallelism_config is None
+    assert os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] == "false"
+
+
 def _command(method: str, model: str, output_dir, *extra: str) -> list[str]:
     command = ["-m", "trl_scale.cli", method, "--config", str(ROOT / "examples" / f"{method}_tiny_cpu.yaml")]
     command += ["--model_name_or_path", model, "--output_dir", str(output_dir), "--max_steps", "3"]
@@ -173,3 +186,55 @@ def test_trainers_with_sp_size_2_take_the_steps_of_plain_data_parallelism(family
         for key in keys:
             assert g[key] == pytest.approx(e[key], rel=1e-4, abs=1e-6), (step, key, g[key], e[key])
     assert any(e["grad_norm"] > 0 for e in expected)
+
+
+FSDP2_LAUNCHER = """compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: FULL_STATE_DICT
+num_machines: 1
+num_processes: 2
+mixed_precision: 'no'
+use_cpu: true
+"""
+
+
+@pytest.mark.slow  # the first DeepSpeed run on a machine JIT-builds its CPU communication op (80-140 s)
+@pytest.mark.parametrize("launcher, method", [("zero3", "grpo"), ("zero3", "ppo"), ("fsdp2", "grpo")])
+def test_under_sharded_launchers_sp_size_2_takes_the_steps_without_it(family_models, launcher, method, tmp_path):
+    """`accelerate launch` with DeepSpeed ZeRO-3 or FSDP2 (2 CPU processes): the policy's parameters sharded and
+    gathered per module while each packed row is sharded over both ranks (PPO: its critic in its own ZeRO-3 engine);
+    the steps equal the same launcher's without sequence parallelism. ZeRO-3 takes sp_size from the accelerate
+    YAML's parallelism_config section (as examples/accelerate/deepspeed_zero3_sp2.yaml), FSDP2 from
+    --sequence_parallel_size."""
+    from .helpers import accelerate_launch_with_config, deepspeed_launcher_config, run_to_completion
+
+    plain_config, sharded_config = tmp_path / "plain.yaml", tmp_path / "sharded.yaml"
+    extra: list[str] = []
+    if launcher == "zero3":
+        pytest.importorskip("deepspeed")
+        plain_config.write_text(deepspeed_launcher_config(stage=3, init_flag="false"))
+        sharded_config.write_text(
+            deepspeed_launcher_config(stage=3, init_flag="false")
+            + "parallelism_config:\n  parallelism_config_sp_size: 2\n  parallelism_config_sp_backend: deepspeed\n"
+        )
+    else:
+        plain_config.write_text(FSDP2_LAUNCHER)
+        sharded_config.write_text(FSDP2_LAUNCHER)
+        extra = ["--sequence_parallel_size", "2"]
+    model = family_models["qwen2"]
+    plain, sharded = tmp_path / "plain", tmp_path / "sharded"
+    run_to_completion(accelerate_launch_with_config(plain_config) + _command(method, model, plain))
+    output = run_to_completion(
+        accelerate_launch_with_config(sharded_config) + _command(method, model, sharded, *extra)
+    )
+    assert "each packed row scored over 2 ranks" in output
+    expected, got = _logged(plain), _logged(sharded)
+    assert len(expected) == len(got) == 3
+    keys = ("loss", "grad_norm", "critic/grad_norm", "loss/value") if method == "ppo" else ("loss", "grad_norm", "kl")
+    for step, (e, g) in enumerate(zip(expected, got), start=1):
+        for key in keys:
+            assert g[key] == pytest.approx(e[key], rel=1e-4, abs=1e-6), (step, key, g[key], e[key])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import types
 from dataclasses import dataclass, field
 
 from ..numbers import check_whole
@@ -106,6 +108,18 @@ class ScoringArguments:
         ALST (a data loader that slices rows into sequence shards, which are prompts here) under DeepSpeed."""
         parallelism = getattr(self, "parallelism_config", None)
         sp_size = (getattr(parallelism, "sp_size", 1) or 1) if parallelism is not None else 1
+        if parallelism is None and os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true":
+            # the accelerate YAML's `parallelism_config` section (`accelerate launch` exports it): read it here,
+            # and switch accelerate's own off, which would otherwise build it from the same variables
+            sp_size = int(os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1") or 1)
+            if sp_size > 1:
+                parallelism = types.SimpleNamespace(
+                    sp_size=sp_size,
+                    tp_size=int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1") or 1),
+                    cp_size=int(os.environ.get("PARALLELISM_CONFIG_CP_SIZE", "1") or 1),
+                    dp_replicate_size=int(os.environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1") or 1),
+                )
+                os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
         if sp_size <= 1:
             return
         if self.sequence_parallel_size not in (1, sp_size):

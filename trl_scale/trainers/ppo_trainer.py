@@ -124,16 +124,16 @@ class PPOTrainer(GRPOTrainer):
 
     def _shard_critic_sequences(self) -> None:
         """Sequence parallelism: the critic's values through the sharded engine too (a critic in the trainer's
-        processes, replicated: its gradients are averaged over them as the policy's)."""
+        processes, held as the launcher holds the policy; its gradients are averaged over them as the policy's)."""
         from ..critic.updater import CriticUpdater
         from ..scoring.sequence_parallel import enable_sequence_parallel
 
         sp_size = self._sequence_parallel.size
-        if not isinstance(self.critic, CriticUpdater) or self.critic.sharding != "replicated":
+        if not isinstance(self.critic, CriticUpdater):
             raise ValueError(
                 f"sequence_parallel_size={sp_size} shards the critic's rows in the trainer's processes; this "
-                "critic is on a Ray group or sharded by DeepSpeed/FSDP (not yet with sequence parallelism). Fix: "
-                "backend='local' with a replicated critic (plain data parallelism), or sequence_parallel_size=1"
+                "critic is on a Ray group, which scores whole rows. Fix: critic_placement=None (the critic in the "
+                "trainer), or sequence_parallel_size=1"
             )
         enable_sequence_parallel(self.value_model, sp_size)
         self.critic.holder.module.sequence_parallel = self._sequence_parallel
