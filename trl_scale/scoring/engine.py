@@ -106,6 +106,15 @@ def _same_count_on_every_rank(count: int, device: torch.device) -> int:
     return int(tensor.item())
 
 
+def _packed_on_every_rank(input_ids, attention_mask, token_budget: int | None, row_capacity):
+    """The batch packed into as many micro-batches as the rank that needs most (see `_same_count_on_every_rank`)."""
+    packed = pack_padded_batch(input_ids, attention_mask, token_budget, row_capacity=row_capacity)
+    count = _same_count_on_every_rank(len(packed.micro_batches), input_ids.device)
+    if count != len(packed.micro_batches):
+        packed = pack_padded_batch(input_ids, attention_mask, token_budget, count, row_capacity=row_capacity)
+    return packed
+
+
 def packed_backbone_forward(backbone, input_ids, attention_mask, token_budget: int | None):
     """Pack a padded batch and run the backbone on each micro-batch, the same number of forwards on every rank.
 
@@ -116,11 +125,7 @@ def packed_backbone_forward(backbone, input_ids, attention_mask, token_budget: i
     takes part in backward, as the collectives of sharded parameters require.
     """
     varlen = packing_support(backbone, probe=False).varlen
-    row_capacity = None if varlen else "longest"
-    packed = pack_padded_batch(input_ids, attention_mask, token_budget, row_capacity=row_capacity)
-    count = _same_count_on_every_rank(len(packed.micro_batches), input_ids.device)
-    if count != len(packed.micro_batches):
-        packed = pack_padded_batch(input_ids, attention_mask, token_budget, count, row_capacity=row_capacity)
+    packed = _packed_on_every_rank(input_ids, attention_mask, token_budget, None if varlen else "longest")
     outputs, anchor = [], None
     for micro_batch in packed.micro_batches:
         if micro_batch.input_ids.numel() == 0:
@@ -141,10 +146,7 @@ def sequence_parallel_backbone_forward(
     on its slice of each row, padded to a multiple of the group's size with filler (a sequence of its own, never
     scored). Returns ``(packed, [(micro_batch, this rank's tokens' flat index, their hidden [n, H]), ...], anchor)``;
     ``anchor`` is a zero that depends on every forward (a slice with no token still takes part in backward)."""
-    packed = pack_padded_batch(input_ids, attention_mask, token_budget, row_capacity=None)
-    count = _same_count_on_every_rank(len(packed.micro_batches), input_ids.device)
-    if count != len(packed.micro_batches):
-        packed = pack_padded_batch(input_ids, attention_mask, token_budget, count, row_capacity=None)
+    packed = _packed_on_every_rank(input_ids, attention_mask, token_budget, None)
     outputs, anchor = [], None
     for micro_batch in packed.micro_batches:
         width = micro_batch.input_ids.size(1)
