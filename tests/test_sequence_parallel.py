@@ -238,3 +238,26 @@ def test_under_sharded_launchers_sp_size_2_takes_the_steps_without_it(family_mod
     for step, (e, g) in enumerate(zip(expected, got), start=1):
         for key in keys:
             assert g[key] == pytest.approx(e[key], rel=1e-4, abs=1e-6), (step, key, g[key], e[key])
+
+
+@pytest.mark.slow
+def test_ppo_with_sp_size_2_on_two_processes_takes_the_steps_of_one_process(family_models, tmp_path):
+    """The issue's parity stated directly: greedy sampling (top_k=1) makes the rollouts the same however the batch is
+    split, so 2 processes × 4 rows with sequence parallelism (policy, reference and critic sharded) take the steps
+    of one process with the 8 rows at once and no sequence parallelism."""
+    import sys
+
+    from .helpers import accelerate_launch, run_to_completion
+
+    model = family_models["llama"]
+    greedy = ["--top_k", "1"]
+    one, sharded = tmp_path / "one", tmp_path / "sharded"
+    command = _command("ppo", model, one, *greedy)
+    command[command.index("--per_device_train_batch_size") + 1] = "8"
+    run_to_completion([sys.executable, *command])
+    run_to_completion(accelerate_launch(2) + _command("ppo", model, sharded, *greedy, "--sequence_parallel_size", "2"))
+    expected, got = _logged(one), _logged(sharded)
+    assert len(expected) == len(got) == 3
+    for step, (e, g) in enumerate(zip(expected, got), start=1):
+        for key in ("grad_norm", "critic/grad_norm", "objective/scores", "objective/kl", "loss/value"):
+            assert g[key] == pytest.approx(e[key], rel=1e-4, abs=1e-6), (step, key, g[key], e[key])
