@@ -38,6 +38,8 @@ class RolloutSettings:
             "logprobs": 0 if logprobs else None,
         }
         sampling.update(args.generation_kwargs or {})
+        if sampling.get("seed") is not None:
+            _warn_seeded_requests(sampling["seed"], getattr(args, "async_rollout_mode", None) == "streaming")
         regex = getattr(args, "vllm_structured_outputs_regex", None)
         if regex is not None:  # as TRL's client sends it (vllm_client.py:441-442), taking precedence
             sampling["structured_outputs"] = {"regex": regex}
@@ -54,3 +56,19 @@ class RolloutSettings:
             on_sampler_support=SamplerSupport.from_config(args) is not None,
             streaming=getattr(args, "async_rollout_mode", "ordered") == "streaming",
         )
+
+
+def _warn_seeded_requests(seed, streaming: bool) -> None:
+    from ..logs import get_logger
+
+    crash = (
+        " With streaming rollout, vLLM 0.32's CPU worker has also died resuming seeded requests a sync had preempted."
+        if streaming
+        else ""
+    )
+    get_logger(__name__).warning(
+        f"generation_kwargs sets seed={seed}: every request (one per prompt group) is sampled with the same random "
+        "numbers, step after step, so the groups' answers vary less than sampling should make them (on trl-scale's "
+        f"toy task such runs learned about half as much, README 'Asynchronous rollout').{crash} Fix: drop the seed "
+        "for training runs (the trainer's own seed still fixes its data order and initialisation)"
+    )
