@@ -188,49 +188,28 @@ def test_trainers_with_sp_size_2_take_the_steps_of_plain_data_parallelism(family
     assert any(e["grad_norm"] > 0 for e in expected)
 
 
-FSDP2_LAUNCHER = """compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
-fsdp_config:
-  fsdp_version: 2
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_reshard_after_forward: true
-  fsdp_state_dict_type: FULL_STATE_DICT
-num_machines: 1
-num_processes: 2
-mixed_precision: 'no'
-use_cpu: true
-"""
-
-
 @pytest.mark.slow  # the first DeepSpeed run on a machine JIT-builds its CPU communication op (80-140 s)
-@pytest.mark.parametrize("launcher, method", [("zero3", "grpo"), ("zero3", "ppo"), ("fsdp2", "grpo")])
-def test_under_sharded_launchers_sp_size_2_takes_the_steps_without_it(family_models, launcher, method, tmp_path):
-    """`accelerate launch` with DeepSpeed ZeRO-3 or FSDP2 (2 CPU processes): the policy's parameters sharded and
-    gathered per module while each packed row is sharded over both ranks (PPO: its critic in its own ZeRO-3 engine);
-    the steps equal the same launcher's without sequence parallelism. ZeRO-3 takes sp_size from the accelerate
-    YAML's parallelism_config section (as examples/accelerate/deepspeed_zero3_sp2.yaml), FSDP2 from
-    --sequence_parallel_size."""
+@pytest.mark.parametrize("method", ["grpo", "ppo"])
+def test_under_deepspeed_zero3_sp_size_2_takes_the_steps_without_it(family_models, method, tmp_path):
+    """`accelerate launch` with DeepSpeed ZeRO-3 (2 CPU processes): the policy's parameters partitioned and gathered
+    per module while each packed row is sharded over both ranks (PPO: its critic in its own ZeRO-3 engine); the steps
+    equal ZeRO-3's without sequence parallelism. sp_size comes from the accelerate YAML's parallelism_config section,
+    as in examples/accelerate/deepspeed_zero3_sp2.yaml. (FSDP2: accelerate runs FSDP only on GPUs; on CPU its
+    launcher falls back to no distribution at all, so there is no CPU test of FSDP2 with sequence parallelism.)"""
+    pytest.importorskip("deepspeed")
     from .helpers import accelerate_launch_with_config, deepspeed_launcher_config, run_to_completion
 
     plain_config, sharded_config = tmp_path / "plain.yaml", tmp_path / "sharded.yaml"
-    extra: list[str] = []
-    if launcher == "zero3":
-        pytest.importorskip("deepspeed")
-        plain_config.write_text(deepspeed_launcher_config(stage=3, init_flag="false"))
-        sharded_config.write_text(
-            deepspeed_launcher_config(stage=3, init_flag="false")
-            + "parallelism_config:\n  parallelism_config_sp_size: 2\n  parallelism_config_sp_backend: deepspeed\n"
-        )
-    else:
-        plain_config.write_text(FSDP2_LAUNCHER)
-        sharded_config.write_text(FSDP2_LAUNCHER)
-        extra = ["--sequence_parallel_size", "2"]
+    plain_config.write_text(deepspeed_launcher_config(stage=3, init_flag="false"))
+    sharded_config.write_text(
+        deepspeed_launcher_config(stage=3, init_flag="false")
+        + "parallelism_config:\n  parallelism_config_sp_size: 2\n  parallelism_config_sp_backend: deepspeed\n"
+    )
     model = family_models["qwen2"]
     plain, sharded = tmp_path / "plain", tmp_path / "sharded"
     run_to_completion(accelerate_launch_with_config(plain_config) + _command(method, model, plain))
-    output = run_to_completion(
-        accelerate_launch_with_config(sharded_config) + _command(method, model, sharded, *extra)
-    )
+    output = run_to_completion(accelerate_launch_with_config(sharded_config) + _command(method, model, sharded))
+    assert "training on 2 process(es)" in output
     assert "each packed row scored over 2 ranks" in output
     expected, got = _logged(plain), _logged(sharded)
     assert len(expected) == len(got) == 3
