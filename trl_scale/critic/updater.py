@@ -65,7 +65,7 @@ class CriticModule(torch.nn.Module):
         super().__init__()
         self.critic = critic
         self.padding_free, self.token_budget = padding_free, token_budget
-        self.sequence_parallel = None  # the trainer's SP group when it shards sequences (a replicated critic)
+        self.sequence_parallel = None  # the trainer's SP group when it shards sequences (see PPOTrainer)
 
     def forward(
         self, input_ids, attention_mask, prompt_len: int, num_tokens: int, multimodal_inputs: dict | None = None

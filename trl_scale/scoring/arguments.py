@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import types
 from dataclasses import dataclass, field
 
 from ..numbers import check_whole
@@ -32,8 +31,9 @@ class ScoringArguments:
     sequence_parallel_size (`int`, defaults to `1`):
         Ulysses sequence parallelism (DeepSpeed's ALST): each packed row is sharded over this many consecutive
         ranks, so one sequence's activations are spread over them. Also read from accelerate's
-        `parallelism_config=ParallelismConfig(sp_size=N, sp_backend="deepspeed")`, as TRL's SFT takes it. GRPO and
-        RLOO (server or local generation); each rank keeps its own batch. See the README's "Long sequences".
+        `parallelism_config=ParallelismConfig(sp_size=N, sp_backend="deepspeed")`, as TRL's SFT takes it, or the
+        accelerate YAML's `parallelism_config` section. GRPO, RLOO, PPO (with its critic) and DPO; each rank keeps its
+        own batch. See the README's "Long sequences".
 """  # its section of each config's docstring (`config_docstring`)
 
     padding_free: bool | None = field(
@@ -111,14 +111,11 @@ class ScoringArguments:
         if parallelism is None and os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() == "true":
             # the accelerate YAML's `parallelism_config` section (`accelerate launch` exports it): read it here,
             # and switch accelerate's own off, which would otherwise build it from the same variables
-            sp_size = int(os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1") or 1)
+            from accelerate.utils import ParallelismConfig
+
+            parallelism = ParallelismConfig()  # accelerate's own reading of those variables
+            sp_size = parallelism.sp_size or 1
             if sp_size > 1:
-                parallelism = types.SimpleNamespace(
-                    sp_size=sp_size,
-                    tp_size=int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1") or 1),
-                    cp_size=int(os.environ.get("PARALLELISM_CONFIG_CP_SIZE", "1") or 1),
-                    dp_replicate_size=int(os.environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1") or 1),
-                )
                 os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
         if sp_size <= 1:
             return

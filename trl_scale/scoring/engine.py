@@ -17,6 +17,7 @@ import functools
 import types
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -173,12 +174,12 @@ def slice_tokens(token_index: torch.Tensor, start: int, end: int) -> tuple[torch
 
 def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items_in_batch):
     """The packed equivalent of TRL's ``_fused_forward`` for a padded batch; returns a ``FusedCausalLMOutput``."""
-    batch_size, seq_len = input_ids.shape
-    # TRL scores hidden[:, t] against labels[:, t + 1]; in the padded layout, position t's label is the next column.
-    shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
     sp = config.sequence_parallel
     if sp is not None and sp.size > 1:
         return _sequence_parallel_fused_forward(model, config, input_ids, attention_mask, labels, num_items_in_batch)
+    batch_size, seq_len = input_ids.shape
+    # TRL scores hidden[:, t] against labels[:, t + 1]; in the padded layout, position t's label is the next column.
+    shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
     packed, outputs, anchor = packed_backbone_forward(
         model.base_model, input_ids, attention_mask, config.settings.token_budget
     )
@@ -200,13 +201,8 @@ def _sequence_parallel_fused_forward(
     same graph, so their backward runs the same collectives in the same order, and the gradients are those of each
     rank scoring its own batch alone: their data-parallel average is the unsharded run's."""
     sp = config.sequence_parallel
-    batches = group_batches(sp, input_ids, attention_mask, labels)
-    width = max(ids.size(1) for ids, _, _ in batches)
-
-    def joined(part: int, fill: int) -> torch.Tensor:
-        return torch.cat([torch.nn.functional.pad(b[part], (0, width - b[part].size(1)), value=fill) for b in batches])
-
-    all_ids, all_mask, all_labels = joined(0, 0), joined(1, 0), joined(2, -100)
+    group = _group_batch(sp, input_ids, attention_mask, labels)
+    all_ids, all_mask, all_labels = group.input_ids, group.attention_mask, group.labels
     rows = all_ids.size(0)
     shift_labels = torch.cat([all_labels[:, 1:], all_labels.new_full((rows, 1), -100)], dim=1)
     packed, outputs, anchor = sequence_parallel_backbone_forward(
@@ -214,9 +210,8 @@ def _sequence_parallel_fused_forward(
     )
     pieces = [(flat_index, hidden) for _, flat_index, hidden in outputs]
     scored = _scored_output(model, config, pieces, shift_labels, anchor, None, record=True, sp=sp)
-    start = sum(b[0].size(0) for b in batches[: sp.rank])
     batch_size, seq_len = input_ids.shape
-    mine = slice(start, start + batch_size)
+    mine = group.own_rows
     fields = {
         name: None if value is None else value[mine, : seq_len - 1]
         for name, value in (
@@ -227,7 +222,7 @@ def _sequence_parallel_fused_forward(
     label_mask = scored.label_mask[mine, : seq_len - 1]
     denominator = label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     # the figures of what the group scored together (its batches put together)
-    config.stats.padded_tokens += sum(b[0].numel() for b in batches)
+    config.stats.padded_tokens += group.padded_tokens
     config.stats.real_tokens += packed.num_real_tokens
     config.stats.forwarded_tokens += sum(sp.shard(max(1, mb.input_ids.size(1)))[0] for mb in packed.micro_batches)
     config.stats.micro_batches += len(packed.micro_batches)
@@ -236,6 +231,29 @@ def _sequence_parallel_fused_forward(
 
     loss = -fields["log_probs"].sum() / denominator
     return FusedCausalLMOutput(loss=loss, label_mask=label_mask, aux_loss=None, **fields)
+
+
+class GroupBatch(NamedTuple):
+    """The SP group's batches put together: rows one after another, padded on the right to the widest."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+    own_rows: slice  # this rank's rows in it
+    padded_tokens: int  # of the group's batches, each in its own shape
+
+
+def _group_batch(sp: SequenceParallelGroup, input_ids, attention_mask, labels) -> GroupBatch:
+    batches = group_batches(sp, input_ids, attention_mask, labels)
+    width = max(ids.size(1) for ids, _, _ in batches)
+
+    def joined(part: int, fill: int) -> torch.Tensor:
+        return torch.cat([torch.nn.functional.pad(b[part], (0, width - b[part].size(1)), value=fill) for b in batches])
+
+    start = sum(b[0].size(0) for b in batches[: sp.rank])
+    own_rows = slice(start, start + input_ids.size(0))
+    padded_tokens = sum(b[0].numel() for b in batches)
+    return GroupBatch(joined(0, 0), joined(1, 0), joined(2, -100), own_rows, padded_tokens)
 
 
 def group_batches(sp: SequenceParallelGroup, input_ids, attention_mask, labels) -> list[tuple]:
@@ -466,15 +484,12 @@ def _sequence_parallel_token_scores(backbone, head, input_ids, attention_mask, t
     """:func:`token_scores` under sequence parallelism, as the policy is scored (see
     :func:`_sequence_parallel_fused_forward`): the group's batches put together, each rank its slice of every
     packed row, the values summed over the group, each rank keeping its own rows."""
-    batches = group_batches(sp, input_ids, attention_mask, attention_mask)
-    width = max(ids.size(1) for ids, _, _ in batches)
-    all_ids = torch.cat([torch.nn.functional.pad(ids, (0, width - ids.size(1))) for ids, _, _ in batches])
-    all_mask = torch.cat([torch.nn.functional.pad(mask, (0, width - mask.size(1))) for _, mask, _ in batches])
+    group = _group_batch(sp, input_ids, attention_mask, attention_mask)
+    all_ids, all_mask = group.input_ids, group.attention_mask
     _, outputs, anchor = sequence_parallel_backbone_forward(backbone, all_ids, all_mask, token_budget, sp)
     values = [head(hidden).squeeze(-1).float() for _, _, hidden in outputs]
     indices = [flat_index for _, flat_index, _ in outputs]
     flat = torch.cat(values) if values else all_ids.new_zeros(0, dtype=torch.float32)
     scores = unpack(flat, torch.cat(indices) if indices else all_ids.new_zeros(0), *all_ids.shape)
     scores = summed_over_group(scores if anchor is None else scores + anchor, sp)
-    start = sum(ids.size(0) for ids, _, _ in batches[: sp.rank])
-    return scores[start : start + input_ids.size(0), : input_ids.size(1)]
+    return scores[group.own_rows, : input_ids.size(1)]

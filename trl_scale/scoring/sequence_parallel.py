@@ -10,10 +10,10 @@ sequences and attends within each (with the model's sliding window and attention
 exact and attention memory linear in each sequence.
 
 Each rank then scores the labelled tokens of its own slice with the chunked head, and a summing all-reduce (with
-autograd) puts every token's result on every rank of the group, in TRL's `[B, T-1]` layout: each rank's loss is the
-whole micro-batch's. In backward that all-reduce hands each rank the group's summed gradients of its tokens, i.e.
-`sp` times its share, which the data-parallel averaging over the group's `sp` ranks brings back to one: the
-gradient of one process scoring the whole batch.
+autograd) puts every token's result on every rank of the group, in TRL's `[B, T-1]` layout. The batch scored is the
+group's ranks' batches put together (`engine._sequence_parallel_fused_forward`), and each rank keeps its own rows:
+every rank runs the same graph, and in backward the all-reduce hands each rank the gradients of its slice's tokens
+from the rank that owns each row, so the gradients are those of each rank scoring its own batch alone.
 """
 
 from __future__ import annotations
@@ -79,16 +79,16 @@ def check_sequence_parallel(config, sp_size: int, world_size: int, attn_implemen
         raise ValueError(
             f"attn_implementation={attn_implementation!r}: sequence parallelism runs ALST's Ulysses attention over "
             "flash attention (packed rows through its varlen path) or, for 'sdpa', 'eager' and 'flex_attention', "
-            "over trl-scale's block-diagonal attention; this kernel is neither, so packed sequences could attend "
+            "over trl-scale's per-sequence attention; this kernel is neither, so packed sequences could attend "
             "to each other. Fix: attn_implementation='sdpa' (or a flash_attention_* kernel on GPUs)"
         )
 
 
 def core_attention_for(attn_implementation: str) -> str | None:
     """The core attention ALST wraps for a model loaded with `attn_implementation`: the flash kernels themselves
-    (their varlen path reads sequence starts from the gathered position ids), trl-scale's block-diagonal
-    attention for the kernels that would see one long causal sequence (sdpa and flex: ALST drops their masks;
-    eager: it needs a whole-sequence 4D mask), None for any other."""
+    (their varlen path reads sequence starts from the gathered position ids); trl-scale's per-sequence attention
+    (`packed_causal_attention`) for the kernels that would see one long causal sequence (sdpa and flex: ALST drops
+    their masks; eager: it needs a whole-sequence 4D mask); None for any other."""
     if attn_implementation.startswith("flash_attention"):
         return attn_implementation
     if attn_implementation in ("sdpa", "eager", "flex_attention", SP_ATTENTION):

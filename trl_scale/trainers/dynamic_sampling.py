@@ -94,8 +94,7 @@ class DynamicSamplingMixin:
             generated += more
         groups, filled = choose_groups(signal, needed)
         self._log_dynamic_sampling(needed, generated, sum(not has for has in signal), filled)
-        candidates = CandidateRows.joined(rounds) if len(rounds) > 1 else rounds[0]
-        return candidates.select([g * size + j for g in groups for j in range(size)])
+        return CandidateRows.joined(rounds).select([g * size + j for g in groups for j in range(size)])
 
     def _top_up_round(self, num_rows: int) -> CandidateRows:
         """New groups generated now (a synchronous run); streaming rollout takes them from the stream instead."""
