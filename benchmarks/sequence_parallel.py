@@ -2,6 +2,12 @@
 engine, the chunked head, TRL's fused-forward call) by one process (`sp_size=1`) and sharded over 2 CPU processes
 with Ulysses attention (`sp_size=2`, gloo), on a toy Llama sized so that activations dominate.
 
+Each rank keeps its own batch under trl-scale's sequence parallelism and the group scores its ranks' batches put
+together, so what a rank holds is its share of the group's tokens: the long sequence is on rank 0 and rank 1 holds
+a short one (`--peer-tokens`, default 512: a long-tailed batch, most answers short); sp_size=1 is rank 0 alone with
+its long sequence. With `--peer-tokens` equal to `--tokens` (every rank as long) a rank holds as many tokens as
+without sequence parallelism, and activations do not shrink (measured: 1.04x at 4096 tokens).
+
 Activation memory is measured exactly: the bytes of every tensor autograd saves for backward during the forward
 (`torch.autograd.graph.saved_tensors_hooks`), per rank, at its peak (what must be held until backward frees it);
 weights and optimizer state are the same on every rank and left out. Step time is the wall time of forward +
@@ -49,7 +55,7 @@ class SavedBytes:
         return tensor
 
 
-def measure(model_path: str, tokens: int, sp_size: int) -> dict:
+def measure(model_path: str, tokens: int, sp_size: int, seed: int = 0) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
@@ -62,7 +68,7 @@ def measure(model_path: str, tokens: int, sp_size: int) -> dict:
     add_fused_lm_head(model, outputs=("log_probs",))
     group = enable_sequence_parallel(model, sp_size) if sp_size > 1 else None
     install_packed_scoring(model, padding_free=True, sequence_parallel=group)
-    input_ids = torch.randint(3, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(0))
+    input_ids = torch.randint(3, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(seed))
     mask = torch.ones_like(input_ids)
     labels = input_ids.clone()
     runs = []
@@ -77,11 +83,12 @@ def measure(model_path: str, tokens: int, sp_size: int) -> dict:
     return runs[-1]
 
 
-def worker(model_path: str, tokens: int, out: str) -> None:
+def worker(model_path: str, tokens: int, peer_tokens: int, out: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    result = measure(model_path, tokens, 2)
+    rank = dist.get_rank()
+    result = measure(model_path, tokens if rank == 0 else peer_tokens, 2, seed=rank)
     with open(f"{out}.{dist.get_rank()}", "w") as f:
         json.dump(result, f)
     dist.barrier()
@@ -91,11 +98,12 @@ def worker(model_path: str, tokens: int, out: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--peer-tokens", type=int, default=512, help="rank 1's sequence (rank 0 has the long one)")
     parser.add_argument("--budget-gib", type=float, default=16.0)
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "OUT"))
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker[0], args.tokens, args.worker[1])
+        worker(args.worker[0], args.tokens, args.peer_tokens, args.worker[1])
         return
     import torch
     import transformers
@@ -109,7 +117,8 @@ def main() -> None:
     one = measure(model_path, args.tokens, 1)
     out = os.path.join(work, "rank")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29571"]
-    command += [os.path.abspath(__file__), "--tokens", str(args.tokens), "--worker", model_path, out]
+    command += [os.path.abspath(__file__), "--tokens", str(args.tokens), "--peer-tokens", str(args.peer_tokens)]
+    command += ["--worker", model_path, out]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     subprocess.run(command, check=True, env=env, capture_output=True)
     ranks = [json.load(open(f"{out}.{rank}")) for rank in (0, 1)]
@@ -122,6 +131,7 @@ def main() -> None:
     summary = {
         "benchmark": "sequence_parallel",
         "tokens": args.tokens,
+        "peer_tokens": args.peer_tokens,
         "model": SIZES,
         "activation_gib_per_rank": {"sp1": one["activation_bytes"] / 2**30, "sp2": two["activation_bytes"] / 2**30},
         "activation_ratio_sp2_vs_sp1": two["activation_bytes"] / one["activation_bytes"],
