@@ -2,7 +2,8 @@
 `torch.distributed.run`, 2 processes, gloo): the same batch scored by TRL's padded forward in one process and by
 trl-scale's packed engine sharded over the 2 ranks with Ulysses attention (DeepSpeed's ALST); writes the largest
 differences of per-token log-probs, entropies, the loss and the gradients (summed over the group, divided by its
-size, as data-parallel averaging does) to `--out` + rank."""
+size, as data-parallel averaging does) to `--out` + rank. `--own-batches` gives rank 1 another batch: the engine must
+refuse it (the group is one data-parallel rank), and the worker records the error."""
 
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=None)
     parser.add_argument("--lengths", default="9,23,12,5")  # odd total; 23 over half a budget of 30
     parser.add_argument("--mutation", choices=["shift", "twice", "rank0"], default=None)
-    # each rank its own batch (as data parallelism gives them), compared with unsharded data parallelism
+    # rank 1 another batch: refused (an SP group scores one batch)
     parser.add_argument("--own-batches", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -99,12 +100,20 @@ def main() -> None:
     vocab = reference.config.get_text_config().vocab_size
     input_ids, mask, labels = batch(vocab, lengths, prompt=3, seed=rank if args.own_batches else 0)
     expected, expected_grads = scored(reference, input_ids, mask, labels)
+    if args.own_batches:
+        try:
+            scored(sharded, input_ids, mask, labels)
+            refused = ""
+        except RuntimeError as error:
+            refused = str(error)
+        with open(f"{args.out}.{rank}", "w") as f:
+            json.dump({"rank": rank, "refused": refused}, f)
+        dist.barrier()
+        os._exit(0)
     got, grads = scored(sharded, input_ids, mask, labels)
-    averaged = [grads] + ([expected_grads] if args.own_batches else [])
-    for values in averaged:  # data-parallel averaging over the 2 ranks (the unsharded one too, with own batches)
-        for value in values.values():
-            dist.all_reduce(value)
-            value /= 2
+    for value in grads.values():  # data-parallel averaging over the 2 ranks (one data-parallel rank's gradient)
+        dist.all_reduce(value)
+        value /= 2
     valid = expected.label_mask
     result = {
         "rank": dist.get_rank(),
@@ -115,7 +124,6 @@ def main() -> None:
         "grads": max((grads[n] - g).abs().max().item() for n, g in expected_grads.items()),
         "same_grad_names": sorted(grads) == sorted(expected_grads),
         "scored_tokens": int(valid.sum()),
-        "own_batches": args.own_batches,
     }
     with open(f"{args.out}.{dist.get_rank()}", "w") as f:
         json.dump(result, f)

@@ -209,15 +209,21 @@ def train(method: str, argv: list[str]) -> int:
         kwargs["value_model"] = script_args.value_model_name_or_path
     trainer = trainer_cls(**kwargs)
     sp_size = getattr(trainer.args, "sequence_parallel_size", 1)
-    sharded = f", each packed row scored over {sp_size} ranks (sequence parallelism)" if sp_size > 1 else ""
-    trainer.accelerator.print(
-        f"trl-scale {method}: training on {trainer.accelerator.num_processes} process(es){sharded}"
-    )
+    processes = trainer.accelerator.state.num_processes
+    if sp_size > 1:
+        trainer.accelerator.print(
+            f"trl-scale {method}: training on {processes // sp_size} data-parallel rank(s) of {processes} processes, "
+            f"each packed row scored over {sp_size} ranks (sequence parallelism)"
+        )
+    else:
+        trainer.accelerator.print(f"trl-scale {method}: training on {processes} process(es)")
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    if hasattr(trainer, "close_rollout"):
+        trainer.close_rollout()
     _end_distributed(trainer.accelerator)
     return 0
 

@@ -110,3 +110,26 @@ def run_on_main(fn: Callable[[], T]) -> T | None:
     it raises, every rank raises the same error."""
     main = is_main_process()
     return agree(fn if main else lambda: None)
+
+
+def decide_on_leader(fn: Callable[[], T], group: Any = None) -> T:
+    """`fn` on rank 0 of `group` (a torch process group; None: the call runs in place), whose result, or exception,
+    every rank of the group gets: e.g. one request for the ranks of a sequence-parallel group, which train on the
+    same batch. A collective over `group` only."""
+    if group is None:
+        return fn()
+    import torch.distributed as dist
+
+    payload: list = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            payload[0] = (fn(), None)
+        except Exception as error:
+            payload[0] = (None, _sendable(error))
+            dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
+            raise
+    dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
+    result, failure = payload[0]
+    if failure is not None:
+        raise _naming_rank(failure, dist.get_global_rank(group, 0), dist.get_world_size())
+    return result

@@ -25,7 +25,7 @@ from typing import TypeVar
 from trl.generation.vllm_generation import VLLMGeneration
 
 from ..logs import get_logger
-from ..ranks import agree, broadcast_from_main, decide_on_main
+from ..ranks import agree, broadcast_from_main, decide_on_leader, decide_on_main
 from .client import SERVER_KEY, VERSION_PREFIX, RolloutClient, RolloutError
 from .settings import RolloutSettings
 from .weight_dir import WeightDirectory
@@ -229,6 +229,15 @@ class ServerRolloutGeneration(VLLMGeneration):
         if self.streamer is not None:
             self.streamer.close()
 
+    def close(self) -> None:
+        """No more generation: the stream, the prefetch and the client's request threads stop (idle pool threads
+        would otherwise keep a process that ends with `os._exit`, as the CLI's multi-process runs do, waiting)."""
+        self.close_streaming()
+        pool = getattr(self, "_prefetch_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
+
     def _request_spanned(self, prompts) -> tuple[list[dict], int]:
         """`_request`, and the newest weight version its tokens can come from: the sync count when it finished (one
         more while a sync is under way, whose new weights a streaming sync lets it reach)."""
@@ -246,6 +255,18 @@ class ServerRolloutGeneration(VLLMGeneration):
 
     prefetcher = None
     streamer = None
+    shared_with = None  # the sequence-parallel group's process group: its rank 0 generates for it (`share_with`)
+
+    def share_with(self, group, rank: int) -> None:
+        """Sequence parallelism: the ranks of `group` (a process group; this rank is `rank` in it) train on the
+        same batch, so its rank 0 alone requests (and prefetches) completions, and hands them to the others."""
+        if self.streamer is not None:
+            raise ValueError("streaming rollout is not shared across a sequence-parallel group yet (see the config)")
+        self.shared_with = group
+        if rank != 0 and self.prefetcher is not None:
+            self.prefetcher = None
+            self._prefetch_pool.shutdown(wait=False)
+
     _serving = None  # a streamed batch TRL's next generate() call is answered from
     _syncing = False  # a weight sync is under way (streaming: running generations may reach its weights)
     last_versions: list[int] = []  # per completion of the last batch: the sync count its first token came from
@@ -259,8 +280,8 @@ class ServerRolloutGeneration(VLLMGeneration):
             raise NotImplementedError("server rollout with images is not supported yet; use vLLM's own server mode")
         if self._serving is not None:
             choices, spans = self._streamed_choices(prompts)
-        else:
-            choices, spans = self._generated_choices(prompts)
+        else:  # under sequence parallelism, one request per group: its ranks train on the same batch
+            choices, spans = decide_on_leader(lambda: self._generated_choices(prompts), self.shared_with)
         self.last_versions = [first for first, _ in spans]  # the weights of each completion's first token
         self.last_version_spans = spans  # ... and of its last at the newest
         completion_ids, logprobs, logprob_ids = [], [], []

@@ -32,8 +32,9 @@ class ScoringArguments:
         Ulysses sequence parallelism (DeepSpeed's ALST): each packed row is sharded over this many consecutive
         ranks, so one sequence's activations are spread over them. Also read from accelerate's
         `parallelism_config=ParallelismConfig(sp_size=N, sp_backend="deepspeed")`, as TRL's SFT takes it, or the
-        accelerate YAML's `parallelism_config` section. GRPO, RLOO, PPO (with its critic) and DPO; each rank keeps its
-        own batch. See the README's "Long sequences".
+        accelerate YAML's `parallelism_config` section. GRPO, RLOO, PPO (with its critic) and DPO. The ranks of a
+        group share one batch: data parallelism is `world_size / sequence_parallel_size`, and
+        `per_device_train_batch_size` (and the generation batch) count per group. See the README's "Long sequences".
 """  # its section of each config's docstring (`config_docstring`)
 
     padding_free: bool | None = field(
@@ -76,8 +77,53 @@ class ScoringArguments:
 
     def __post_init__(self):
         self._take_sequence_parallel_size()  # before TRL's own checks, which refuse it
+        groups = None
+        if self.sequence_parallel_size > 1 and hasattr(self, "generation_batch_size"):
+            groups = self._steps_per_generation_over_groups()  # before TRL sizes the batch over every process
         super().__post_init__()
         self._validate_scoring_arguments()
+        if groups is not None:
+            self._generation_batch_over_groups(groups)
+
+    def _steps_per_generation_over_groups(self) -> int:
+        """Under sequence parallelism the data-parallel ranks are the SP groups (`world_size /
+        sequence_parallel_size`), each one "device" of `per_device_train_batch_size` rows. TRL sizes the
+        generation batch over `world_size` processes: a `generation_batch_size` asked for is turned into the
+        `steps_per_generation` it means over the groups, which TRL then takes. Returns the number of groups."""
+        groups, rem = divmod(self.world_size, self.sequence_parallel_size)
+        if rem:
+            raise ValueError(
+                f"sequence_parallel_size={self.sequence_parallel_size} does not divide the {self.world_size} "
+                f"processes: each sequence-parallel group takes that many. Fix: launch a multiple of "
+                f"{self.sequence_parallel_size} processes, or a sequence_parallel_size dividing {self.world_size}"
+            )
+        if self.generation_batch_size is not None and self.steps_per_generation is None:
+            global_batch = self.per_device_train_batch_size * groups
+            if self.generation_batch_size % global_batch:
+                raise ValueError(
+                    f"generation_batch_size ({self.generation_batch_size}) must be divisible by the global batch "
+                    f"size ({global_batch}: per_device_train_batch_size x {groups} sequence-parallel groups)"
+                )
+            self.steps_per_generation = self.generation_batch_size // global_batch
+            self.generation_batch_size = None
+        return groups
+
+    def _generation_batch_over_groups(self, groups: int) -> None:
+        """TRL's generation batch, sized again over the groups, and TRL's divisibility checks on it."""
+        self.generation_batch_size = self.per_device_train_batch_size * groups * self.steps_per_generation
+        if self.generation_batch_size % self.num_generations:
+            raise ValueError(
+                f"generation_batch_size ({self.generation_batch_size}: per_device_train_batch_size x {groups} "
+                f"sequence-parallel groups x steps_per_generation) must be divisible by num_generations "
+                f"({self.num_generations})"
+            )
+        num_generations = getattr(self, "num_generations_eval", None) or self.num_generations
+        evaluates = self.do_eval and self.eval_strategy != "no"
+        if evaluates and (self.per_device_eval_batch_size * groups) % num_generations:
+            raise ValueError(
+                f"The global eval batch size ({self.per_device_eval_batch_size} x {groups} sequence-parallel groups) "
+                f"must be divisible by the number of generations used for evaluation ({num_generations})"
+            )
 
     def _validate_scoring_arguments(self) -> None:
         check_whole(

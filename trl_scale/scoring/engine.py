@@ -17,7 +17,6 @@ import functools
 import types
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,7 @@ import torch.distributed as dist
 from .logprob_head import DEFAULT_LOGPROB_CHUNK_SIZE, chunked_logprobs, gathered_lm_head, logit_transform_of
 from .packing import pack_padded_batch, packed_forward_kwargs, unpack
 from .sampler_support import SamplerSupport, kept_log_mass
-from .sequence_parallel import SequenceParallelGroup, summed_over_group
+from .sequence_parallel import SequenceParallelGroup, check_same_batch, summed_over_group
 from .support import packing_support, use_packing
 
 # Keyword arguments a packable call may carry besides input_ids/attention_mask/labels.
@@ -195,84 +194,23 @@ def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attentio
 def _sequence_parallel_fused_forward(
     model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items_in_batch
 ):
-    """Sequence parallelism over ranks that each hold their own batch (as data parallelism gives them): the SP
-    group's batches are put together into one (rows one after another, padded to the widest) and packed and scored
-    as one, every rank running its slice of each packed row; each rank keeps its own rows. Every rank thus runs the
-    same graph, so their backward runs the same collectives in the same order, and the gradients are those of each
-    rank scoring its own batch alone: their data-parallel average is the unsharded run's."""
+    """Sequence parallelism: every rank of the SP group holds the same batch (the group is one data-parallel rank,
+    see :mod:`trl_scale.sharding.data_parallel`), packs it the same way and runs its slice of each packed row; the
+    head's results are summed over the group, so every rank returns the whole batch's fields."""
     sp = config.sequence_parallel
-    group = _group_batch(sp, input_ids, attention_mask, labels)
-    all_ids, all_mask, all_labels = group.input_ids, group.attention_mask, group.labels
-    rows = all_ids.size(0)
-    shift_labels = torch.cat([all_labels[:, 1:], all_labels.new_full((rows, 1), -100)], dim=1)
+    check_same_batch(sp, input_ids, attention_mask, labels)
+    batch_size, seq_len = input_ids.shape
+    shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
     packed, outputs, anchor = sequence_parallel_backbone_forward(
-        model.base_model, all_ids, all_mask, config.settings.token_budget, sp
+        model.base_model, input_ids, attention_mask, config.settings.token_budget, sp
     )
     pieces = [(flat_index, hidden) for _, flat_index, hidden in outputs]
-    scored = _scored_output(model, config, pieces, shift_labels, anchor, None, record=True, sp=sp)
-    batch_size, seq_len = input_ids.shape
-    mine = group.own_rows
-    fields = {
-        name: None if value is None else value[mine, : seq_len - 1]
-        for name, value in (
-            (name, getattr(scored, name))
-            for name in ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-        )
-    }
-    label_mask = scored.label_mask[mine, : seq_len - 1]
-    denominator = label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-    # the figures of what the group scored together (its batches put together)
-    config.stats.padded_tokens += group.padded_tokens
+    config.stats.padded_tokens += batch_size * seq_len
     config.stats.real_tokens += packed.num_real_tokens
     config.stats.forwarded_tokens += sum(sp.shard(max(1, mb.input_ids.size(1)))[0] for mb in packed.micro_batches)
     config.stats.micro_batches += len(packed.micro_batches)
     config.stats.calls += 1
-    from trl.trainer.utils import FusedCausalLMOutput
-
-    loss = -fields["log_probs"].sum() / denominator
-    return FusedCausalLMOutput(loss=loss, label_mask=label_mask, aux_loss=None, **fields)
-
-
-class GroupBatch(NamedTuple):
-    """The SP group's batches put together: rows one after another, padded on the right to the widest."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    labels: torch.Tensor
-    own_rows: slice  # this rank's rows in it
-    padded_tokens: int  # of the group's batches, each in its own shape
-
-
-def _group_batch(sp: SequenceParallelGroup, input_ids, attention_mask, labels) -> GroupBatch:
-    batches = group_batches(sp, input_ids, attention_mask, labels)
-    width = max(ids.size(1) for ids, _, _ in batches)
-
-    def joined(part: int, fill: int) -> torch.Tensor:
-        return torch.cat([torch.nn.functional.pad(b[part], (0, width - b[part].size(1)), value=fill) for b in batches])
-
-    start = sum(b[0].size(0) for b in batches[: sp.rank])
-    own_rows = slice(start, start + input_ids.size(0))
-    padded_tokens = sum(b[0].numel() for b in batches)
-    return GroupBatch(joined(0, 0), joined(1, 0), joined(2, -100), own_rows, padded_tokens)
-
-
-def group_batches(sp: SequenceParallelGroup, input_ids, attention_mask, labels) -> list[tuple]:
-    """Every rank's padded batch ``(input_ids, attention_mask, labels)``, in the SP group's rank order, each in its
-    own shape (padded with masked filler for the exchange, then cut back)."""
-    shape = torch.tensor(list(input_ids.shape), device=input_ids.device)
-    shapes = [torch.empty_like(shape) for _ in range(sp.size)]
-    dist.all_gather(shapes, shape, group=sp.group)
-    rows, width = (int(max(s[i] for s in shapes)) for i in (0, 1))
-    padded = []
-    for tensor, fill in ((input_ids, 0), (attention_mask, 0), (labels, -100)):
-        full = tensor.new_full((rows, width), fill)
-        full[: tensor.size(0), : tensor.size(1)] = tensor
-        gathered = [torch.empty_like(full) for _ in range(sp.size)]
-        dist.all_gather(gathered, full, group=sp.group)
-        padded.append(gathered)
-    return [
-        tuple(part[peer][: int(shapes[peer][0]), : int(shapes[peer][1])] for part in padded) for peer in range(sp.size)
-    ]
+    return _scored_output(model, config, pieces, shift_labels, anchor, num_items_in_batch, record=True, sp=sp)
 
 
 def padded_fused_forward(model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items_in_batch):
@@ -482,14 +420,12 @@ def token_scores(
 
 def _sequence_parallel_token_scores(backbone, head, input_ids, attention_mask, token_budget, sp) -> torch.Tensor:
     """:func:`token_scores` under sequence parallelism, as the policy is scored (see
-    :func:`_sequence_parallel_fused_forward`): the group's batches put together, each rank its slice of every
-    packed row, the values summed over the group, each rank keeping its own rows."""
-    group = _group_batch(sp, input_ids, attention_mask, attention_mask)
-    all_ids, all_mask = group.input_ids, group.attention_mask
-    _, outputs, anchor = sequence_parallel_backbone_forward(backbone, all_ids, all_mask, token_budget, sp)
+    :func:`_sequence_parallel_fused_forward`): the group's one batch, each rank its slice of every packed row, the
+    values summed over the group."""
+    check_same_batch(sp, input_ids, attention_mask)
+    _, outputs, anchor = sequence_parallel_backbone_forward(backbone, input_ids, attention_mask, token_budget, sp)
     values = [head(hidden).squeeze(-1).float() for _, _, hidden in outputs]
     indices = [flat_index for _, flat_index, _ in outputs]
-    flat = torch.cat(values) if values else all_ids.new_zeros(0, dtype=torch.float32)
-    scores = unpack(flat, torch.cat(indices) if indices else all_ids.new_zeros(0), *all_ids.shape)
-    scores = summed_over_group(scores if anchor is None else scores + anchor, sp)
-    return scores[group.own_rows, : input_ids.size(1)]
+    flat = torch.cat(values) if values else input_ids.new_zeros(0, dtype=torch.float32)
+    scores = unpack(flat, torch.cat(indices) if indices else input_ids.new_zeros(0), *input_ids.shape)
+    return summed_over_group(scores if anchor is None else scores + anchor, sp)

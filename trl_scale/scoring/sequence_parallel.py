@@ -10,10 +10,11 @@ sequences and attends within each (with the model's sliding window and attention
 exact and attention memory linear in each sequence.
 
 Each rank then scores the labelled tokens of its own slice with the chunked head, and a summing all-reduce (with
-autograd) puts every token's result on every rank of the group, in TRL's `[B, T-1]` layout. The batch scored is the
-group's ranks' batches put together (`engine._sequence_parallel_fused_forward`), and each rank keeps its own rows:
-every rank runs the same graph, and in backward the all-reduce hands each rank the gradients of its slice's tokens
-from the rank that owns each row, so the gradients are those of each rank scoring its own batch alone.
+autograd) puts every token's result on every rank of the group, in TRL's `[B, T-1]` layout. The group is one
+data-parallel rank (`trl_scale.sharding.data_parallel`): every rank holds the same batch and computes the same loss
+from the summed results; in backward the all-reduce sums the group's (equal) gradients, so each rank's parameters
+get `sp_size` times its slice's share, and data-parallel averaging over all `world` ranks gives the average over
+the `world / sp_size` groups of each group's whole-batch gradient.
 """
 
 from __future__ import annotations
@@ -204,6 +205,29 @@ class _SumOverGroup(torch.autograd.Function):
         summed = grad.contiguous().clone()
         dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=ctx.group)
         return summed, None
+
+
+def check_same_batch(group: SequenceParallelGroup, *tensors: torch.Tensor) -> None:
+    """Every rank of an SP group must score the same batch (its slices are parts of one row): a batch that differs
+    would be scored as a mix of both, silently. Compared by shape and a position-weighted checksum, one small
+    all-gather per scoring call."""
+    if group.size == 1:
+        return
+    first = tensors[0]
+    fingerprint = [float(n) for n in first.shape]
+    for tensor in tensors:
+        values = tensor.detach().reshape(-1).double()
+        weights = torch.arange(1, values.numel() + 1, device=values.device, dtype=torch.float64) % 9973 + 1
+        fingerprint.append(float((values * weights).sum()))
+    mine = torch.tensor(fingerprint, dtype=torch.float64, device=first.device)
+    everyone = [torch.empty_like(mine) for _ in range(group.size)]
+    dist.all_gather(everyone, mine, group=group.group)
+    if any(not torch.equal(other, mine) for other in everyone):
+        raise RuntimeError(
+            "sequence parallelism: the ranks of a sequence-parallel group hold different batches, so their slices "
+            "are not parts of the same rows. Each group must be one data-parallel rank (trl-scale's trainers "
+            "arrange this with sequence_parallel_size; a custom loop must give every rank of a group the same batch)"
+        )
 
 
 def summed_over_group(values: torch.Tensor, group: SequenceParallelGroup) -> torch.Tensor:

@@ -67,7 +67,9 @@ def complete(served: ServedModel, request: CompletionRequest):
     if too_long is not None:
         return too_long
     with served.gate.generation():
-        return generate(served, request, prompts)
+        answer = generate(served, request, prompts)
+    served.completions_generated += len(prompts) * request.n
+    return answer
 
 
 def _sampling(request: CompletionRequest, pad: int) -> dict:

@@ -97,6 +97,7 @@ class ServedModel:
     engine_layout: dict | None = None  # {"rank_offset", "world_size"} of the group it joined
     updating: bool = False  # between /start_weight_update and /finish_weight_update
     prefix_cache_resets: int = 0
+    completions_generated: int = 0  # prompts x n, over every /v1/completions request answered
 
     @classmethod
     def load(cls, settings: ServeSettings) -> ServedModel:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from ..sharding.data_parallel import writes_group_files
+
 ROLLOUT_BUFFER_NAME = "rollout_buffer_rank{rank}.pt"
 STREAM_STATE_NAME = "rollout_stream_rank{rank}.pt"
 
@@ -60,7 +62,7 @@ class RolloutResumeMixin:
         rollout, where TRL would sample a new one and diverge from the uninterrupted run."""
         super()._save_optimizer_and_scheduler(output_dir)
         self._save_stream_state(output_dir)
-        if self._buffered_inputs is not None:
+        if self._buffered_inputs is not None and writes_group_files(self.accelerator):
             import torch
 
             # Ranks other than the main one get here while it may still be writing the model: the folder it creates

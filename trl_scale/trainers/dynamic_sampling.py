@@ -18,6 +18,7 @@ import torch
 
 from ..logs import get_logger
 from ..rollout.dynamic_sampling import CandidateRows, TopUpPrompts, choose_groups, groups_with_signal
+from ..sharding.data_parallel import writes_group_files
 
 logger = get_logger(__name__)
 
@@ -187,7 +188,7 @@ class DynamicSamplingMixin:
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        if self._top_up is not None:
+        if self._top_up is not None and writes_group_files(self.accelerator):
             os.makedirs(output_dir, exist_ok=True)
             path = os.path.join(output_dir, TOP_UP_STATE_NAME.format(rank=self.accelerator.process_index))
             with open(path, "w") as f:

@@ -73,7 +73,8 @@ class OnlineTrainerMixin(
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
-        batch = super()._generate_and_score_completions(inputs)
+        with self._data_parallel_gathers():
+            batch = super()._generate_and_score_completions(inputs)
         self._log_raw_importance_ratios(batch)
         return batch
 

@@ -173,6 +173,14 @@ class ServerRolloutMixin:
         if getattr(self, "rollout_fleet", None) is not None:
             self.rollout_fleet.close()
 
+    def close_rollout(self) -> None:
+        """Done generating: the managed servers stop and the rollout client's threads end (the CLI calls it before
+        its processes leave)."""
+        self.close_rollout_servers()
+        generation = getattr(self, "vllm_generation", None)
+        if hasattr(generation, "close"):
+            generation.close()
+
     def train(self, *args, **kwargs):
         try:
             return super().train(*args, **kwargs)
@@ -260,26 +268,49 @@ class PackedScoringMixin:
                 "reference on a Ray group that scores whole rows. Fix: reference_placement=None"
             )
         from ..scoring.sequence_parallel import enable_sequence_parallel
+        from ..sharding.data_parallel import draw_like_group_leader, share_batches_within_groups
 
         self._plain_attention = policy.config._attn_implementation  # what local generation runs with
         group = self._sequence_parallel = enable_sequence_parallel(policy, sp_size)
         if reference is not None:
             enable_sequence_parallel(self.accelerator.unwrap_model(reference), sp_size)
+        # the group is one data-parallel rank: TRL sees world / sp processes (data, slices, gathers)
+        share_batches_within_groups(self.accelerator, sp_size)
+        draw_like_group_leader(group.group, group.rank)
+        generation = getattr(self, "vllm_generation", None)
+        if hasattr(generation, "share_with"):
+            generation.share_with(group.group, group.rank)
         return group
 
+    @contextmanager
+    def _data_parallel_gathers(self):
+        """TRL's module-level `gather` / `gather_object` (rewards, logs) with one copy per sequence-parallel group
+        while TRL builds a batch (nothing changes without sequence parallelism)."""
+        import sys
+
+        from ..sharding.data_parallel import data_parallel_gathers
+
+        trl_class = next(c for c in type(self).__mro__ if c.__module__.startswith("trl."))
+        with data_parallel_gathers(self.accelerator, sys.modules[trl_class.__module__]):
+            yield
+
     def _generate_single_turn(self, *args, **kwargs):
-        """Local generation under sequence parallelism: with the model's own attention (each rank generates its
-        own rows whole; only scoring is sharded)."""
+        """Local generation under sequence parallelism: with the model's own attention (only scoring is sharded).
+        Every rank of the group generates (ZeRO-3 gathers parameters collectively), and all take rank 0's
+        completions: they train on one batch."""
         plain = getattr(self, "_plain_attention", None)
         if plain is None or getattr(self, "use_vllm", False):
             return super()._generate_single_turn(*args, **kwargs)
+        from ..ranks import decide_on_leader
+
         model = self.accelerator.unwrap_model(self.model)
         sharded = model.config._attn_implementation
         model.set_attn_implementation(plain)
         try:
-            return super()._generate_single_turn(*args, **kwargs)
+            generated = super()._generate_single_turn(*args, **kwargs)
         finally:
             model.set_attn_implementation(sharded)
+        return decide_on_leader(lambda: generated, self._sequence_parallel.group)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # training logs (not the final summary)
