@@ -113,6 +113,7 @@ def four_processes(monkeypatch):
     from transformers import TrainingArguments
 
     monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 4))
+    monkeypatch.setattr("trl_scale.scoring.arguments.launched_processes", lambda: 4)  # the launcher's WORLD_SIZE
 
 
 def test_parallelism_config_becomes_sequence_parallel_size_and_conflicts_are_refused(tmp_path, four_processes):
@@ -298,3 +299,27 @@ def test_server_rollout_under_sp_size_2_requests_each_batch_once_per_group(famil
     finally:
         for server in servers:
             server.stop()
+
+
+@pytest.mark.slow
+def test_four_processes_with_sp_size_2_take_the_steps_of_two_data_parallel_processes(family_models, tmp_path):
+    """4 processes with sp_size=2 are 2 data-parallel ranks (groups {0, 1} and {2, 3}): every gather of rewards,
+    scores, advantages' whitening statistics and metrics takes one copy per group, each group trains on its own
+    rows (TRL's per-process slices by group), and the steps equal those of 2 processes without sequence
+    parallelism. PPO with greedy rollouts (top_k=1), so the completions depend on the weights only."""
+    from .helpers import accelerate_launch, run_to_completion
+
+    model = family_models["llama"]
+    greedy = ["--top_k", "1"]
+    plain, sharded = tmp_path / "plain", tmp_path / "sharded"
+    run_to_completion(accelerate_launch(2) + _command("ppo", model, plain, *greedy))
+    output = run_to_completion(
+        accelerate_launch(4) + _command("ppo", model, sharded, *greedy, "--sequence_parallel_size", "2")
+    )
+    assert "training on 2 data-parallel rank(s) of 4 processes" in output
+    expected, got = _logged(plain), _logged(sharded)
+    assert len(expected) == len(got) == 3
+    for step, (e, g) in enumerate(zip(expected, got), start=1):
+        for key in ("loss", "grad_norm", "critic/grad_norm", "objective/scores", "objective/kl", "loss/value"):
+            assert g[key] == pytest.approx(e[key], rel=1e-5, abs=1e-6), (step, key, g[key], e[key])
+    assert any(e["grad_norm"] > 0 for e in expected)

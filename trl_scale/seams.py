@@ -320,6 +320,34 @@ SEAMS: tuple[Seam, ...] = (
         "rollout/colocate.py colocated_generation",
         "the name RLOOTrainer.__init__ builds its vLLM generation with; swapped while it runs",
     ),
+    # ---- sequence parallelism: a group as one data-parallel rank (sharding/data_parallel.py) --------------------
+    *(
+        Seam(
+            f"trl.trainer.{module}:{name}",
+            CONSTANT,
+            "sharding/data_parallel.py data_parallel_gathers (trainers/wiring.py _data_parallel_gathers)",
+            f"the accelerate `{name}` TRL's {module} calls by its module-level name (rewards, KL, logs) while it "
+            "builds a batch; swapped for one taking one copy per sequence-parallel group during that call",
+        )
+        for module in ("grpo_trainer", "rloo_trainer")
+        for name in ("gather", "gather_object")
+    ),
+    Seam(
+        "accelerate.accelerator:Accelerator._prepare_deepspeed",
+        OVERRIDE,
+        "sharding/data_parallel.py DataParallelAccelerator",
+        "prepares the data loaders first (through prepare_data_loader, which must see the groups) and then sizes "
+        "DeepSpeed's train_batch_size with self.num_processes (which must see every rank: DeepSpeed averages over "
+        "all of them)",
+        "(self, *args)",
+    ),
+    Seam(
+        "accelerate.accelerator:Accelerator.prepare_data_loader",
+        OVERRIDE,
+        "sharding/data_parallel.py DataParallelAccelerator",
+        "shards the data loader by self.num_processes / self.process_index (the groups under the view)",
+        "(self, data_loader: 'torch.utils.data.DataLoader', device_placement=None, slice_fn_for_dispatch=None)",
+    ),
     # ---- the fused log-prob head --------------------------------------------------------------------------------
     Seam(
         f"{U}:add_fused_lm_head",

@@ -9,6 +9,11 @@ from ..numbers import check_whole
 from .logprob_head import DEFAULT_LOGPROB_CHUNK_SIZE
 
 
+def launched_processes() -> int:
+    """The processes the launcher started (its WORLD_SIZE), readable before TrainingArguments sets up."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 @dataclass
 class ScoringArguments:
     """Config fields of the packed scoring engine, shared by GRPO, RLOO, DPO (and PPO) configs."""
@@ -77,36 +82,41 @@ class ScoringArguments:
 
     def __post_init__(self):
         self._take_sequence_parallel_size()  # before TRL's own checks, which refuse it
-        groups = None
-        if self.sequence_parallel_size > 1 and hasattr(self, "generation_batch_size"):
-            groups = self._steps_per_generation_over_groups()  # before TRL sizes the batch over every process
+        sized = self.sequence_parallel_size > 1 and hasattr(self, "generation_batch_size")
+        if sized:
+            self._steps_per_generation_over_groups()  # before TRL sizes the batch over every process
         super().__post_init__()
         self._validate_scoring_arguments()
-        if groups is not None:
-            self._generation_batch_over_groups(groups)
+        if sized:
+            self._generation_batch_over_groups(self._sequence_parallel_groups(self.world_size))
 
-    def _steps_per_generation_over_groups(self) -> int:
+    def _sequence_parallel_groups(self, world_size: int) -> int:
+        groups, rem = divmod(world_size, self.sequence_parallel_size)
+        if rem or not groups:
+            raise ValueError(
+                f"sequence_parallel_size={self.sequence_parallel_size} does not divide the {world_size} processes: "
+                f"each sequence-parallel group takes that many. Fix: launch a multiple of "
+                f"{self.sequence_parallel_size} processes, or a sequence_parallel_size dividing {world_size}"
+            )
+        return groups
+
+    def _steps_per_generation_over_groups(self) -> None:
         """Under sequence parallelism the data-parallel ranks are the SP groups (`world_size /
         sequence_parallel_size`), each one "device" of `per_device_train_batch_size` rows. TRL sizes the
         generation batch over `world_size` processes: a `generation_batch_size` asked for is turned into the
-        `steps_per_generation` it means over the groups, which TRL then takes. Returns the number of groups."""
-        groups, rem = divmod(self.world_size, self.sequence_parallel_size)
-        if rem:
+        `steps_per_generation` it means over the groups, which TRL then takes. (Before TRL's setup: the launcher's
+        WORLD_SIZE, which that setup reads too.)"""
+        if self.generation_batch_size is None or self.steps_per_generation is not None:
+            return
+        groups = self._sequence_parallel_groups(launched_processes())
+        global_batch = self.per_device_train_batch_size * groups
+        if self.generation_batch_size % global_batch:
             raise ValueError(
-                f"sequence_parallel_size={self.sequence_parallel_size} does not divide the {self.world_size} "
-                f"processes: each sequence-parallel group takes that many. Fix: launch a multiple of "
-                f"{self.sequence_parallel_size} processes, or a sequence_parallel_size dividing {self.world_size}"
+                f"generation_batch_size ({self.generation_batch_size}) must be divisible by the global batch "
+                f"size ({global_batch}: per_device_train_batch_size x {groups} sequence-parallel groups)"
             )
-        if self.generation_batch_size is not None and self.steps_per_generation is None:
-            global_batch = self.per_device_train_batch_size * groups
-            if self.generation_batch_size % global_batch:
-                raise ValueError(
-                    f"generation_batch_size ({self.generation_batch_size}) must be divisible by the global batch "
-                    f"size ({global_batch}: per_device_train_batch_size x {groups} sequence-parallel groups)"
-                )
-            self.steps_per_generation = self.generation_batch_size // global_batch
-            self.generation_batch_size = None
-        return groups
+        self.steps_per_generation = self.generation_batch_size // global_batch
+        self.generation_batch_size = None
 
     def _generation_batch_over_groups(self, groups: int) -> None:
         """TRL's generation batch, sized again over the groups, and TRL's divisibility checks on it."""
