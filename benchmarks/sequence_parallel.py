@@ -2,11 +2,9 @@
 engine, the chunked head, TRL's fused-forward call) by one process (`sp_size=1`) and sharded over 2 CPU processes
 with Ulysses attention (`sp_size=2`, gloo), on a toy Llama sized so that activations dominate.
 
-Each rank keeps its own batch under trl-scale's sequence parallelism and the group scores its ranks' batches put
-together, so what a rank holds is its share of the group's tokens: the long sequence is on rank 0 and rank 1 holds
-a short one (`--peer-tokens`, default 512: a long-tailed batch, most answers short); sp_size=1 is rank 0 alone with
-its long sequence. With `--peer-tokens` equal to `--tokens` (every rank as long) a rank holds as many tokens as
-without sequence parallelism, and activations do not shrink (measured: 1.04x at 4096 tokens).
+An SP group is one data-parallel rank: both ranks hold the same batch (the long sequence) and each runs its half of
+the packed row, so a rank holds half the sequence's activations (plus what Ulysses attention gathers: each rank
+attends over the whole row for half the heads).
 
 Activation memory is measured exactly: the bytes of every tensor autograd saves for backward during the forward
 (`torch.autograd.graph.saved_tensors_hooks`), per rank, at its peak (what must be held until backward frees it);
@@ -83,12 +81,11 @@ def measure(model_path: str, tokens: int, sp_size: int, seed: int = 0) -> dict:
     return runs[-1]
 
 
-def worker(model_path: str, tokens: int, peer_tokens: int, out: str) -> None:
+def worker(model_path: str, tokens: int, out: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    result = measure(model_path, tokens if rank == 0 else peer_tokens, 2, seed=rank)
+    result = measure(model_path, tokens, 2)  # the same sequence on both ranks: the group's one batch
     with open(f"{out}.{dist.get_rank()}", "w") as f:
         json.dump(result, f)
     dist.barrier()
@@ -98,12 +95,11 @@ def worker(model_path: str, tokens: int, peer_tokens: int, out: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--peer-tokens", type=int, default=512, help="rank 1's sequence (rank 0 has the long one)")
     parser.add_argument("--budget-gib", type=float, default=16.0)
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "OUT"))
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker[0], args.tokens, args.peer_tokens, args.worker[1])
+        worker(args.worker[0], args.tokens, args.worker[1])
         return
     import torch
     import transformers
@@ -117,7 +113,7 @@ def main() -> None:
     one = measure(model_path, args.tokens, 1)
     out = os.path.join(work, "rank")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29571"]
-    command += [os.path.abspath(__file__), "--tokens", str(args.tokens), "--peer-tokens", str(args.peer_tokens)]
+    command += [os.path.abspath(__file__), "--tokens", str(args.tokens)]
     command += ["--worker", model_path, out]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     subprocess.run(command, check=True, env=env, capture_output=True)
@@ -131,7 +127,6 @@ def main() -> None:
     summary = {
         "benchmark": "sequence_parallel",
         "tokens": args.tokens,
-        "peer_tokens": args.peer_tokens,
         "model": SIZES,
         "activation_gib_per_rank": {"sp1": one["activation_bytes"] / 2**30, "sp2": two["activation_bytes"] / 2**30},
         "activation_ratio_sp2_vs_sp1": two["activation_bytes"] / one["activation_bytes"],
