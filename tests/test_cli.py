@@ -60,7 +60,8 @@ def test_bad_reward_function_is_a_clear_error(tmp_path):
         main(["grpo", "--config", config, "--output_dir", str(tmp_path), "--reward_funcs", "no_such_module.reward"])
 
 
-def test_realistic_gpu_yamls_parse(tmp_path):
+def test_realistic_gpu_yamls_parse(tmp_path, monkeypatch):
+    from transformers import TrainingArguments
     from trl import ModelConfig, TrlParser
 
     import trl_scale
@@ -79,10 +80,14 @@ def test_realistic_gpu_yamls_parse(tmp_path):
             assert args.backend == "ray" and args.critic_placement["num_gpus_per_worker"] == 1.0
             assert args.reference_placement == args.reward_placement == args.critic_placement
     parser = TrlParser((script_type, trl_scale.GRPOConfig, ModelConfig))
+    # parsed as in each of its 8 processes: 4 sequence-parallel pairs
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 8))
+    monkeypatch.setattr("trl_scale.scoring.arguments.launched_processes", lambda: 8)
     _, args, _ = parser.parse_args_and_config(
         ["--config", str(EXAMPLES / "grpo_long_context_8gpu.yaml"), "--bf16", "false", "--output_dir", str(tmp_path)]
     )
     assert args.sequence_parallel_size == 2 and args.max_completion_length == 32768
+    assert args.generation_batch_size == 2 * 4 * 8  # per pair x 4 pairs x steps_per_generation
     parser = TrlParser((script_type, trl_scale.PPOConfig, ModelConfig))
     _, args, _ = parser.parse_args_and_config(
         ["--config", str(EXAMPLES / "ppo_ray_cluster.yaml"), "--bf16", "false", "--output_dir", str(tmp_path)]
