@@ -151,7 +151,7 @@ def test_the_accelerate_yaml_parallelism_section_is_read_and_kept_from_accelerat
 def test_the_generation_batch_counts_sequence_parallel_groups_as_data_parallel_ranks(tmp_path, four_processes):
     """4 processes with sp_size=2 are 2 data-parallel ranks: TRL's generation batch (per_device_train_batch_size x
     ranks x steps_per_generation) is sized over the groups, by each of TRL's three rules; a size that does not
-    divide the processes, and the rollout modes that cannot share a batch across a group, are refused naming the
+    divide the processes, and colocated vLLM (each rank's engine would sample its own), are refused naming the
     fix."""
     import trl_scale
 
@@ -171,10 +171,7 @@ def test_the_generation_batch_counts_sequence_parallel_groups_as_data_parallel_r
     with pytest.raises(ValueError, match="does not divide the 4 processes.*Fix"):
         grpo(sequence_parallel_size=3)
     server = dict(use_vllm=True, vllm_mode="server", vllm_server_base_urls=["http://127.0.0.1:1"])
-    assert grpo(sequence_parallel_size=2, async_rollout_staleness=1, **server).async_rollout_mode == "ordered"
-    assert grpo(async_rollout_staleness=1, **server).async_rollout_mode == "streaming"
-    with pytest.raises(ValueError, match="not yet shared.*Fix: async_rollout_mode='ordered'"):
-        grpo(sequence_parallel_size=2, async_rollout_staleness=1, async_rollout_mode="streaming", **server)
+    assert grpo(sequence_parallel_size=2, async_rollout_staleness=1, **server).async_rollout_mode == "streaming"
     with pytest.raises(ValueError, match="vllm_mode='colocate'.*Fix: vllm_mode='server'"):
         grpo(sequence_parallel_size=2, use_vllm=True, vllm_mode="colocate")
 
@@ -269,19 +266,21 @@ def _completions_generated(server) -> int:
 
 
 @pytest.mark.slow
-def test_server_rollout_under_sp_size_2_requests_each_batch_once_per_group(family_models, tmp_path):
-    """GRPO generating on `trl-scale serve` with ordered asynchronous rollout (staleness 1, the default mode under
-    sequence parallelism), 2 processes with sp_size=2 (one data-parallel rank): rank 0 of the group requests and
-    prefetches every batch and hands it to rank 1, so the server generates what it generates for one process
-    (3 steps x 8 completions, not twice that); both ranks train on those rows (the engine refuses a group whose
-    ranks hold different batches), the run learns (a gradient), and the processes leave (the rollout client's
-    threads end)."""
+@pytest.mark.parametrize("mode", ["ordered", "streaming"])
+def test_server_rollout_under_sp_size_2_requests_each_batch_once_per_group(family_models, tmp_path, mode):
+    """GRPO generating on `trl-scale serve` with asynchronous rollout (staleness 1; the ordered prefetch, or the
+    stream with syncs that keep running requests), 2 processes with sp_size=2 (one data-parallel rank): rank 0 of
+    the group requests, prefetches or streams every batch and hands it to rank 1, so the server generates what it
+    generates for one process (3 steps x 8 completions, not twice that); both ranks train on those rows (the engine
+    refuses a group whose ranks hold different batches), the run learns (a gradient), and the processes leave (the
+    rollout client's threads end)."""
     from .helpers import accelerate_launch, run_to_completion, start_servers
 
     model = family_models["qwen2"]
     servers = start_servers(model, 2)  # one per run: each counts its own completions
     try:
         rollout = ["--use_vllm", "true", "--vllm_mode", "server", "--async_rollout_staleness", "1"]
+        rollout += ["--async_rollout_mode", mode]
         one, sharded = tmp_path / "one", tmp_path / "sharded"
         run_to_completion(
             [sys.executable, *_command("grpo", model, one, *rollout, "--vllm_server_base_urls", servers[0].url)]

@@ -94,8 +94,7 @@ class RolloutArguments:
         reproducible bit for bit (which group finishes first depends on timing). `"ordered"`: the next k generation
         batches are prefetched whole and a sync waits for them: a run's numbers do not depend on timing. `None`:
         `"streaming"`, or `"ordered"` with `weight_sync="lora"` (a running generation keeps the adapter it started
-        with) and under sequence parallelism (`sequence_parallel_size > 1`: a group's ranks share one batch, and the
-        stream is not shared across them yet).
+        with).
     logprobs_on_sampler_support (`bool`, defaults to `True`): with `top_k`, `top_p` or `min_p` truncating vLLM's
         sampling and `vllm_importance_sampling_correction=True`, score the trainer's log-probs on the support vLLM
         samples from (its rule applied to the trainer's own logits, the sampled token always in it): vLLM's
@@ -389,14 +388,8 @@ class RolloutArguments:
         )
         sequence_parallel = getattr(self, "sequence_parallel_size", 1) > 1
         if self.async_rollout_mode is None:  # streaming by default; LoRA syncs cannot reach running generations
-            streams = self.async_rollout_staleness and self.weight_sync != "lora" and not sequence_parallel
+            streams = self.async_rollout_staleness and self.weight_sync != "lora"
             self.async_rollout_mode = "streaming" if streams else "ordered"
-        if sequence_parallel and self.async_rollout_mode == "streaming":
-            raise ValueError(
-                f"async_rollout_mode='streaming' with sequence_parallel_size={self.sequence_parallel_size}: the "
-                "ranks of a sequence-parallel group train on one batch, and the stream is not yet shared across "
-                "them. Fix: async_rollout_mode='ordered' (the default under sequence parallelism)"
-            )
         if sequence_parallel and self.use_vllm and self.vllm_mode == "colocate":
             raise ValueError(
                 f"vllm_mode='colocate' with sequence_parallel_size={self.sequence_parallel_size}: each rank's vLLM "

@@ -186,6 +186,7 @@ class ServerRolloutGeneration(VLLMGeneration):
         from .streaming import StreamingRollout
 
         if self.settings.streaming:
+            self.streams = True
             self.streamer = StreamingRollout(
                 staleness, tokenize, self._send_group, groups_per_batch or 1, version=lambda: self.sync_count
             )
@@ -209,11 +210,19 @@ class ServerRolloutGeneration(VLLMGeneration):
         )
         return choices, self.sync_count + (1 if self._syncing else 0)
 
-    def take_streamed(self, num_rows: int):
-        """The next generation batch's worth of finished prompt groups (streaming; see `StreamingRollout.take`)."""
-        self._check_fleet()
-        self.client.refresh_versions(only_unchecked=True)
-        return self.streamer.take(num_rows)
+    def take_streamed(self, num_rows: int, new_rows: list | None = None):
+        """The next generation batch's worth of finished prompt groups (streaming; see `StreamingRollout.take`),
+        after `new_rows` (dynamic sampling's top-up) joined the stream. Under sequence parallelism the group's
+        rank 0 takes them from its stream and every rank of the group gets them."""
+
+        def take():
+            self._check_fleet()
+            self.client.refresh_versions(only_unchecked=True)
+            if new_rows is not None:
+                self.streamer.add(new_rows)
+            return self.streamer.take(num_rows)
+
+        return decide_on_leader(take, self.shared_with)
 
     @contextmanager
     def serving(self, streamed):
@@ -257,15 +266,21 @@ class ServerRolloutGeneration(VLLMGeneration):
     streamer = None
     shared_with = None  # the sequence-parallel group's process group: its rank 0 generates for it (`share_with`)
 
+    streams = False  # streaming rollout: this rank's batches come from the stream (its own, or its group's)
+
     def share_with(self, group, rank: int) -> None:
         """Sequence parallelism: the ranks of `group` (a process group; this rank is `rank` in it) train on the
-        same batch, so its rank 0 alone requests (and prefetches) completions, and hands them to the others."""
-        if self.streamer is not None:
-            raise ValueError("streaming rollout is not shared across a sequence-parallel group yet (see the config)")
+        same batch, so its rank 0 alone requests, prefetches or streams completions, and hands them to the
+        others (`take_streamed_shared`, `generate`)."""
         self.shared_with = group
-        if rank != 0 and self.prefetcher is not None:
+        if rank == 0:
+            return
+        if self.prefetcher is not None:
             self.prefetcher = None
             self._prefetch_pool.shutdown(wait=False)
+        if self.streamer is not None:
+            self.streamer.close()
+            self.streamer = None
 
     _serving = None  # a streamed batch TRL's next generate() call is answered from
     _syncing = False  # a weight sync is under way (streaming: running generations may reach its weights)

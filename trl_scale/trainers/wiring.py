@@ -125,7 +125,7 @@ class ServerRolloutMixin:
         """Streaming: the rows trained are the finished prompt groups, taken at the weights just synced, in place of
         the rows TRL read (those were read ahead and streamed already)."""
         generation = getattr(self, "vllm_generation", None)
-        if getattr(generation, "streamer", None) is None or not self.model.training:
+        if not getattr(generation, "streams", False) or not self.model.training:
             return super()._generate_and_score_completions(inputs)
         if self.state.global_step != self._last_loaded_step:  # TRL's sync, done first: the batch is taken after it
             generation.sync_weights()
@@ -138,10 +138,9 @@ class ServerRolloutMixin:
         """Dynamic sampling's top-up, streaming: new prompt groups join the stream, and the next finished groups
         (not necessarily those) are taken, within the staleness bound as every streamed group."""
         generation = getattr(self, "vllm_generation", None)
-        if getattr(generation, "streamer", None) is None:
+        if not getattr(generation, "streams", False):
             return super()._top_up_round(num_rows)
-        generation.streamer.add(self._top_up_rows(num_rows))
-        streamed = generation.take_streamed(num_rows)
+        streamed = generation.take_streamed(num_rows, new_rows=self._top_up_rows(num_rows))
         with generation.serving(streamed):
             return self._candidate_round(streamed.rows)
 
