@@ -188,6 +188,8 @@ def _command(method: str, model: str, output_dir, *extra: str) -> list[str]:
     else:
         command += ["--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "8"]
         command += ["--reward_funcs", "tests.helpers.token_parity_reward", "--learning_rate", "1e-2", "--beta", "0.05"]
+        if method == "rloo":  # gradient accumulation: a generation batch of 2 micro-batches
+            command += ["--gradient_accumulation_steps", "2"]
     return command + ["--token_budget", "40", *extra]
 
 
