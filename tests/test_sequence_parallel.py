@@ -228,6 +228,26 @@ def test_two_processes_with_sp_size_2_take_the_steps_of_one_process(family_model
     assert any(e["grad_norm"] > 0 for e in expected)
 
 
+@pytest.mark.slow
+def test_with_a_lora_adapter_sp_size_2_takes_the_steps_of_one_process(family_models, tmp_path):
+    """GRPO with a LoRA adapter (PEFT): the reference is the policy with its adapter disabled, scored through the
+    same sharded engine; 2 processes with sp_size=2 take the steps of one process."""
+    from .helpers import accelerate_launch, run_to_completion
+
+    model = family_models["llama"]
+    lora = ["--use_peft", "true", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0"]
+    lora += ["--lora_target_modules", "q_proj", "v_proj"]  # no dropout: its masks depend on how tokens are split
+    one, sharded = tmp_path / "one", tmp_path / "sharded"
+    run_to_completion([sys.executable, *_command("grpo", model, one, *lora)])
+    run_to_completion(accelerate_launch(2) + _command("grpo", model, sharded, *lora, "--sequence_parallel_size", "2"))
+    expected, got = _logged(one), _logged(sharded)
+    assert len(expected) == len(got) == 3
+    for step, (e, g) in enumerate(zip(expected, got), start=1):
+        for key in ("loss", "grad_norm", "kl", "entropy", "reward"):
+            assert g[key] == pytest.approx(e[key], rel=1e-5, abs=1e-6), (step, key, g[key], e[key])
+    assert any(e["kl"] > 0 for e in expected)  # the adapter moved the policy from its reference
+
+
 @pytest.mark.slow  # the first DeepSpeed run on a machine JIT-builds its CPU communication op (80-140 s)
 @pytest.mark.parametrize("method", ["grpo", "ppo"])
 def test_under_deepspeed_zero3_two_processes_with_sp_size_2_take_the_steps_of_one_process(

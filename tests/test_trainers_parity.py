@@ -103,3 +103,43 @@ def test_model_card_and_tags_name_trl_scale(tiny_llama, tmp_path):
     card = (tmp_path / "README.md").read_text()
     assert "trl-scale" in card and "dpo" in card
     assert "trl-scale" in trainer.model.model_tags
+
+
+def test_grpo_with_a_lora_adapter_is_packed_and_takes_trls_steps(tiny_llama, tmp_path):
+    """With a PEFT adapter, PEFT calls the patched forward with `inputs_embeds=None` and other unset fields: those
+    calls are packed too (the policy, and the reference as the adapter-disabled policy), where an earlier engine
+    took any extra keyword as unpackable and fell back to TRL's padded forward, silently. The packed run takes
+    TRL's steps within packing's rounding."""
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoTokenizer
+
+    def run(trainer_cls, config_cls, out, **features):
+        config = config_cls(**cpu_args(out, num_generations=4, max_completion_length=8, beta=0.05), **features)
+        trainer = trainer_cls(
+            model=tiny_llama,
+            reward_funcs=token_parity_reward,
+            args=config,
+            train_dataset=counting_prompts(64, seed=0),
+            processing_class=AutoTokenizer.from_pretrained(tiny_llama),
+            peft_config=LoraConfig(
+                task_type="CAUSAL_LM", r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]
+            ),
+        )
+        trainer.train()
+        return trainer
+
+    reference = run(trl.GRPOTrainer, trl.GRPOConfig, tmp_path / "trl")
+    candidate = run(trl_scale.GRPOTrainer, trl_scale.GRPOConfig, tmp_path / "ours", padding_free=True)
+    keys = ("loss", "grad_norm", "reward", "entropy", "kl")
+    expected = step_logs(reference, keys)
+    assert all(e["grad_norm"] > 0 for e in expected) and any(e["kl"] > 0 for e in expected)
+    assert_logs_close(step_logs(candidate, keys), expected, 1e-5)
+    stats = candidate._packing_stats
+    stats.pop()
+    batch = AutoTokenizer.from_pretrained(tiny_llama)(["1 2 3 4 5", "6 7"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        candidate._get_per_token_logps_and_entropies(candidate.model, batch.input_ids, batch.attention_mask, 3)
+        with candidate.accelerator.unwrap_model(candidate.model).disable_adapter():  # the reference
+            candidate._get_per_token_logps_and_entropies(candidate.model, batch.input_ids, batch.attention_mask, 3)
+    assert (stats.calls, stats.fallbacks) == (2, 0)

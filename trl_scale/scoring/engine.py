@@ -327,6 +327,7 @@ def install_packed_scoring(
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
         input_ids = kwargs.get("input_ids")
         attention_mask = kwargs.get("attention_mask")
+        given = {name for name, value in kwargs.items() if value is not None}  # PEFT passes inputs_embeds=None ...
         padded_call = (
             fused_lm_head
             and not args
@@ -336,7 +337,7 @@ def install_packed_scoring(
             and input_ids.dim() == 2
             and isinstance(attention_mask, torch.Tensor)
             and attention_mask.dim() == 2
-            and set(kwargs) - {"input_ids", "attention_mask"} <= _PACKABLE_KWARGS
+            and given - {"input_ids", "attention_mask"} <= _PACKABLE_KWARGS
             and kwargs.get("use_cache") in (None, False)
         )
         width = input_ids.size(1) if padded_call else 0
