@@ -151,8 +151,8 @@ def test_the_accelerate_yaml_parallelism_section_is_read_and_kept_from_accelerat
 def test_the_generation_batch_counts_sequence_parallel_groups_as_data_parallel_ranks(tmp_path, four_processes):
     """4 processes with sp_size=2 are 2 data-parallel ranks: TRL's generation batch (per_device_train_batch_size x
     ranks x steps_per_generation) is sized over the groups, by each of TRL's three rules; a size that does not
-    divide the processes, and colocated vLLM (each rank's engine would sample its own), are refused naming the
-    fix."""
+    divide the processes, colocated vLLM (each rank's engine would sample its own) and a reference or critic on a
+    Ray group (it would take each row sp_size times) are refused naming the fix."""
     import trl_scale
 
     def grpo(**fields):
@@ -174,6 +174,11 @@ def test_the_generation_batch_counts_sequence_parallel_groups_as_data_parallel_r
     assert grpo(sequence_parallel_size=2, async_rollout_staleness=1, **server).async_rollout_mode == "streaming"
     with pytest.raises(ValueError, match="vllm_mode='colocate'.*Fix: vllm_mode='server'"):
         grpo(sequence_parallel_size=2, use_vllm=True, vllm_mode="colocate")
+    placement = {"num_workers": 1, "num_cpus_per_worker": 0.5}
+    with pytest.raises(ValueError, match="reference_placement.*sp_size times. Fix: keep those roles in the trainer"):
+        grpo(sequence_parallel_size=2, backend="ray", reference_placement=placement)
+    with pytest.raises(ValueError, match="critic_placement.*Fix"):
+        trl_scale.PPOConfig(**cpu_args(tmp_path), sequence_parallel_size=2, backend="ray", critic_placement=placement)
 
 
 def _command(method: str, model: str, output_dir, *extra: str) -> list[str]:

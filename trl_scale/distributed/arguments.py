@@ -102,6 +102,15 @@ class DistributedArguments:
                     logger.warning(
                         f"{role}_placement is unused with backend='local': every model stays in the trainers"
                     )
+        sp_size = getattr(self, "sequence_parallel_size", 1)
+        ray_roles = [role for role in ("reference", "critic") if getattr(self, f"{role}_placement", None) is not None]
+        if sp_size > 1 and self.backend == "ray" and ray_roles:
+            raise ValueError(
+                f"sequence_parallel_size={sp_size} with {' and '.join(r + '_placement' for r in ray_roles)}: the "
+                "ranks of a sequence-parallel group share one batch, and a Ray group scores (and trains) what every "
+                "trainer rank sends it, so it would take each row sp_size times. Fix: keep those roles in the "
+                f"trainer (drop {', '.join(r + '_placement' for r in ray_roles)}), or sequence_parallel_size=1"
+            )
         if self.reference_placement is not None and getattr(self, "sync_ref_model", False):
             raise ValueError(
                 "sync_ref_model=True is not supported with reference_placement (the reference lives on a Ray group); "

@@ -261,11 +261,6 @@ class PackedScoringMixin:
                 f"sequence_parallel_size={sp_size}: {type(self).__name__} does not shard sequences. Fix: "
                 "sequence_parallel_size=1"
             )
-        if isinstance(reference, RayReference):
-            raise ValueError(
-                f"sequence_parallel_size={sp_size} shards the trainer's scoring, but reference_placement puts the "
-                "reference on a Ray group that scores whole rows. Fix: reference_placement=None"
-            )
         from ..scoring.sequence_parallel import enable_sequence_parallel
         from ..sharding.data_parallel import draw_like_group_leader, share_batches_within_groups
 
