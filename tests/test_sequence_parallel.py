@@ -349,3 +349,40 @@ def test_four_processes_with_sp_size_2_take_the_steps_of_two_data_parallel_proce
         for key in ("loss", "grad_norm", "critic/grad_norm", "objective/scores", "objective/kl", "loss/value"):
             assert g[key] == pytest.approx(e[key], rel=1e-5, abs=1e-6), (step, key, g[key], e[key])
     assert any(e["grad_norm"] > 0 for e in expected)
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (8, None), (None, 30.0), (8, 30.0)])
+def test_packed_attention_in_query_blocks_equals_the_whole_sequence_mask(monkeypatch, window, softcap):
+    """A sequence longer than the sliding window, or a soft-capped layer, is attended in blocks of queries, each
+    against the keys it may see (memory linear in the sequence, not [S, S]): the same as the whole sequence's mask,
+    with blocks smaller than the window, between it and a sequence, and larger than every sequence."""
+    import types
+
+    import torch
+
+    from trl_scale.scoring import sequence_parallel
+
+    torch.manual_seed(0)
+    lengths, heads, dim = [37, 5, 58], 4, 16
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    q, k, v = (torch.randn(1, heads, sum(lengths), dim, dtype=torch.float64) for _ in range(3))
+    expected, start = [], 0
+    for n in lengths:
+        index = torch.arange(n)
+        allowed = index[:, None] >= index[None, :]
+        if window:
+            allowed &= index[:, None] - index[None, :] < window
+        scores = q[:, :, start : start + n] @ k[:, :, start : start + n].transpose(2, 3) * dim**-0.5
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        expected.append(torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v[:, :, start : start + n])
+        start += n
+    expected = torch.cat(expected, 2).transpose(1, 2)
+    module = types.SimpleNamespace(training=False, sliding_window=None)
+    for block in (5, 16, 1024):
+        monkeypatch.setattr(sequence_parallel, "QUERY_BLOCK", block)
+        got, _ = sequence_parallel.packed_causal_attention(
+            module, q, k, v, None, position_ids=positions, sliding_window=window, softcap=softcap
+        )
+        # soft-capped scores go through a float32 softmax, as transformers' eager attention does
+        assert (got - expected).abs().max().item() <= (1e-6 if softcap else 1e-12), (block, window, softcap)

@@ -97,15 +97,19 @@ def core_attention_for(attn_implementation: str) -> str | None:
     return None
 
 
+QUERY_BLOCK = 1024  # queries per block where scores are formed explicitly (a window or soft-capping)
+
+
 def packed_causal_attention(
     module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, position_ids=None, **kwargs
 ):
     """Causal attention over one packed row, each sequence attending to itself only (the row's sequences start
     where its position ids restart at 0): one causal attention per sequence, so memory stays linear in the
     sequence (sdpa's fused kernels) where a block-diagonal mask over the row would be quadratic. A sequence longer
-    than the layer's sliding window gets the window as a mask; attention soft-capping (Gemma 2) computes the scores
-    explicitly. Shapes as transformers' sdpa attention: query ``[1, h, S, d]``, key/value ``[1, kv_h, S, d]``;
-    returns ``([1, S, h, d], None)``."""
+    than the layer's sliding window, or a layer with attention soft-capping (Gemma 2), is computed in blocks of
+    queries, each against the keys it may see (the window's, or all earlier ones): memory linear in the sequence
+    too. Shapes as transformers' sdpa attention: query ``[1, h, S, d]``, key/value ``[1, kv_h, S, d]``; returns
+    ``([1, S, h, d], None)``."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
     if position_ids is None:
@@ -131,22 +135,31 @@ def packed_causal_attention(
                 )
             )
             continue
-        index = torch.arange(end - start, device=query.device)
-        allowed = index[:, None] >= index[None, :]
-        if window:
-            allowed = allowed & (index[:, None] - index[None, :] < window)
-        if softcap is None:
+        for first in range(0, end - start, QUERY_BLOCK):
+            last = min(first + QUERY_BLOCK, end - start)
+            lowest = max(0, first - window + 1) if window else 0  # the earliest key any query of the block sees
             outputs.append(
-                torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scale
-                )
-            )
-            continue
-        scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scale / softcap) * softcap
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-        weights = torch.nn.functional.dropout(torch.softmax(scores.float(), dim=-1).to(q.dtype), p=dropout)
-        outputs.append(torch.matmul(weights, v))
+                _attention_block(q[:, :, first:last], k[:, :, lowest:last], v[:, :, lowest:last], first - lowest,
+                                 window, softcap, scale, dropout)
+            )  # fmt: skip
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _attention_block(q, k, v, offset: int, window, softcap, scale: float, dropout: float) -> torch.Tensor:
+    """Queries ``q`` (at positions ``offset + i`` of the keys ``k``) attending causally, within ``window``, with
+    soft-capping when ``softcap`` is set."""
+    queries = torch.arange(q.size(2), device=q.device)[:, None] + offset
+    keys = torch.arange(k.size(2), device=q.device)[None, :]
+    allowed = queries >= keys
+    if window:
+        allowed = allowed & (queries - keys < window)
+    if softcap is None:
+        attention = torch.nn.functional.scaled_dot_product_attention
+        return attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scale)
+    scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scale / softcap) * softcap
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    weights = torch.nn.functional.dropout(torch.softmax(scores.float(), dim=-1).to(q.dtype), p=dropout)
+    return torch.matmul(weights, v)
 
 
 def _no_mask(*args, **kwargs):
