@@ -582,6 +582,44 @@ def test_a_streaming_run_trains_each_token_with_the_sampler_log_prob_of_its_weig
             assert switch == len(old) or (new[switch:] <= 1e-4).all(), (row, switch, old, new)
 
 
+@pytest.mark.slow
+def test_a_lora_streaming_run_finishes_each_generation_on_the_adapter_it_started_with(fleet, rl_urls, tmp_path):
+    """GRPO with `weight_sync="lora"` and streaming (staleness 1) against real vLLM: a sync loads the next adapter
+    under a new name and leaves the previous one loaded, so a generation under way finishes on its adapter. Every
+    completion's tokens carry the sampler log-probs of one version's adapter (first == newest, checked against a
+    forward of the policy as it was at that sync), never older than one sync, and the run loses no step."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    trainer = _trainer(
+        "grpo",
+        fleet.model_path,
+        tmp_path,
+        [fleet.a.url],
+        "lora",
+        max_steps=4,
+        max_completion_length=48,
+        generation_kwargs={"ignore_eos": True},  # long answers: generation outlasts a training step
+        async_rollout_staleness=1,
+        peft_config=lora,
+    )
+    assert trainer.args.async_rollout_mode == "streaming"
+    checkpoints, recorded = _record_run(trainer)
+    trainer.train()
+    assert trainer.state.global_step == 4 and len(recorded) == 4
+    sampler = get_peft_model(AutoModelForCausalLM.from_pretrained(fleet.model_path, dtype=torch.float32), lora)
+    for batch, _, spans, current in recorded:
+        assert all(first == newest and 0 <= current - first <= 1 for first, newest in spans), spans
+        for version in {first for first, _ in spans}:
+            drawn = _drawn_logprobs(sampler, checkpoints[version], batch)
+            rows = [row for row, (first, _) in enumerate(spans) if first == version]
+            mask = batch["completion_mask"][rows].bool()
+            off = (drawn[rows] - batch["sampling_per_token_logps"][rows]).abs()[mask]
+            assert off.max().item() <= 1e-4, (version, off.max().item())
+    assert any(current > first for _, _, spans, current in recorded for first, _ in spans)  # trained a sync later
+
+
 def test_rloo_async_against_real_vllm_is_corrected_with_the_servers_log_probs(fleet, rl_urls, tmp_path, monkeypatch):
     """RLOO with async rollout (TRL refuses nothing here; it has no correction at all): each prefetched sequence's
     advantage is weighted by exp(old_logps - the sum of real vLLM's log-probs of its tokens), truncated at 3, and

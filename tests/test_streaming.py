@@ -122,6 +122,25 @@ def test_the_version_is_the_one_a_request_was_sent_at_not_the_one_it_finished_at
     stream.close()
 
 
+def test_a_request_sent_with_older_weights_than_at_its_dispatch_takes_their_version():
+    """LoRA: a request names the adapter the trainer served when it was built; dispatched after a sync it still
+    runs on that adapter, whose version the answer reports (newest < version at dispatch): that is its version."""
+
+    class OlderAdapter(Servers):
+        def send(self, prompt_ids, n, dispatched):
+            named = self.version  # the adapter the request names
+            self.version = named + 1  # a sync lands before the router dispatches it
+            choices, _ = super().send(prompt_ids, n, dispatched)
+            return choices, named
+
+    servers = OlderAdapter(instant={1})
+    stream = make(servers, staleness=2, groups_per_batch=1)
+    stream.note_upcoming(batch([1]))
+    taken = stream.take(2)
+    assert taken.spans == [(1, 1), (1, 1)]
+    stream.close()
+
+
 def test_a_long_answer_is_waited_for_at_its_deadline_not_dropped():
     servers = Servers(instant=set(range(2, 20)))  # 1 is a long answer
     stream = make(servers, staleness=1, groups_per_batch=1)

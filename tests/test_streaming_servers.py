@@ -64,12 +64,14 @@ def streaming_run(method, model_path, out, urls, recorder, **overrides):
         settings["num_generations"] = GROUP
     else:
         settings.update(num_ppo_epochs=1, num_mini_batches=1)
+    peft_config = overrides.pop("peft_config", None)
     return trainer_cls(
         model=model_path,
         reward_funcs=recorder,
         args=config_cls(**cpu_args(out, **{**settings, **overrides})),
         train_dataset=id_dataset(),
         processing_class=AutoTokenizer.from_pretrained(model_path),
+        peft_config=peft_config,
     )
 
 
@@ -136,6 +138,44 @@ def test_grpo_streams_every_group_once_within_the_bound_and_slow_answers_are_not
         assert counts["waited_for_deadline"] >= 1  # a batch waited for a slow answer
     logs = [h for h in trainer.state.log_history if "rollout/stream_groups_dropped_stale" in h]
     assert len(logs) == 6
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_lora_streams_each_group_on_the_adapter_it_was_sent_with(servers, tiny_llama, tmp_path, staleness):
+    """weight_sync='lora' streams: a sync loads the new adapter under a new name and a generation under way finishes
+    on the adapter it was sent with, which stays loaded for `staleness` syncs. So every trained completion's tokens
+    come from one version (first == newest), that of an adapter its request named, at most `staleness` syncs old;
+    each group is trained once; and each server holds at most `staleness` + 1 of the run's adapters."""
+    import requests
+    from peft import LoraConfig
+
+    recorder = TrainedIds()
+    lora = LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    trainer = streaming_run(
+        "grpo", tiny_llama, tmp_path, [s.url for s in servers], recorder, async_rollout_staleness=staleness,
+        weight_sync="lora", peft_config=lora, learning_rate=1e-2,
+    )  # fmt: skip
+    generation = trainer.vllm_generation
+    assert generation.streamer is not None and generation.sync_mode.settings.keep_adapters == staleness
+    named, complete = [], generation.client.complete
+
+    def recording(prompt, n, model=None, *args, **kwargs):
+        named.append(int(model.rsplit("-", 1)[1]))
+        return complete(prompt, n, model, *args, **kwargs)
+
+    generation.client.complete = recording
+    seen = versions_recorder(trainer)
+    trainer.train()
+    check_once_each(trainer, recorder, GROUP)
+    spans = [(now, first, newest) for now, batch in seen for first, newest in batch]
+    assert len(seen) == 6 and all(first == newest for _, first, newest in spans)
+    assert {first for _, first, _ in spans} <= set(named) and len(set(named)) >= 3
+    assert all(0 <= now - first <= staleness for now, first, _ in spans)
+    assert any(now > first for now, first, _ in spans)  # some trained after a newer adapter was loaded
+    for server in servers:
+        listed = requests.get(f"{server.url}/v1/models", timeout=10).json()["data"][1:]
+        ours = [m["id"] for m in listed if m["id"].startswith(generation.version.rsplit("-", 1)[0])]
+        assert len(ours) == staleness + 1, ours  # the current adapter and the `staleness` before it
 
 
 def test_ppo_streams_within_the_bound(servers, tiny_llama, tmp_path):

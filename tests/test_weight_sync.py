@@ -640,3 +640,15 @@ def test_a_server_a_sync_misses_is_reported_once_then_back_when_a_sync_reaches_i
         client.close()
         steady.stop()
         flaky.stop()
+
+
+def test_a_lora_sync_unloads_every_other_runs_adapter_and_keeps_this_runs_newest():
+    from trl_scale.rollout.client import VERSION_PREFIX
+    from trl_scale.rollout.weight_sync.lora import superseded
+
+    run, other = f"{VERSION_PREFIX}aaaa", f"{VERSION_PREFIX}bbbb"
+    listed = [f"{run}-1", f"{run}-2", f"{run}-10", f"{other}-11", "someone-elses", f"{run}-11"]
+    assert superseded(listed, f"{run}-11", 0) == [f"{run}-1", f"{run}-2", f"{run}-10", f"{other}-11"]
+    # versions compared as numbers (10 after 2), this run's only
+    assert superseded(listed, f"{run}-11", 2) == [f"{run}-1", f"{other}-11"]
+    assert superseded(listed, f"{run}-11", 5) == [f"{other}-11"]

@@ -93,8 +93,10 @@ class RolloutArguments:
         after it was sent) has come is waited for, so a long answer delays its batch and is never dropped. Not
         reproducible bit for bit (which group finishes first depends on timing). `"ordered"`: the next k generation
         batches are prefetched whole and a sync waits for them: a run's numbers do not depend on timing. `None`:
-        `"streaming"`, or `"ordered"` with `weight_sync="lora"` (a running generation keeps the adapter it started
-        with).
+        `"streaming"`. With `weight_sync="lora"` a sync loads the new adapter under a new name and a running
+        generation finishes on the adapter it started with (left loaded for `k` syncs: serve vLLM with
+        `--max-loras` of at least `k + 1`, or generations of different adapters take turns), so its tokens are all
+        of one version.
     logprobs_on_sampler_support (`bool`, defaults to `True`): with `top_k`, `top_p` or `min_p` truncating vLLM's
         sampling and `vllm_importance_sampling_correction=True`, score the trainer's log-probs on the support vLLM
         samples from (its rule applied to the trainer's own logits, the sampled token always in it): vLLM's
@@ -193,7 +195,7 @@ class RolloutArguments:
         metadata={
             "help": "With async_rollout_staleness >= 1: 'streaming' (prompt groups stream through the servers, the "
             "trainer takes finished ones; syncs land between decoding steps) or 'ordered' (whole batches prefetched, "
-            "a sync waits for them: reproducible). None: 'streaming', or 'ordered' with weight_sync='lora'."
+            "a sync waits for them: reproducible). None: 'streaming'."
         },
     )
     logprobs_on_sampler_support: bool = field(
@@ -388,7 +390,7 @@ class RolloutArguments:
         )
         sequence_parallel = getattr(self, "sequence_parallel_size", 1) > 1
         if self.async_rollout_mode is None:  # streaming by default; LoRA syncs cannot reach running generations
-            streams = self.async_rollout_staleness and self.weight_sync != "lora"
+            streams = bool(self.async_rollout_staleness)
             self.async_rollout_mode = "streaming" if streams else "ordered"
         if sequence_parallel and self.use_vllm and self.vllm_mode == "colocate":
             raise ValueError(
@@ -403,12 +405,6 @@ class RolloutArguments:
                 raise ValueError(
                     "async_rollout_mode='streaming' lets generations run across weight syncs; with "
                     "async_rollout_staleness=0 none does. Fix: async_rollout_staleness=1 (or more)"
-                )
-            if self.weight_sync == "lora":
-                raise ValueError(
-                    "async_rollout_mode='streaming' with weight_sync='lora': a generation running across a sync keeps "
-                    "the adapter it started with (and the sync unloads it). Fix: async_rollout_mode='ordered', or "
-                    "weight_sync='shared_dir' / 'nccl'"
                 )
         if self.async_rollout_staleness:
             if not self.vllm_importance_sampling_correction:

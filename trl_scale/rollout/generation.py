@@ -19,7 +19,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from trl.generation.vllm_generation import VLLMGeneration
@@ -71,6 +71,7 @@ class ServerRolloutGeneration(VLLMGeneration):
         self.require_logprobs = settings.require_logprobs
         self.server_max_model_len: int | None = None
         self.lora_name: str | None = None
+        self._lora_served: tuple[str | None, int] = (None, 0)  # (lora_name, its sync count), swapped as one
         self.sync_count = 0
         self.version: str | None = None  # the weights the servers serve, as the last sync named them
         # versions and adapter names never collide across runs or resumes
@@ -187,6 +188,8 @@ class ServerRolloutGeneration(VLLMGeneration):
 
         if self.settings.streaming:
             self.streams = True
+            if self.weight_sync == "lora":  # running generations keep their adapter: keep it loaded
+                self.sync_mode.settings = replace(self.sync_mode.settings, keep_adapters=staleness)
             self.streamer = StreamingRollout(
                 staleness, tokenize, self._send_group, groups_per_batch or 1, version=lambda: self.sync_count
             )
@@ -203,8 +206,16 @@ class ServerRolloutGeneration(VLLMGeneration):
         return self.streamer if self.streamer is not None else self.prefetcher
 
     def _send_group(self, prompt_ids: list[int], n: int, dispatched) -> tuple[list[dict], int]:
-        """One prompt group's request (streaming): its choices and the newest weights its tokens can come from."""
+        """One prompt group's request (streaming): its choices and the newest weights its tokens can come from.
+        With LoRA, a generation keeps the adapter it was sent with (a sync loads the next under a new name and
+        leaves this one loaded): every token comes from that adapter's version."""
         sampling = self.settings.sampling
+        if self.weight_sync == "lora":
+            name, version = self._lora_served
+            choices = self._retried_after_fleet(
+                lambda: self.client.complete(prompt_ids, n, name, on_dispatch=dispatched, **sampling)
+            )
+            return choices, version
         choices = self._retried_after_fleet(
             lambda: self.client.complete(prompt_ids, n, self.lora_name, on_dispatch=dispatched, **sampling)
         )
@@ -383,6 +394,7 @@ class ServerRolloutGeneration(VLLMGeneration):
         self.version = version
         if self.weight_sync == "lora":
             self.lora_name = version
+            self._lora_served = (version, self.sync_count)
         self.client.version = version  # every rank routes only to servers on this version
 
     def _sync_with_retry(self, version: str) -> None:

@@ -165,6 +165,8 @@ class StreamingRollout:
             with self._changed:
                 if group.attempts == attempt:
                     group.choices, group.newest_version, group.error = choices, newest, error
+                    if 0 <= newest < group.first_version:  # (LoRA) sent with an adapter older than its dispatch
+                        group.first_version = newest
                     group.finished_at = time.monotonic()
                 self._changed.notify_all()
 

@@ -51,6 +51,9 @@ class SyncSettings:
     # "wait": a sync drains the running generations first (each finishes with the weights it started with);
     # "keep": it freezes them between two decoding steps, and they go on with the new weights (streaming rollout)
     pause_mode: Literal["wait", "keep"] = "wait"
+    # lora: superseded adapters left loaded (streaming: a generation keeps the adapter it started with, up to
+    # `async_rollout_staleness` syncs)
+    keep_adapters: int = 0
 
 
 class WeightSyncMode(ABC):

@@ -14,6 +14,21 @@ from .base import PolicyWeights, WeightSyncMode
 logger = get_logger(__name__)
 
 
+def adapter_version(name: str) -> int:
+    """The sync count an adapter's name carries (`<prefix><run>-<count>`)."""
+    return int(name.rsplit("-", 1)[1])
+
+
+def superseded(listed: list[str], current: str, keep: int) -> list[str]:
+    """trl-scale's adapters a server lists that the sync to `current` unloads: every other run's, and this run's
+    older ones but the newest `keep` (streaming generations still running on them)."""
+    ours = [n for n in listed if n.startswith(VERSION_PREFIX) and n != current]
+    run = current.rsplit("-", 1)[0]
+    this_run = sorted((n for n in ours if n.rsplit("-", 1)[0] == run), key=adapter_version)
+    kept = set(this_run[max(0, len(this_run) - keep) :]) if keep > 0 else set()
+    return [n for n in ours if n not in kept]
+
+
 class LoraSync(WeightSyncMode):
     name = "lora"
     current: str | None = None  # the directory of the adapter the servers hold (a restarted server loads it)
@@ -45,7 +60,7 @@ class LoraSync(WeightSyncMode):
         body = {"lora_name": name, "lora_path": path, "load_inplace": False}
         self.client.post(server, "/v1/load_lora_adapter", self.client.load_timeout, json=body)
         listed = self.client.get(server, "/v1/models", timeout=timeout).json()["data"][1:]
-        for old in [m["id"] for m in listed if m["id"].startswith(VERSION_PREFIX) and m["id"] != name]:
+        for old in superseded([m["id"] for m in listed], name, self.settings.keep_adapters):
             try:
                 self.client.post(server, "/v1/unload_lora_adapter", timeout, json={"lora_name": old})
             except RolloutError as error:  # gone meanwhile: nothing to free
