@@ -264,7 +264,7 @@ def test_dynamic_sampling_tops_up_from_the_stream_within_the_bound(servers, tiny
     trainer._calculate_rewards = recording_rewards  # TRL's step calls it on the chosen rows only
     generation, takes = trainer.vllm_generation, []
     take_streamed = generation.take_streamed
-    generation.take_streamed = lambda num_rows: takes.append(num_rows) or take_streamed(num_rows)
+    generation.take_streamed = lambda num_rows, **kw: takes.append(num_rows) or take_streamed(num_rows, **kw)
     trainer.train()
     assert len(trained) == 4 and len(takes) > 4  # top-ups taken from the stream, not generated apart
     for now, ids, spans in trained:
