@@ -254,22 +254,22 @@ def test_with_a_lora_adapter_sp_size_2_takes_the_steps_of_one_process(family_mod
 
 
 @pytest.mark.slow  # the first DeepSpeed run on a machine JIT-builds its CPU communication op (80-140 s)
-@pytest.mark.parametrize("method", ["grpo", "ppo"])
-def test_under_deepspeed_zero3_two_processes_with_sp_size_2_take_the_steps_of_one_process(
-    family_models, method, tmp_path
+@pytest.mark.parametrize("method, stage", [("grpo", 3), ("ppo", 3), ("grpo", 2)])
+def test_under_deepspeed_two_processes_with_sp_size_2_take_the_steps_of_one_process(
+    family_models, method, stage, tmp_path
 ):
     """`accelerate launch` with DeepSpeed ZeRO-3 (2 CPU processes): the policy's parameters partitioned over both
     ranks and gathered per module while each packed row is sharded over them (PPO: its critic in its own ZeRO-3
-    engine); the steps equal one process's without either. sp_size comes from the accelerate YAML's
-    parallelism_config section, as in examples/accelerate/deepspeed_zero3_sp2.yaml. (FSDP2: accelerate runs FSDP
-    only on GPUs; on CPU its launcher falls back to no distribution at all, so there is no CPU test of FSDP2 with
-    sequence parallelism.)"""
+    engine), and ZeRO-2 (gradients and optimizer state partitioned); the steps equal one process's without either.
+    sp_size comes from the accelerate YAML's parallelism_config section, as in
+    examples/accelerate/deepspeed_zero3_sp2.yaml. (FSDP2: accelerate runs FSDP only on GPUs; on CPU its launcher
+    falls back to no distribution at all, so there is no CPU test of FSDP2 with sequence parallelism.)"""
     pytest.importorskip("deepspeed")
     from .helpers import accelerate_launch_with_config, deepspeed_launcher_config, run_to_completion
 
     sharded_config = tmp_path / "sharded.yaml"
     sharded_config.write_text(
-        deepspeed_launcher_config(stage=3, init_flag="false")
+        deepspeed_launcher_config(stage=stage, init_flag="false")
         + "parallelism_config:\n  parallelism_config_sp_size: 2\n  parallelism_config_sp_backend: deepspeed\n"
     )
     model = family_models["qwen2"]
