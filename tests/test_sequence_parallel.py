@@ -386,3 +386,35 @@ def test_packed_attention_in_query_blocks_equals_the_whole_sequence_mask(monkeyp
         )
         # soft-capped scores go through a float32 softmax, as transformers' eager attention does
         assert (got - expected).abs().max().item() <= (1e-6 if softcap else 1e-12), (block, window, softcap)
+
+
+@pytest.mark.slow
+def test_a_run_under_sp_size_2_resumes_inside_a_rollout_window_exactly(family_models, tmp_path):
+    """2 processes with sp_size=2, a rollout spanning 2 optimizer steps x 2 iterations, checkpoint-3 inside a window:
+    the group's rollout file is written once (by its rank 0) and read by both ranks, and the resumed run takes the
+    uninterrupted run's steps 4-6."""
+    from .helpers import accelerate_launch, run_to_completion
+
+    model = family_models["qwen2"]
+    window = ["--steps_per_generation", "2", "--num_iterations", "2", "--sequence_parallel_size", "2"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+
+    def command(out, *extra):
+        base = _command("grpo", model, out, *window, *extra)
+        base[base.index("--max_steps") + 1] = "6"
+        return accelerate_launch(2) + base
+
+    run_to_completion(command(full))
+    assert (full / "checkpoint-3" / "rollout_buffer_rank0.pt").exists()
+    assert not (full / "checkpoint-3" / "rollout_buffer_rank1.pt").exists()  # one data-parallel rank
+    run_to_completion(command(resumed, "--resume_from_checkpoint", str(full / "checkpoint-3")))
+
+    def logged(out):
+        state = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())
+        return [entry for entry in state["log_history"] if "loss" in entry]
+
+    expected, got = logged(full), logged(resumed)
+    assert len(expected) == len(got) == 6
+    for e, g in zip(expected[3:], got[3:]):
+        for key in ("loss", "grad_norm", "kl"):
+            assert g[key] == pytest.approx(e[key], rel=1e-5, abs=1e-7), (key, g[key], e[key])
