@@ -331,6 +331,38 @@ def test_preflight_names_every_problem_of_each_server(fleet, rl_urls, tmp_path):
     assert not problems_of(report, RunNeeds(max_completion_length=255))[0]
 
 
+@pytest.mark.slow
+def test_a_generation_real_vllm_aborts_mid_answer_is_sent_again_not_returned_cut(fleet, rl_urls):
+    """vLLM 0.32 answers a generation aborted mid-answer (`/pause?mode=abort`, its default pause mode) with 200, the
+    tokens so far and finish_reason 'abort'. The client sends the request again (to the other server) and returns
+    only whole answers: every choice `max_tokens` long (64 samples of 200 tokens), none 'abort'. (A try whose abort
+    came before the request started or after it ended is tried again with another delay.)"""
+    import threading
+
+    sampling = {"max_tokens": 200, "ignore_eos": True, "temperature": 1.0}  # B serves 256-token contexts
+    model, sends = served_models(rl_urls[0])[0], []
+
+    def abort_on_a():  # the router's first pick when both are idle (a try where it picked B is tried again)
+        requests.post(f"{rl_urls[0]}/pause", params={"mode": "abort"}, timeout=30)
+        requests.post(f"{rl_urls[0]}/resume", timeout=30)
+
+    for after_s in (0.5, 0.25, 1.0, 0.1):
+        client = RolloutClient(rl_urls, request_timeout=120, generation_timeout=300, retry_after=0.5)
+        before = len(sends)
+        timer = threading.Timer(after_s, abort_on_a)
+        timer.start()
+        try:
+            choices = client.complete(PROBE, 64, model, on_dispatch=lambda: sends.append(None), **sampling)
+        finally:
+            timer.join()
+            client.close()
+        assert all(c.get("finish_reason") != "abort" and len(c["token_ids"]) == 200 for c in choices)
+        if len(sends) - before >= 2:  # the abort landed mid-answer: the request was sent again
+            break
+    else:
+        pytest.fail("in 4 tries no abort landed while the request was running")
+
+
 def test_check_servers_prints_what_each_real_server_offers(fleet):
     command = [sys.executable, "-m", "trl_scale.cli", "check-servers", fleet.a.url, fleet.b.url, fleet.plain.url]
     command += ["--json"]

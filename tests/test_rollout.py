@@ -512,6 +512,22 @@ def test_a_server_answering_a_retryable_status_is_failed_over(status, servers):
     assert {s.url: s.served for s in client.servers}[servers[0].url] == 6
 
 
+def test_a_generation_the_server_aborted_is_sent_again_not_trained_on(servers):
+    """vLLM answers an aborted generation (`/pause?mode=abort`, its default pause; `/abort_requests`) with 200, the
+    tokens so far and finish_reason 'abort': a cut-off answer. The client sends the request again (here to the other
+    server) and returns whole answers only."""
+    from .helpers import hits, plain_http_server
+
+    cut = {"index": 0, "text": "a", "token_ids": [7], "finish_reason": "abort", "logprobs": None}
+    aborted = json.dumps({"choices": [cut, {**cut, "index": 1, "finish_reason": "length"}]}).encode()
+    with plain_http_server(routes={"/v1/models": (200, MODELS), "/v1/completions": (200, aborted)}) as bad:
+        client = RolloutClient([bad, servers[0].url], request_timeout=30)
+        choices = client.complete([432, 375], n=2, max_tokens=3)
+        client.close()
+    assert hits(bad).count("/v1/completions") >= 1
+    assert len(choices) == 2 and all(c["finish_reason"] != "abort" and len(c["token_ids"]) == 3 for c in choices)
+
+
 def test_a_request_the_server_rejects_as_bad_is_not_retried_elsewhere(servers):
     """400: the request itself is wrong (too long, a bad parameter); another server would reject it too."""
     from .helpers import hits, plain_http_server

@@ -65,6 +65,11 @@ def _check_choices(choices, n: int) -> None:
         raise ValueError(f"malformed response: {count} choices for n={n}")
     if not all(isinstance(c, dict) and isinstance(c.get("token_ids"), list) for c in choices):
         raise ValueError("malformed response: a choice without a token_ids list")
+    aborted = sum(c.get("finish_reason") == "abort" for c in choices)
+    if aborted:
+        # vLLM answers 200 with the tokens so far when a generation is aborted (`/pause?mode=abort`, vLLM's default
+        # mode, `/abort_requests`, sleep): a cut-off answer, never a completion to train on. Sent again.
+        raise ValueError(f"the server aborted {aborted} of {len(choices)} generations (finish_reason 'abort')")
 
 
 class RolloutClient:
