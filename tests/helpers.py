@@ -35,6 +35,13 @@ def token_parity_reward(completion_ids, **kwargs) -> list[float]:
     return [sum(t % 2 for t in ids) / max(1, len(ids)) for ids in completion_ids]
 
 
+def half_flat_reward(prompts, completion_ids, **kwargs) -> list[float]:
+    """0.5 for every completion of about half the prompts (groups without a signal, for dynamic sampling), else
+    `token_parity_reward`'s value."""
+    varied = token_parity_reward(completion_ids)
+    return [0.5 if len(str(prompt)) % 2 == 0 else value for prompt, value in zip(prompts, varied)]
+
+
 def cpu_args(output_dir, **overrides) -> dict:
     """Common TrainingArguments for fast, deterministic fp32 CPU runs."""
     args = dict(

@@ -234,6 +234,30 @@ def test_two_processes_with_sp_size_2_take_the_steps_of_one_process(family_model
 
 
 @pytest.mark.slow
+def test_with_dynamic_sampling_sp_size_2_takes_the_steps_of_one_process(family_models, tmp_path):
+    """GRPO with dynamic sampling: the top-up rounds (new prompts from the seeded per-rank order, generation, rewards)
+    run as one data-parallel rank's, so 2 processes with sp_size=2 take one process's steps and drop as many groups."""
+    from .helpers import accelerate_launch, run_to_completion
+
+    model = family_models["qwen2"]
+
+    def command(out, *extra):
+        base = _command("grpo", model, out, "--dynamic_sampling", "true", *extra)
+        base[base.index("tests.helpers.token_parity_reward")] = "tests.helpers.half_flat_reward"
+        return base
+
+    one, sharded = tmp_path / "one", tmp_path / "sharded"
+    run_to_completion([sys.executable, *command(one)])
+    run_to_completion(accelerate_launch(2) + command(sharded, "--sequence_parallel_size", "2"))
+    expected, got = _logged(one), _logged(sharded)
+    assert len(expected) == len(got) == 3
+    for step, (e, g) in enumerate(zip(expected, got), start=1):
+        for key in ("loss", "grad_norm", "reward", "kl", "dynamic_sampling/groups_dropped"):
+            assert g[key] == pytest.approx(e[key], rel=1e-5, abs=1e-6), (step, key, g[key], e[key])
+    assert sum(e["dynamic_sampling/groups_dropped"] for e in expected) > 0
+
+
+@pytest.mark.slow
 def test_with_a_lora_adapter_sp_size_2_takes_the_steps_of_one_process(family_models, tmp_path):
     """GRPO with a LoRA adapter (PEFT): the reference is the policy with its adapter disabled, scored through the
     same sharded engine; 2 processes with sp_size=2 take the steps of one process."""
