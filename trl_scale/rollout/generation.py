@@ -70,7 +70,6 @@ class ServerRolloutGeneration(VLLMGeneration):
         # would turn NaN into a ratio of 1, silently switching the correction off).
         self.require_logprobs = settings.require_logprobs
         self.server_max_model_len: int | None = None
-        self.lora_name: str | None = None
         self._lora_served: tuple[str | None, int] = (None, 0)  # (lora_name, its sync count), swapped as one
         self.sync_count = 0
         self.version: str | None = None  # the weights the servers serve, as the last sync named them
@@ -210,15 +209,12 @@ class ServerRolloutGeneration(VLLMGeneration):
         With LoRA, a generation keeps the adapter it was sent with (a sync loads the next under a new name and
         leaves this one loaded): every token comes from that adapter's version."""
         sampling = self.settings.sampling
-        if self.weight_sync == "lora":
-            name, version = self._lora_served
-            choices = self._retried_after_fleet(
-                lambda: self.client.complete(prompt_ids, n, name, on_dispatch=dispatched, **sampling)
-            )
-            return choices, version
+        name, adapter_version = self._lora_served  # one read: the adapter named and its version agree
         choices = self._retried_after_fleet(
-            lambda: self.client.complete(prompt_ids, n, self.lora_name, on_dispatch=dispatched, **sampling)
+            lambda: self.client.complete(prompt_ids, n, name, on_dispatch=dispatched, **sampling)
         )
+        if self.weight_sync == "lora":
+            return choices, adapter_version
         return choices, self.sync_count + (1 if self._syncing else 0)
 
     def take_streamed(self, num_rows: int, new_rows: list | None = None):
@@ -275,6 +271,12 @@ class ServerRolloutGeneration(VLLMGeneration):
 
     prefetcher = None
     streamer = None
+
+    @property
+    def lora_name(self) -> str | None:
+        """The adapter the servers serve now (`weight_sync="lora"`; None before its first sync, and otherwise)."""
+        return self._lora_served[0]
+
     shared_with = None  # the sequence-parallel group's process group: its rank 0 generates for it (`share_with`)
 
     streams = False  # streaming rollout: this rank's batches come from the stream (its own, or its group's)
@@ -393,7 +395,6 @@ class ServerRolloutGeneration(VLLMGeneration):
         self.sync_count += 1
         self.version = version
         if self.weight_sync == "lora":
-            self.lora_name = version
             self._lora_served = (version, self.sync_count)
         self.client.version = version  # every rank routes only to servers on this version
 

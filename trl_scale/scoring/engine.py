@@ -144,8 +144,8 @@ def sequence_parallel_backbone_forward(
     """:func:`packed_backbone_forward` under Ulysses sequence parallelism: every rank of the SP group holds the same
     batch, packs it the same way (one row per micro-batch, several sequences back to back), and runs the backbone
     on its slice of each row, padded to a multiple of the group's size with filler (a sequence of its own, never
-    scored). Returns ``(packed, [(micro_batch, this rank's tokens' flat index, their hidden [n, H]), ...], anchor)``;
-    ``anchor`` is a zero that depends on every forward (a slice with no token still takes part in backward)."""
+    scored). Returns ``(packed, [(this rank's tokens' flat index, their hidden [n, H]), ...], anchor)``; ``anchor``
+    is a zero that depends on every forward (a slice with no token still takes part in backward)."""
     packed = _packed_on_every_rank(input_ids, attention_mask, token_budget, None)
     outputs, anchor = [], None
     for micro_batch in packed.micro_batches:
@@ -160,7 +160,7 @@ def sequence_parallel_backbone_forward(
         ).last_hidden_state[0]
         anchor = hidden.sum() * 0.0 if anchor is None else anchor + hidden.sum() * 0.0
         mine, rows = slice_tokens(micro_batch.token_index, start, end)
-        outputs.append((micro_batch, micro_batch.flat_index[mine], hidden[rows]))
+        outputs.append((micro_batch.flat_index[mine], hidden[rows]))
     return packed, outputs, anchor
 
 
@@ -171,43 +171,41 @@ def slice_tokens(token_index: torch.Tensor, start: int, end: int) -> tuple[torch
     return mine, token_index[mine] - start
 
 
+def _sharding(sp: SequenceParallelGroup | None) -> SequenceParallelGroup | None:
+    """The SP group when it shards anything (more than one rank), else None."""
+    return sp if sp is not None and sp.size > 1 else None
+
+
+def _forward_pieces(backbone, input_ids, attention_mask, token_budget: int | None, sp, *also_same: torch.Tensor):
+    """The packed backbone forward of a padded batch, sharded over the SP group `sp` when there is one (every rank
+    of the group holds the same batch, checked with `also_same`, and runs its slice of each packed row). Returns
+    ``(packed, [(flat index into [B, T], hidden [n, H]), ...], anchor, tokens this rank forwarded)``."""
+    if sp is not None:
+        check_same_batch(sp, input_ids, attention_mask, *also_same)
+        packed, pieces, anchor = sequence_parallel_backbone_forward(
+            backbone, input_ids, attention_mask, token_budget, sp
+        )
+        forwarded = sum(sp.shard(max(1, micro_batch.input_ids.size(1)))[0] for micro_batch in packed.micro_batches)
+        return packed, pieces, anchor, forwarded
+    packed, outputs, anchor = packed_backbone_forward(backbone, input_ids, attention_mask, token_budget)
+    pieces = [(micro_batch.flat_index, hidden) for micro_batch, hidden in outputs]
+    return packed, pieces, anchor, packed.forwarded_tokens
+
+
 def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items_in_batch):
-    """The packed equivalent of TRL's ``_fused_forward`` for a padded batch; returns a ``FusedCausalLMOutput``."""
-    sp = config.sequence_parallel
-    if sp is not None and sp.size > 1:
-        return _sequence_parallel_fused_forward(model, config, input_ids, attention_mask, labels, num_items_in_batch)
+    """The packed equivalent of TRL's ``_fused_forward`` for a padded batch; returns a ``FusedCausalLMOutput``.
+    Under sequence parallelism the head's results are summed over the group, so every rank returns the whole
+    batch's fields (the group is one data-parallel rank, see :mod:`trl_scale.sharding.data_parallel`)."""
+    sp = _sharding(config.sequence_parallel)
     batch_size, seq_len = input_ids.shape
     # TRL scores hidden[:, t] against labels[:, t + 1]; in the padded layout, position t's label is the next column.
     shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
-    packed, outputs, anchor = packed_backbone_forward(
-        model.base_model, input_ids, attention_mask, config.settings.token_budget
+    packed, pieces, anchor, forwarded = _forward_pieces(
+        model.base_model, input_ids, attention_mask, config.settings.token_budget, sp, labels
     )
-    pieces = [(micro_batch.flat_index, hidden) for micro_batch, hidden in outputs]
     config.stats.padded_tokens += batch_size * seq_len
     config.stats.real_tokens += packed.num_real_tokens
-    config.stats.forwarded_tokens += packed.forwarded_tokens
-    config.stats.micro_batches += len(packed.micro_batches)
-    config.stats.calls += 1
-    return _scored_output(model, config, pieces, shift_labels, anchor, num_items_in_batch, record=True)
-
-
-def _sequence_parallel_fused_forward(
-    model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items_in_batch
-):
-    """Sequence parallelism: every rank of the SP group holds the same batch (the group is one data-parallel rank,
-    see :mod:`trl_scale.sharding.data_parallel`), packs it the same way and runs its slice of each packed row; the
-    head's results are summed over the group, so every rank returns the whole batch's fields."""
-    sp = config.sequence_parallel
-    check_same_batch(sp, input_ids, attention_mask, labels)
-    batch_size, seq_len = input_ids.shape
-    shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
-    packed, outputs, anchor = sequence_parallel_backbone_forward(
-        model.base_model, input_ids, attention_mask, config.settings.token_budget, sp
-    )
-    pieces = [(flat_index, hidden) for _, flat_index, hidden in outputs]
-    config.stats.padded_tokens += batch_size * seq_len
-    config.stats.real_tokens += packed.num_real_tokens
-    config.stats.forwarded_tokens += sum(sp.shard(max(1, mb.input_ids.size(1)))[0] for mb in packed.micro_batches)
+    config.stats.forwarded_tokens += forwarded
     config.stats.micro_batches += len(packed.micro_batches)
     config.stats.calls += 1
     return _scored_output(model, config, pieces, shift_labels, anchor, num_items_in_batch, record=True, sp=sp)
@@ -316,7 +314,7 @@ def install_packed_scoring(
     over the group; a call it cannot take is an error (TRL's forward would see a slice of the attention)."""
     settings = dataclasses.replace(settings or ScoringSettings(), **fields)
     on_support = settings.sampler_support is not None
-    sharded = sequence_parallel is not None and sequence_parallel.size > 1
+    sharded = _sharding(sequence_parallel) is not None
     if not sharded and not on_support and not use_packing(model.base_model, settings.padding_free):
         return None
     trl_forward = model.forward
@@ -400,33 +398,18 @@ def token_scores(
     packed rows cannot carry images, as on the policy's side.
     """
     batch_size, seq_len = input_ids.shape
-    if sequence_parallel is not None and sequence_parallel.size > 1:
-        if multimodal_inputs:
-            raise ValueError("sequence parallelism scores token rows only: no image inputs. Fix: sp_size=1")
-        return _sequence_parallel_token_scores(
-            backbone, head, input_ids, attention_mask, token_budget, sequence_parallel
-        )
-    if multimodal_inputs or not use_packing(backbone, padding_free, probe_now=True, width=seq_len):
+    sp = _sharding(sequence_parallel)
+    if sp is not None and multimodal_inputs:
+        raise ValueError("sequence parallelism scores token rows only: no image inputs. Fix: sp_size=1")
+    if sp is None and (multimodal_inputs or not use_packing(backbone, padding_free, probe_now=True, width=seq_len)):
         hidden = backbone(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **(multimodal_inputs or {})
         ).last_hidden_state
         return head(hidden).squeeze(-1).float() * attention_mask
-    _, outputs, anchor = packed_backbone_forward(backbone, input_ids, attention_mask, token_budget)
-    values = [head(hidden).squeeze(-1).float() for _, hidden in outputs]
-    indices = [micro_batch.flat_index for micro_batch, _ in outputs]
+    _, pieces, anchor, _ = _forward_pieces(backbone, input_ids, attention_mask, token_budget, sp)
+    values = [head(hidden).squeeze(-1).float() for _, hidden in pieces]
+    indices = [flat_index for flat_index, _ in pieces]
     flat = torch.cat(values) if values else input_ids.new_zeros(0, dtype=torch.float32)
     scores = unpack(flat, torch.cat(indices) if indices else input_ids.new_zeros(0), batch_size, seq_len)
-    return scores if anchor is None else scores + anchor
-
-
-def _sequence_parallel_token_scores(backbone, head, input_ids, attention_mask, token_budget, sp) -> torch.Tensor:
-    """:func:`token_scores` under sequence parallelism, as the policy is scored (see
-    :func:`_sequence_parallel_fused_forward`): the group's one batch, each rank its slice of every packed row, the
-    values summed over the group."""
-    check_same_batch(sp, input_ids, attention_mask)
-    _, outputs, anchor = sequence_parallel_backbone_forward(backbone, input_ids, attention_mask, token_budget, sp)
-    values = [head(hidden).squeeze(-1).float() for _, _, hidden in outputs]
-    indices = [flat_index for _, flat_index, _ in outputs]
-    flat = torch.cat(values) if values else input_ids.new_zeros(0, dtype=torch.float32)
-    scores = unpack(flat, torch.cat(indices) if indices else input_ids.new_zeros(0), *input_ids.shape)
-    return summed_over_group(scores if anchor is None else scores + anchor, sp)
+    scores = scores if anchor is None else scores + anchor
+    return scores if sp is None else summed_over_group(scores, sp)

@@ -43,11 +43,15 @@ def overridden(config, **values):
             setattr(config, name, value)
 
 
+def trl_base_class(trainer) -> type:
+    """The TRL trainer class a trl-scale trainer extends (the first of TRL's in its MRO)."""
+    return next(c for c in type(trainer).__mro__ if c.__module__.startswith("trl."))
+
+
 def trl_arguments(trainer, args: tuple, kwargs: dict) -> dict:
     """A trl-scale trainer's constructor arguments by name, bound to the signature of the TRL trainer it extends
     (positional or keyword, TRL's defaults applied), so every call TRL accepts is accepted and passed on unchanged."""
-    trl_class = next(c for c in type(trainer).__mro__ if c.__module__.startswith("trl."))
-    bound = inspect.signature(trl_class.__init__).bind(trainer, *args, **kwargs)
+    bound = inspect.signature(trl_base_class(trainer).__init__).bind(trainer, *args, **kwargs)
     arguments = dict(bound.arguments)
     arguments.pop(next(iter(arguments)))  # self
     return arguments

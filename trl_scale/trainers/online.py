@@ -21,6 +21,7 @@ from .construction import (
     overridden,
     remote_reward_funcs,
     trl_arguments,
+    trl_base_class,
     uses_server_rollout,
     wants_remote_reference,
 )
@@ -42,8 +43,7 @@ def colocated(trainer, config):
         return nullcontext()
     from ..rollout.colocate import colocated_generation
 
-    trl_class = next(c for c in type(trainer).__mro__ if c.__module__.startswith("trl."))
-    return colocated_generation(trl_class.__module__, config.vllm_llm_kwargs)
+    return colocated_generation(trl_base_class(trainer).__module__, config.vllm_llm_kwargs)
 
 
 class OnlineTrainerMixin(

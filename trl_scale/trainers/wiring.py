@@ -13,6 +13,7 @@ from ..logs import get_logger
 from ..ranks import broadcast_from_main, run_on_main
 from ..rollout.weight_dir import WeightDirectory
 from ..scoring import PackingStats, ScoringSettings, install_packed_scoring
+from .construction import trl_base_class
 
 logger = get_logger(__name__)
 
@@ -284,8 +285,7 @@ class PackedScoringMixin:
 
         from ..sharding.data_parallel import data_parallel_gathers
 
-        trl_class = next(c for c in type(self).__mro__ if c.__module__.startswith("trl."))
-        with data_parallel_gathers(self.accelerator, sys.modules[trl_class.__module__]):
+        with data_parallel_gathers(self.accelerator, sys.modules[trl_base_class(self).__module__]):
             yield
 
     def _generate_single_turn(self, *args, **kwargs):
