@@ -188,6 +188,14 @@ def test_every_sync_reaches_every_real_vllm_server(fleet, rl_urls, tmp_path, met
     assert moved > 100 * SYNC_TOLERANCE, moved
 
 
+def _streamed_long_answers() -> dict:
+    """4 GRPO steps at staleness 1 whose answers (48 tokens, no early stop) outlast a training step, so generations
+    run across syncs."""
+    return dict(
+        max_steps=4, max_completion_length=48, generation_kwargs={"ignore_eos": True}, async_rollout_staleness=1
+    )
+
+
 def _record_run(trainer) -> tuple[dict, list]:
     """Record, as `trainer` trains: the policy's weights after each sync (by sync count), and per generated batch its
     tensors, each completion's first version and (first, newest) span, and the sync count it was trained at."""
@@ -587,10 +595,7 @@ def test_a_streaming_run_trains_each_token_with_the_sampler_log_prob_of_its_weig
         tmp_path,
         [fleet.a.url],
         "shared_dir",
-        max_steps=4,
-        max_completion_length=48,
-        generation_kwargs={"ignore_eos": True},  # long answers: generation outlasts a training step
-        async_rollout_staleness=1,
+        **_streamed_long_answers(),
         async_rollout_mode="streaming",
     )
     checkpoints, recorded = _record_run(trainer)
@@ -630,10 +635,7 @@ def test_a_lora_streaming_run_finishes_each_generation_on_the_adapter_it_started
         tmp_path,
         [fleet.a.url],
         "lora",
-        max_steps=4,
-        max_completion_length=48,
-        generation_kwargs={"ignore_eos": True},  # long answers: generation outlasts a training step
-        async_rollout_staleness=1,
+        **_streamed_long_answers(),
         peft_config=lora,
     )
     assert trainer.args.async_rollout_mode == "streaming"

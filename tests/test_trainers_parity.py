@@ -31,17 +31,18 @@ def test_subclasses_trl(ours, theirs):
     assert issubclass(ours, theirs) and ours is not theirs
 
 
-def _online_run(trainer_cls, config_cls, model_path, tmp_path, **overrides):
+def _online_run(trainer_cls, config_cls, model_path, tmp_path, features=FEATURES_OFF, peft_config=None, **overrides):
     from transformers import AutoTokenizer
 
     config_kwargs = cpu_args(tmp_path, num_generations=4, max_completion_length=8, beta=0.05, **overrides)
-    config_kwargs.update({k: v for k, v in FEATURES_OFF.items() if k in config_cls.__dataclass_fields__})
+    config_kwargs.update({k: v for k, v in features.items() if k in config_cls.__dataclass_fields__})
     trainer = trainer_cls(
         model=model_path,
         reward_funcs=token_parity_reward,
         args=config_cls(**config_kwargs),
         train_dataset=counting_prompts(64, seed=0),
         processing_class=AutoTokenizer.from_pretrained(model_path),
+        peft_config=peft_config,
     )
     trainer.train()
     return trainer
@@ -114,23 +115,16 @@ def test_grpo_with_a_lora_adapter_is_packed_and_takes_trls_steps(tiny_llama, tmp
     from peft import LoraConfig
     from transformers import AutoTokenizer
 
-    def run(trainer_cls, config_cls, out, **features):
-        config = config_cls(**cpu_args(out, num_generations=4, max_completion_length=8, beta=0.05), **features)
-        trainer = trainer_cls(
-            model=tiny_llama,
-            reward_funcs=token_parity_reward,
-            args=config,
-            train_dataset=counting_prompts(64, seed=0),
-            processing_class=AutoTokenizer.from_pretrained(tiny_llama),
-            peft_config=LoraConfig(
-                task_type="CAUSAL_LM", r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]
-            ),
-        )
-        trainer.train()
-        return trainer
-
-    reference = run(trl.GRPOTrainer, trl.GRPOConfig, tmp_path / "trl")
-    candidate = run(trl_scale.GRPOTrainer, trl_scale.GRPOConfig, tmp_path / "ours", padding_free=True)
+    lora = LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    reference = _online_run(trl.GRPOTrainer, trl.GRPOConfig, tiny_llama, tmp_path / "trl", peft_config=lora)
+    candidate = _online_run(
+        trl_scale.GRPOTrainer,
+        trl_scale.GRPOConfig,
+        tiny_llama,
+        tmp_path / "ours",
+        features={"padding_free": True},
+        peft_config=lora,
+    )
     keys = ("loss", "grad_norm", "reward", "entropy", "kl")
     expected = step_logs(reference, keys)
     assert all(e["grad_norm"] > 0 for e in expected) and any(e["kl"] > 0 for e in expected)
