@@ -303,6 +303,11 @@ def test_streaming_mode_is_refused_where_nothing_would_stream(tmp_path):
     from trl_scale.rollout.settings import RolloutSettings
 
     assert RolloutSettings.from_config(config, logprobs=True, require_logprobs=True, run_id="r").streaming
+    with pytest.raises(ValueError, match="async_rollout_interrupt='abort': use 'keep' .* or 'partial'"):
+        trl_scale.GRPOConfig(output_dir=str(tmp_path), async_rollout_interrupt="abort", **server)
+    partial = trl_scale.GRPOConfig(output_dir=str(tmp_path), async_rollout_interrupt="partial", **server)
+    settings = RolloutSettings.from_config(partial, logprobs=True, require_logprobs=True, run_id="r")
+    assert settings.interrupt == "partial"
 
 
 def test_the_prefetcher_never_serves_a_batch_older_than_the_bound():

@@ -582,13 +582,78 @@ def test_a_keep_sync_lands_between_decoding_steps_of_a_running_request(fleet, rl
     assert off_new[switch:].max() <= 1e-4, off_new[switch:].max()  # after the first new-weight token, only those
 
 
-def test_a_streaming_run_trains_each_token_with_the_sampler_log_prob_of_its_weights(fleet, rl_urls, tmp_path):
+def test_a_partial_rollout_continues_each_cut_answer_on_the_new_weights(fleet, rl_urls, tmp_path):
+    """Partial rollouts (`async_rollout_interrupt="partial"`, for servers without `keep`), against real vLLM: a sync
+    pauses the server with mode=abort while 16 answers of 200 tokens are running. vLLM cuts them (the tokens so far,
+    finish_reason 'abort'); the client continues each after the sync from where it stopped. Every answer comes back
+    whole (200 tokens, none cut); a continued one is a run of tokens the old weights drew followed by a run the new
+    weights drew, each token's sampler log-prob that of its weights (against a forward of each). A try whose sync
+    landed before or after the answers is tried again with another delay; red when the cut answers are re-sent
+    whole instead (no answer holds both versions) or returned cut."""
+    import threading
+
+    from transformers import AutoModelForCausalLM
+
+    from trl_scale.rollout.weight_sync import SyncSettings
+
+    old = AutoModelForCausalLM.from_pretrained(fleet.model_path, dtype=torch.float32).eval()
+    new = AutoModelForCausalLM.from_pretrained(fleet.model_path, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in new.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    new.save_pretrained(tmp_path / "new")
+    sampling = {"max_tokens": 200, "ignore_eos": True, "temperature": 1.0, "logprobs": 0}
+    sampling["return_tokens_as_token_ids"] = True
+
+    def off(model, tokens, sampler) -> torch.Tensor:
+        ids = torch.tensor([PROBE + tokens])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(PROBE) - 1 : -1].double()
+        return (logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0] - sampler).abs()
+
+    client = RolloutClient([fleet.a.url], request_timeout=120, generation_timeout=300)
+    sync = SharedDirSync(client, SyncSettings(timeout=120, pause_mode="abort"))
+    model = served_models(fleet.a.url)[0]
+    try:
+        for attempt, after_s in enumerate((0.5, 1.0, 0.25, 2.0, 0.1)):
+            sync.reload(fleet.model_path, f"p-old-{attempt}")  # each try starts on the old weights
+            continued = client.answers_continued
+            timer = threading.Timer(after_s, sync.reload, args=(str(tmp_path / "new"), f"p-new-{attempt}"))
+            timer.start()
+            try:
+                choices = client.complete(PROBE, 16, model, continue_cut=True, **sampling)
+            finally:
+                timer.join()
+            if client.answers_continued > continued:
+                break
+        else:
+            pytest.fail("in 5 tries no sync cut a running answer")
+    finally:
+        client.close()
+    assert all(len(c["token_ids"]) == 200 and c["finish_reason"] != "abort" for c in choices)
+    switches = []
+    for choice in choices:
+        tokens = choice["token_ids"]
+        sampler = torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float64)
+        off_old, off_new = off(old, tokens, sampler), off(new, tokens, sampler)
+        switch = int((off_old > 1e-4).nonzero()[0]) if (off_old > 1e-4).any() else len(tokens)
+        assert (off_new[switch:] <= 1e-4).all(), (switch, off_new[switch:].max())  # after the cut: the new weights
+        switches.append(switch)
+    assert any(0 < switch < 200 for switch in switches), switches  # continued: tokens of both versions
+
+
+@pytest.mark.parametrize("interrupt", ["keep", "partial"])
+def test_a_streaming_run_trains_each_token_with_the_sampler_log_prob_of_its_weights(
+    fleet, rl_urls, tmp_path, interrupt
+):
     """GRPO with `async_rollout_mode="streaming"` (staleness 1) against real vLLM: syncs do not wait for the
     prefetched generations, so a completion may start on one weight version and end on the next. Whatever the
     timing: each completion's tokens are a run drawn with the weights of its first version followed by a run drawn
     with the next version's (each token's sampler log-prob is that of the weights that drew it: what the correction
     uses), no completion's first token is more than one sync older than the weights it is trained against, and the
-    run loses no step."""
+    run loses no step. Both interrupts: "keep" (running answers frozen, then go on) and "partial" (cut, then each
+    continued after the sync)."""
     trainer = _trainer(
         "grpo",
         fleet.model_path,
@@ -597,6 +662,7 @@ def test_a_streaming_run_trains_each_token_with_the_sampler_log_prob_of_its_weig
         "shared_dir",
         **_streamed_long_answers(),
         async_rollout_mode="streaming",
+        async_rollout_interrupt=interrupt,
     )
     checkpoints, recorded = _record_run(trainer)
     trainer.train()
@@ -710,17 +776,23 @@ def test_rloo_async_against_real_vllm_is_corrected_with_the_servers_log_probs(fl
     assert moved > 1e-3  # stale batches got weights other than 1
 
 
-def test_a_tool_using_rollout_streams_each_turn_with_its_weights(fleet, rl_urls, tmp_path):
-    """Multi-turn, tool-using GRPO streamed (staleness 1) against real vLLM: each completion's first turn comes from
-    the stream (sampled at its span's versions), the turn after the tool's result is generated in the step with the
-    weights it trains at; each token's sampler log-prob is the one of the weights that drew it (checked against a
-    forward of those weights), tool-result tokens are masked out, and the conversation's span ends at the current
-    version."""
+def test_a_tool_using_rollout_streams_each_turn_with_its_weights(fleet, rl_urls, tmp_path, monkeypatch):
+    """Multi-turn, tool-using GRPO streamed (staleness 1) against real vLLM: a conversation's turns are all generated
+    in the stream (the tool called and the next turn sent as soon as the first is back; the step itself requests
+    nothing), and each token's sampler log-prob is the one of weights within its conversation's recorded span
+    (checked against a forward of each); tool-result tokens are masked out; no conversation is trained more than
+    k = 1 syncs after its first token."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import trl_scale
+    from trl_scale.rollout import ServerRolloutGeneration
     from trl_scale.toy.tools import build_tool_calling_model, tick, tool_prompts
 
+    in_step = []
+    request = ServerRolloutGeneration._request
+    monkeypatch.setattr(
+        ServerRolloutGeneration, "_request", lambda self, prompts: in_step.append(1) or request(self, prompts)
+    )
     model_path = build_tool_calling_model(fleet.model_path, str(tmp_path / "tool-model"))
     config = trl_scale.GRPOConfig(
         **cpu_args(
@@ -751,27 +823,24 @@ def test_a_tool_using_rollout_streams_each_turn_with_its_weights(fleet, rl_urls,
     checkpoints, recorded = _record_run(trainer)
     trainer.train()
     assert trainer.state.global_step == 4 and len(recorded) == 4
+    assert not in_step  # every turn came from the stream
     sampler = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     called = 0
     for batch, _, spans, current in recorded:
         tool_mask, mask = batch["tool_mask"], batch["completion_mask"].bool()
-        versions = {v for first, _ in spans for v in (first, first + 1) if v in checkpoints} | {current}
+        versions = {v for first, newest in spans for v in range(first, newest + 1) if v in checkpoints}
         sampled = batch["sampling_per_token_logps"]
         off = {v: (_drawn_logprobs(sampler, checkpoints[v], batch) - sampled).abs() for v in versions}
         for row, (first, newest) in enumerate(spans):
-            assert current - first <= 1  # never older than k = 1
+            assert current - first <= 1 and first <= newest <= current  # never older than k = 1
             holes = (tool_mask[row] == 0) & mask[row]
             if not holes.any():
                 continue
             called += 1
-            assert newest == current  # the conversation went on with the current weights
-            start, end = int(holes.nonzero()[0]), int(holes.nonzero()[-1]) + 1
-            first_turn = slice(0, start)
-            after = off.get(first + 1, off[first])  # a keep-sync may land inside the first turn
-            assert (torch.minimum(off[first][row][first_turn], after[row][first_turn]) <= 1e-4).all()
-            second_turn = mask[row].clone()
-            second_turn[:end] = False
-            assert second_turn.any() and (off[current][row][second_turn] <= 1e-4).all(), (row, off[current][row])
+            drawn = mask[row] & (tool_mask[row] == 1)
+            closest = torch.stack([off[v][row] for v in range(first, newest + 1) if v in off]).min(0).values
+            assert (closest[drawn] <= 1e-4).all(), (row, first, newest, closest)  # each token: weights in its span
+            assert drawn[int(holes.nonzero()[-1]) + 1 :].any()  # a turn after the tool's result
     assert called >= 4, called  # most answers called the tool (about 7 in 8 after the warm-up)
     frequencies = [h["tools/call_frequency"] for h in trainer.state.log_history if "tools/call_frequency" in h]
     assert frequencies and max(frequencies) > 0

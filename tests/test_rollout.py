@@ -528,6 +528,31 @@ def test_a_generation_the_server_aborted_is_sent_again_not_trained_on(servers):
     assert len(choices) == 2 and all(c["finish_reason"] != "abort" and len(c["token_ids"]) == 3 for c in choices)
 
 
+def test_with_continue_cut_a_cut_answer_is_continued_from_where_it_stopped(servers):
+    """Partial rollout (`continue_cut`, what `async_rollout_interrupt="partial"` sends with): a choice the server
+    cut is not sent again whole but continued — its tokens so far become the next request's prompt, within what is
+    left of `max_tokens`, and the parts are joined with their own log-probs. Here a stand-in cuts every answer after
+    one token (7, log-prob -0.5); continued on it or on the `trl-scale serve` beside it, each answer starts with that
+    token and its log-prob and ends whole (3 tokens, one log-prob each), and the continuation's prompt held the cut
+    token (the server's tokens follow it). Red when cut answers are re-sent whole (their first token would be the
+    server's) or returned cut."""
+    from .helpers import plain_http_server
+
+    logprobs = {"tokens": ["token_id:7"], "token_logprobs": [-0.5], "top_logprobs": None, "text_offset": [0]}
+    cut = {"index": 0, "text": "a", "token_ids": [7], "finish_reason": "abort", "logprobs": logprobs}
+    aborted = json.dumps({"choices": [cut, {**cut, "index": 1}]}).encode()
+    with plain_http_server(routes={"/v1/models": (200, MODELS), "/v1/completions": (200, aborted)}) as bad:
+        client = RolloutClient([bad, servers[0].url], request_timeout=30)
+        choices = client.complete([432, 375], n=2, continue_cut=True, max_tokens=3, logprobs=0)
+        client.close()
+    assert client.answers_continued >= 2
+    for index, choice in enumerate(choices):
+        assert choice["index"] == index and choice["finish_reason"] != "abort"
+        assert choice["token_ids"][0] == 7 and len(choice["token_ids"]) == 3
+        values = choice["logprobs"]["token_logprobs"]
+        assert values[0] == -0.5 and len(values) == 3 and all(v is not None for v in values)
+
+
 def test_a_request_the_server_rejects_as_bad_is_not_retried_elsewhere(servers):
     """400: the request itself is wrong (too long, a bad parameter); another server would reject it too."""
     from .helpers import hits, plain_http_server

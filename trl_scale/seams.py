@@ -9,15 +9,8 @@ wraps. ``python -m trl_scale.seams`` checks them all against the installed packa
 ``--update`` prints fresh fingerprints to paste here once the seams it names were re-read. The test also checks that
 trl-scale uses no private TRL name missing from this list, and that PPO classifies every GRPO config field.
 
-Upgrading TRL (the procedure, also in the README):
-
-1. bump the ``trl`` pin in ``pyproject.toml`` and reinstall;
-2. run ``pytest tests/test_seams.py`` (or ``python -m trl_scale.seams``): it names each seam whose fingerprint moved,
-   each private name trl-scale uses that is not registered, and each new GRPO field PPO does not classify;
-3. for each, read TRL's new code against the seam's ``assumes``, adapt trl-scale where it no longer holds, then
-   refresh the fingerprints (``python -m trl_scale.seams --update``) and classify new GRPO fields
-   (``trainers/ppo_config.py``: ``GRPO_FIELDS_PPO_APPLIES`` / ``GRPO_FIELDS_PPO_REFUSES``);
-4. run the whole suite: the parity tests compare every trainer with TRL's own to the bit.
+Upgrading TRL: the procedure is in the README ("The seam registry"): bump the pin, run this check, re-read each seam
+it names against its ``assumes``, adapt, refresh the fingerprints, run the whole suite.
 
 This module imports nothing from trl-scale and TRL only when checking, so any layer may read it.
 """
@@ -104,6 +97,46 @@ SEAMS: tuple[Seam, ...] = (
         "assistant message, its 'tool_calls' set when it called a tool) and generates the later turns through "
         "vllm_generation.generate; returns (tool_mask, completions, completion_ids, logprobs, ...)",
         "(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields)",
+    ),
+    Seam(
+        f"{G}._tool_call_loop",
+        COPY,
+        "trainers/streamed_tools.py (streamed tool rollouts)",
+        "TRL's own loop is called on a view of the trainer in a stream thread, for one prompt group: it reads "
+        "_sync_tool_dicts/_async_tool_dicts per row, generates every later turn through self._generate_single_turn "
+        "(prompt ids, images, multimodal fields, num_generations=1, has_tool_images) -> (ids, top-1 log-probs), "
+        "reaches super() only for tool images of a vision-language model, and returns (tool_mask, completions, "
+        "completion_ids, logprobs, tool calls, tool failures, tool images)",
+        "sha:1c501f7f3b46",
+    ),
+    Seam(
+        f"{G}._generate",
+        COPY,
+        "trainers/streamed_tools.py first_turn_messages",
+        "decodes the first turn before the tool loop: conversational prompts with a response template (or schema) "
+        "through parse_response(tokenizer, ids, prefix=prompt ids, tools=self.tools), else batch_decode",
+        "sha:2a27fdf8f5e6",
+    ),
+    Seam(
+        G,
+        ATTRIBUTE,
+        "trainers/streamed_tools.py (the tool tables of a streamed group)",
+        "the tools not bound to an environment, a list of functions (coroutine functions for async tools)",
+        attribute="_standalone_tools",
+    ),
+    Seam(
+        G,
+        ATTRIBUTE,
+        "trainers/streamed_tools.py (a streamed group's own tool tables, on the view its tool loop runs on)",
+        "one {name: function} per row of the batch, read by _tool_call_loop by row index (async ones apart)",
+        attribute="_sync_tool_dicts",
+    ),
+    Seam(
+        G,
+        ATTRIBUTE,
+        "trainers/streamed_tools.py (as _sync_tool_dicts)",
+        "one {name: coroutine function} per row of the batch, run on self.async_loop",
+        attribute="_async_tool_dicts",
     ),
     Seam(
         f"{G}._tokenize_prompts",

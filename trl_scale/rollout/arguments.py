@@ -97,6 +97,13 @@ class RolloutArguments:
         generation finishes on the adapter it started with (left loaded for `k` syncs: serve vLLM with
         `--max-loras` of at least `k + 1`, or generations of different adapters take turns), so its tokens are all
         of one version.
+    async_rollout_interrupt (`str`, defaults to `"keep"`): with `async_rollout_mode="streaming"`, what a weight sync
+        does to the answers running on the servers. `"keep"`: they are frozen between two decoding steps
+        (`/pause?mode=keep`) and go on with the new weights after the load. `"partial"` (partial rollout, for a
+        server without `keep`): they are cut (`/pause?mode=abort`: vLLM returns the tokens so far) and each cut answer
+        is continued after the sync from where it stopped (its prompt and tokens so far sent as the next request's
+        prompt, within what is left of `max_completion_length`), on the new weights. Either way a completion holds
+        tokens of two versions, each with its sampler log-prob; "partial" re-reads the prefix once per cut.
     logprobs_on_sampler_support (`bool`, defaults to `True`): with `top_k`, `top_p` or `min_p` truncating vLLM's
         sampling and `vllm_importance_sampling_correction=True`, score the trainer's log-probs on the support vLLM
         samples from (its rule applied to the trainer's own logits, the sampled token always in it): vLLM's
@@ -196,6 +203,14 @@ class RolloutArguments:
             "help": "With async_rollout_staleness >= 1: 'streaming' (prompt groups stream through the servers, the "
             "trainer takes finished ones; syncs land between decoding steps) or 'ordered' (whole batches prefetched, "
             "a sync waits for them: reproducible). None: 'streaming'."
+        },
+    )
+    async_rollout_interrupt: Literal["keep", "partial"] = field(
+        default="keep",
+        metadata={
+            "help": "Streaming: what a weight sync does to running answers. 'keep': frozen between decoding steps, "
+            "they go on with the new weights (/pause?mode=keep). 'partial' (servers without keep): cut "
+            "(/pause?mode=abort) and each continued after the sync from where it stopped (partial rollout)."
         },
     )
     logprobs_on_sampler_support: bool = field(
@@ -400,6 +415,11 @@ class RolloutArguments:
             )
         if self.async_rollout_mode not in ("ordered", "streaming"):
             raise ValueError(f"async_rollout_mode={self.async_rollout_mode!r}: use 'ordered' or 'streaming'")
+        if self.async_rollout_interrupt not in ("keep", "partial"):
+            raise ValueError(
+                f"async_rollout_interrupt={self.async_rollout_interrupt!r}: use 'keep' (running answers go on with "
+                "the new weights) or 'partial' (they are cut at the sync and continued after it)"
+            )
         if self.async_rollout_mode == "streaming":
             if not self.async_rollout_staleness:
                 raise ValueError(

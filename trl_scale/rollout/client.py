@@ -58,18 +58,38 @@ class ServerState:
     world_size: int = 0  # ranks it brings to the weight-transfer group (0: not read yet)
 
 
-def _check_choices(choices, n: int) -> None:
-    """A completions response must hold `n` choices with token ids; anything else is a server fault."""
+def _check_choices(choices, n: int, cut_allowed: bool = False) -> None:
+    """A completions response must hold `n` choices with token ids; anything else is a server fault. An aborted
+    choice is one too, unless the caller continues cut answers (`cut_allowed`)."""
     if not isinstance(choices, list) or len(choices) != n:
         count = len(choices) if isinstance(choices, list) else type(choices).__name__
         raise ValueError(f"malformed response: {count} choices for n={n}")
     if not all(isinstance(c, dict) and isinstance(c.get("token_ids"), list) for c in choices):
         raise ValueError("malformed response: a choice without a token_ids list")
     aborted = sum(c.get("finish_reason") == "abort" for c in choices)
-    if aborted:
+    if aborted and not cut_allowed:
         # vLLM answers 200 with the tokens so far when a generation is aborted (`/pause?mode=abort`, vLLM's default
         # mode, `/abort_requests`, sleep): a cut-off answer, never a completion to train on. Sent again.
         raise ValueError(f"the server aborted {aborted} of {len(choices)} generations (finish_reason 'abort')")
+
+
+def joined(cut: dict, rest: dict) -> dict:
+    """A cut choice and its continuation as one choice: token ids, text and per-token log-prob fields concatenated;
+    the continuation's finish reason; the cut part's index and prompt."""
+    whole = dict(rest)
+    whole["token_ids"] = list(cut["token_ids"]) + list(rest["token_ids"])
+    whole["text"] = (cut.get("text") or "") + (rest.get("text") or "")
+    for key in ("index", "prompt_token_ids"):
+        if key in cut:
+            whole[key] = cut[key]
+    first, second = cut.get("logprobs"), rest.get("logprobs")
+    if isinstance(first, dict) and isinstance(second, dict):
+        merged = {key: list(first.get(key) or []) + list(second.get(key) or []) for key in second}
+        if "text_offset" in merged and first.get("text_offset") is not None:  # offsets into the joined text
+            shift = len(cut.get("text") or "")
+            merged["text_offset"] = list(first["text_offset"]) + [o + shift for o in second.get("text_offset") or []]
+        whole["logprobs"] = merged
+    return whole
 
 
 class RolloutClient:
@@ -110,6 +130,7 @@ class RolloutClient:
         # A trainer waits through refused connections (a starting vLLM refuses them while its model loads); commands
         # that talk to running servers (`trl-scale rollout`) set this to fail at once.
         self.refused_is_definite = False
+        self.answers_continued = 0  # cut answers continued (partial rollout): `complete(continue_cut=True)`
 
     # ---- server selection -----------------------------------------------------------------------------------
 
@@ -172,12 +193,19 @@ class RolloutClient:
     # ---- generation ---------------------------------------------------------------------------------------
 
     def complete(
-        self, prompt: list[int], n: int = 1, model: str | None = None, on_dispatch=None, **sampling
+        self,
+        prompt: list[int],
+        n: int = 1,
+        model: str | None = None,
+        on_dispatch=None,
+        continue_cut: bool = False,
+        **sampling,
     ) -> list[dict]:
         """One `/v1/completions` request for one prompt, routed and retried; returns vLLM-shaped choices. Waiting
         for a server to take it is bounded by `request_timeout` (again after each failover), its generation by
         `generation_timeout`; each server is tried at most once per round. `on_dispatch()` is called right before
-        each send (a failover sends again)."""
+        each send (a failover sends again). An answer the server cut (finish_reason "abort") is sent again whole,
+        or, with `continue_cut` (partial rollout), continued from where it stopped (`_continued`)."""
         deadline = time.monotonic() + self.request_timeout
         tried: set[str] = set()
         errors = []
@@ -207,11 +235,10 @@ class RolloutClient:
                     raise RolloutError(f"{server.url} rejected the request ({response.status_code}): {response.text}")
                 response.raise_for_status()  # 5xx, 408, 429: fail over
                 choices = response.json()["choices"]  # malformed JSON raises here: a server fault, fail over
-                _check_choices(choices, n)
+                _check_choices(choices, n, cut_allowed=continue_cut)
                 self._release(server, ok=True, seconds=time.monotonic() - sent)
                 for choice in choices:
                     choice[SERVER_KEY] = server.url
-                return choices
             except RolloutError:
                 raise
             except Exception as error:  # connection refused, timeout, 5xx: fail over
@@ -219,12 +246,54 @@ class RolloutClient:
                 tried.add(server.url)
                 errors.append(f"{server.url}: {error!r}")
                 deadline = time.monotonic() + self.request_timeout  # the failover waits afresh
+                continue
+            if continue_cut and any(c.get("finish_reason") == "abort" for c in choices):
+                return self._all_continued(prompt, choices, model, sampling)  # this server's part is done
+            return choices
         limit = "no limit" if self.generation_timeout is None else f"{self.generation_timeout:g}s"
         raise RolloutError(
             f"no rollout server answered: none took the request within rollout_request_timeout="
             f"{self.request_timeout:g}s (each generation may take rollout_generation_timeout: {limit}). Servers: "
             f"{[s.url for s in self.servers]}. Errors: {errors[-3:] or 'all servers down or stale'}"
         )
+
+    def _all_continued(self, prompt: list[int], choices: list[dict], model: str | None, sampling: dict) -> list:
+        """Each cut choice continued (`_continued`), at the same time: one thread each (not the request pool, which
+        the calling thread may be one of)."""
+        results: list = [None] * len(choices)
+
+        def run(index: int) -> None:
+            try:
+                results[index] = self._continued(prompt, choices[index], model, sampling)
+            except BaseException as error:  # raised in the caller's thread below
+                results[index] = error
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(choices))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
+
+    def _continued(self, prompt: list[int], choice: dict, model: str | None, sampling: dict) -> dict:
+        """A choice the server cut (a sync's `/pause?mode=abort`) continued to its end: the prompt and its tokens so
+        far are the next request's prompt (sent like any, so it waits out the pause and runs on the new weights),
+        within what is left of `max_tokens`; the two parts joined, each token keeping the log-prob of the weights
+        that drew it. A whole choice is returned as it is."""
+        if choice.get("finish_reason") != "abort":
+            return choice
+        done = list(choice["token_ids"])
+        left = sampling.get("max_tokens")
+        if left is not None and left - len(done) <= 0:
+            return {**choice, "finish_reason": "length"}
+        rest_sampling = dict(sampling) if left is None else {**sampling, "max_tokens": left - len(done)}
+        with self._lock:
+            self.answers_continued += 1
+        (rest,) = self.complete(prompt + done, 1, model, continue_cut=True, **rest_sampling)
+        return joined(choice, rest)
 
     # ---- plain calls by URL (preflight, `trl-scale check-servers`) --------------------------------------------
 

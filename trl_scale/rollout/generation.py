@@ -18,14 +18,14 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Callable
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TypeVar
 
 from trl.generation.vllm_generation import VLLMGeneration
 
 from ..logs import get_logger
 from ..ranks import agree, broadcast_from_main, decide_on_leader, decide_on_main
+from .ahead import CONVERSATION_KEY, GenerationAhead
 from .client import SERVER_KEY, VERSION_PREFIX, RolloutClient, RolloutError
 from .settings import RolloutSettings
 from .weight_dir import WeightDirectory
@@ -45,7 +45,7 @@ class ServersFit:
     max_model_len: int | None
 
 
-class ServerRolloutGeneration(VLLMGeneration):
+class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
     def __init__(
         self,
         model,
@@ -101,7 +101,9 @@ class ServerRolloutGeneration(VLLMGeneration):
         self.weight_sync, self.server_max_model_len = fit.weight_sync, fit.max_model_len
         if self.weight_sync == "nccl" and self.weight_dir is not None:  # "auto" chose a group: no directory needed
             self.weight_dir.release()
-        pause_mode = "keep" if self.settings.streaming else "wait"
+        pause_mode = "wait"  # a sync drains the servers, unless streaming, where it freezes or cuts running answers
+        if self.settings.streaming:
+            pause_mode = "keep" if self.settings.interrupt == "keep" else "abort"
         settings = SyncSettings(self.settings.weight_sync_timeout, self.weight_dir, fit.backend, pause_mode)
         self.sync_mode = weight_sync_for(self.weight_sync, self.client, settings)
         self.client.version_reader = self.sync_mode.server_version
@@ -176,75 +178,6 @@ class ServerRolloutGeneration(VLLMGeneration):
             self._check_fleet()
             return request()
 
-    def enable_async(self, staleness: int, tokenize, groups_per_batch: int | None = None) -> None:
-        """Asynchronous rollout: with `settings.streaming`, prompt groups stream through the servers (see
-        `streaming`; `groups_per_batch`: the groups one generation batch trains on); else up to `staleness`
-        generation batches are prefetched (see `async_rollout`)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        from .async_rollout import RolloutPrefetcher
-        from .streaming import StreamingRollout
-
-        if self.settings.streaming:
-            self.streams = True
-            if self.weight_sync == "lora":  # running generations keep their adapter: keep it loaded
-                self.sync_mode.settings = replace(self.sync_mode.settings, keep_adapters=staleness)
-            self.streamer = StreamingRollout(
-                staleness, tokenize, self._send_group, groups_per_batch or 1, version=lambda: self.sync_count
-            )
-            return
-        # Its own threads: a prefetch waits on the client's request pool, which must never wait on itself.
-        self._prefetch_pool = ThreadPoolExecutor(max_workers=max(1, staleness), thread_name_prefix="prefetch")
-        self.prefetcher = RolloutPrefetcher(
-            staleness, tokenize, lambda ids: self._prefetch_pool.submit(self._request_spanned, [list(p) for p in ids])
-        )
-
-    @property
-    def read_ahead(self):
-        """What reads the trainer's data ahead (the streamer or the prefetcher), or None for a synchronous run."""
-        return self.streamer if self.streamer is not None else self.prefetcher
-
-    def _send_group(self, prompt_ids: list[int], n: int, dispatched) -> tuple[list[dict], int]:
-        """One prompt group's request (streaming): its choices and the newest weights its tokens can come from.
-        With LoRA, a generation keeps the adapter it was sent with (a sync loads the next under a new name and
-        leaves this one loaded): every token comes from that adapter's version."""
-        sampling = self.settings.sampling
-        name, adapter_version = self._lora_served  # one read: the adapter named and its version agree
-        choices = self._retried_after_fleet(
-            lambda: self.client.complete(prompt_ids, n, name, on_dispatch=dispatched, **sampling)
-        )
-        if self.weight_sync == "lora":
-            return choices, adapter_version
-        return choices, self.sync_count + (1 if self._syncing else 0)
-
-    def take_streamed(self, num_rows: int, new_rows: list | None = None):
-        """The next generation batch's worth of finished prompt groups (streaming; see `StreamingRollout.take`),
-        after `new_rows` (dynamic sampling's top-up) joined the stream. Under sequence parallelism the group's
-        rank 0 takes them from its stream and every rank of the group gets them."""
-
-        def take():
-            self._check_fleet()
-            self.client.refresh_versions(only_unchecked=True)
-            if new_rows is not None:
-                self.streamer.add(new_rows)
-            return self.streamer.take(num_rows)
-
-        return decide_on_leader(take, self.shared_with)
-
-    @contextmanager
-    def serving(self, streamed):
-        """Within the block, TRL's `generate` call for this batch is answered from the streamed groups (their
-        prompts must be the ones asked for)."""
-        self._serving = streamed
-        try:
-            yield
-        finally:
-            self._serving = None
-
-    def close_streaming(self) -> None:
-        if self.streamer is not None:
-            self.streamer.close()
-
     def close(self) -> None:
         """No more generation: the stream, the prefetch and the client's request threads stop (idle pool threads
         would otherwise keep a process that ends with `os._exit`, as the CLI's multi-process runs do, waiting)."""
@@ -253,12 +186,6 @@ class ServerRolloutGeneration(VLLMGeneration):
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
-
-    def _request_spanned(self, prompts) -> tuple[list[dict], int]:
-        """`_request`, and the newest weight version its tokens can come from: the sync count when it finished (one
-        more while a sync is under way, whose new weights a streaming sync lets it reach)."""
-        choices = self._request(prompts)
-        return choices, self.sync_count + (1 if self._syncing else 0)
 
     def release_weight_dir(self) -> None:
         """Release what the sync mode holds (the weights it wrote, the directory's lock): the end of `train()`. The
@@ -269,37 +196,16 @@ class ServerRolloutGeneration(VLLMGeneration):
             elif self.weight_dir is not None:
                 self.weight_dir.release()
 
-    prefetcher = None
-    streamer = None
-
     @property
     def lora_name(self) -> str | None:
         """The adapter the servers serve now (`weight_sync="lora"`; None before its first sync, and otherwise)."""
         return self._lora_served[0]
 
-    shared_with = None  # the sequence-parallel group's process group: its rank 0 generates for it (`share_with`)
-
-    streams = False  # streaming rollout: this rank's batches come from the stream (its own, or its group's)
-
-    def share_with(self, group, rank: int) -> None:
-        """Sequence parallelism: the ranks of `group` (a process group; this rank is `rank` in it) train on the
-        same batch, so its rank 0 alone requests, prefetches or streams completions, and hands them to the
-        others (`take_streamed_shared`, `generate`)."""
-        self.shared_with = group
-        if rank == 0:
-            return
-        if self.prefetcher is not None:
-            self.prefetcher = None
-            self._prefetch_pool.shutdown(wait=False)
-        if self.streamer is not None:
-            self.streamer.close()
-            self.streamer = None
-
-    _serving = None  # a streamed batch TRL's next generate() call is answered from
     _syncing = False  # a weight sync is under way (streaming: running generations may reach its weights)
     last_versions: list[int] = []  # per completion of the last batch: the sync count its first token came from
     last_version_spans: list[tuple[int, int]] = []  # per completion: (first, newest possible) sync counts
     last_sampler_logprobs: list[list[float]] = []  # per completion of the last batch: its tokens' sampler log-probs
+    last_conversations: list | None = None  # per completion of the last streamed batch: its whole conversation
 
     def generate(self, prompts, images=None, num_generations=1, profiler=None):
         """Each rank sends its own prompts. With async rollout, a batch prefetched at most `staleness` syncs ago
@@ -312,9 +218,23 @@ class ServerRolloutGeneration(VLLMGeneration):
             choices, spans = decide_on_leader(lambda: self._generated_choices(prompts), self.shared_with)
         self.last_versions = [first for first, _ in spans]  # the weights of each completion's first token
         self.last_version_spans = spans  # ... and of its last at the newest
-        completion_ids, logprobs, logprob_ids = [], [], []
+        # a streamed tool-using group's conversations (its later turns were generated with it): the tool loop's
+        self.last_conversations = [choice.get(CONVERSATION_KEY) for choice in choices] if self.converses else None
+        completion_ids, logprobs = self.turn_outputs(choices)
+        # TRL's RLOO drops the log-probs `generate` returns: its trl-scale correction reads them here
+        self.last_sampler_logprobs = logprobs
+        return (
+            [list(p) for p in prompts],
+            completion_ids,
+            [[[v] for v in row] for row in logprobs],
+            [[[t] for t in choice["token_ids"]] for choice in choices],
+        )
+
+    def turn_outputs(self, choices: list[dict]) -> tuple[list[list[int]], list[list[float]]]:
+        """Each choice's completion ids and its tokens' sampler log-probs (NaN where none were asked for)."""
+        completion_ids, logprobs = [], []
         for choice in choices:
-            completion_ids.append(choice["token_ids"])
+            completion_ids.append(list(choice["token_ids"]))
             values = sampler_logprobs(choice) if self.logprobs is not None else None
             if values is None and self.require_logprobs:
                 raise RolloutError(
@@ -322,22 +242,8 @@ class ServerRolloutGeneration(VLLMGeneration):
                     f"(logprobs=0): the importance-sampling correction needs them. Fix: serve with vLLM (or trl-scale "
                     "serve), whose /v1/completions returns them, or set vllm_importance_sampling_correction=False"
                 )
-            logprobs.append(
-                [[v] for v in values] if values is not None else [[float("nan")] for _ in choice["token_ids"]]
-            )
-            logprob_ids.append([[t] for t in choice["token_ids"]])
-        # TRL's RLOO drops the log-probs `generate` returns: its trl-scale correction reads them here
-        self.last_sampler_logprobs = [[values[0] for values in row] for row in logprobs]
-        return [list(p) for p in prompts], completion_ids, logprobs, logprob_ids
-
-    def _streamed_choices(self, prompts) -> tuple[list[dict], list[tuple[int, int]]]:
-        streamed, self._serving = self._serving, None  # answers one call
-        if [list(p) for p in prompts] != streamed.prompt_ids:
-            raise RuntimeError(
-                "streaming rollout: TRL asked for completions of other prompts than the streamed batch's: TRL's hook "
-                "order is not the one trl-scale was built on (see trl_scale/seams.py)"
-            )
-        return streamed.choices, list(streamed.spans)
+            logprobs.append(values if values is not None else [float("nan")] * len(choice["token_ids"]))
+        return completion_ids, logprobs
 
     def _generated_choices(self, prompts) -> tuple[list[dict], list[tuple[int, int]]]:
         """Generated now, or taken from a prefetched request ("ordered")."""

@@ -23,7 +23,9 @@ class RolloutSettings:
     managed: bool = False  # this run manages its servers: a failed sync is tried once more after a restart
     run_id: str = ""  # names the weight versions and adapters of this run (the same on every rank)
     on_sampler_support: bool = False  # the trainer scores its log-probs on the sampler's truncated support
-    streaming: bool = False  # async_rollout_mode="streaming": syncs land between decoding steps (pause "keep")
+    streaming: bool = False  # async_rollout_mode="streaming": syncs do not drain the servers
+    # streaming: a sync freezes running answers ("keep") or cuts them, each continued after it ("partial")
+    interrupt: Literal["keep", "partial"] = "keep"
 
     @classmethod
     def from_config(cls, args, *, logprobs: bool, require_logprobs: bool, run_id: str) -> RolloutSettings:
@@ -55,6 +57,7 @@ class RolloutSettings:
             run_id=run_id,
             on_sampler_support=SamplerSupport.from_config(args) is not None,
             streaming=getattr(args, "async_rollout_mode", "ordered") == "streaming",
+            interrupt=getattr(args, "async_rollout_interrupt", "keep"),
         )
 
 

@@ -7,7 +7,8 @@ the router picks, and up to a window of groups ((k + 1) generation batches' wort
 group finishes, the next is sent, so every server keeps generating while the trainer trains and while a long answer
 runs. For each generation batch the trainer takes the groups that have *finished*, oldest weights first, in place of
 the rows TRL read (their rows go with them, so reward functions see each completion's own columns); a long answer
-still running is trained on in a later batch.
+still running is trained on in a later batch. With `converse` (tool-using rollouts) a group's later turns are
+generated right after its first, in its thread, and it finishes when its last turn does.
 
 The bound: a group's version is the weight sync count when its request was sent (its first token cannot be older;
 a failover re-send is tagged anew), and it is never trained more than k syncs later. No more groups are out than
@@ -87,6 +88,7 @@ class StreamingRollout:
         send: Send,
         groups_per_batch: int,
         version: Callable,
+        converse: Callable[[list, list[int], list[dict]], int] | None = None,
     ):
         if staleness < 1:
             raise ValueError(f"streaming needs async_rollout_staleness >= 1, got {staleness}")
@@ -96,6 +98,9 @@ class StreamingRollout:
         self.send = send
         self.groups_per_batch = groups_per_batch  # groups one generation batch trains on
         self.version = version  # () -> the current sync count
+        # (rows, prompt ids, choices) -> the newest version of a group's later turns, generated right after its first
+        # (tool-using rollouts; the choices then carry the conversations); None: one turn
+        self.converse = converse
         self._taken_at = -1  # the version of the last batch taken
         self.pending: deque[PromptGroup] = deque()  # read, not sent (dropped ones go first)
         self.out: list[PromptGroup] = []  # sent, not taken (generating or finished)
@@ -159,14 +164,17 @@ class StreamingRollout:
         def run():
             try:
                 choices, newest = self.send(list(group.prompt_ids), len(group.rows), dispatched)
+                sent_with = newest  # (LoRA) the adapter its first turn named
+                if self.converse is not None:  # its later turns, before the group counts as finished
+                    newest = max(newest, self.converse(group.rows, list(group.prompt_ids), choices))
                 error = None
             except BaseException as failure:  # handed to the trainer when it takes this group
-                choices, newest, error = None, -1, failure
+                choices, newest, sent_with, error = None, -1, -1, failure
             with self._changed:
                 if group.attempts == attempt:
                     group.choices, group.newest_version, group.error = choices, newest, error
-                    if 0 <= newest < group.first_version:  # (LoRA) sent with an adapter older than its dispatch
-                        group.first_version = newest
+                    if 0 <= sent_with < group.first_version:  # (LoRA) sent with an adapter older than its dispatch
+                        group.first_version = sent_with
                     group.finished_at = time.monotonic()
                 self._changed.notify_all()
 

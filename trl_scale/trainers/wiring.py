@@ -14,6 +14,7 @@ from ..ranks import broadcast_from_main, run_on_main
 from ..rollout.weight_dir import WeightDirectory
 from ..scoring import PackingStats, ScoringSettings, install_packed_scoring
 from .construction import trl_base_class
+from .streamed_tools import conversing, streamed_conversations
 
 logger = get_logger(__name__)
 
@@ -100,9 +101,13 @@ class ServerRolloutMixin:
                     "rollouts take theirs from each environment's reset() inside the step. Fix: "
                     "async_rollout_staleness=0, or tools=... (stateless tools are streamed)"
                 )
-            groups = self._stream_groups_per_batch() if self.vllm_generation.settings.streaming else None
+            streaming = self.vllm_generation.settings.streaming
+            groups = self._stream_groups_per_batch() if streaming else None
             self.vllm_generation.enable_async(
-                args.async_rollout_staleness, lambda prompts: self._tokenize_prompts(prompts)[0], groups
+                args.async_rollout_staleness,
+                lambda prompts: self._tokenize_prompts(prompts)[0],
+                groups,
+                converse=conversing(self) if streaming and getattr(self, "tools", None) else None,
             )
             self._lookahead = None
 
@@ -145,15 +150,20 @@ class ServerRolloutMixin:
         with generation.serving(streamed):
             return self._candidate_round(streamed.rows)
 
-    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, *args, **kwargs):
-        """Tool-using rollouts, asynchronous: each completion's first turn came from the stream or the prefetch (its
-        version span recorded by the generation), its later turns (after a tool result) are generated now, with the
-        weights this batch trains at; a conversation's span is therefore (its first turn's first version, the
-        current one) when it called a tool. Each token keeps the sampler log-prob of the weights that drew it."""
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, *args, **kwargs):
+        """Tool-using rollouts, asynchronous. Streaming: each conversation's later turns were generated in the stream
+        with its first (`streamed_tools`); the batch takes them whole, its version span covering every turn. Ordered
+        (prefetch): the first turn was prefetched, the later ones are generated now with the weights this batch
+        trains at, so a conversation that called a tool spans (its first turn's first version, the current one).
+        Each token keeps the sampler log-prob of the weights that drew it."""
         generation = getattr(self, "vllm_generation", None)
+        conversations = getattr(generation, "last_conversations", None)
+        if conversations and all(c is not None for c in conversations) and len(conversations) == len(prompt_ids):
+            generation.last_conversations = None
+            return streamed_conversations(conversations, completion_ids, logprobs)
         spans = list(getattr(generation, "last_version_spans", None) or [])
         called = [bool(completion[0].get("tool_calls")) for completion in completions]
-        result = super()._tool_call_loop(prompts, prompt_ids, completion_ids, completions, *args, **kwargs)
+        result = super()._tool_call_loop(prompts, prompt_ids, completion_ids, completions, logprobs, *args, **kwargs)
         if generation is not None and len(spans) == len(called):
             now = generation.sync_count
             generation.last_version_spans = [
@@ -163,9 +173,9 @@ class ServerRolloutMixin:
         return result
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        streamer = getattr(getattr(self, "vllm_generation", None), "streamer", None)
-        if streamer is not None and "loss" in logs:
-            logs.update(streamer.metrics())
+        generation = getattr(self, "vllm_generation", None)
+        if getattr(generation, "streamer", None) is not None and "loss" in logs:
+            logs.update(generation.stream_metrics())
         super().log(logs, start_time)
 
     def close_rollout_servers(self) -> None:

@@ -50,7 +50,8 @@ class SyncSettings:
     backend: str | None = None  # nccl: the servers' weight-transfer engine
     # "wait": a sync drains the running generations first (each finishes with the weights it started with);
     # "keep": it freezes them between two decoding steps, and they go on with the new weights (streaming rollout)
-    pause_mode: Literal["wait", "keep"] = "wait"
+    # "abort": it cuts them (vLLM returns the tokens so far), and the client continues each after the sync
+    pause_mode: Literal["wait", "keep", "abort"] = "wait"
     # lora: superseded adapters left loaded (streaming: a generation keeps the adapter it started with, up to
     # `async_rollout_staleness` syncs)
     keep_adapters: int = 0
@@ -85,8 +86,9 @@ class WeightSyncMode(ABC):
         """`/pause`, `work(paused servers)`, then `/resume` on every paused server, also when the work failed.
         "wait" lets the generations a server has started finish with the weights they started with; "keep" freezes
         them and they finish with the new weights (a completion sampled from two versions, each token's sampler
-        log-prob that of the weights that drew it; which tokens came from which depends on timing). Requests not yet
-        admitted wait for the resume either way."""
+        log-prob that of the weights that drew it; which tokens came from which depends on timing); "abort" cuts
+        them (answered with the tokens so far; the client continues each after the sync: a partial rollout). Requests
+        not yet admitted wait for the resume in every mode."""
         timeout = self.settings.timeout
         refused = self.client.each(servers, self._pause, timeout)
         paused = [s for s in servers if s.url not in refused]
@@ -96,8 +98,8 @@ class WeightSyncMode(ABC):
             self.client.each(paused, lambda s: self.client.post(s, "/resume", timeout), timeout)
 
     def _pause(self, server: ServerState) -> None:
-        if self.settings.pause_mode == "keep":  # returns between two decoding steps
-            self.client.post(server, "/pause?mode=keep", self.settings.timeout)
+        if self.settings.pause_mode in ("keep", "abort"):  # returns at once, between two decoding steps
+            self.client.post(server, f"/pause?mode={self.settings.pause_mode}", self.settings.timeout)
             return
         # It returns once the server's running generations have finished: bounded as one generation is.
         generation = self.client.generation_timeout

@@ -1,0 +1,167 @@
+"""Generation ahead of the trainer (asynchronous rollout): the prefetch (`async_rollout`, "ordered") and the stream
+(`streaming`), on the servers' client. Mixed into `ServerRolloutGeneration`, which it uses for the requests (`client`,
+`settings`, the sync count and the LoRA adapter served); TRL's `generate` call for a batch is answered from a
+streamed batch within `serving`. Tool-using rollouts stream whole conversations: a group's later turns are sent right
+after its first (`converse`), each choice then carrying its conversation (`CONVERSATION_KEY`)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import replace
+
+from ..ranks import decide_on_leader
+
+CONVERSATION_KEY = "trl_scale_conversation"  # a streamed choice's whole conversation, its later turns included
+
+# converse(rows, prompt_ids, completion_ids, logprobs, send_turns) -> one conversation per completion: a prompt
+# group's later turns (its trainer rows, its prompt's ids, its first turn's completions and their sampler log-probs).
+# send_turns(prompts) generates one turn for each prompt (token ids: the conversation so far) and returns the turns'
+# (completion ids, sampler log-probs).
+Converse = Callable[[list, list[int], list[list[int]], list[list[float]], Callable], list]
+
+
+class GenerationAhead:
+    """`ServerRolloutGeneration`'s asynchronous half: reading the trainer's data ahead and generating it."""
+
+    prefetcher = None
+    streamer = None
+    shared_with = None  # the sequence-parallel group's process group: its rank 0 generates for it (`share_with`)
+    streams = False  # streaming rollout: this rank's batches come from the stream (its own, or its group's)
+    converses = False  # streaming generates a group's later turns too (`enable_async(converse=...)`)
+    _serving = None  # a streamed batch TRL's next generate() call is answered from
+
+    def enable_async(
+        self, staleness: int, tokenize, groups_per_batch: int | None = None, converse: Converse | None = None
+    ) -> None:
+        """Asynchronous rollout: with `settings.streaming`, prompt groups stream through the servers (see
+        `streaming`; `groups_per_batch`: the groups one generation batch trains on); else up to `staleness`
+        generation batches are prefetched (see `async_rollout`). `converse` (streaming, tool-using rollouts): a
+        group's later turns, run in the stream's thread right after its first turn (see `Converse`)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .async_rollout import RolloutPrefetcher
+        from .streaming import StreamingRollout
+
+        if self.settings.streaming:
+            self.streams = True
+            if self.weight_sync == "lora":  # running generations keep their adapter: keep it loaded
+                self.sync_mode.settings = replace(self.sync_mode.settings, keep_adapters=staleness)
+            self.converses = converse is not None
+            self.streamer = StreamingRollout(
+                staleness,
+                tokenize,
+                self._send_group,
+                groups_per_batch or 1,
+                version=lambda: self.sync_count,
+                converse=None if converse is None else functools.partial(self._continue_conversations, converse),
+            )
+            return
+        # Its own threads: a prefetch waits on the client's request pool, which must never wait on itself.
+        self._prefetch_pool = ThreadPoolExecutor(max_workers=max(1, staleness), thread_name_prefix="prefetch")
+        self.prefetcher = RolloutPrefetcher(
+            staleness, tokenize, lambda ids: self._prefetch_pool.submit(self._request_spanned, [list(p) for p in ids])
+        )
+
+    @property
+    def read_ahead(self):
+        """What reads the trainer's data ahead (the streamer or the prefetcher), or None for a synchronous run."""
+        return self.streamer if self.streamer is not None else self.prefetcher
+
+    def _send_group(self, prompt_ids: list[int], n: int, dispatched=None) -> tuple[list[dict], int]:
+        """One prompt group's request (streaming): its choices and the newest weights its tokens can come from.
+        With LoRA, a generation keeps the adapter it was sent with (a sync loads the next under a new name and
+        leaves this one loaded): every token comes from that adapter's version."""
+        sampling = self.settings.sampling
+        name, adapter_version = self._lora_served  # one read: the adapter named and its version agree
+        continue_cut = self.settings.interrupt == "partial"  # a sync cuts running answers: each continued after it
+        choices = self._retried_after_fleet(
+            lambda: self.client.complete(
+                prompt_ids, n, name, on_dispatch=dispatched, continue_cut=continue_cut, **sampling
+            )
+        )
+        if self.weight_sync == "lora":
+            return choices, adapter_version
+        return choices, self.sync_count + (1 if self._syncing else 0)
+
+    def _continue_conversations(self, converse: Converse, rows: list, prompt_ids: list[int], choices: list[dict]):
+        """A prompt group's later turns (`converse`), right after its first turn's `choices`: each turn one request
+        per conversation, sent as a group's first turn is (routed, failed over, with the weights served then). Each
+        choice then carries its whole conversation (`CONVERSATION_KEY`); returns the newest weights of the later
+        turns (-1 with none)."""
+        newest = [-1]
+
+        def send_turns(prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+            futures = [self.client.submit(self._send_group, list(p), 1) for p in prompts]
+            sent = [future.result() for future in futures]
+            newest.extend(version for _, version in sent)
+            return self.turn_outputs([turn[0] for turn, _ in sent])
+
+        completion_ids, logprobs = self.turn_outputs(choices)
+        conversations = converse(rows, prompt_ids, completion_ids, logprobs, send_turns)
+        for choice, conversation in zip(choices, conversations, strict=True):
+            choice[CONVERSATION_KEY] = conversation
+        return max(newest)
+
+    def take_streamed(self, num_rows: int, new_rows: list | None = None):
+        """The next generation batch's worth of finished prompt groups (streaming; see `StreamingRollout.take`),
+        after `new_rows` (dynamic sampling's top-up) joined the stream. Under sequence parallelism the group's
+        rank 0 takes them from its stream and every rank of the group gets them."""
+
+        def take():
+            self._check_fleet()
+            self.client.refresh_versions(only_unchecked=True)
+            if new_rows is not None:
+                self.streamer.add(new_rows)
+            return self.streamer.take(num_rows)
+
+        return decide_on_leader(take, self.shared_with)
+
+    @contextmanager
+    def serving(self, streamed):
+        """Within the block, TRL's `generate` call for this batch is answered from the streamed groups (their
+        prompts must be the ones asked for)."""
+        self._serving = streamed
+        try:
+            yield
+        finally:
+            self._serving = None
+
+    def stream_metrics(self) -> dict[str, float]:
+        """The stream's counts (see `StreamingRollout.metrics`) and the cut answers continued (partial rollout)."""
+        continued = float(self.client.answers_continued)
+        return {**self.streamer.metrics(), "rollout/stream_answers_continued": continued}
+
+    def close_streaming(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
+
+    def _request_spanned(self, prompts) -> tuple[list[dict], int]:
+        """`_request`, and the newest weight version its tokens can come from: the sync count when it finished (one
+        more while a sync is under way, whose new weights a streaming sync lets it reach)."""
+        choices = self._request(prompts)
+        return choices, self.sync_count + (1 if self._syncing else 0)
+
+    def share_with(self, group, rank: int) -> None:
+        """Sequence parallelism: the ranks of `group` (a process group; this rank is `rank` in it) train on the
+        same batch, so its rank 0 alone requests, prefetches or streams completions, and hands them to the
+        others (`take_streamed_shared`, `generate`)."""
+        self.shared_with = group
+        if rank == 0:
+            return
+        if self.prefetcher is not None:
+            self.prefetcher = None
+            self._prefetch_pool.shutdown(wait=False)
+        if self.streamer is not None:
+            self.streamer.close()
+            self.streamer = None
+
+    def _streamed_choices(self, prompts) -> tuple[list[dict], list[tuple[int, int]]]:
+        streamed, self._serving = self._serving, None  # answers one call
+        if [list(p) for p in prompts] != streamed.prompt_ids:
+            raise RuntimeError(
+                "streaming rollout: TRL asked for completions of other prompts than the streamed batch's: TRL's hook "
+                "order is not the one trl-scale was built on (see trl_scale/seams.py)"
+            )
+        return streamed.choices, list(streamed.spans)

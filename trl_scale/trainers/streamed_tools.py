@@ -1,0 +1,132 @@
+"""Tool-using rollouts, streamed: a prompt group's later turns are generated in the stream, right after its first.
+
+TRL runs its tool loop (`_tool_call_loop`) inside the training step: parse each completion's tool calls, call the
+tools, append their results and generate the next turn, up to `max_tool_calling_iterations`. Streaming runs that
+same loop, TRL's own code, for one prompt group in the stream's thread as soon as the group's first turn is back:
+each later turn is one more request per conversation, routed and failed over as every streamed request, with the
+weights the servers hold then. The step then takes the whole conversations (`streamed_conversations`) instead of
+generating turns itself, so a batch whose answers call tools no longer waits for their later turns.
+
+The loop runs on a view of the trainer (`_GroupView`): the trainer's attributes, but the group's own tool tables and a
+`_generate_single_turn` that sends the turn to the servers. One lock serialises the loops' own work (tools, the
+tokenizer) across the stream's threads, as TRL calls a batch's tools one after another; it is let go while a turn
+generates, so many conversations wait on the servers at once. Async tools run on TRL's event loop, as in TRL.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import threading
+from dataclasses import dataclass
+
+from .construction import trl_base_class
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One completion's whole rollout as TRL's tool loop leaves it: all turns' tokens (tool results included, masked
+    by `tool_mask` 0), their sampler log-probs (0.0 on tool results), its messages, and the tool calls it made (and
+    how many failed)."""
+
+    completion_ids: list[int]
+    tool_mask: list[int]
+    logprobs: list[float]
+    messages: list[dict]
+    tool_images: list
+    tool_calls: int
+    tool_failures: int
+
+
+class _GroupView:
+    """The trainer as TRL's tool loop sees it, for one prompt group in a stream thread."""
+
+    def __init__(self, trainer, num_rows: int, send_turns, lock: threading.Lock):
+        self._trainer = trainer
+        self._send_turns = send_turns
+        self._lock = lock
+        sync_tools, async_tools = {}, {}
+        for tool in trainer._standalone_tools:  # TRL's per-rollout tables, without environments (refused here)
+            (async_tools if inspect.iscoroutinefunction(tool) else sync_tools)[tool.__name__] = tool
+        self._sync_tool_dicts = [sync_tools] * num_rows
+        self._async_tool_dicts = [async_tools] * num_rows
+
+    def __getattr__(self, name: str):
+        return getattr(self._trainer, name)
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations=1, has_tool_images=False):
+        if images is not None and any(images) or has_tool_images:
+            raise NotImplementedError("streamed tool rollouts with images (or tools answering with images)")
+        self._lock.release()  # other conversations run their tools while this turn generates
+        try:
+            return self._send_turns([list(ids) for ids in prompt_ids])
+        finally:
+            self._lock.acquire()
+
+
+def first_turn_messages(trainer, prompts: list, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list:
+    """Each completion's first turn as TRL's `_generate` decodes it before its tool loop: conversational prompts
+    with the tokenizer's response template get their tool calls parsed."""
+    from trl.chat_template_utils import parse_response  # what TRL's _generate calls
+    from trl.data_utils import is_conversational
+
+    if not is_conversational({"prompt": prompts[0]}):
+        return trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)  # TRL's _tokenizer
+    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        texts = trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        return [[{"role": "assistant", "content": text}] for text in texts]
+    return [
+        [parse_response(tokenizer, ids, prefix=prompt_ids[i], tools=trainer.tools)]
+        for i, ids in enumerate(completion_ids)
+    ]
+
+
+def conversing(trainer):
+    """The `converse` a streaming generation runs per prompt group (see `ServerRolloutGeneration.enable_async`):
+    TRL's tool loop over the group's rows, in the stream's thread."""
+    lock = threading.Lock()
+    tool_call_loop = trl_base_class(trainer)._tool_call_loop
+
+    def converse(rows: list, prompt_ids: list[int], completion_ids, logprobs, send_turns) -> list[Conversation]:
+        prompts = copy.deepcopy([row["prompt"] for row in rows])
+        ids = [list(prompt_ids) for _ in rows]
+        with lock:
+            completions = first_turn_messages(trainer, prompts, ids, completion_ids)
+            view = _GroupView(trainer, len(rows), send_turns, lock)
+            first_ids, first_logprobs = [list(c) for c in completion_ids], [list(v) for v in logprobs]
+            mask, messages, completion_ids, logprobs, calls, failures, images = tool_call_loop(
+                view, prompts, ids, first_ids, completions, first_logprobs, None, {}
+            )
+        # the group's counts ride on its first conversation: a batch's sum is TRL's count
+        return [
+            Conversation(
+                completion_ids[i],
+                mask[i],
+                logprobs[i],
+                messages[i],
+                images[i],
+                calls if i == 0 else 0,
+                failures if i == 0 else 0,
+            )
+            for i in range(len(rows))
+        ]
+
+    return converse
+
+
+def streamed_conversations(conversations: list, completion_ids: list[list[int]], logprobs):
+    """TRL's tool loop's return for a streamed batch, from its conversations (their first turns must be the batch's
+    completions): (tool_mask, completions, completion_ids, logprobs, tool calls, tool failures, tool images)."""
+    for conversation, first_turn in zip(conversations, completion_ids, strict=True):
+        if conversation.completion_ids[: len(first_turn)] != list(first_turn):
+            raise RuntimeError("streamed tool rollout: a conversation does not start with its batch's completion")
+    return (
+        [list(c.tool_mask) for c in conversations],
+        [copy.deepcopy(c.messages) for c in conversations],
+        [list(c.completion_ids) for c in conversations],
+        None if logprobs is None else [list(c.logprobs) for c in conversations],
+        sum(c.tool_calls for c in conversations),
+        sum(c.tool_failures for c in conversations),
+        [list(c.tool_images) for c in conversations],
+    )
