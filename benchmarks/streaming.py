@@ -74,11 +74,12 @@ def run(model_path: str, urls: list[str], mode: str, regime: str, steps: int, wa
     from trl_scale.toy import counting_prompts, counting_reward
 
     staleness, async_mode, dynamic = REGIME_MODES[regime][mode]
-    ends = []
+    ends, generating, syncing = [], [], [0.0]
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             ends.append(time.perf_counter())
+            generating.append(trainer.phase_seconds["generate"] - syncing[0])  # so far, the weight syncs apart
 
     trainer = trl_scale.GRPOTrainer(
         model=model_path,
@@ -119,12 +120,24 @@ def run(model_path: str, urls: list[str], mode: str, regime: str, steps: int, wa
         return complete(prompt, n, model, on_dispatch, **{**sampling, "max_tokens": answer_length(prompt, regime)})
 
     client.complete = long_tailed
+    sync = trainer.vllm_generation.sync_weights
+
+    def timed_sync():
+        start = time.perf_counter()
+        try:
+            sync()
+        finally:
+            syncing[0] += time.perf_counter() - start
+
+    trainer.vllm_generation.sync_weights = timed_sync
     trainer.train()
     streamer = trainer.vllm_generation.streamer
     dropped = streamer.counts["dropped_stale"] if streamer is not None else 0
     client.close()
     intervals = [b - a for a, b in zip(ends, ends[1:])][warmup:]
     step = statistics.mean(intervals)
+    # the trainer waiting on generation, per step (synchronous run: the whole generation of a batch, sync apart)
+    generate = statistics.mean([b - a for a, b in zip(generating, generating[1:])][warmup:])
     # useful: rows of groups whose rewards differ (a non-zero advantage), of the steps timed
     logs = [h for h in trainer.state.log_history if "frac_reward_zero_std" in h][warmup + 1 :]
     useful = statistics.mean(1 - h["frac_reward_zero_std"] for h in logs) if logs else float("nan")
@@ -133,6 +146,7 @@ def run(model_path: str, urls: list[str], mode: str, regime: str, steps: int, wa
         "samples_per_s": PROMPTS_PER_STEP * GROUP / step,
         "useful_samples_per_s": useful * PROMPTS_PER_STEP * GROUP / step,
         "dropped_stale_groups": dropped,
+        "generate_s": generate,
     }
 
 
@@ -140,6 +154,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--regimes", default="long-tail,even")
+    parser.add_argument("--modes", default=None, help="comma-separated subset of the regime's modes (sync always)")
     args = parser.parse_args()
     import torch
     import transformers
@@ -164,7 +179,11 @@ def main() -> None:
                 os.sched_setaffinity(pid, server_cores)
         os.sched_setaffinity(0, trainer_cores)
         torch.set_num_threads(len(trainer_cores))
-        results = {regime: {mode: [] for mode in REGIME_MODES[regime]} for regime in args.regimes.split(",")}
+        wanted = None if args.modes is None else {"sync", *args.modes.split(",")}
+        results = {
+            regime: {mode: [] for mode in REGIME_MODES[regime] if wanted is None or mode in wanted}
+            for regime in args.regimes.split(",")
+        }
         for regime, by_mode in results.items():
             for repeat in range(repeats):
                 order = list(by_mode) if repeat % 2 == 0 else list(reversed(by_mode))
@@ -187,6 +206,18 @@ def main() -> None:
             "vs_sync": {mode: step[mode] / step["sync"] for mode in step},
             "dropped_stale_groups": sum(r["dropped_stale_groups"] for r in by_mode.get("streaming", [])),
         }
+        if "sync" in by_mode and regime != "saturating":
+            # At staleness 1 a group sent at sync V must be trained at V + 1, and the batch trained at V + 1 holds
+            # (unbiased: no group dropped for being slow) a batch's worth of groups sent at V: a step cannot be
+            # shorter than generating one batch (G, the synchronous run's wait on generation, syncs apart), nor than
+            # the rest of the step (S - G). k = 2: G / 2.
+            generate = statistics.mean(r["generate_s"] for r in by_mode["sync"])
+            rest = step["sync"] - generate
+            summary[regime]["generate_s_sync"] = generate
+            summary[regime]["lower_bound_vs_sync"] = {
+                "k1": max(generate, rest) / step["sync"],
+                "k2": max(generate / 2, rest) / step["sync"],
+            }
         ratios = summary[regime]["vs_sync"]
         shown = ", ".join(f"{mode} {ratio:.2f}" for mode, ratio in ratios.items())
         print(f"{regime}: sync {step['sync']:.2f} s/step; step time vs sync: {shown}")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections import Counter
 
 import pytest
 from transformers import TrainerCallback
@@ -55,31 +56,51 @@ class KillServerAt(TrainerCallback):
             os.killpg(self.trainer.rollout_fleet.handles[0].group, signal.SIGKILL)
 
 
+class TrainedIds:
+    """The counting reward, recording the ids of the rows it scores (the rows trained on)."""
+
+    __name__ = "counting_reward"
+
+    def __init__(self):
+        self.ids: list[int] = []
+
+    def __call__(self, completions, id, **kwargs):
+        from trl_scale.toy import counting_reward
+
+        self.ids.extend(id)
+        return counting_reward(completions=completions, **kwargs)
+
+
 def test_managed_vllm_example_learns_through_a_killed_server(tmp_path):
     """`examples/grpo_managed_vllm_cpu.yaml` as written (2 managed servers, toy:llama-vllm, the counting reward),
-    parsed as the CLI parses it, with server 0 killed (`kill -9` of its process group: API server, engine core)
-    after step 3: every step trains on the other server meanwhile, the reward rises, and the killed server is
-    restarted and takes the policy's weights. Then a run whose reward function raises leaves no vLLM process. That a
-    restart catches up before any sync is tested on CPU (test_fleet.py) and on Ray (test_fleet_ray.py)."""
+    parsed as the CLI parses it, streaming at staleness 1, with server 0 killed (`kill -9` of its process group: API
+    server, engine core) after step 3, its requests mid-stream: every step trains on the other server meanwhile,
+    nothing is lost or trained twice (each prompt group read is trained once, whole, or is still out at the end), the
+    reward rises, and the killed server is restarted and takes the policy's weights. Then a run whose reward function
+    raises leaves no vLLM process. That a restart catches up before any sync is tested on CPU (test_fleet.py) and on
+    Ray (test_fleet_ray.py)."""
     from trl import ModelConfig, TrlParser
 
     import trl_scale
     from trl_scale.cli import _import_trl_script_types, _load_dataset, _resolve_model
-    from trl_scale.toy import counting_reward
 
     marker = f"{os.getpid()}-{time.time_ns()}"
     parser = TrlParser((_import_trl_script_types()[0], trl_scale.GRPOConfig, ModelConfig))
     argv = ["--config", str(ROOT / "examples" / "grpo_managed_vllm_cpu.yaml"), "--output_dir", str(tmp_path)]
     argv += ["--max_steps", "30", "--logging_steps", "1", "--disable_tqdm", "true"]
     argv += ["--managed_server_python", str(VLLM_PYTHON)]  # the YAML's path is relative to the repository root
+    argv += ["--async_rollout_staleness", "1"]  # streaming (the default mode at k >= 1)
     script_args, args, model_args = parser.parse_args_and_config(argv)
     args.managed_server_env = {**args.managed_server_env, "TRL_SCALE_FLEET_MARK": marker}
+    dataset = _load_dataset(script_args)["train"]
+    recorder = TrainedIds()
     trainer = trl_scale.GRPOTrainer(
         model=_resolve_model(model_args.model_name_or_path, args),
-        reward_funcs=[counting_reward],
+        reward_funcs=[recorder],
         args=args,
-        train_dataset=_load_dataset(script_args)["train"],
+        train_dataset=dataset.add_column("id", list(range(len(dataset)))),
     )
+    assert args.async_rollout_mode == "streaming"
     try:
         urls = trainer.rollout_fleet.urls
         assert len(urls) == 2 and [s.url for s in trainer.vllm_generation.client.servers] == urls
@@ -90,6 +111,11 @@ def test_managed_vllm_example_learns_through_a_killed_server(tmp_path):
         logs = [entry for entry in trainer.state.log_history if "loss" in entry]
         assert [entry["step"] for entry in logs] == list(range(1, 31))
         assert max(entry["rollout/server_deaths"] for entry in logs) == 1.0
+        trained = Counter(recorder.ids)
+        assert set(trained.values()) == {args.num_generations}, trained  # each group whole, and once
+        streamer = trainer.vllm_generation.streamer
+        assert not {row["id"] for g in [*streamer.out, *streamer.pending] for row in g.rows} & set(trained)
+        assert len(trained) == 30 * 64 // args.num_generations
         rewards = [entry["reward"] for entry in logs]
         assert sum(rewards[-5:]) / 5 >= sum(rewards[:5]) / 5 + 0.1, rewards
         fleet, generation = trainer.rollout_fleet, trainer.vllm_generation

@@ -89,6 +89,24 @@ def test_groups_are_taken_as_they_finish_with_their_own_rows():
     stream.close()
 
 
+def test_a_stream_closed_at_the_end_of_a_run_refuses_batches_and_reopens_for_the_next():
+    """`train()` closes the stream at its end; a second `train()` reopens it (before, it waited forever for groups a
+    closed stream would never send: found with real vLLM, `tests/test_fleet_vllm.py`)."""
+    servers = Servers(instant=set(range(100)))
+    stream = make(servers, groups_per_batch=1)
+    stream.note_upcoming(batch([1]))
+    stream.note_upcoming(batch([2]))
+    assert [row["prompt"] for row in stream.take(2).rows] == [1, 1]
+    stream.close()
+    with pytest.raises(RuntimeError, match="closed stream"):
+        stream.take(2, timeout=5)
+    stream.reopen()
+    assert not stream.out and not stream.pending  # the closed run's groups are forgotten
+    stream.note_upcoming(batch([7]))
+    assert [row["prompt"] for row in stream.take(2, timeout=5).rows] == [7, 7]
+    stream.close()
+
+
 def test_nothing_is_lost_or_trained_twice_and_no_group_is_older_than_the_bound():
     servers = Servers(instant=set(range(100)) - {5, 11})  # two long answers among short ones
     threading.Timer(0.5, servers.finish, (5, 11)).start()

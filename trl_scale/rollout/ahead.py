@@ -133,6 +133,11 @@ class GenerationAhead:
         continued = float(self.client.answers_continued)
         return {**self.streamer.metrics(), "rollout/stream_answers_continued": continued}
 
+    def open_streaming(self) -> None:
+        """The start of a run: a stream the last run closed reads and generates again."""
+        if self.streamer is not None:
+            self.streamer.reopen()
+
     def close_streaming(self) -> None:
         if self.streamer is not None:
             self.streamer.close()

@@ -105,11 +105,7 @@ class StreamingRollout:
         self.pending: deque[PromptGroup] = deque()  # read, not sent (dropped ones go first)
         self.out: list[PromptGroup] = []  # sent, not taken (generating or finished)
         self._changed = threading.Condition()
-        # One thread per request out, and room for abandoned ones still generating (a dropped group's first attempt
-        # holds its thread until its server answers): the pool starts threads only as they are needed.
-        self._pool = ThreadPoolExecutor(
-            max_workers=8 * (staleness + 1) * groups_per_batch + 8, thread_name_prefix="stream"
-        )
+        self._pool = self._new_pool()
         self._read = 0  # groups read so far (their index)
         self._skip_notes = 0  # generation batches read before a resume's checkpoint: their groups are restored
         self._closed = False
@@ -192,6 +188,8 @@ class StreamingRollout:
         with self._changed:
             self.counts["waited_for_deadline"] += sum(not g.done for g in self.out if g.first_version == oldest)
             while True:
+                if self._closed:  # a stream closed at the end of a run waits for nothing (`reopen` starts anew)
+                    raise RuntimeError("streaming rollout: a batch was asked of a closed stream (the run had ended)")
                 self._drop_older_than(oldest)
                 self.pump()
                 chosen = self._choose(num_rows, oldest)
@@ -289,6 +287,23 @@ class StreamingRollout:
             self._closed = True
             self.pending.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def reopen(self) -> None:
+        """Another run (a second `train()`, which reads its data anew): what the closed one read and did not train
+        is forgotten, as TRL's own run forgets its last rollout; reading starts again. A no-op on an open stream."""
+        with self._changed:
+            if not self._closed:
+                return
+            self.out.clear()  # abandoned: an answer still coming writes into a group no longer held
+            self.pending.clear()
+            self._taken_at, self._skip_notes, self._closed = -1, 0, False
+            self._pool = self._new_pool()
+
+    def _new_pool(self) -> ThreadPoolExecutor:
+        # One thread per request out, and room for abandoned ones still generating (a dropped group's first attempt
+        # holds its thread until its server answers): the pool starts threads only as they are needed.
+        workers = 8 * (self.staleness + 1) * self.groups_per_batch + 8
+        return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stream")
 
 
 def _groups(batch: list, prompt_ids: list[list[int]]):

@@ -192,6 +192,9 @@ class ServerRolloutMixin:
             generation.close()
 
     def train(self, *args, **kwargs):
+        generation = getattr(self, "vllm_generation", None)
+        if getattr(generation, "streamer", None) is not None:
+            generation.open_streaming()  # a second train() streams again (the first closed its stream at its end)
         try:
             return super().train(*args, **kwargs)
         except BaseException:  # an exception or Ctrl-C: no server outlives the run that failed
