@@ -512,6 +512,28 @@ def _sync_during_a_request(url: str, body: dict, sync, after_s: float) -> list:
 _sync_during_a_request.timings = []
 
 
+def _old_and_moved_weights(model_path: str, directory) -> tuple:
+    """The served model (old weights) and a copy moved by noise (new weights, saved to `directory` for a sync)."""
+    from transformers import AutoModelForCausalLM
+
+    old = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    new = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in new.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    new.save_pretrained(directory)
+    return old, new
+
+
+def _probe_off(model, tokens: list[int], sampler: torch.Tensor) -> torch.Tensor:
+    """Per token of an answer to PROBE: |the model's log-prob - the sampler's|."""
+    ids = torch.tensor([PROBE + tokens])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(PROBE) - 1 : -1].double()
+    return (logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0] - sampler).abs()
+
+
 def test_a_keep_sync_lands_between_decoding_steps_of_a_running_request(fleet, rl_urls, tmp_path):
     """Syncs that do not drain (`pause_mode="keep"`), against real vLLM: a long request is running (its first
     tokens streamed back) when the sync pauses the server, loads other weights and resumes. The request is not
@@ -519,17 +541,10 @@ def test_a_keep_sync_lands_between_decoding_steps_of_a_running_request(fleet, rl
     new ones, each token's sampler log-prob that of the weights that drew it. A try whose request finished before
     the sync's pause (every token the old weights') is tried again; with "wait" every try is such a one, and the
     test fails."""
-    from transformers import AutoModelForCausalLM
 
     from trl_scale.rollout.weight_sync import SyncSettings
 
-    old = AutoModelForCausalLM.from_pretrained(fleet.model_path, dtype=torch.float32).eval()
-    new = AutoModelForCausalLM.from_pretrained(fleet.model_path, dtype=torch.float32).eval()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in new.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    new.save_pretrained(tmp_path / "new")
+    old, new = _old_and_moved_weights(fleet.model_path, tmp_path / "new")
 
     body = {
         "model": served_models(fleet.a.url)[0],
@@ -546,12 +561,6 @@ def test_a_keep_sync_lands_between_decoding_steps_of_a_running_request(fleet, rl
         "return_tokens_as_token_ids": True,
     }
 
-    def off(model, tokens, sampler) -> torch.Tensor:
-        ids = torch.tensor([PROBE + tokens])
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, len(PROBE) - 1 : -1].double()
-        return (logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0] - sampler).abs()
-
     client = RolloutClient([fleet.a.url])
     sync = SharedDirSync(client, SyncSettings(timeout=120, pause_mode="keep"))
     try:
@@ -567,7 +576,7 @@ def test_a_keep_sync_lands_between_decoding_steps_of_a_running_request(fleet, rl
             )
             tokens = [token for token, _ in received]
             sampler = torch.tensor([value for _, value in received], dtype=torch.float64)
-            off_old, off_new = off(old, tokens, sampler), off(new, tokens, sampler)
+            off_old, off_new = _probe_off(old, tokens, sampler), _probe_off(new, tokens, sampler)
             if (off_old > 1e-4).any() and not (off_old[0] > 1e-4):
                 break
         else:
@@ -592,25 +601,11 @@ def test_a_partial_rollout_continues_each_cut_answer_on_the_new_weights(fleet, r
     whole instead (no answer holds both versions) or returned cut."""
     import threading
 
-    from transformers import AutoModelForCausalLM
-
     from trl_scale.rollout.weight_sync import SyncSettings
 
-    old = AutoModelForCausalLM.from_pretrained(fleet.model_path, dtype=torch.float32).eval()
-    new = AutoModelForCausalLM.from_pretrained(fleet.model_path, dtype=torch.float32).eval()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for parameter in new.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    new.save_pretrained(tmp_path / "new")
+    old, new = _old_and_moved_weights(fleet.model_path, tmp_path / "new")
     sampling = {"max_tokens": 200, "ignore_eos": True, "temperature": 1.0, "logprobs": 0}
     sampling["return_tokens_as_token_ids"] = True
-
-    def off(model, tokens, sampler) -> torch.Tensor:
-        ids = torch.tensor([PROBE + tokens])
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, len(PROBE) - 1 : -1].double()
-        return (logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0] - sampler).abs()
 
     client = RolloutClient([fleet.a.url], request_timeout=120, generation_timeout=300)
     sync = SharedDirSync(client, SyncSettings(timeout=120, pause_mode="abort"))
@@ -636,7 +631,7 @@ def test_a_partial_rollout_continues_each_cut_answer_on_the_new_weights(fleet, r
     for choice in choices:
         tokens = choice["token_ids"]
         sampler = torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float64)
-        off_old, off_new = off(old, tokens, sampler), off(new, tokens, sampler)
+        off_old, off_new = _probe_off(old, tokens, sampler), _probe_off(new, tokens, sampler)
         switch = int((off_old > 1e-4).nonzero()[0]) if (off_old > 1e-4).any() else len(tokens)
         assert (off_new[switch:] <= 1e-4).all(), (switch, off_new[switch:].max())  # after the cut: the new weights
         switches.append(switch)
