@@ -96,7 +96,7 @@ def test_a_stream_closed_at_the_end_of_a_run_refuses_batches_and_reopens_for_the
     stream = make(servers, groups_per_batch=1)
     stream.note_upcoming(batch([1]))
     stream.note_upcoming(batch([2]))
-    assert [row["prompt"] for row in stream.take(2).rows] == [1, 1]
+    assert sorted(row["prompt"] for row in stream.take(2).rows) in ([1, 1], [2, 2])  # which finished first: timing
     stream.close()
     with pytest.raises(RuntimeError, match="closed stream"):
         stream.take(2, timeout=5)
