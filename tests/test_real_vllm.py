@@ -526,6 +526,16 @@ def _old_and_moved_weights(model_path: str, directory) -> tuple:
     return old, new
 
 
+def _wait_running(url: str, timeout: float) -> None:
+    """Until vLLM reports a request running (`vllm:num_requests_running` in /metrics), at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[-1]) > 0:
+                return
+        time.sleep(0.02)
+
+
 def _probe_off(model, tokens: list[int], sampler: torch.Tensor) -> torch.Tensor:
     """Per token of an answer to PROBE: |the model's log-prob - the sampler's|."""
     ids = torch.tensor([PROBE + tokens])
@@ -593,40 +603,48 @@ def test_a_keep_sync_lands_between_decoding_steps_of_a_running_request(fleet, rl
 
 def test_a_partial_rollout_continues_each_cut_answer_on_the_new_weights(fleet, rl_urls, tmp_path):
     """Partial rollouts (`async_rollout_interrupt="partial"`, for servers without `keep`), against real vLLM: a sync
-    pauses the server with mode=abort while 16 answers of 200 tokens are running. vLLM cuts them (the tokens so far,
-    finish_reason 'abort'); the client continues each after the sync from where it stopped. Every answer comes back
-    whole (200 tokens, none cut); a continued one is a run of tokens the old weights drew followed by a run the new
-    weights drew, each token's sampler log-prob that of its weights (against a forward of each). A try whose sync
-    landed before or after the answers is tried again with another delay; red when the cut answers are re-sent
-    whole instead (no answer holds both versions) or returned cut."""
+    pauses the server with mode=abort while 16 answers of 1000 tokens are running (it starts a delay after vLLM
+    reports them running: a delay from the send landed before they ran in every try under the full suite's load,
+    and 200-token answers were over before it on a loaded machine). vLLM cuts them (the tokens so far, finish_reason
+    'abort'); the client continues each after the sync from where it stopped. Every answer comes back whole (1000
+    tokens, none cut); a continued one is a run of tokens the old weights drew followed by a run the new weights
+    drew, each token's sampler log-prob that of its weights (against a forward of each). A try whose sync came
+    before or after the answers is tried again with another delay; red when the cut answers are re-sent whole
+    instead (no answer holds both versions) or returned cut."""
     import threading
 
     from trl_scale.rollout.weight_sync import SyncSettings
 
     old, new = _old_and_moved_weights(fleet.model_path, tmp_path / "new")
-    sampling = {"max_tokens": 200, "ignore_eos": True, "temperature": 1.0, "logprobs": 0}
+    sampling = {"max_tokens": 1000, "ignore_eos": True, "temperature": 1.0, "logprobs": 0}
     sampling["return_tokens_as_token_ids"] = True
 
     client = RolloutClient([fleet.a.url], request_timeout=120, generation_timeout=300)
     sync = SharedDirSync(client, SyncSettings(timeout=120, pause_mode="abort"))
     model = served_models(fleet.a.url)[0]
     try:
-        for attempt, after_s in enumerate((0.5, 1.0, 0.25, 2.0, 0.1)):
+        for attempt, after_s in enumerate((0.5, 1.0, 0.25, 2.0, 0.1, 3.0)):
             sync.reload(fleet.model_path, f"p-old-{attempt}")  # each try starts on the old weights
             continued = client.answers_continued
-            timer = threading.Timer(after_s, sync.reload, args=(str(tmp_path / "new"), f"p-new-{attempt}"))
-            timer.start()
+
+            def sync_once_running(attempt=attempt, after_s=after_s):
+                _wait_running(fleet.a.url, timeout=60)
+                time.sleep(after_s)
+                sync.reload(str(tmp_path / "new"), f"p-new-{attempt}")
+
+            syncing = threading.Thread(target=sync_once_running)
+            syncing.start()
             try:
                 choices = client.complete(PROBE, 16, model, continue_cut=True, **sampling)
             finally:
-                timer.join()
+                syncing.join()
             if client.answers_continued > continued:
                 break
         else:
-            pytest.fail("in 5 tries no sync cut a running answer")
+            pytest.fail("in 6 tries no sync cut a running answer")
     finally:
         client.close()
-    assert all(len(c["token_ids"]) == 200 and c["finish_reason"] != "abort" for c in choices)
+    assert all(len(c["token_ids"]) == 1000 and c["finish_reason"] != "abort" for c in choices)
     switches = []
     for choice in choices:
         tokens = choice["token_ids"]
@@ -635,7 +653,7 @@ def test_a_partial_rollout_continues_each_cut_answer_on_the_new_weights(fleet, r
         switch = int((off_old > 1e-4).nonzero()[0]) if (off_old > 1e-4).any() else len(tokens)
         assert (off_new[switch:] <= 1e-4).all(), (switch, off_new[switch:].max())  # after the cut: the new weights
         switches.append(switch)
-    assert any(0 < switch < 200 for switch in switches), switches  # continued: tokens of both versions
+    assert any(0 < switch < 1000 for switch in switches), switches  # continued: tokens of both versions
 
 
 @pytest.mark.parametrize("interrupt", ["keep", "partial"])
