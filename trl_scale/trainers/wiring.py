@@ -201,7 +201,6 @@ class ServerRolloutMixin:
             self.close_rollout_servers()
             raise
         finally:  # no copy of the model left behind (in /tmp or weight_sync_dir), however the run ended
-            generation = getattr(self, "vllm_generation", None)
             if getattr(generation, "streamer", None) is not None:
                 generation.close_streaming()  # answers still generating were not needed
             release = getattr(generation, "release_weight_dir", None)
