@@ -12,12 +12,17 @@
    trl-scale's PPOTrainer (TRL has none since 1.13) with packing off (TRL's padded path) vs on. Median step time
    after a warm-up step, and ``ThroughputCallback``'s MFU (6 x parameters x tokens/s over the peak).
 
+4. ``train``: one whole training step (forward + backward + AdamW) of the long-tailed batch on Qwen2-0.5B- and
+   1.5B-shaped models: TRL's padded path vs trl-scale's packing before and after its GPU layouts (torch's flash
+   varlen kernel for sdpa, one row for flex), compiled decoder layers, and a profile before and after
+   (``benchmarks/gpu_train.py``).
+
 MFU in (2) counts the useful FLOPs of the real tokens only: ``6 x body parameters x real tokens + 6 x vocab x hidden
 x scored tokens + 6 x layers x attention width x sum of squared sequence lengths`` (causal attention; the
 activation-checkpointing recompute not counted), over the H100's dense bf16 peak (989 TFLOP/s; the measured
 8192^3 bf16 matmul rate is printed beside it).
 
-Usage: python benchmarks/gpu.py [--smoke] [--parts head,scoring,e2e] [--out DIR] [--budget-s 510]
+Usage: python benchmarks/gpu.py [--smoke] [--parts head,scoring,e2e,train] [--out DIR] [--budget-s 510]
 ``--smoke`` runs every part on CPU with tiny shapes (bf16, the e2e part fp32); CI runs it so that the script cannot
 rot. Each figure is one JSON line (also appended to DIR/gpu.jsonl); a markdown table of them comes last. How to
 run it on a lent GPU: README, "Measuring on a GPU" (``bash scripts/prepare_gpu.sh`` prints the command).
@@ -26,6 +31,7 @@ run it on a lent GPU: README, "Measuring on a GPU" (``bash scripts/prepare_gpu.s
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -110,14 +116,15 @@ SMOKE_SIZES = Sizes(
 class Report:
     """Collects figures: one JSON line each on stdout (and in ``out/gpu.jsonl``), a table at the end."""
 
-    def __init__(self, out_dir: str | None, device_name: str, deadline: float):
+    def __init__(self, out_dir: str | None, device_name: str, deadline: float, run_id: str = ""):
         self.rows: list[dict] = []
+        self.run_id = run_id  # every row of one run carries it: a second run into the same --out appends its own
         self.path = os.path.join(out_dir, "gpu.jsonl") if out_dir else None
         self.device_name = device_name
         self.deadline = deadline
 
     def add(self, figure: str, **values) -> dict:
-        row = {"benchmark": "gpu", "figure": figure, "device": self.device_name, **values}
+        row = {"benchmark": "gpu", "run": self.run_id, "figure": figure, "device": self.device_name, **values}
         self.rows.append(row)
         line = json.dumps(row, default=_round)
         print(line, flush=True)
@@ -585,6 +592,22 @@ def table(rows: list[dict]) -> str:
                 f"| {r['speedup']:.2f}x{mfu_text}; max diff {r['max_abs_logp_diff']:.1e}"
                 f"{fp32_text}, {'exact' if r['within_tolerance'] else 'NOT within tolerance'} |"
             )
+        elif r["figure"] == "train_step":
+            mfu = f", MFU {r['mfu']:.1%}" if r.get("mfu") is not None else ""
+            lines.append(
+                f"| train_step | {r['shape']} {r['variant']} ({r['attention']}) | | {r['step_s'] * 1e3:.0f} ms/step"
+                f"{mfu}, {r['peak_mib'] or 0:.0f} MiB "
+                f"| vs fp32 max {r['vs_fp32_max']:.1e} mean {r['vs_fp32_mean']:.1e} |"
+            )
+        elif r["figure"] == "train_step_summary":
+            mfu = ""
+            if r.get("trl_scale_mfu") is not None:
+                mfu = f", MFU {r['trl_padded_mfu']:.1%} -> {r['trl_scale_mfu']:.1%}"
+            lines.append(
+                f"| train_step_summary | {r['shape']}: {r['trl_scale_variant']} | {r['trl_padded_step_s']:.3f} s "
+                f"| {r['trl_scale_step_s']:.3f} s | {r['speedup_vs_trl_padded']:.2f}x{mfu}; "
+                f"{'as exact as padded' if r['exact_as_padded'] else 'LESS exact than padded'} |"
+            )
         elif r["figure"] == "e2e":
             mfu = r["trl_scale_mfu"]
             mfu_text = f", MFU {r['baseline_mfu']:.1%} -> {mfu:.1%}" if mfu is not None else ""
@@ -597,13 +620,26 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+PARTS = ("head", "scoring", "e2e", "train")
+
+
+def train_part(report: Report, sizes: Sizes, device, dtype) -> None:
+    from gpu_train import GPU_SHAPES, train_figures
+
+    train_figures(report, sizes, device, dtype, None if device.type != "cuda" else GPU_SHAPES)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, fp32, any device (CI)")
-    parser.add_argument("--parts", default="head,scoring,e2e")
+    parser.add_argument("--parts", default="head,scoring,e2e,train", help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--out", default=None, help="folder for gpu.jsonl and gpu.md")
     parser.add_argument("--budget-s", type=float, default=510.0, help="parts past this many seconds are skipped")
     args = parser.parse_args(argv)
+    parts = [part.strip() for part in args.parts.split(",") if part.strip()]
+    unknown = [part for part in parts if part not in PARTS]
+    if unknown or not parts:  # before anything runs: a typo must not cost the parts before it
+        parser.error(f"--parts {args.parts!r}: unknown {unknown or 'empty'}; choose from {', '.join(PARTS)}")
     import torch
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -614,22 +650,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-    report = Report(args.out, name, time.monotonic() + args.budget_s)
+    run_id = time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
+    report = Report(args.out, name, time.monotonic() + args.budget_s, run_id)
     import transformers
     import trl
 
+    from trl_scale.scoring.varlen import varlen_kernel
+
+    kernel = varlen_kernel()
     report.add(
         "environment",
         torch=torch.__version__,
         transformers=transformers.__version__,
         trl=trl.__version__,
         measured_bf16_matmul_tflops=matmul_tflops(device),
+        varlen_kernel=None if kernel is None else str(inspect.signature(kernel)),
+        parts=parts,
         smoke=args.smoke,
     )
-    parts = {"head": head_figures, "scoring": scoring_figures, "e2e": e2e_figures}
-    for part in args.parts.split(","):
+    functions = {"head": head_figures, "scoring": scoring_figures, "e2e": e2e_figures, "train": train_part}
+    for part in parts:
         start = time.monotonic()
-        parts[part](report, sizes, device, dtype)
+        functions[part](report, sizes, device, dtype)
         print(f"# {part}: {time.monotonic() - start:.0f} s", flush=True)
     summary = table(report.rows)
     print(summary)

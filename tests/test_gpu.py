@@ -83,3 +83,33 @@ def test_critic_group_averages_gradients_over_nccl(tiny_reward_model):
     )
     group.shutdown()
     ray.shutdown()
+
+
+def test_sdpa_model_on_cuda_packs_on_torchs_varlen_kernel(tiny_llama):
+    """On CUDA an sdpa model is switched to torch's flash varlen kernel (one packed row, no mask): in bf16, packed
+    log-probs and gradients are no further from an fp32 score than TRL's padded bf16 path is."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from trl_scale.scoring import packing_support
+    from trl_scale.scoring.varlen import VARLEN_SDPA
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    input_ids, mask, labels = (t.cuda() for t in padded_scoring_batch(tokenizer))
+    models = {}
+    for name, dtype in (("fp32", torch.float32), ("padded", torch.bfloat16), ("packed", torch.bfloat16)):
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa", dtype=dtype).cuda()
+        add_fused_lm_head(model, outputs=("log_probs",))
+        models[name] = model
+    install_packed_scoring(models["packed"])
+    assert models["packed"].config._attn_implementation == VARLEN_SDPA
+    assert packing_support(models["packed"].base_model).varlen
+    logps = {}
+    for name, model in models.items():
+        out = model(input_ids=input_ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        out.log_probs.sum().backward()
+        logps[name] = out.log_probs.detach().float()
+    valid = labels[:, 1:] != -100
+    error = {name: (logps[name] - logps["fp32"])[valid].abs() for name in ("padded", "packed")}
+    assert error["packed"].mean() <= 1.1 * error["padded"].mean() + 1e-3
+    assert error["packed"].max() <= 1.5 * error["padded"].max() + 1e-3
+    assert models["packed"].model.embed_tokens.weight.grad is not None

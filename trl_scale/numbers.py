@@ -32,3 +32,12 @@ def check_non_negative(name: str, value, fix: str = "use a number >= 0") -> None
     if _is_real(value) and value >= 0:
         return
     raise ValueError(f"{name}={value!r}: {fix}")
+
+
+def check_bool(name: str, value, optional: bool = False) -> None:
+    """`value` must be True or False (or None when `optional`): a string such as "false" is truthy in Python and
+    would switch a feature on."""
+    if isinstance(value, bool) or (value is None and optional):
+        return
+    allowed = "True or False" + (" (or None)" if optional else "")
+    raise ValueError(f"{name}={value!r}: use {allowed}, not a {type(value).__name__}")

@@ -26,6 +26,7 @@ from .packing import pack_padded_batch, packed_forward_kwargs, unpack
 from .sampler_support import SamplerSupport, kept_log_mass
 from .sequence_parallel import SequenceParallelGroup, check_same_batch, summed_over_group
 from .support import packing_support, use_packing
+from .varlen import install_varlen_attention, uninstall_varlen_attention, varlen_forward
 
 # Keyword arguments a packable call may carry besides input_ids/attention_mask/labels.
 _PACKABLE_KWARGS = {"use_cache", "return_dict"}
@@ -118,14 +119,15 @@ def _packed_on_every_rank(input_ids, attention_mask, token_budget: int | None, r
 def packed_backbone_forward(backbone, input_ids, attention_mask, token_budget: int | None):
     """Pack a padded batch and run the backbone on each micro-batch, the same number of forwards on every rank.
 
-    The layout follows the backbone's kernels (:func:`.support.uses_varlen_layout`): one row per micro-batch with
-    its boundaries for varlen kernels, rows as wide as the longest sequence for dense ones. Returns
+    The layout follows the backbone's kernels (:func:`.support.uses_one_row`): one row per micro-batch for varlen
+    kernels (with its boundaries) and flex attention, rows as wide as the longest sequence for sdpa and eager. Returns
     ``(packed, [(micro_batch, hidden [n, H]), ...], anchor)``. ``anchor`` is a zero that depends on a dummy forward
     run for an empty micro-batch (a rank with fewer sequences than others); add it to an output so that forward
     takes part in backward, as the collectives of sharded parameters require.
     """
-    varlen = packing_support(backbone, probe=False).varlen
-    packed = _packed_on_every_rank(input_ids, attention_mask, token_budget, None if varlen else "longest")
+    support = packing_support(backbone, probe=False)
+    varlen = support.varlen
+    packed = _packed_on_every_rank(input_ids, attention_mask, token_budget, None if support.one_row else "longest")
     outputs, anchor = [], None
     for micro_batch in packed.micro_batches:
         if micro_batch.input_ids.numel() == 0:
@@ -133,7 +135,8 @@ def packed_backbone_forward(backbone, input_ids, attention_mask, token_budget: i
             out = backbone(input_ids=dummy, position_ids=dummy, attention_mask=None, use_cache=False)
             anchor = out.last_hidden_state.sum() * 0.0
             continue
-        hidden = backbone(**packed_forward_kwargs(micro_batch, varlen_kwargs=varlen)).last_hidden_state
+        with varlen_forward() if varlen else nullcontext():
+            hidden = backbone(**packed_forward_kwargs(micro_batch, varlen_kwargs=varlen)).last_hidden_state
         outputs.append((micro_batch, micro_batch.real_tokens(hidden)))
     return packed, outputs, anchor
 
@@ -315,6 +318,8 @@ def install_packed_scoring(
     settings = dataclasses.replace(settings or ScoringSettings(), **fields)
     on_support = settings.sampler_support is not None
     sharded = _sharding(sequence_parallel) is not None
+    if not sharded and settings.padding_free is not False:
+        _varlen_where_exact(model)
     if not sharded and not on_support and not use_packing(model.base_model, settings.padding_free):
         return None
     trl_forward = model.forward
@@ -366,6 +371,17 @@ def install_packed_scoring(
     model.forward = types.MethodType(forward, model)
     model._trl_scale_packed_scoring = config
     return config
+
+
+def _varlen_where_exact(model) -> None:
+    """An sdpa model on CUDA packs into one row for torch's flash varlen kernel (:mod:`.varlen`) where the packing
+    probe finds that exact (now, or at the first scoring call under ZeRO-3); a model it is not exact for stays on
+    sdpa and its rows."""
+    if not install_varlen_attention(model):
+        return
+    if packing_support(model.base_model).exact is False:
+        uninstall_varlen_attention(model)
+        del model.base_model._trl_scale_packing_support  # laid out and probed again as sdpa
 
 
 @functools.cache

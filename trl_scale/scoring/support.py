@@ -11,6 +11,7 @@ hidden states (a) equal that sequence run alone and (b) do not move when the seq
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from ..logs import get_logger
 from .packing import pack_padded_batch, packed_forward_kwargs
+from .varlen import VARLEN_SDPA, varlen_forward
 
 logger = get_logger(__name__)
 
@@ -41,6 +43,7 @@ class PackingSupport:
 
     model_type: str
     varlen: bool  # one packed row per forward, with cu_seq_lens / seq_idx (flash kernels, stateful hybrids)
+    one_row: bool = False  # one packed row per forward (varlen kernels, flex attention); else rows of the longest
     exact: bool | None = None  # None until probed
     reason: str = ""
     announced: bool = False  # the fallback warning was logged
@@ -87,10 +90,19 @@ def is_stateful(config) -> bool:
 
 
 def uses_varlen_layout(config) -> bool:
-    """Flash kernels take a whole packed row at O(sum L_i^2); stateful layers need the boundaries only a single row
-    can carry. Dense kernels (sdpa, eager, flex) get rows no wider than the longest sequence instead."""
+    """Flash kernels (flash_attn's, or torch's own behind :data:`.varlen.VARLEN_SDPA`) take a whole packed row at
+    O(sum L_i^2); stateful layers need the boundaries only a single row can carry. Dense kernels (sdpa, eager) get
+    rows no wider than the longest sequence instead."""
     attn = str(getattr(config, "_attn_implementation", None) or "")
-    return "flash" in attn or is_stateful(config)
+    return "flash" in attn or attn == VARLEN_SDPA or is_stateful(config)
+
+
+def uses_one_row(config) -> bool:
+    """Whether a packed micro-batch is one row: varlen kernels, and flex attention, whose block mask skips the
+    blocks between sequences of one row (rows as wide as the longest sequence would add filler: 12 % of the tokens
+    of the GPU benchmark's long-tailed batch)."""
+    attn = str(getattr(config, "_attn_implementation", None) or "")
+    return uses_varlen_layout(config) or attn == "flex_attention"
 
 
 def packing_support(backbone: torch.nn.Module, probe: bool = True) -> PackingSupport:
@@ -103,6 +115,7 @@ def packing_support(backbone: torch.nn.Module, probe: bool = True) -> PackingSup
         support = PackingSupport(
             model_type=config.get_text_config().model_type,
             varlen=uses_varlen_layout(config),
+            one_row=uses_one_row(config),
             rope_length_limit=rope_length_limit(backbone),
         )
         if getattr(config.get_text_config(), "output_router_logits", False):
@@ -111,7 +124,7 @@ def packing_support(backbone: torch.nn.Module, probe: bool = True) -> PackingSup
             support.reason = "its MoE router auxiliary loss (output_router_logits) needs TRL's padded forward"
         backbone._trl_scale_packing_support = support
     if support.exact is None and probe and _materialised(backbone):
-        support.exact, support.reason = probe_packing(backbone, support.varlen)
+        support.exact, support.reason = probe_packing(backbone, support.varlen, support.one_row)
     return support
 
 
@@ -119,11 +132,12 @@ def _materialised(backbone: torch.nn.Module) -> bool:
     return all(p.numel() > 0 and not hasattr(p, "ds_id") for p in backbone.parameters())
 
 
-def probe_packing(backbone: torch.nn.Module, varlen: bool) -> tuple[bool, str]:
+def probe_packing(backbone: torch.nn.Module, varlen: bool, one_row: bool | None = None) -> tuple[bool, str]:
     """Pack sequences A, B, C the way the engine would (B right after A in one row) and compare B's hidden states
     with B run alone and with B after a different A. Returns ``(exact, reason)``."""
     config = backbone.config.get_text_config()
     device = next(backbone.parameters()).device
+    one_row = varlen if one_row is None else one_row
     generator = torch.Generator().manual_seed(0)
     vocab = config.vocab_size
     a, other_a = torch.randint(0, vocab, (2, 6), generator=generator)
@@ -136,9 +150,10 @@ def probe_packing(backbone: torch.nn.Module, varlen: bool) -> tuple[bool, str]:
             input_ids[row, : len(seq)], mask[row, : len(seq)] = seq, 1
         # Dense layout: rows of 11 tokens hold A+B, then C and filler (both mechanisms probed at once).
         (micro_batch,) = pack_padded_batch(
-            input_ids.to(device), mask.to(device), row_capacity=None if varlen else 11
+            input_ids.to(device), mask.to(device), row_capacity=None if one_row else 11
         ).micro_batches
-        hidden = backbone(**packed_forward_kwargs(micro_batch, varlen_kwargs=varlen)).last_hidden_state
+        with varlen_forward() if varlen else nullcontext():
+            hidden = backbone(**packed_forward_kwargs(micro_batch, varlen_kwargs=varlen)).last_hidden_state
         scattered = hidden.new_zeros(3 * 6, hidden.size(-1))
         scattered[micro_batch.flat_index] = micro_batch.real_tokens(hidden)
         return scattered.view(3, 6, -1)[1, : len(b)].float()
@@ -186,7 +201,7 @@ def use_packing(
     if support.exact is None:
         if not probe_now:
             return True
-        support.exact, support.reason = probe_packing(backbone, support.varlen)
+        support.exact, support.reason = probe_packing(backbone, support.varlen, support.one_row)
     if support.exact and support.rope_length_limit is not None and width is not None:
         return _below_rope_limit(support, width, next(backbone.parameters()).device)
     if support.exact:

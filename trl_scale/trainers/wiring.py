@@ -235,9 +235,16 @@ class PackedScoringMixin:
         self, temperature: float, policy_outputs: tuple[str, ...], padding_free: bool | None = None
     ) -> None:
         """Pack the policy's and the reference's scoring forwards (once; TRL's forwards where packing is off or
-        not exact for the model)."""
-        if self._packing_installed or padding_free is False:
-            return
+        not exact for the model); then compile their layers where `compile_decoder_layers` asks (after packing's
+        probe, which would otherwise compile its own small shapes first)."""
+        if not (self._packing_installed or padding_free is False):
+            self._install_packing_engine(temperature, policy_outputs, padding_free)
+        if getattr(self.args, "compile_decoder_layers", False):
+            self._compile_decoder_layers()
+
+    def _install_packing_engine(
+        self, temperature: float, policy_outputs: tuple[str, ...], padding_free: bool | None
+    ) -> None:
         self._packing_installed = True
         from peft import PeftModel
 
@@ -258,6 +265,14 @@ class PackedScoringMixin:
                 self.accelerator.unwrap_model(reference), settings, stats=stats, sequence_parallel=group
             )
         self._packing_stats = stats if packed is not None else None
+
+    def _compile_decoder_layers(self) -> None:
+        """`compile_decoder_layers`: the policy's and a local reference's layers compiled for scoring (once)."""
+        from ..scoring.compiled import compile_decoder_layers
+
+        for model in (self.model, getattr(self, "ref_model", None)):
+            if model is not None and not isinstance(model, RayReference):
+                compile_decoder_layers(self.accelerator.unwrap_model(model))
 
     # Trainers whose every scoring path goes through the engine under sequence parallelism (GRPO, RLOO, DPO, PPO).
     takes_sequence_parallel = False
