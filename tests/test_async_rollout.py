@@ -305,9 +305,36 @@ def test_streaming_mode_is_refused_where_nothing_would_stream(tmp_path):
     assert RolloutSettings.from_config(config, logprobs=True, require_logprobs=True, run_id="r").streaming
     with pytest.raises(ValueError, match="async_rollout_interrupt='abort': use 'keep' .* or 'partial'"):
         trl_scale.GRPOConfig(output_dir=str(tmp_path), async_rollout_interrupt="abort", **server)
-    partial = trl_scale.GRPOConfig(output_dir=str(tmp_path), async_rollout_interrupt="partial", **server)
+    partial = trl_scale.GRPOConfig(
+        output_dir=str(tmp_path), async_rollout_staleness=1, async_rollout_interrupt="partial", **server
+    )
     settings = RolloutSettings.from_config(partial, logprobs=True, require_logprobs=True, run_id="r")
     assert settings.interrupt == "partial"
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({}, r"with async_rollout_staleness=0 a sync waits for every answer, so none is cut. Fix: async_rollout_stal"),
+        (
+            {"async_rollout_staleness": 1, "async_rollout_mode": "ordered"},
+            r"async_rollout_mode='ordered': ordered read-ahead lets the answers .* never cut\). Fix: "
+            r"async_rollout_mode='streaming', or async_rollout_interrupt='keep'",
+        ),
+        (
+            {"async_rollout_staleness": 1, "weight_sync": "lora"},
+            r"weight_sync='lora': a LoRA sync loads the new adapter .* so none is cut. Fix: "
+            r"async_rollout_interrupt='keep'",
+        ),
+    ],
+)
+def test_partial_rollout_is_refused_where_no_sync_cuts_an_answer(fields, message, tmp_path):
+    """`async_rollout_interrupt="partial"` where it would do nothing: an error naming the setting and the fix."""
+    server = dict(
+        use_vllm=True, vllm_mode="server", vllm_server_base_urls=["http://127.0.0.1:1"], use_cpu=True, bf16=False
+    )
+    with pytest.raises(ValueError, match=message):
+        trl_scale.GRPOConfig(output_dir=str(tmp_path), async_rollout_interrupt="partial", **server, **fields)
 
 
 def test_the_prefetcher_never_serves_a_batch_older_than_the_bound():

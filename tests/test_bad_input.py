@@ -632,3 +632,60 @@ def test_preflight_boundaries_a_context_as_long_as_the_completions_and_a_rank_at
     assert not problems_of(report, lora)[0]
     lora = RunNeeds(weight_sync="lora", lora_config=LoraConfig(r=9))
     assert any("rank 9, above the server's --max-lora-rank 8" in e for e in problems_of(report, lora)[0])
+
+
+def _own_fields(cls, kinds):
+    """The fields `cls` itself declares whose type (or `X | None`) is one of `kinds`."""
+    import types
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    names = []
+    for name in cls.__dict__.get("__annotations__", {}):
+        kind = hints.get(name)
+        arguments = [a for a in typing.get_args(kind) if a is not type(None)]
+        if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(arguments) == 1:
+            kind = arguments[0]
+        if kind in kinds:
+            names.append(name)
+    return names
+
+
+def _config_fields(kinds):
+    from trl_scale.distributed.arguments import DistributedArguments
+    from trl_scale.rollout.arguments import RLOOCorrectionArguments, RolloutArguments
+    from trl_scale.rollout.dynamic_sampling import DynamicSamplingArguments
+    from trl_scale.scoring.arguments import ScoringArguments
+
+    owners = {
+        trl_scale.GRPOConfig: (ScoringArguments, RolloutArguments, DynamicSamplingArguments, DistributedArguments),
+        trl_scale.RLOOConfig: (RLOOCorrectionArguments,),
+        trl_scale.PPOConfig: (trl_scale.PPOConfig,),
+    }
+    return [
+        pytest.param(config, name, id=f"{config.__name__}.{name}")
+        for config, mixins in owners.items()
+        for mixin in mixins
+        for name in _own_fields(mixin, kinds)
+    ]
+
+
+@pytest.mark.parametrize("config_cls, name", _config_fields({bool}))
+def test_every_boolean_field_refuses_a_string(config_cls, name, tmp_path):
+    """A string such as "false" is truthy in Python: in a boolean field it would switch the feature on."""
+    with pytest.raises(ValueError, match=rf"^{name}='false': use True or False"):
+        config_cls(**cpu_args(tmp_path), **{name: "false"})
+
+
+@pytest.mark.parametrize("config_cls, name", _config_fields({float}))
+@pytest.mark.parametrize("value", ["3", math.nan, math.inf])
+def test_every_float_field_refuses_a_string_nan_and_infinity(config_cls, name, value, tmp_path):
+    with pytest.raises(ValueError, match=rf"^{name}={value!r}: "):
+        config_cls(**cpu_args(tmp_path), **{name: value})
+
+
+def test_the_sweeps_cover_the_fields_the_issue_named():
+    booleans = {name for _, name in (p.values for p in _config_fields({bool}))}
+    floats = {name for _, name in (p.values for p in _config_fields({float}))}
+    assert {"dynamic_sampling", "logprobs_on_sampler_support", "compile_decoder_layers", "whiten_rewards"} <= booleans
+    assert {"dynamic_sampling_max_oversampling", "weight_sync_timeout", "gamma", "kl_coef"} <= floats

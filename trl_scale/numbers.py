@@ -40,4 +40,54 @@ def check_bool(name: str, value, optional: bool = False) -> None:
     if isinstance(value, bool) or (value is None and optional):
         return
     allowed = "True or False" + (" (or None)" if optional else "")
-    raise ValueError(f"{name}={value!r}: use {allowed}, not a {type(value).__name__}")
+    raise ValueError(f"{name}={value!r}: use {allowed}, not {_what(value)}")
+
+
+def check_field_types(config, cls: type) -> None:
+    """Every field `cls` itself declares holds a value of its declared kind, checked at construction: a bool is
+    True or False (a string "false" would be truthy), a whole number is an int, a float is a finite number (an
+    int is fine; NaN and infinities are not); `| None` allows None. Choices (`Literal`), strings, dicts and lists
+    are left to each field's own check, and so are ranges, and `True` or `1.5` for a whole number (the field's own
+    check names its fix)."""
+    import math
+    import types
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for name in cls.__dict__.get("__annotations__", {}):
+        if name not in hints or not hasattr(config, name):
+            continue
+        kind, value = hints[name], getattr(config, name)
+        arguments = typing.get_args(kind)
+        optional = typing.get_origin(kind) in (typing.Union, types.UnionType) and type(None) in arguments
+        if optional:
+            rest = [a for a in arguments if a is not type(None)]
+            if value is None or len(rest) != 1:
+                continue
+            kind = rest[0]
+        if kind is bool:
+            check_bool(name, value)
+        elif kind is int:
+            if not _is_real(value) and not isinstance(value, bool):  # True and 1.5: the field's own check, its fix
+                raise ValueError(f"{name}={value!r}: use a whole number, not {_what(value)}")
+        elif kind is float:
+            if not _is_real(value) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r}: use a finite number, not {_what(value)}")
+
+
+def _what(value) -> str:
+    if _is_real(value):
+        return repr(value)
+    kind = type(value).__name__
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+
+
+def check_number(name: str, value, minimum: float | None = None, fix: str = "") -> None:
+    """`value` must be a finite int or float (not a bool), at least `minimum` when given; else a ValueError naming
+    `name` and `fix`."""
+    import math
+
+    if _is_real(value) and math.isfinite(value) and (minimum is None or value >= minimum):
+        return
+    allowed = "use a finite number" + (f" >= {minimum}" if minimum is not None else "")
+    raise ValueError(f"{name}={value!r}: {fix or allowed}")

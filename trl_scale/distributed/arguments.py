@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from ..logs import get_logger
-from ..numbers import check_positive
+from ..numbers import check_field_types, check_positive
 
 if TYPE_CHECKING:
     from .ray_backend import Placement
@@ -71,6 +71,7 @@ class DistributedArguments:
     def __post_init__(self):
         super().__post_init__()
         self._validate_distributed_arguments()
+        check_field_types(self, DistributedArguments)
 
     def placement(self, role: Literal["reward", "critic", "reference"]) -> Placement:
         """The role's `*_placement` field as a `Placement` (validated: every key and number), the one parser of the

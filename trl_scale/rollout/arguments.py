@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..model_paths import check_model_path
-from ..numbers import check_positive, check_whole
+from ..numbers import check_field_types, check_positive, check_whole
 from .settings import WeightSyncName
 
 # `vllm.LLM` settings TRL sets for the engine and the trainer to stay in step (the set of TRL's proposed
@@ -292,6 +292,7 @@ class RolloutArguments:
         super().__post_init__()
         self._validate_rollout_arguments()
         self._validate_managed_servers()
+        check_field_types(self, RolloutArguments)  # after the fields' own checks, whose messages name their fixes
 
     def _validate_managed_servers(self) -> None:
         import shlex
@@ -420,6 +421,7 @@ class RolloutArguments:
                 f"async_rollout_interrupt={self.async_rollout_interrupt!r}: use 'keep' (running answers go on with "
                 "the new weights) or 'partial' (they are cut at the sync and continued after it)"
             )
+        self._check_partial_rollout()
         if self.async_rollout_mode == "streaming":
             if not self.async_rollout_staleness:
                 raise ValueError(
@@ -433,6 +435,32 @@ class RolloutArguments:
                     "weights; with vllm_importance_sampling_correction=False nothing corrects for it. Fix: "
                     "vllm_importance_sampling_correction=True (default), or async_rollout_staleness=0"
                 )
+
+    def _check_partial_rollout(self) -> None:
+        """`async_rollout_interrupt="partial"` acts only where a sync meets running answers it can cut: streaming
+        (with staleness >= 1), and full-weight syncs (a LoRA sync loads the next adapter beside the running one and
+        never pauses). Anywhere else it would be accepted and do nothing."""
+        if self.async_rollout_interrupt != "partial":
+            return
+        keep = "async_rollout_interrupt='keep' (the default)"
+        if not self.async_rollout_staleness:
+            raise ValueError(
+                "async_rollout_interrupt='partial' cuts the answers a weight sync meets on the servers; with "
+                "async_rollout_staleness=0 a sync waits for every answer, so none is cut. Fix: "
+                f"async_rollout_staleness=1 (streaming), or {keep}"
+            )
+        if self.async_rollout_mode != "streaming":
+            raise ValueError(
+                f"async_rollout_interrupt='partial' with async_rollout_mode={self.async_rollout_mode!r}: ordered read-"
+                "ahead lets the answers a sync meets finish on the old weights (they are never cut). Fix: "
+                f"async_rollout_mode='streaming', or {keep}"
+            )
+        if self.weight_sync == "lora":
+            raise ValueError(
+                "async_rollout_interrupt='partial' with weight_sync='lora': a LoRA sync loads the new adapter under a "
+                "new name and running answers finish on the adapter they started with, so none is cut. Fix: "
+                f"{keep}, or a full-weight sync (weight_sync='auto') with streaming"
+            )
 
 
 @dataclass
@@ -469,6 +497,7 @@ class RLOOCorrectionArguments:
 
     def __post_init__(self):
         super().__post_init__()
+        check_field_types(self, RLOOCorrectionArguments)
         if self.vllm_importance_sampling_mode not in ("sequence_mask", "sequence_truncate"):
             raise ValueError(
                 f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}: RLOO's loss is per sequence. "

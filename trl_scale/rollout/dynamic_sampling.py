@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..numbers import check_field_types, check_number
+
 
 @dataclass
 class DynamicSamplingArguments:
@@ -56,11 +58,14 @@ class DynamicSamplingArguments:
 
     def __post_init__(self):
         super().__post_init__()
-        if self.dynamic_sampling_max_oversampling < 1:
-            raise ValueError(
-                f"dynamic_sampling_max_oversampling={self.dynamic_sampling_max_oversampling}: it is the most groups "
-                "generated per batch as a multiple of the groups trained, so at least 1. Fix: a value >= 1 (e.g. 3)"
-            )
+        check_number(
+            "dynamic_sampling_max_oversampling",
+            self.dynamic_sampling_max_oversampling,
+            minimum=1,
+            fix="it is the most groups generated per batch as a multiple of the groups trained, so a number >= 1 "
+            "(e.g. 3)",
+        )
+        check_field_types(self, DynamicSamplingArguments)
 
 
 def groups_with_signal(rewards_per_func: torch.Tensor, weights: torch.Tensor, group_size: int) -> torch.Tensor:

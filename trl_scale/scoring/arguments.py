@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..numbers import check_bool, check_whole
+from ..numbers import check_bool, check_field_types, check_whole
 from .logprob_head import DEFAULT_LOGPROB_CHUNK_SIZE
 
 
@@ -102,6 +102,7 @@ class ScoringArguments:
             self._steps_per_generation_over_groups()  # before TRL sizes the batch over every process
         super().__post_init__()
         self._validate_scoring_arguments()
+        check_field_types(self, ScoringArguments)
         if sized:
             self._generation_batch_over_groups(self._sequence_parallel_groups(self.world_size))
 

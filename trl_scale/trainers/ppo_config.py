@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..numbers import check_whole
+from ..numbers import check_field_types, check_whole
 from .grpo_config import GRPOConfig
 
 # Every field TRL 1.16's GRPOConfig adds to TrainingArguments, as PPO treats it. PPO refuses a field it does not
@@ -122,6 +122,7 @@ class PPOConfig(GRPOConfig):
     num_generations: int | None = field(default=1, metadata={"help": "Completions per prompt (PPO needs one)."})
 
     def __post_init__(self):
+        check_field_types(self, PPOConfig)
         if self.kl_estimator not in ("k1", "k3"):
             raise ValueError(f"kl_estimator={self.kl_estimator!r}: use 'k1' or 'k3'")
         check_whole("num_ppo_epochs", self.num_ppo_epochs, minimum=1)
