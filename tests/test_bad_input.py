@@ -3,6 +3,7 @@ done. One test per row of README's "Bad input" table."""
 
 import math
 import os
+import re
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -689,3 +690,44 @@ def test_the_sweeps_cover_the_fields_the_issue_named():
     floats = {name for _, name in (p.values for p in _config_fields({float}))}
     assert {"dynamic_sampling", "logprobs_on_sampler_support", "compile_decoder_layers", "whiten_rewards"} <= booleans
     assert {"dynamic_sampling_max_oversampling", "weight_sync_timeout", "gamma", "kl_coef"} <= floats
+
+
+@pytest.mark.parametrize("config_cls", [trl_scale.GRPOConfig, trl_scale.RLOOConfig, trl_scale.PPOConfig])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"top_p": 0.0}, r"top_p=0.0: use a number in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p=1.5: use a number in \(0, 1\]"),
+        ({"top_k": -2}, r"top_k=-2: use a whole number: 0 \(or -1\) keeps every token"),
+        ({"min_p": 1.2}, r"min_p=1.2: use a number in \[0, 1\]"),
+        ({"temperature": 0.0}, r"temperature=0.0: the trainer scores log-probs of logits / temperature"),
+    ],
+    ids=["top_p-0", "top_p-1.5", "top_k-negative", "min_p-above-1", "temperature-0"],
+)
+def test_sampling_out_of_range_is_refused_at_construction(config_cls, fields, message, tmp_path):
+    """Before: accepted, then every request of the first step failed on the server's 422 (and for top_p=1.5 the
+    preflight first suggested logprobs_on_sampler_support=True, already set)."""
+    with pytest.raises(ValueError, match=message):
+        config_cls(**cpu_args(tmp_path), **fields)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--step-delay", "-1"], r"argument --step-delay: '-1': use a finite number >= 0"),
+        (["--step-delay", "nan"], r"argument --step-delay: 'nan': use a finite number >= 0"),
+        (["--token-delay", "inf"], r"argument --token-delay: 'inf': use a finite number >= 0"),
+        (["--world-size", "0"], r"argument --world-size: '0': use a whole number >= 1"),
+        (["--weight-transfer-timeout", "0"], r"argument --weight-transfer-timeout: '0': use a finite number > 0"),
+        ([], r"--model='/nonexistent/model': no such directory"),
+    ],
+)
+def test_serve_refuses_bad_numbers_and_paths_before_it_starts(argv, message, capsys):
+    """Before: `--step-delay -1` or `nan` started, answered /health, and failed every completion with a 500; a model
+    path that does not exist was a traceback."""
+    from trl_scale.serve import serve
+
+    with pytest.raises(SystemExit) as exited:
+        serve(["--model", "/nonexistent/model", *argv])
+    assert exited.value.code == 2
+    assert re.search(message, capsys.readouterr().err)

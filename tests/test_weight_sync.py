@@ -652,3 +652,30 @@ def test_a_lora_sync_unloads_every_other_runs_adapter_and_keeps_this_runs_newest
     # versions compared as numbers (10 after 2), this run's only
     assert superseded(listed, f"{run}-11", 2) == [f"{run}-1", f"{other}-11"]
     assert superseded(listed, f"{run}-11", 5) == [f"{other}-11"]
+
+
+@pytest.mark.parametrize(
+    "mode, status, expected",
+    [
+        ("keep", 422, r"/pause\?mode=keep answered 422: .*Fix: async_rollout_interrupt='partial'"),
+        ("wait", 500, r"/pause\?mode=wait answered 500: \{\"detail\": \"boom\"\}"),
+    ],
+)
+def test_a_server_refusing_the_pause_is_named_with_its_route_and_status(mode, status, expected, tmp_path):
+    """A server that is up but refuses `/pause` (a 500, or a 422 for mode=keep from a vLLM without it): the sync's
+    error names the route, the status and, for keep, the fix. Before: "reached no server within
+    weight_sync_timeout=...: all servers down", for a server that answers /health."""
+    from .helpers import plain_http_server
+
+    routes = {"/health": (200, b"{}"), f"/pause?mode={mode}": (status, b'{"detail": "boom"}')}
+    with plain_http_server(status=200, body=b"{}", routes=routes) as url:
+        client = RolloutClient([url], request_timeout=5)
+        sync = SharedDirSync(client, SyncSettings(timeout=5, pause_mode=mode))
+        try:
+            started = time.monotonic()
+            with pytest.raises(RolloutError, match=expected) as raised:
+                sync.reload(str(tmp_path), "v1")
+            assert time.monotonic() - started < 5  # at once, not after a timeout
+            assert "all servers down" not in str(raised.value) and url in str(raised.value)
+        finally:
+            client.close()

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..model_paths import check_model_path
-from ..numbers import check_field_types, check_positive, check_whole
+from ..numbers import check_field_types, check_number, check_positive, check_whole
 from .settings import WeightSyncName
 
 # `vllm.LLM` settings TRL sets for the engine and the trainer to stay in step (the set of TRL's proposed
@@ -362,9 +362,29 @@ class RolloutArguments:
                 "managed_server_resources places servers on a Ray cluster: set managed_server_placement='ray' too"
             )
 
+    def _check_sampling(self) -> None:
+        """TRL's sampling fields, in the ranges vLLM's SamplingParams and transformers' generate take: at
+        construction, not as a server's 422 (or a generate error) at the first step."""
+        check_number("temperature", self.temperature, fix="use a number > 0 (the trainer divides logits by it)")
+        if self.temperature <= 0:
+            raise ValueError(
+                f"temperature={self.temperature}: the trainer scores log-probs of logits / temperature, so it must be "
+                "> 0. Fix: a positive temperature (e.g. 1.0; near-greedy sampling: 0.01)"
+            )
+        check_number("top_p", self.top_p, fix="use a number in (0, 1]: 1.0 keeps every token")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: use a number in (0, 1] (1.0 keeps every token, 0.9 the top 90 %)")
+        check_whole("top_k", self.top_k, minimum=-1, fix="use a whole number: 0 (or -1) keeps every token, k >= 1")
+        if self.min_p is not None:
+            check_number("min_p", self.min_p, fix="use a number in [0, 1], or None")
+            if not 0 <= self.min_p <= 1:
+                raise ValueError(f"min_p={self.min_p}: use a number in [0, 1] (typical: 0.01-0.2), or None")
+
     def _validate_rollout_arguments(self) -> None:
         from ..scoring.sampler_support import SamplerSupport
 
+        if hasattr(self, "top_p"):
+            self._check_sampling()
         SamplerSupport.from_config(self)  # a truncation the trainer cannot repeat fails here, not at the first step
         self.vllm_llm_kwargs = check_llm_kwargs(dict_field(self.vllm_llm_kwargs, "vllm_llm_kwargs")) or None
         if self.vllm_server_base_urls is not None:

@@ -449,7 +449,7 @@ class RolloutClient:
                 try:
                     future.result()
                 except Exception as error:
-                    failed[futures[future].url] = repr(error)
+                    failed[futures[future].url] = f"{type(error).__name__}: {error}"
         except FutureTimeoutError:
             for future, server in futures.items():
                 if not future.done():

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
+from collections.abc import Callable
 
+from ..model_paths import check_model_path
 from ..net import is_loopback
 from .served import MAX_REQUEST_BYTES
 
@@ -28,11 +31,28 @@ DESCRIPTION = (
 )
 
 
+def _number(minimum: float, above: bool = False, whole: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number at least `minimum` (above it with `above`; a whole one with `whole`),
+    refused at start rather than in every request (a negative delay failed each completion with a 500)."""
+    what = f"a {'whole ' if whole else 'finite '}number {'>' if above else '>='} {minimum:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = int(text) if whole else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: use {what}") from None
+        if not math.isfinite(value) or value < minimum or (above and value == minimum):
+            raise argparse.ArgumentTypeError(f"{text!r}: use {what}")
+        return value
+
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trl-scale serve", description=DESCRIPTION)
     parser.add_argument("--model", required=True, help="path of a causal LM saved with save_pretrained")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=_number(0, whole=True), default=8000)
     parser.add_argument("--api-key", default=os.environ.get("TRL_SCALE_API_KEY"), help="require this bearer token")
     parser.add_argument(
         "--allow-unauthenticated",
@@ -43,23 +63,34 @@ def _parser() -> argparse.ArgumentParser:
         "--trust-remote-code", action="store_true", help="run code shipped in the model directory (off by default)"
     )
     parser.add_argument(
-        "--max-request-mb", type=float, default=MAX_REQUEST_BYTES / 2**20, help="largest JSON request body, in MiB"
+        "--max-request-mb",
+        type=_number(0, above=True),
+        default=MAX_REQUEST_BYTES / 2**20,
+        help="largest JSON request body, in MiB",
     )
-    parser.add_argument("--token-delay", type=float, default=0.0, help="seconds per generated token (benchmarks)")
+    parser.add_argument("--token-delay", type=_number(0), default=0.0, help="seconds per generated token (benchmarks)")
     parser.add_argument(
         "--step-delay",
-        type=float,
+        type=_number(0),
         default=0.0,
         help="seconds per decoding step of a request, overlapping other requests (benchmarks: continuous batching, "
         "a request lasts as long as its longest answer)",
     )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument(
-        "--world-size", type=int, default=1, help="ranks this server brings to the weight-transfer group (as TP x DP)"
+        "--world-size",
+        type=_number(1, whole=True),
+        default=1,
+        help="ranks this server brings to the weight-transfer group (as TP x DP)",
     )
-    parser.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank accepted (vLLM's default)")
     parser.add_argument(
-        "--weight-transfer-timeout", type=float, default=300.0, help="seconds a weight broadcast may take"
+        "--max-lora-rank", type=_number(1, whole=True), default=16, help="largest LoRA rank accepted (vLLM's default)"
+    )
+    parser.add_argument(
+        "--weight-transfer-timeout",
+        type=_number(0, above=True),
+        default=300.0,
+        help="seconds a weight broadcast may take",
     )
     return parser
 
@@ -74,6 +105,10 @@ def serve(argv: list[str] | None = None) -> int:
     missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
     if missing:  # before minutes of model loading, and with the fix
         parser.error(f"needs {' and '.join(missing)}, not installed here. Fix: pip install 'trl-scale[serve]'")
+    try:
+        check_model_path(args.model, "--model")
+    except ValueError as error:
+        parser.error(str(error))
     import uvicorn
 
     from .app import create_app

@@ -88,18 +88,35 @@ class WeightSyncMode(ABC):
         them and they finish with the new weights (a completion sampled from two versions, each token's sampler
         log-prob that of the weights that drew it; which tokens came from which depends on timing); "abort" cuts
         them (answered with the tokens so far; the client continues each after the sync: a partial rollout). Requests
-        not yet admitted wait for the resume in every mode."""
+        not yet admitted wait for the resume in every mode.
+        `work` returns ``(servers that took the weights, {url: why not})``; so does this, with the servers that
+        refused the pause among the second (a server that answers but refuses `/pause` is named with its status,
+        not taken for a server that is down)."""
         timeout = self.settings.timeout
         refused = self.client.each(servers, self._pause, timeout)
         paused = [s for s in servers if s.url not in refused]
         try:
-            return work(paused)
+            took, failed = work(paused)
+        except RolloutError as error:
+            if refused:  # the work may need every server (a group): say which refused the pause, and why
+                raise RolloutError(f"{error}; refused /pause: {refused}") from error
+            raise
         finally:
             self.client.each(paused, lambda s: self.client.post(s, "/resume", timeout), timeout)
+        return took, {**refused, **failed}
 
     def _pause(self, server: ServerState) -> None:
         if self.settings.pause_mode in ("keep", "abort"):  # returns at once, between two decoding steps
-            self.client.post(server, f"/pause?mode={self.settings.pause_mode}", self.settings.timeout)
+            try:
+                self.client.post(server, f"/pause?mode={self.settings.pause_mode}", self.settings.timeout)
+            except RolloutError as error:
+                if self.settings.pause_mode == "keep" and " answered 422" in str(error):
+                    raise RolloutError(
+                        f"{error}. This server does not take /pause?mode=keep (freezing running answers across a "
+                        "sync). Fix: async_rollout_interrupt='partial' (running answers are cut at a sync and "
+                        "continued after it), or a vLLM whose /pause takes mode=keep"
+                    ) from error
+                raise
             return
         # It returns once the server's running generations have finished: bounded as one generation is.
         generation = self.client.generation_timeout
@@ -124,9 +141,10 @@ class WeightSyncMode(ABC):
         """Record the new version; servers that did not take it stay out of the rotation until a sync does."""
         self.client.record_sync(version, took)
         if not took:
+            why = "; ".join(f"{url}: {reason}" for url, reason in failed.items())
             raise RolloutError(
-                f"{what} reached no server within weight_sync_timeout={self.settings.timeout}s: "
-                f"{failed or 'all servers down'}"
+                f"{what} reached no server: {why or 'none answers /health (all servers down)'} "
+                f"(weight_sync_timeout={self.settings.timeout}s)"
             )
         missed = {s.url for s in self.client.servers if s not in took}
         if missed - self._missed:
