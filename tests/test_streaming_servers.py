@@ -234,6 +234,12 @@ def test_a_resume_trains_each_group_read_before_the_checkpoint_once(servers, tin
     assert set(left.values()) <= {GROUP} and not set(left) & (set(before) | set(after))
     # ... and nothing skipped: the groups trained are the first ones read, but for those still out at the end
     assert set(range(12)) <= set(before) | set(after) | set(left)
+    # resumed with another group size, its read-ahead groups would be joined two by two: refused, before a step
+    regrouped = streaming_run(
+        "grpo", tiny_llama, tmp_path / "regrouped", urls, TrainedIds(), max_steps=6, num_generations=GROUP // 2
+    )
+    with pytest.raises(ValueError, match=rf"with num_generations={GROUP}; this run has num_generations={GROUP // 2}"):
+        regrouped.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
 
 
 def test_dynamic_sampling_tops_up_from_the_stream_within_the_bound(servers, tiny_llama, tmp_path):

@@ -10,6 +10,24 @@ ROLLOUT_BUFFER_NAME = "rollout_buffer_rank{rank}.pt"
 STREAM_STATE_NAME = "rollout_stream_rank{rank}.pt"
 
 
+def check_stream_group_size(state: dict, num_generations: int, path: str) -> None:
+    """A streaming checkpoint's read-ahead prompt groups are cut at the run's `num_generations`. Resumed with
+    another, they would be trained as groups of the new size: rows of different prompts normalised as one group,
+    some rows trained twice. Refused, naming both sizes and the ways out."""
+    saved = state.get("group_size")
+    if saved is None and state.get("rows"):  # a checkpoint of an earlier trl-scale: its groups' own size
+        saved = len(state["rows"][0])
+    if saved is None or saved == num_generations:
+        return
+    raise ValueError(
+        f"{path} holds {len(state.get('rows', []))} prompt group(s) a streaming run read ahead with "
+        f"num_generations={saved}; this run has num_generations={num_generations}, and would train them as groups "
+        f"of {num_generations} (rows of different prompts normalised together). The checkpoint is intact. Fix: "
+        f"resume with num_generations={saved}, or delete {path} to resume without them (the run then reads its data "
+        "from the checkpoint's step, as a synchronous resume does)"
+    )
+
+
 def check_rollout_buffers(checkpoint: str, num_processes: int) -> None:
     """A checkpoint saved inside a rollout window holds one rollout buffer per process. Resumed on another number of
     processes, some ranks would have a buffer and others would generate, and TRL's cross-rank gathers would not
@@ -81,6 +99,7 @@ class RolloutResumeMixin:
 
         lookahead = getattr(self, "_lookahead", None)
         state = streamer.state(lookahead.noted_ahead() if lookahead is not None else 0)
+        state["group_size"] = self.num_generations  # the saved groups are cut at it: a resume must use the same
         os.makedirs(output_dir, exist_ok=True)
         torch.save(state, os.path.join(output_dir, STREAM_STATE_NAME.format(rank=self.accelerator.process_index)))
 
@@ -91,7 +110,9 @@ class RolloutResumeMixin:
             return
         import torch
 
-        streamer.restore(torch.load(path, map_location="cpu", weights_only=False))
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        check_stream_group_size(state, self.num_generations, path)
+        streamer.restore(state)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
