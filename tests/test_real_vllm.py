@@ -320,6 +320,13 @@ def test_preflight_names_every_problem_of_each_server(fleet, rl_urls, tmp_path):
     assert not errors, errors
     errors, _ = problems_of(report, RunNeeds(weight_sync="lora", lora_config=LoraConfig(r=9)))
     assert any("peft_config.r has rank 9, above the server's --max-lora-rank 8" in e for e in errors), errors
+    # vLLM's CPU worker dies resuming seeded requests a streaming sync preempted: refused on this (CPU) server
+    assert report.device_type == "cpu"
+    seeded = RunNeeds(streaming=True, sampling={"seed": 0})
+    errors, _ = problems_of(report, seeded)
+    assert any("vLLM on CPU, streaming rollout and seeded requests" in e for e in errors), errors
+    assert not problems_of(report, RunNeeds(streaming=False, sampling={"seed": 0}))[0]
+    assert not problems_of(report, RunNeeds(streaming=True, sampling={}))[0]
 
     with pytest.raises(ValueError) as caught:
         _trainer("grpo", fleet.model_path, tmp_path / "raw", rl_urls, "shared_dir", temperature=0.7)

@@ -125,6 +125,7 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
             on_sampler_support=self.settings.on_sampler_support,
             lora_config=peft_config if mode == "lora" else None,
             vocab_size=model.config.get_text_config().vocab_size,
+            streaming=self.settings.streaming,
         )
         reports = inspect_all(self.client.get_url, self.client.post_url, [s.url for s in self.client.servers])
         errors, warnings = all_problems(reports, needs)

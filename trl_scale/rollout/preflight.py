@@ -52,6 +52,9 @@ class ServerReport:
     weight_transfer: str | None = None
     world_size: int | None = None
     weight_version: str | None = None
+    device_type: str | None = (
+        None  # vLLM's device_config ("cuda", "cpu"); None: unknown (no dev mode, trl-scale serve)
+    )
 
     def row(self) -> dict[str, str]:
         def show(value, unknown="?"):
@@ -86,6 +89,7 @@ class RunNeeds:
     lora_config: object | None = None  # the policy's peft config (weight_sync="lora")
     vocab_size: int | None = None
     policy_path: str | None = None
+    streaming: bool = False  # syncs meet running requests (async_rollout_mode="streaming")
 
 
 def inspect_server(get: Callable[[str, str], requests.Response], post: Callable, url: str) -> ServerReport:
@@ -108,6 +112,8 @@ def inspect_server(get: Callable[[str, str], requests.Response], post: Callable,
             if isinstance(config, str):
                 config = json.loads(config)
             report.logprobs_mode = (config.get("model_config") or {}).get("logprobs_mode")
+            device = config.get("device_config") or {}
+            report.device_type = device.get("device_type") or (device.get("device") if device else None)
             lora = config.get("lora_config")
             report.lora_enabled = bool(lora)
             report.max_lora_rank = int(lora.get("max_lora_rank", 16)) if lora else None
@@ -191,6 +197,14 @@ def problems_of(report: ServerReport, needs: RunNeeds) -> tuple[list[str], list[
             return [f"{url}: not usable: {report.error}"], []
         return [f"{url}: not reachable ({report.error}). Fix: start it, or check the URL"], []
     mode = needs.weight_sync
+    seed = needs.sampling.get("seed")
+    if needs.streaming and seed is not None and str(report.device_type).lower() == "cpu":
+        errors.append(
+            f"{url}: vLLM on CPU, streaming rollout and seeded requests (generation_kwargs seed={seed}): vLLM 0.32's "
+            "CPU worker dies resuming seeded requests that a sync's prefix-cache reset preempted ('CPU Generator does "
+            "not use offset'). Fix: drop the seed from generation_kwargs (the trainer's seed still fixes its data "
+            "order and initialisation), or async_rollout_mode='ordered'"
+        )
     if mode in ("auto", "nccl", "shared_dir") and not report.dev_mode:
         errors.append(
             f"{url}: vLLM's RL routes are off, so weight_sync={mode!r} cannot update its weights. Fix: {DEV_MODE_FIX}"
