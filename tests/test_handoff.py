@@ -30,3 +30,14 @@ def test_clear_and_take_if_given():
     handoff.give(None)  # a value that is None still counts as given
     with pytest.raises(RuntimeError):
         handoff.give(0)
+
+
+def test_take_if_given_empties_the_handoff():
+    """PPO clears its critic hand-off at each step's start, which would hide a `take_if_given` that leaves the value
+    in place: taken once, it is gone, and the next step can give again."""
+    handoff = Handoff("critic update")
+    handoff.give("step 1")
+    assert handoff.take_if_given() == "step 1"
+    assert handoff.take_if_given() is None  # not the previous step's value again
+    handoff.give("step 2")  # not "given twice"
+    assert handoff.take() == "step 2"
