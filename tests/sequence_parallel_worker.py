@@ -76,6 +76,8 @@ def main() -> None:
     parser.add_argument("--mutation", choices=["shift", "twice", "rank0"], default=None)
     # rank 1 another batch: refused (an SP group scores one batch)
     parser.add_argument("--own-batches", action="store_true")
+    # with --own-batches: rank 1's batch has the same shape (lengths, rows) and other tokens
+    parser.add_argument("--same-shape", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     from transformers import AutoModelForCausalLM
@@ -95,7 +97,7 @@ def main() -> None:
     install_packed_scoring(sharded, token_budget=args.token_budget, outputs=("entropy",), sequence_parallel=group)
     lengths = [int(n) for n in args.lengths.split(",")]
     rank = dist.get_rank()
-    if args.own_batches and rank == 1:  # another batch, of other lengths and rows
+    if args.own_batches and rank == 1 and not args.same_shape:  # another batch, of other lengths and rows
         lengths = [7, 30, 4]
     vocab = reference.config.get_text_config().vocab_size
     input_ids, mask, labels = batch(vocab, lengths, prompt=3, seed=rank if args.own_batches else 0)

@@ -57,10 +57,16 @@ def test_two_ranks_score_like_one_process(family_models, tmp_path, family, token
 
 
 @pytest.mark.slow
-def test_ranks_of_a_group_holding_different_batches_are_refused(family_models, tmp_path):
-    """Slices of two different batches are not parts of one row: scoring them would silently mix both."""
-    for result in sharded_vs_one_process(family_models["llama"], tmp_path / "r", "--own-batches"):
-        assert "hold different batches" in result["refused"], result
+@pytest.mark.parametrize("shape", ["other-lengths", "same-shape"])
+def test_ranks_of_a_group_holding_different_batches_are_refused(family_models, tmp_path, shape):
+    """Slices of two different batches are not parts of one row: scoring them would silently mix both. Refused by
+    the check itself (its message, on both ranks), also for a batch of the same shape and other tokens, which no
+    collective of the forward would trip over."""
+    extra = ["--own-batches"] + (["--same-shape"] if shape == "same-shape" else [])
+    for result in sharded_vs_one_process(family_models["llama"], tmp_path / "r", *extra):
+        assert result["refused"].startswith(
+            "sequence parallelism: the ranks of a sequence-parallel group hold different batches"
+        ), result
 
 
 @pytest.mark.slow
