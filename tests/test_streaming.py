@@ -269,3 +269,63 @@ def test_nothing_is_sent_before_the_runs_first_weight_sync():
     taken = stream.take(4)
     assert sorted(r["prompt"] for r in taken.rows[::2]) == [1, 2] and {f for f, _ in taken.spans} == {1}
     stream.close()
+
+
+class Calls:
+    """A stand-in whose every request is its own call: answered when the test says (`answer(ordinal)`), and whose
+    `dispatched` callback the test can run again, as the client does when it fails a request over to another
+    server."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+        self.lock = threading.Lock()
+        self.version = 1
+
+    def send(self, prompt_ids, n, dispatched):
+        call = {"prompt": prompt_ids[0], "dispatched": dispatched, "answer": threading.Event()}
+        with self.lock:
+            self.calls.append(call)
+            call["ordinal"] = len(self.calls)
+        dispatched()
+        assert call["answer"].wait(timeout=30), f"call {call['ordinal']} never answered"
+        return [{"token_ids": [call["prompt"], call["ordinal"]]} for _ in range(n)], self.version
+
+    def of(self, prompt):
+        return [c for c in self.calls if c["prompt"] == prompt]
+
+
+def test_an_abandoned_attempt_neither_retags_nor_overwrites_the_resend():
+    """A group dropped as too old is sent again; its first attempt is abandoned but still running. Forced, in the
+    losing order: that attempt fails over (its dispatch callback runs again) after the re-send was tagged, and it
+    answers after the re-send did. The group keeps the re-send's version and answer."""
+    calls = Calls()
+    stream = StreamingRollout(1, lambda prompts: [[p] for p in prompts], calls.send, 1, version=lambda: calls.version)
+    stream.note_upcoming(batch([1, 2, 3]))
+    wait_until(lambda: len(calls.of(1)) == 1 and len(calls.of(2)) == 1, lambda: calls.calls)
+    calls.of(2)[0]["answer"].set()
+    stream.take(2)  # version 1: prompt 2
+    (group,) = [g for g in stream.out if g.prompt_ids[0] == 1]
+    abandoned = group.future
+    calls.version = 3
+
+    def answer_3_once_sent():
+        wait_until(lambda: calls.of(3), lambda: calls.calls)
+        calls.of(3)[0]["answer"].set()
+
+    threading.Thread(target=answer_3_once_sent, daemon=True).start()
+    taken = stream.take(2)  # version 3: prompt 1, sent at 1, is too old: dropped and sent again (at 3)
+    assert [r["prompt"] for r in taken.rows] == [3, 3] and stream.counts["dropped_stale"] == 1
+    wait_until(lambda: len(calls.of(1)) == 2, lambda: calls.calls)
+    first, resend = calls.of(1)
+    assert group.first_version == 3
+    calls.version = 4
+    first["dispatched"]()  # the abandoned attempt fails over at version 4 ...
+    assert group.first_version == 3  # ... and does not re-tag the re-send
+    resend["answer"].set()
+    wait_until(lambda: group.done, lambda: group)
+    first["answer"].set()  # the abandoned attempt answers last ...
+    abandoned.result(timeout=10)  # ... and has written whatever it would write
+    taken = stream.take(2)  # version 4: due
+    assert [c["token_ids"] for c in taken.choices] == [[1, resend["ordinal"]]] * 2  # the re-send's answer
+    assert taken.spans[0][0] == 3
+    stream.close()
