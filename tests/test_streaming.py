@@ -329,3 +329,72 @@ def test_an_abandoned_attempt_neither_retags_nor_overwrites_the_resend():
     assert [c["token_ids"] for c in taken.choices] == [[1, resend["ordinal"]]] * 2  # the re-send's answer
     assert taken.spans[0][0] == 3
     stream.close()
+
+
+def _generation_with_held_sync():
+    """A `ServerRolloutGeneration` reduced to its version book: `_sync_with_retry` holds until `release` is set."""
+    from types import SimpleNamespace
+
+    from trl_scale.rollout.generation import ServerRolloutGeneration
+
+    events = {"in_sync": threading.Event(), "release": threading.Event()}
+
+    class Held(ServerRolloutGeneration):
+        def _sync_with_retry(self, version):
+            events["in_sync"].set()
+            assert events["release"].wait(timeout=10)
+
+    generation = object.__new__(Held)
+    generation.settings = SimpleNamespace(streaming=True)
+    generation.weight_sync, generation.client, generation._run_id = "shared_dir", SimpleNamespace(version=None), "r"
+    generation.sync_count, generation.prefetcher = 0, None
+    return generation, events
+
+
+def test_an_answer_finishing_during_a_sync_records_the_syncs_weights_in_its_span():
+    """Forced: the answer comes back while a sync is under way (a streaming sync lets it reach the new weights),
+    so its span's newest version is the sync's."""
+    generation, events = _generation_with_held_sync()
+    answer = threading.Event()
+
+    def request(prompts):
+        assert answer.wait(timeout=10)
+        return [{"token_ids": [1]}]
+
+    generation._request = request
+    spanned = {}
+    requester = threading.Thread(target=lambda: spanned.update(result=generation._request_spanned([[1]])))
+    requester.start()
+    syncer = threading.Thread(target=generation.sync_weights)
+    syncer.start()
+    assert events["in_sync"].wait(timeout=10)
+    answer.set()  # finishes while the sync is under way
+    requester.join(timeout=10)
+    assert spanned["result"][1] == 1
+    events["release"].set()
+    syncer.join(timeout=10)
+    assert generation.sync_count == 1 and generation._newest_reachable() == 1
+
+
+def test_the_version_book_never_shows_the_old_count_once_the_sync_is_over():
+    """Forced: a reader asks for the newest version at the very moment the sync clears its flag. It must read the
+    new count (before: the flag dropped first and the count rose after, so it read the old one)."""
+    generation, events = _generation_with_held_sync()
+    events["release"].set()
+    seen = []
+    readers = []
+    cls = type(generation)
+
+    def set_flag(self, value):
+        self.__dict__["_syncing"] = value
+        if value is False:  # a generation finishing at this instant, on another thread
+            reader = threading.Thread(target=lambda: seen.append(self._newest_reachable()))
+            reader.start()
+            reader.join(timeout=0.2)
+            readers.append(reader)
+
+    cls._syncing = property(lambda self: self.__dict__.get("_syncing", False), set_flag)
+    generation.sync_weights()
+    for reader in readers:
+        reader.join(timeout=10)
+    assert seen == [1]

@@ -7,6 +7,7 @@ after its first (`converse`), each choice then carrying its conversation (`CONVE
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import replace
@@ -31,6 +32,7 @@ class GenerationAhead:
     streams = False  # streaming rollout: this rank's batches come from the stream (its own, or its group's)
     converses = False  # streaming generates a group's later turns too (`enable_async(converse=...)`)
     _serving = None  # a streamed batch TRL's next generate() call is answered from
+    _version_lock = threading.Lock()  # the sync count and the syncing flag change together (`_newest_reachable`)
 
     def enable_async(
         self, staleness: int, tokenize, groups_per_batch: int | None = None, converse: Converse | None = None
@@ -83,7 +85,7 @@ class GenerationAhead:
         )
         if self.weight_sync == "lora":
             return choices, adapter_version
-        return choices, self.sync_count + (1 if self._syncing else 0)
+        return choices, self._newest_reachable()
 
     def _continue_conversations(self, converse: Converse, rows: list, prompt_ids: list[int], choices: list[dict]):
         """A prompt group's later turns (`converse`), right after its first turn's `choices`: each turn one request
@@ -146,7 +148,14 @@ class GenerationAhead:
         """`_request`, and the newest weight version its tokens can come from: the sync count when it finished (one
         more while a sync is under way, whose new weights a streaming sync lets it reach)."""
         choices = self._request(prompts)
-        return choices, self.sync_count + (1 if self._syncing else 0)
+        return choices, self._newest_reachable()
+
+    def _newest_reachable(self) -> int:
+        """The newest weights a token finishing now can come from: the sync count, one more while a sync is under
+        way (a streaming sync lets running generations reach its weights). One snapshot of the two, which
+        `sync_weights` changes together: never the old count once the new weights may be served."""
+        with self._version_lock:
+            return self.sync_count + (1 if self._syncing else 0)
 
     def share_with(self, group, rank: int) -> None:
         """Sequence parallelism: the ranks of `group` (a process group; this rank is `rank` in it) train on the

@@ -294,12 +294,17 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
         version = f"{VERSION_PREFIX}{self._run_id}-{self.sync_count + 1}"
         if self.prefetcher is not None and not self.settings.streaming:
             self.prefetcher.settle()  # "ordered": each prefetched batch generated whole by the weights of its tag
-        self._syncing = True
+        with self._version_lock:
+            self._syncing = True
         try:
             self._sync_with_retry(version)
-        finally:
+        except BaseException:
+            with self._version_lock:
+                self._syncing = False
+            raise
+        with self._version_lock:  # one step: an answer finishing now reads the new count, not the old without the flag
+            self.sync_count += 1
             self._syncing = False
-        self.sync_count += 1
         self.version = version
         if self.weight_sync == "lora":
             self._lora_served = (version, self.sync_count)
