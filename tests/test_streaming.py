@@ -398,3 +398,30 @@ def test_the_version_book_never_shows_the_old_count_once_the_sync_is_over():
     for reader in readers:
         reader.join(timeout=10)
     assert seen == [1]
+
+
+def test_a_tool_conversations_later_turns_count_in_its_version_span():
+    """With `converse` (tool-using rollouts) a group finishes when its last turn does: its span's newest version is
+    its later turns' newest, here two syncs after its first turn's."""
+    calls = Calls()
+    turns_started = threading.Event()
+    later_turns_done = threading.Event()
+
+    def converse(rows, prompt_ids, choices):
+        turns_started.set()
+        assert later_turns_done.wait(timeout=10)
+        return 3  # the newest weights of its later turns
+
+    stream = StreamingRollout(
+        1, lambda prompts: [[p] for p in prompts], calls.send, 1, version=lambda: calls.version, converse=converse
+    )
+    stream.note_upcoming(batch([1]))
+    wait_until(lambda: calls.of(1), lambda: calls.calls)
+    calls.of(1)[0]["answer"].set()  # the first turn, at version 1
+    assert turns_started.wait(timeout=10)
+    (group,) = stream.out
+    assert not group.done  # not finished while its later turns run
+    later_turns_done.set()
+    taken = stream.take(2, timeout=10)
+    assert taken.spans == [(1, 3), (1, 3)]
+    stream.close()
