@@ -679,3 +679,44 @@ def test_a_server_refusing_the_pause_is_named_with_its_route_and_status(mode, st
             assert "all servers down" not in str(raised.value) and url in str(raised.value)
         finally:
             client.close()
+
+
+def test_a_group_broadcast_is_done_only_when_every_receiver_has_returned():
+    """The trainer's side of a broadcast can finish before a server's `/update_weights` returns (it is still
+    loading what it received): the sync must not go on to `/finish_weight_update` until every receiver has."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from trl_scale.rollout.weight_sync.group import _broadcast
+
+    sent_all = threading.Event()
+
+    def send(tensors):
+        for _ in tensors:
+            pass
+        sent_all.set()
+
+    pool = ThreadPoolExecutor(2)
+    client = SimpleNamespace(submit=pool.submit)
+    quick, slow = Future(), Future()
+    quick.set_result(None)
+    outcome = {}
+    broadcast = threading.Thread(
+        target=lambda: outcome.update(
+            failure=_broadcast(
+                SimpleNamespace(send=send),
+                [("w", torch.zeros(2))],
+                {"http://a": quick, "http://b": slow},
+                client,
+                time.monotonic() + 30,
+            )
+        )
+    )
+    broadcast.start()
+    assert sent_all.wait(timeout=10)
+    broadcast.join(timeout=0.5)
+    assert broadcast.is_alive(), "the broadcast returned while a receiver was still loading"
+    slow.set_result(None)
+    broadcast.join(timeout=10)
+    assert outcome == {"failure": None}
+    pool.shutdown()
