@@ -30,6 +30,27 @@ def policy_logprobs(trainer) -> list[float]:
     return logits.log_softmax(-1).gather(1, torch.tensor(PROBE[1:])[:, None])[:, 0].tolist()
 
 
+CACHED = PROBE * 4  # a prompt of whole KV blocks, generated from before each sync and again after it
+
+
+@torch.no_grad()
+def policy_next_logprob(trainer, prompt: list[int], token: int) -> float:
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    logits = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+    return logits.log_softmax(-1)[token].item()
+
+
+def engine_next_token(llm, prompt: list[int]) -> tuple[int, float]:
+    """vLLM's next token after `prompt` and its log-prob: what the prefix cache may serve from blocks it computed
+    before (a sync that does not reset the cache leaves them: the old weights' keys and values)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=1, logprobs=0, temperature=1.0, seed=0)
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0].outputs[0]
+    token = out.token_ids[0]
+    return token, out.logprobs[0][token].logprob
+
+
 def engine_logprobs(llm) -> list[float]:
     from vllm import SamplingParams, TokensPrompt
 
@@ -84,10 +105,16 @@ def run(method: str, out: str, model: str) -> dict:
     syncs = []
 
     def checked_sync():
+        if generation.llm is not None and syncs:
+            engine_next_token(generation.llm, CACHED)  # its blocks cached, computed with the weights before the sync
         sync()
         policy, engine = policy_logprobs(trainer), engine_logprobs(generation.llm)
         assert len(policy) == len(engine) == len(PROBE) - 1
-        syncs.append({"diff": max(abs(a - b) for a, b in zip(policy, engine)), "policy": policy[:3]})
+        token, cached = engine_next_token(generation.llm, CACHED)
+        cached_diff = abs(cached - policy_next_logprob(trainer, CACHED, token))
+        syncs.append(
+            {"diff": max(abs(a - b) for a, b in zip(policy, engine)), "cached_diff": cached_diff, "policy": policy[:3]}
+        )
 
     generation.sync_weights = checked_sync
     trainer.train()

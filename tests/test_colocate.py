@@ -2,7 +2,8 @@
 trl-scale installed beside it in `.venv-vllm` (`bash scripts/setup_vllm.sh`). Stock TRL 1.16 fails there at the first
 weight sync (the CPU backend repacks each linear layer's weight, so TRL's direct `load_weights` finds no
 `weight_loader`); trl-scale's GRPO, RLOO and PPO run 3 steps each with packing on, the engine in the policy's dtype,
-and after every sync the engine's log-probs equal the policy's."""
+and after every sync the engine's log-probs equal the policy's, also for a prompt whose blocks it cached before the
+sync."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def test_grpo_rloo_and_ppo_train_in_trls_default_colocate_mode_with_exact_syncs(
         assert run["direct_load"] is False, run  # the CPU backend repacks: the layerwise reload ran
         assert len(run["syncs"]) == 3, run
         assert all(sync["diff"] <= SYNC_TOLERANCE for sync in run["syncs"]), (method, run["syncs"])
+        # a prompt whose blocks were cached before the sync: served with the new weights (the layerwise reload
+        # resets the prefix cache; without the reset its old keys and values would be reused)
+        assert all(sync["cached_diff"] <= SYNC_TOLERANCE for sync in run["syncs"]), (method, run["syncs"])
         # the policy moved between syncs, so an engine left on older weights could not pass the check above
         moved = [
             max(abs(a - b) for a, b in zip(s["policy"], t["policy"])) for s, t in zip(run["syncs"], run["syncs"][1:])

@@ -124,7 +124,10 @@ def test_the_fleet_restarts_a_killed_server_at_its_address_and_stops_everything(
 
 
 def test_a_server_that_never_comes_up_fails_the_start_naming_its_log(tiny_llama, tmp_path):
-    spec = FleetSpec(num_servers=1, model=str(tmp_path / "missing"), max_restarts=1, ready_timeout=120)
+    # a directory that holds no model: the server fails loading it (a path that does not exist is refused by
+    # `trl-scale serve`'s command line at once, a usage error, which is not retried)
+    (tmp_path / "not-a-model").mkdir()
+    spec = FleetSpec(num_servers=1, model=str(tmp_path / "not-a-model"), max_restarts=1, ready_timeout=120)
     fleet = ServerFleet(spec, ServeLauncher(spec), poll_interval=0.2)
     with pytest.raises(RolloutError, match=r"(?s)rollout server 0 exited with code .* \(1 restart\(s\)\).*Fix: check"):
         fleet.start()

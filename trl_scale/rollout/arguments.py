@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..model_paths import check_model_path
-from ..numbers import check_field_types, check_number, check_positive, check_whole
+from ..numbers import check_field_types, check_positive, check_whole
+from .setting_checks import check_partial_rollout, check_sampling
 from .settings import WeightSyncName
 
 # `vllm.LLM` settings TRL sets for the engine and the trainer to stay in step (the set of TRL's proposed
@@ -362,29 +363,11 @@ class RolloutArguments:
                 "managed_server_resources places servers on a Ray cluster: set managed_server_placement='ray' too"
             )
 
-    def _check_sampling(self) -> None:
-        """TRL's sampling fields, in the ranges vLLM's SamplingParams and transformers' generate take: at
-        construction, not as a server's 422 (or a generate error) at the first step."""
-        check_number("temperature", self.temperature, fix="use a number > 0 (the trainer divides logits by it)")
-        if self.temperature <= 0:
-            raise ValueError(
-                f"temperature={self.temperature}: the trainer scores log-probs of logits / temperature, so it must be "
-                "> 0. Fix: a positive temperature (e.g. 1.0; near-greedy sampling: 0.01)"
-            )
-        check_number("top_p", self.top_p, fix="use a number in (0, 1]: 1.0 keeps every token")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p}: use a number in (0, 1] (1.0 keeps every token, 0.9 the top 90 %)")
-        check_whole("top_k", self.top_k, minimum=-1, fix="use a whole number: 0 (or -1) keeps every token, k >= 1")
-        if self.min_p is not None:
-            check_number("min_p", self.min_p, fix="use a number in [0, 1], or None")
-            if not 0 <= self.min_p <= 1:
-                raise ValueError(f"min_p={self.min_p}: use a number in [0, 1] (typical: 0.01-0.2), or None")
-
     def _validate_rollout_arguments(self) -> None:
         from ..scoring.sampler_support import SamplerSupport
 
         if hasattr(self, "top_p"):
-            self._check_sampling()
+            check_sampling(self)
         SamplerSupport.from_config(self)  # a truncation the trainer cannot repeat fails here, not at the first step
         self.vllm_llm_kwargs = check_llm_kwargs(dict_field(self.vllm_llm_kwargs, "vllm_llm_kwargs")) or None
         if self.vllm_server_base_urls is not None:
@@ -441,7 +424,7 @@ class RolloutArguments:
                 f"async_rollout_interrupt={self.async_rollout_interrupt!r}: use 'keep' (running answers go on with "
                 "the new weights) or 'partial' (they are cut at the sync and continued after it)"
             )
-        self._check_partial_rollout()
+        check_partial_rollout(self)
         if self.async_rollout_mode == "streaming":
             if not self.async_rollout_staleness:
                 raise ValueError(
@@ -455,32 +438,6 @@ class RolloutArguments:
                     "weights; with vllm_importance_sampling_correction=False nothing corrects for it. Fix: "
                     "vllm_importance_sampling_correction=True (default), or async_rollout_staleness=0"
                 )
-
-    def _check_partial_rollout(self) -> None:
-        """`async_rollout_interrupt="partial"` acts only where a sync meets running answers it can cut: streaming
-        (with staleness >= 1), and full-weight syncs (a LoRA sync loads the next adapter beside the running one and
-        never pauses). Anywhere else it would be accepted and do nothing."""
-        if self.async_rollout_interrupt != "partial":
-            return
-        keep = "async_rollout_interrupt='keep' (the default)"
-        if not self.async_rollout_staleness:
-            raise ValueError(
-                "async_rollout_interrupt='partial' cuts the answers a weight sync meets on the servers; with "
-                "async_rollout_staleness=0 a sync waits for every answer, so none is cut. Fix: "
-                f"async_rollout_staleness=1 (streaming), or {keep}"
-            )
-        if self.async_rollout_mode != "streaming":
-            raise ValueError(
-                f"async_rollout_interrupt='partial' with async_rollout_mode={self.async_rollout_mode!r}: ordered read-"
-                "ahead lets the answers a sync meets finish on the old weights (they are never cut). Fix: "
-                f"async_rollout_mode='streaming', or {keep}"
-            )
-        if self.weight_sync == "lora":
-            raise ValueError(
-                "async_rollout_interrupt='partial' with weight_sync='lora': a LoRA sync loads the new adapter under a "
-                "new name and running answers finish on the adapter they started with, so none is cut. Fix: "
-                f"{keep}, or a full-weight sync (weight_sync='auto') with streaming"
-            )
 
 
 @dataclass
