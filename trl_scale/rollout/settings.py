@@ -65,7 +65,8 @@ def _warn_seeded_requests(seed, streaming: bool) -> None:
     from ..logs import get_logger
 
     crash = (
-        " With streaming rollout, vLLM 0.32's CPU worker has also died resuming seeded requests a sync had preempted."
+        " With streaming rollout, vLLM 0.32's CPU worker has also died resuming seeded requests a sync had preempted "
+        "(refused by the preflight on such a server)."
         if streaming
         else ""
     )
