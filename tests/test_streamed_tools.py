@@ -150,3 +150,16 @@ def test_a_conversation_not_starting_with_its_batch_completion_is_refused(traine
     conversations = conversing(trainer)(rows, prompt_ids, completion_ids, logprobs, scripted_turns(tokenizer))
     with pytest.raises(RuntimeError, match="does not start with its batch's completion"):
         streamed_conversations(conversations[::-1], completion_ids, logprobs)
+
+
+def test_the_tool_loop_leaves_the_trainers_rows_and_first_turns_as_they_were(trainer):
+    """TRL's loop appends each turn's messages to the prompts it is given and extends the completions: run in the
+    stream on the trainer's own rows and the batch's first turns, it would change what the step later scores,
+    rewards and logs (before, only a real-vLLM test noticed)."""
+    tokenizer = trainer.processing_class
+    rows, prompt_ids = group(trainer, 0)
+    completion_ids, logprobs = first_turns(tokenizer, 4)
+    before = copy.deepcopy((rows, prompt_ids, completion_ids, logprobs))
+    conversations = conversing(trainer)(rows, prompt_ids, completion_ids, logprobs, scripted_turns(tokenizer))
+    assert any(len(c.completion_ids) > len(first) for c, first in zip(conversations, completion_ids))  # it conversed
+    assert (rows, prompt_ids, completion_ids, logprobs) == before
