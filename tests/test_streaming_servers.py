@@ -308,3 +308,19 @@ def test_asynchronous_rollout_refuses_a_rollout_func_naming_the_fix(servers, tin
             processing_class=AutoTokenizer.from_pretrained(tiny_llama),
             rollout_func=rollout_func,
         )
+
+
+def test_an_ordered_resume_inside_a_generation_window_neither_repeats_nor_skips(servers, tiny_llama, tmp_path):
+    """Ordered read-ahead with a generation batch spanning 2 steps: checkpoint-3 lies inside the batch of steps 3-4.
+    The resumed run trains step 4 on the saved rollout and then generates the batch of steps 5-6 for the same
+    prompts as the uninterrupted run: none again, none skipped (rewards are scored when a batch is trained)."""
+    urls = [s.url for s in servers]
+    window = dict(async_rollout_mode="ordered", steps_per_generation=2, save_strategy="steps", save_steps=3)
+    uninterrupted = TrainedIds()
+    streaming_run("grpo", tiny_llama, tmp_path / "full", urls, uninterrupted, max_steps=6, **window).train()
+    assert len(uninterrupted.by_step) == 3 and len(set(uninterrupted.counts())) == 3 * 4  # 4 groups per batch
+    resumed_ids = TrainedIds()
+    resumed = streaming_run("grpo", tiny_llama, tmp_path / "resumed", urls, resumed_ids, max_steps=6, **window)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
+    assert resumed_ids.by_step == [uninterrupted.by_step[2]]
+    assert resumed.state.global_step == 6
