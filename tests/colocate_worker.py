@@ -80,6 +80,9 @@ def run(method: str, out: str, model: str) -> dict:
         vllm_mode="colocate",  # TRL's default
         vllm_max_model_length=128,
         vllm_gpu_memory_utilization=0.3,
+        # blocks of 32 tokens (the CPU default, 128, would hold no whole block of a prompt in a 128-token context):
+        # the cached-prefix check after each sync needs one
+        vllm_llm_kwargs={"block_size": 32},
         report_to="none",
         save_strategy="no",
         logging_steps=1,
