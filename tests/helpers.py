@@ -462,3 +462,11 @@ def banner_server(banner: bytes = b"SSH-2.0-OpenSSH_9.2\r\n"):
         stop.set()
         thread.join(timeout=5)
         listener.close()
+
+
+def flat_on_rank_1_reward(completion_ids, **kwargs) -> list[float]:
+    """0.5 for every completion scored by the process of rank 1 (its groups never have a signal), else
+    `token_parity_reward`'s value: two data-parallel processes missing different numbers of groups."""
+    if os.environ.get("RANK") == "1":
+        return [0.5] * len(completion_ids)
+    return token_parity_reward(completion_ids)

@@ -209,3 +209,28 @@ def test_a_resume_draws_top_ups_on_from_where_the_checkpoint_was(tiny_llama, tmp
     resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-1"))
     after = [entry for entry in whole_draws if entry[0] >= 1]
     assert after and resumed_draws == after
+
+
+@pytest.mark.slow
+def test_two_processes_top_up_as_the_one_missing_most_and_score_their_own_candidates(tiny_llama, tmp_path):
+    """2 data-parallel processes (gloo): rank 1's groups never have a signal, rank 0's mostly do. Both run the
+    top-up rounds rank 1 needs (the process missing the most decides, or the other would leave it alone in a
+    collective), and each judges its own candidates (with rank 0's rewards, rank 1 would see a signal and stop):
+    every step generates the whole budget, 3 x the groups trained, and at least rank 1's half is filled without one."""
+
+    from .helpers import ROOT, accelerate_launch, run_to_completion
+
+    out = tmp_path / "two"
+    command = ["-m", "trl_scale.cli", "grpo", "--config", str(ROOT / "examples" / "grpo_tiny_cpu.yaml")]
+    command += ["--model_name_or_path", tiny_llama, "--output_dir", str(out), "--max_steps", "2"]
+    command += ["--logging_steps", "1", "--disable_tqdm", "true", "--save_strategy", "steps", "--save_steps", "2"]
+    command += ["--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "8"]
+    command += ["--reward_funcs", "tests.helpers.flat_on_rank_1_reward", "--dynamic_sampling", "true"]
+    command += ["--dynamic_sampling_max_oversampling", "3"]
+    run_to_completion(accelerate_launch(2) + command)
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    logs = [entry for entry in state["log_history"] if "loss" in entry]
+    assert len(logs) == 2
+    for entry in logs:
+        assert entry["dynamic_sampling/oversampling"] == pytest.approx(3.0)
+        assert entry["dynamic_sampling/filled_without_signal"] >= 0.5
