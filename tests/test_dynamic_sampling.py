@@ -234,3 +234,44 @@ def test_two_processes_top_up_as_the_one_missing_most_and_score_their_own_candid
     for entry in logs:
         assert entry["dynamic_sampling/oversampling"] == pytest.approx(3.0)
         assert entry["dynamic_sampling/filled_without_signal"] >= 0.5
+
+
+def test_rloo_with_dynamic_sampling_corrects_the_chosen_rows_with_their_own_sampler_logprobs():
+    """RLOO's asynchronous correction reads the generation backend's sampler log-probs of the rows TRL's step
+    scores. With dynamic sampling those rows were chosen across rounds (here the top-up's group, not the batch's):
+    TRL's `_generate` answered from them must leave the chosen rows' log-probs on the backend, or each sequence is
+    weighted with another row's ratio."""
+    import math
+    from collections import defaultdict
+
+    from trl_scale import RLOOTrainer
+
+    def round_of(prompt: str, sampler: float, count: int = 2) -> CandidateRows:
+        rows = [{"prompt": prompt} for _ in range(count)]
+        generated = ([[1]] * count, [[5, 6]] * count, [f"{prompt}!"] * count)  # RLOO's three
+        per_row = {"generation:last_sampler_logprobs": [[sampler, sampler]] * count}
+        return CandidateRows(rows, generated, torch.zeros(count, 1), per_row)
+
+    # the batch's own group (sampler log-probs -1 per token) had no signal; the top-up's (-2 per token) is chosen
+    chosen = CandidateRows.joined([round_of("flat", -1.0), round_of("varied", -2.0)]).select([2, 3])
+    backend = SimpleNamespace(last_sampler_logprobs=[[-9.0, -9.0]] * 2)  # the last round's call left other values
+    trainer = SimpleNamespace(
+        _served=chosen,
+        vllm_generation=backend,
+        args=SimpleNamespace(
+            vllm_importance_sampling_clip_min=None,
+            vllm_importance_sampling_clip_max=100.0,
+            vllm_importance_sampling_mode="sequence_truncate",
+        ),
+        _metrics={"train": defaultdict(list)},
+        model=SimpleNamespace(training=True),
+        accelerator=SimpleNamespace(gather=lambda t: t),
+    )
+    assert DynamicSamplingMixin._generate(trainer, ["varied", "varied"]) == chosen.generated
+    batch = {
+        "completion_ids": torch.ones(2, 2, dtype=torch.long),
+        "completion_mask": torch.ones(2, 2),
+        "old_logps": torch.tensor([-3.0, -3.0]),  # each sequence's old log-prob, summed over its 2 tokens
+    }
+    weights = RLOOTrainer._importance_weights(trainer, batch)
+    assert torch.allclose(weights, torch.full((2,), math.exp(-3.0 + 4.0)))  # the chosen rows' -2 + -2

@@ -29,8 +29,9 @@ class ScoringArguments:
         `True`): TRL users' YAML keeps working, with the meanings above, and the default becomes `None`.
     token_budget (`int` or `None`, defaults to `None`):
         Most real tokens in one packed forward; larger batches are split into balanced micro-batches, the same
-        number on every data-parallel rank. `None` is automatic: sdpa/eager (dense attention) get rows no wider
-        than the longest sequence, all in one forward; flash kernels one packed row.
+        number on every data-parallel rank. `None` is automatic: one packed row for flash kernels, for sdpa on CUDA
+        (torch's flash varlen kernel, `trl_scale.scoring.varlen`) and for flex attention; rows no wider than the
+        longest sequence, all in one forward, for sdpa elsewhere and eager.
     logprob_chunk_size (`int`, defaults to `256`):
         Tokens projected onto the vocabulary at once by trl-scale's chunked head (non-Triton devices).
     compile_decoder_layers (`bool`, defaults to `False`):
@@ -65,9 +66,9 @@ class ScoringArguments:
         metadata={
             "help": "Most real tokens in one packed forward (micro-batch); a batch with more is split into several, "
             "balanced, and every data-parallel rank runs the same number. A sequence longer than the budget gets a "
-            "micro-batch of its own. None (automatic): with sdpa/eager the sequences are laid in rows no wider than "
-            "the longest one (attention then costs no more than the padded batch's), all in one forward; with flash "
-            "kernels each call is one packed row."
+            "micro-batch of its own. None (automatic): one packed row per call with flash kernels, sdpa on CUDA "
+            "(torch's flash varlen kernel) and flex attention; with sdpa elsewhere and eager the sequences are laid "
+            "in rows no wider than the longest one (attention then costs no more than the padded batch's)."
         },
     )
     sequence_parallel_size: int = field(
