@@ -45,7 +45,7 @@ _KERNEL_KINDS = [
 
 
 @contextlib.contextmanager
-def _packing_as_before(attention: str):
+def _packing_as_before():
     """trl-scale's packing as it was before the varlen / one-row layouts: rows as wide as the longest sequence,
     sdpa with its mask (for the "before" figures, in the same run)."""
     from trl_scale.scoring import engine, support
@@ -80,7 +80,7 @@ def _variant_model(config, state, variant: str, checkpointing: bool, compiled: b
     packed = None
     if variant != "trl_padded":
         before = variant.endswith("_rows")
-        with _packing_as_before(variant) if before else contextlib.nullcontext():
+        with _packing_as_before() if before else contextlib.nullcontext():
             packed = install_packed_scoring(model, outputs=("entropy",))
         if packed is None:
             raise RuntimeError(f"{variant}: packing stepped aside on this model")
@@ -100,10 +100,10 @@ def _train_step(model, optimizer, batch):
     optimizer.zero_grad(set_to_none=True)
 
 
-def varied_batches(model, optimizer, sizes: Sizes, device, flops: float, count: int = 4) -> dict:
+def varied_batches(model, optimizer, sizes: Sizes, device, count: int = 4) -> dict:
     """Steps on ``count`` other long-tailed batches (new lengths each), twice round: the first round's steps
     include whatever a new length costs (a compiled layer recompiles once for dynamic lengths), the second is the
-    steady state. MFU uses each batch's own useful FLOPs (``flops`` is the fixed batch's, for scale)."""
+    steady state. MFU uses each batch's own useful FLOPs."""
     from gpu import _sync
     from packing import long_tailed_batch
 
@@ -272,7 +272,7 @@ def shape_figures(report: Report, sizes: Sizes, device, dtype, shape_name: str, 
             if profile:
                 row["profile"] = profile_step(step, device, f"{shape_name}_{profile}", out_dir)
             if varied:
-                row.update(varied_batches(model, optimizer, sizes, device, flops))
+                row.update(varied_batches(model, optimizer, sizes, device))
         except Exception as error:  # an OOM or a kernel that fails here is a figure too
             row["error"] = f"{type(error).__name__}: {error}"[:400]
         finally:

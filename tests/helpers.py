@@ -470,3 +470,23 @@ def flat_on_rank_1_reward(completion_ids, **kwargs) -> list[float]:
     if os.environ.get("RANK") == "1":
         return [0.5] * len(completion_ids)
     return token_parity_reward(completion_ids)
+
+
+def rloo_correction_view(backend, clip_min, clip_max, mode: str, **attributes):
+    """The attributes RLOO's `_importance_weights` reads, around a generation `backend` (with its
+    `last_sampler_logprobs`): to call the trainer's own method without a trainer (one process, training)."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        vllm_generation=backend,
+        args=SimpleNamespace(
+            vllm_importance_sampling_clip_min=clip_min,
+            vllm_importance_sampling_clip_max=clip_max,
+            vllm_importance_sampling_mode=mode,
+        ),
+        _metrics={"train": defaultdict(list)},
+        model=SimpleNamespace(training=True),
+        accelerator=SimpleNamespace(gather=lambda t: t),
+        **attributes,
+    )

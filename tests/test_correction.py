@@ -35,13 +35,11 @@ def test_raw_ratios_per_sequence():
 def test_rloo_sequence_correction_honours_clip_min(mode, low_weight):
     """RLOO's per-sequence weights through the trainer's own method: a ratio below
     `vllm_importance_sampling_clip_min` is masked or raised to it, as one above `clip_max` is; within, the ratio."""
-    import math
-    from collections import defaultdict
     from types import SimpleNamespace
 
-    import torch
-
     from trl_scale import RLOOTrainer
+
+    from .helpers import rloo_correction_view
 
     # three sequences of two tokens; the sampler's log-probs sum to 0, so each ratio is exp(old_logps)
     ratios = [0.3, 1.2, 5.0]
@@ -50,17 +48,8 @@ def test_rloo_sequence_correction_honours_clip_min(mode, low_weight):
         "completion_mask": torch.ones(3, 2),
         "old_logps": torch.tensor([math.log(r) for r in ratios]),
     }
-    trainer = SimpleNamespace(
-        vllm_generation=SimpleNamespace(last_sampler_logprobs=[[0.0, 0.0]] * 3),
-        args=SimpleNamespace(
-            vllm_importance_sampling_clip_min=0.5,
-            vllm_importance_sampling_clip_max=3.0,
-            vllm_importance_sampling_mode=mode,
-        ),
-        _metrics={"train": defaultdict(list)},
-        model=SimpleNamespace(training=True),
-        accelerator=SimpleNamespace(gather=lambda t: t),
-    )
+    backend = SimpleNamespace(last_sampler_logprobs=[[0.0, 0.0]] * 3)
+    trainer = rloo_correction_view(backend, clip_min=0.5, clip_max=3.0, mode=mode)
     weights = RLOOTrainer._importance_weights(trainer, batch)
     high_weight = 0.0 if mode == "sequence_mask" else 3.0
     assert torch.allclose(weights, torch.tensor([low_weight, 1.2, high_weight]), atol=1e-6)

@@ -242,9 +242,10 @@ def test_rloo_with_dynamic_sampling_corrects_the_chosen_rows_with_their_own_samp
     TRL's `_generate` answered from them must leave the chosen rows' log-probs on the backend, or each sequence is
     weighted with another row's ratio."""
     import math
-    from collections import defaultdict
 
     from trl_scale import RLOOTrainer
+
+    from .helpers import rloo_correction_view
 
     def round_of(prompt: str, sampler: float, count: int = 2) -> CandidateRows:
         rows = [{"prompt": prompt} for _ in range(count)]
@@ -255,18 +256,7 @@ def test_rloo_with_dynamic_sampling_corrects_the_chosen_rows_with_their_own_samp
     # the batch's own group (sampler log-probs -1 per token) had no signal; the top-up's (-2 per token) is chosen
     chosen = CandidateRows.joined([round_of("flat", -1.0), round_of("varied", -2.0)]).select([2, 3])
     backend = SimpleNamespace(last_sampler_logprobs=[[-9.0, -9.0]] * 2)  # the last round's call left other values
-    trainer = SimpleNamespace(
-        _served=chosen,
-        vllm_generation=backend,
-        args=SimpleNamespace(
-            vllm_importance_sampling_clip_min=None,
-            vllm_importance_sampling_clip_max=100.0,
-            vllm_importance_sampling_mode="sequence_truncate",
-        ),
-        _metrics={"train": defaultdict(list)},
-        model=SimpleNamespace(training=True),
-        accelerator=SimpleNamespace(gather=lambda t: t),
-    )
+    trainer = rloo_correction_view(backend, clip_min=None, clip_max=100.0, mode="sequence_truncate", _served=chosen)
     assert DynamicSamplingMixin._generate(trainer, ["varied", "varied"]) == chosen.generated
     batch = {
         "completion_ids": torch.ones(2, 2, dtype=torch.long),

@@ -4,6 +4,10 @@ field and what to use. `True` is not a number here, though Python lets it pass f
 
 from __future__ import annotations
 
+import math
+import types
+import typing
+
 
 def _is_whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -49,10 +53,6 @@ def check_field_types(config, cls: type) -> None:
     int is fine; NaN and infinities are not); `| None` allows None. Choices (`Literal`), strings, dicts and lists
     are left to each field's own check, and so are ranges, and `True` or `1.5` for a whole number (the field's own
     check names its fix)."""
-    import math
-    import types
-    import typing
-
     hints = typing.get_type_hints(cls)
     for name in cls.__dict__.get("__annotations__", {}):
         if name not in hints or not hasattr(config, name):
@@ -85,8 +85,6 @@ def _what(value) -> str:
 def check_number(name: str, value, minimum: float | None = None, fix: str = "") -> None:
     """`value` must be a finite int or float (not a bool), at least `minimum` when given; else a ValueError naming
     `name` and `fix`."""
-    import math
-
     if _is_real(value) and math.isfinite(value) and (minimum is None or value >= minimum):
         return
     allowed = "use a finite number" + (f" >= {minimum}" if minimum is not None else "")

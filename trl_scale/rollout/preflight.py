@@ -52,9 +52,7 @@ class ServerReport:
     weight_transfer: str | None = None
     world_size: int | None = None
     weight_version: str | None = None
-    device_type: str | None = (
-        None  # vLLM's device_config ("cuda", "cpu"); None: unknown (no dev mode, trl-scale serve)
-    )
+    device_type: str | None = None  # vLLM's device_config: "cuda", "cpu"; None: unknown (trl-scale serve)
 
     def row(self) -> dict[str, str]:
         def show(value, unknown="?"):
@@ -113,7 +111,7 @@ def inspect_server(get: Callable[[str, str], requests.Response], post: Callable,
                 config = json.loads(config)
             report.logprobs_mode = (config.get("model_config") or {}).get("logprobs_mode")
             device = config.get("device_config") or {}
-            report.device_type = device.get("device_type") or (device.get("device") if device else None)
+            report.device_type = device.get("device_type") or device.get("device")
             lora = config.get("lora_config")
             report.lora_enabled = bool(lora)
             report.max_lora_rank = int(lora.get("max_lora_rank", 16)) if lora else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..numbers import check_bool, check_field_types, check_whole
+from ..numbers import check_field_types, check_whole
 from .logprob_head import DEFAULT_LOGPROB_CHUNK_SIZE
 
 
@@ -153,7 +153,6 @@ class ScoringArguments:
             )
 
     def _validate_scoring_arguments(self) -> None:
-        check_bool("compile_decoder_layers", self.compile_decoder_layers)
         check_whole(
             "token_budget",
             self.token_budget,
