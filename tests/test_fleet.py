@@ -23,9 +23,8 @@ import requests
 import trl_scale
 from trl_scale.fleet import (
     FleetSpec,
-    LocalLauncher,
+    ServeLauncher,
     ServerFleet,
-    check_python_has,
     restart_delay,
     server_command,
     server_environment,
@@ -34,50 +33,7 @@ from trl_scale.fleet import (
 from trl_scale.rollout.client import RolloutError
 
 from .helpers import subprocess_env
-
-
-class ServeLauncher(LocalLauncher):
-    """The fleet's own launcher with `trl-scale serve` in place of `vllm serve`: the same process handling."""
-
-    def command(self, port: int) -> list[str]:
-        serve = [sys.executable, "-m", "trl_scale.cli", "serve", "--model", self.spec.model, "--port", str(port)]
-        return serve + list(self.spec.server_args)
-
-    def check(self) -> None:
-        check_python_has(self.spec.python, "trl_scale")
-
-
-def processes_with(marker: str) -> list[int]:
-    """Live processes whose environment holds `marker` (every process a server started inherits it)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if marker.encode() in (entry / "environ").read_bytes():
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z":
-                    found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
-def wait_gone(marker: str, timeout: float = 60) -> list[str]:
-    """Processes with `marker` still alive after `timeout` seconds, described (pid, parent, command line)."""
-    deadline = time.monotonic() + timeout
-    while (left := processes_with(marker)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return [_describe(pid) for pid in left]
-
-
-def _describe(pid: int) -> str:
-    try:
-        parent = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1]
-        command = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
-        return f"{pid} (parent {parent}): {command}"
-    except OSError:
-        return str(pid)
+from .processes import processes_with, wait_gone
 
 
 def test_the_fleet_restarts_a_killed_server_at_its_address_and_stops_everything(tiny_llama, tmp_path):
@@ -457,7 +413,7 @@ NORMAL_END = """
 import sys
 import trl_scale.trainers.fleet as trainer_fleet
 from tests.helpers import server_grpo
-from tests.test_fleet import ServeLauncher
+from trl_scale.fleet import ServeLauncher
 
 trainer_fleet.launcher_for = lambda trainer, spec: ServeLauncher(spec)
 model, out, marker = sys.argv[1:]

@@ -13,8 +13,9 @@ import pytest
 from transformers import AutoTokenizer, TrainerCallback
 
 from .helpers import cpu_args, token_parity_reward
+from .processes import wait_gone
 from .real_vllm import vllm_cpu_available, weight_version
-from .test_fleet import assert_a_raising_train_stops_the_servers, wait_gone
+from .test_fleet import assert_a_raising_train_stops_the_servers
 from .test_fleet_vllm import managed_fields
 from .test_real_vllm import SYNC_TOLERANCE, served_vs_policy
 

@@ -17,8 +17,9 @@ import pytest
 from transformers import TrainerCallback
 
 from .helpers import ROOT, subprocess_env
+from .processes import processes_with, wait_gone
 from .real_vllm import VLLM_PYTHON, vllm_cpu_available, weight_version
-from .test_fleet import assert_a_raising_train_stops_the_servers, processes_with, wait_gone
+from .test_fleet import assert_a_raising_train_stops_the_servers
 from .test_real_vllm import SYNC_TOLERANCE, served_vs_policy
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.slow]

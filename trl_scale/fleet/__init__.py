@@ -5,7 +5,7 @@
 - A launcher starts server `index` and returns a handle (`url`, `returncode()`, `ready()`, `stop()`,
   `log_tail()`): `LocalLauncher` here (subprocesses on this machine, each in its own process group, GPUs by
   `CUDA_VISIBLE_DEVICES`), `ray_hosts.RayLauncher` on a Ray cluster (one actor per server in a
-  placement group).
+  placement group); `ServeLauncher` runs `trl-scale serve` in place of vLLM (a CPU fleet: tests, the chaos run).
 - `ServerFleet` starts every server at once, waits for all with progress on the console, then supervises: a server
   that exits is restarted on the same address (bounded attempts, exponential backoff) and counted in metrics. A
   restarted server serves its original weights: the router keeps it out of the rotation (its `/weight_info`
@@ -17,7 +17,7 @@
   the reaper (`reaper.py`) for a trainer ended by a signal (SIGTERM, SIGKILL), which runs no exit code.
 """
 
-from .local import LocalLauncher, LocalServer, Reaper
+from .local import LocalLauncher, LocalServer, Reaper, ServeLauncher
 from .spec import FleetSpec, check_python_has, restart_delay, server_command, server_environment, start_failure_fix
 from .supervisor import ServerFleet
 
@@ -26,6 +26,7 @@ __all__ = [
     "LocalLauncher",
     "LocalServer",
     "Reaper",
+    "ServeLauncher",
     "ServerFleet",
     "check_python_has",
     "restart_delay",

@@ -1,6 +1,7 @@
 """Servers as processes of this machine: `LocalServer` (one server in its own process group, stopped by group),
 `LocalLauncher` (the fleet's launcher for `managed_server_placement="local"`), and `Reaper`, the trainer's side of
-`reaper.py`, which stops the servers of a trainer ended by a signal."""
+`reaper.py`, which stops the servers of a trainer ended by a signal; `ServeLauncher`, the same with `trl-scale serve`
+in place of vLLM (a CPU fleet without vLLM: the tests, the chaos run)."""
 
 from __future__ import annotations
 
@@ -166,3 +167,15 @@ class LocalLauncher:
             self.log_dir.rmdir()  # only once empty: logs the fleet kept stay
         except OSError:
             pass
+
+
+class ServeLauncher(LocalLauncher):
+    """`LocalLauncher` running `trl-scale serve` (the CPU server speaking vLLM's API) in place of `vllm serve`: the
+    same process handling, with `spec.server_args` given to `trl-scale serve`."""
+
+    def command(self, port: int) -> list[str]:
+        serve = [self.spec.python, "-m", "trl_scale.cli", "serve", "--model", self.spec.model]
+        return serve + ["--host", self.host, "--port", str(port), *self.spec.server_args]
+
+    def check(self) -> None:
+        check_python_has(self.spec.python, "trl_scale")
