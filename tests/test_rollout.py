@@ -159,6 +159,28 @@ def test_router_sends_less_work_to_a_slow_server(tiny_llama):
         slow.stop()
 
 
+def test_a_server_measured_slow_is_tried_again_once_its_estimate_is_old():
+    """A server measured slow gets no request while a faster one is free, so its estimate would never be renewed: a
+    server slow for a while (the chaos run's slow spell) would idle for the rest of the run. After LATENCY_MEMORY
+    seconds unrenewed the estimate is forgotten: the next request goes to it first, and what it then takes is its
+    new estimate (not averaged with the forgotten one)."""
+    client = RolloutClient(["http://127.0.0.1:1", "http://127.0.0.1:2"], request_timeout=1)
+    fast, slow = client.servers
+    now = time.monotonic()
+    fast.latency, fast.measured_at = 0.1, now
+    slow.latency, slow.measured_at = 5.0, now
+    picked = client._acquire(set(), now + 1)
+    client._release(picked, ok=True)
+    assert picked is fast  # while its estimate is fresh, the slow server waits
+    slow.measured_at = now - client.LATENCY_MEMORY - 1
+    picked = client._acquire(set(), now + 1)
+    assert picked is slow
+    client._release(picked, ok=True, seconds=0.2)
+    assert slow.latency == 0.2 and slow.measured_at >= now  # measured anew
+    client._release(client._acquire({fast.url}, now + 1), ok=True, seconds=0.4)
+    assert abs(slow.latency - (0.7 * 0.2 + 0.3 * 0.4)) < 1e-12  # a fresh estimate is averaged
+
+
 def test_killing_a_server_mid_run_loses_no_step(tiny_llama, tmp_path):
     survivor, victim = start_servers(tiny_llama, 2)
 

@@ -55,6 +55,7 @@ class ServerState:
     unchecked: bool = False  # failed since its version was last read: it may have restarted
     last_error: str = ""
     latency: float = 0.0  # moving average of seconds per request (0 until measured: tried first)
+    measured_at: float = 0.0  # time.monotonic() of its last measurement (an old estimate is forgotten)
     world_size: int = 0  # ranks it brings to the weight-transfer group (0: not read yet)
 
 
@@ -132,6 +133,13 @@ class RolloutClient:
         self.refused_is_definite = False
         self.answers_continued = 0  # cut answers continued (partial rollout): `complete(continue_cut=True)`
 
+    # Seconds a latency estimate is trusted unrenewed: a server measured slow gets nothing while faster ones keep up,
+    # so one slow for a while would idle for the rest of the run. Forgotten, it is tried again as an unmeasured one.
+    LATENCY_MEMORY = 10.0
+
+    def _latency(self, server: ServerState, now: float) -> float:
+        return server.latency if now - server.measured_at <= self.LATENCY_MEMORY else 0.0
+
     # ---- server selection -----------------------------------------------------------------------------------
 
     def _acquire(self, exclude: set[str], deadline: float) -> ServerState | None:
@@ -150,14 +158,16 @@ class RolloutClient:
                 ]
                 if not usable:
                     return None
+                latency = {s.url: self._latency(s, now) for s in usable}
                 free = sorted(
                     (s for s in usable if s.outstanding < self.max_inflight_per_server),
-                    key=lambda s: (s.latency, s.outstanding, s.served),
+                    key=lambda s: (latency[s.url], s.outstanding, s.served),
                 )
                 for server in free:
-                    faster = [t for t in usable if 0.0 < t.latency < server.latency]
-                    rate = sum(self.max_inflight_per_server / t.latency for t in faster)
-                    if server.latency == 0.0 or not faster or server.latency <= max(1, self._backlog) / rate:
+                    mine = latency[server.url]
+                    faster = [t for t in usable if 0.0 < latency[t.url] < mine]
+                    rate = sum(self.max_inflight_per_server / latency[t.url] for t in faster)
+                    if mine == 0.0 or not faster or mine <= max(1, self._backlog) / rate:
                         server.outstanding += 1
                         self._backlog = max(0, self._backlog - 1)
                         return server
@@ -170,7 +180,8 @@ class RolloutClient:
             self._lock.notify_all()
             server.outstanding -= 1
             if seconds is not None:
-                server.latency = seconds if server.latency == 0.0 else 0.7 * server.latency + 0.3 * seconds
+                known, server.measured_at = self._latency(server, time.monotonic()) > 0.0, time.monotonic()
+                server.latency = 0.7 * server.latency + 0.3 * seconds if known else seconds
             if ok:
                 server.served += 1
                 server.failures = 0
