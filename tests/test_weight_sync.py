@@ -442,6 +442,24 @@ def test_a_paused_server_holds_new_requests_until_resumed(tiny_llama):
         server.stop()
 
 
+def test_a_server_left_paused_by_a_killed_trainer_is_resumed_when_the_next_trainer_starts(tiny_llama, tmp_path):
+    """A trainer killed during a weight sync (between its /pause and /resume: the chaos run's kill did this) leaves
+    the server paused, and every request to it waits. The next trainer against it resumes it before its first
+    request (its checks send one), names it in a warning, and trains; without that its start waited out the
+    request timeout on the paused server."""
+    (server,) = start_servers(tiny_llama, 1)
+    try:
+        requests.post(f"{server.url}/pause?mode=keep", timeout=10).raise_for_status()
+        began = time.monotonic()
+        trainer = server_grpo(tiny_llama, tmp_path, [server.url], max_steps=1, rollout_request_timeout=20)
+        assert time.monotonic() - began < 15  # not a request timed out on the paused server
+        assert requests.get(f"{server.url}/is_paused", timeout=10).json() == {"is_paused": False}
+        trainer.train()
+        assert trainer.state.global_step == 1
+    finally:
+        server.stop()
+
+
 def test_pause_wait_returns_once_started_generations_have_finished(tiny_llama):
     """A sync pauses with vLLM's mode=wait: a generation already admitted finishes with the weights it started
     with before the pause returns (mode=keep would let the update land under it); new requests wait for /resume."""

@@ -128,6 +128,10 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
             streaming=self.settings.streaming,
         )
         reports = inspect_all(self.client.get_url, self.client.post_url, [s.url for s in self.client.servers])
+        for report in (r for r in reports if r.paused):  # no request would be answered there until a sync
+            logger.warning("rollout server %s was paused (a trainer that ended during a weight sync leaves its "
+                           "servers paused): resumed", report.url)  # fmt: skip
+            self.client.post_url(report.url, "/resume").raise_for_status()
         errors, warnings = all_problems(reports, needs)
         for report in reports:  # the one check that needs the policy: its vocabulary
             if report.reachable and needs.vocab_size:

@@ -53,6 +53,7 @@ class ServerReport:
     world_size: int | None = None
     weight_version: str | None = None
     device_type: str | None = None  # vLLM's device_config: "cuda", "cpu"; None: unknown (trl-scale serve)
+    paused: bool | None = None  # paused now (a trainer ended during a weight sync leaves its servers so)
 
     def row(self) -> dict[str, str]:
         def show(value, unknown="?"):
@@ -121,6 +122,8 @@ def inspect_server(get: Callable[[str, str], requests.Response], post: Callable,
             report.world_size = int(world.json()["world_size"]) if world.status_code == 200 else None
             version = get(url, "/weight_info")
             report.weight_version = version.json().get("weight_version") if version.status_code == 200 else None
+            paused = get(url, "/is_paused")
+            report.paused = bool(paused.json().get("is_paused")) if paused.status_code == 200 else None
         # The runtime LoRA routes exist only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1: an unknown adapter then gets
         # vLLM's own error, a missing route FastAPI's {"detail": "Not Found"}.
         probe = post(url, "/v1/unload_lora_adapter", {"lora_name": "trl-scale-preflight-probe"})
