@@ -11,5 +11,5 @@ fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 # Two workers (pytest-xdist): most tests hold one core (one torch thread), so two at a time use the machine's two;
 # each module runs whole on one worker, in order (its module-scoped servers start once).
-.venv/bin/python -m pytest -m "not gpu and not vllm and not launchers and not learning" -p no:cacheprovider -q \
+.venv/bin/python -m pytest -m "not gpu and not vllm and not launchers and not learning and not chaos" -p no:cacheprovider -q \
     --durations=15 -n 2 --dist loadfile "$@"
