@@ -20,14 +20,9 @@ from .helpers import ROOT, cpu_args, free_port, subprocess_env
 TOLERANCE = 1e-5
 
 
-def sharded_vs_one_process(model_path: str, out, *extra: str) -> list[dict]:
-    """Run the 2-rank worker; returns each rank's largest differences."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--master_port", str(free_port()), "-m", "tests.sequence_parallel_worker"]
-    command += ["--model", model_path, "--out", str(out), *extra]
-    result = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return [json.loads((out.parent / f"{out.name}.{rank}").read_text()) for rank in (0, 1)]
+FAMILY_CASES = [("llama", None), ("llama", 30), ("qwen2", 30), ("qwen3", None), ("mistral", 30), ("gemma2", 30)]
+MUTATIONS = ["shift", "twice", "rank0"]
+SHAPES = ["other-lengths", "same-shape"]
 
 
 @pytest.fixture(scope="module")
@@ -39,45 +34,68 @@ def family_models(tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def scoring_results(family_models, tmp_path_factory) -> dict[str, list[dict]]:
+    """Every case of the 2-rank scoring worker, run in one launch (a launch costs more than a case): each case's
+    name to its two ranks' results. The tests below read their own case."""
+    cases = {
+        f"{family}-{budget}": {"model": family_models[family], "token_budget": budget}
+        for family, budget in FAMILY_CASES
+    }
+    for mutation in MUTATIONS:  # lengths putting the slice boundary inside a scored sequence
+        cases[f"mutation-{mutation}"] = {
+            "model": family_models["llama"],
+            "lengths": "9,23,12,15",
+            "mutation": mutation,
+        }
+    for shape in SHAPES:
+        cases[f"refused-{shape}"] = {
+            "model": family_models["llama"],
+            "own_batches": True,
+            "same_shape": shape == "same-shape",
+        }
+    out = tmp_path_factory.mktemp("sp-scoring")
+    (out / "cases.json").write_text(json.dumps(cases))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command += ["--master_port", str(free_port()), "-m", "tests.sequence_parallel_worker"]
+    command += ["--cases", str(out / "cases.json"), "--out", str(out)]
+    result = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {name: [json.loads((out / f"{name}.{rank}").read_text()) for rank in (0, 1)] for name in cases}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "family, token_budget",
-    [("llama", None), ("llama", 30), ("qwen2", 30), ("qwen3", None), ("mistral", 30), ("gemma2", 30)],
-)
-def test_two_ranks_score_like_one_process(family_models, tmp_path, family, token_budget):
+@pytest.mark.parametrize("family, token_budget", FAMILY_CASES)
+def test_two_ranks_score_like_one_process(scoring_results, family, token_budget):
     """Lengths 9, 23, 12, 5 (49 tokens: odd); without a budget one packed row of 4 sequences, with 30 a row of the
     23-token sequence alone (over half the budget) and a row of 3. Mistral: sliding window 8; Gemma 2: sliding
     window and attention soft-capping. Both ranks hold the batch (an SP group is one data-parallel rank): each
     returns the whole batch's values, and the gradients averaged over the 2 ranks are one process's."""
-    extra = ["--token-budget", str(token_budget)] if token_budget else []
-    for result in sharded_vs_one_process(family_models[family], tmp_path / "r", *extra):
+    for result in scoring_results[f"{family}-{token_budget}"]:
         assert result["group"] == 2 and result["same_grad_names"] and result["scored_tokens"] == 37
         for key in ("log_probs", "entropy", "loss", "grads"):
             assert result[key] <= TOLERANCE, (family, token_budget, key, result)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", ["other-lengths", "same-shape"])
-def test_ranks_of_a_group_holding_different_batches_are_refused(family_models, tmp_path, shape):
+@pytest.mark.parametrize("shape", SHAPES)
+def test_ranks_of_a_group_holding_different_batches_are_refused(scoring_results, shape):
     """Slices of two different batches are not parts of one row: scoring them would silently mix both. Refused by
     the check itself (its message, on both ranks), also for a batch of the same shape and other tokens, which no
     collective of the forward would trip over."""
-    extra = ["--own-batches"] + (["--same-shape"] if shape == "same-shape" else [])
-    for result in sharded_vs_one_process(family_models["llama"], tmp_path / "r", *extra):
+    for result in scoring_results[f"refused-{shape}"]:
         assert result["refused"].startswith(
             "sequence parallelism: the ranks of a sequence-parallel group hold different batches"
         ), result
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mutation", ["shift", "twice", "rank0"])
-def test_each_mutation_breaks_the_parity(family_models, tmp_path, mutation):
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_each_mutation_breaks_the_parity(scoring_results, mutation):
     """Shard offsets shifted by one; a token at a slice boundary counted on both ranks; the gathered values taken
     from rank 0 only: each moves the log-probs, the loss and the gradients far past the tolerance. (Lengths putting
     the slice boundary inside a scored sequence.)"""
-    results = sharded_vs_one_process(
-        family_models["llama"], tmp_path / "r", "--lengths", "9,23,12,15", "--mutation", mutation
-    )
+    results = scoring_results[f"mutation-{mutation}"]
     worst = {key: max(r[key] for r in results) for key in ("log_probs", "loss", "grads")}
     assert worst["log_probs"] > 1e-2 and worst["loss"] > 1e-4 and worst["grads"] > 1e-3, worst
 
@@ -209,9 +227,27 @@ def _logged(output_dir) -> list[dict]:
     return [entry for entry in state["log_history"] if "loss" in entry]
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """`logged(method, model)`: the steps one process logs for `_command(method, model)`, run once per module
+    (several tests compare their launches with the same run)."""
+    from .helpers import run_to_completion
+
+    runs: dict[tuple, list[dict]] = {}
+
+    def logged(method: str, model: str) -> list[dict]:
+        if (method, model) not in runs:
+            out = tmp_path_factory.mktemp(f"one-{method}")
+            run_to_completion([sys.executable, *_command(method, model, out)])
+            runs[method, model] = _logged(out)
+        return runs[method, model]
+
+    return logged
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["grpo", "rloo", "dpo", "ppo"])
-def test_two_processes_with_sp_size_2_take_the_steps_of_one_process(family_models, tmp_path, method):
+def test_two_processes_with_sp_size_2_take_the_steps_of_one_process(family_models, one_process, tmp_path, method):
     """The issue's parity: 2 processes (gloo) with `--sequence_parallel_size 2` are one data-parallel rank, and take
     the steps of one process without it, on the same data. GRPO and RLOO with local generation (rank 0 of the
     group generates as the one process would; the other takes its completions) and the reference model's KL; DPO
@@ -219,13 +255,11 @@ def test_two_processes_with_sp_size_2_take_the_steps_of_one_process(family_model
     gradients sharded too). Every scoring call is sharded over both ranks."""
     from .helpers import accelerate_launch, run_to_completion
 
-    model = family_models["qwen2"]
-    one, sharded = tmp_path / "one", tmp_path / "sharded"
-    run_to_completion([sys.executable, *_command(method, model, one)])
+    model, sharded = family_models["qwen2"], tmp_path / "sharded"
     output = run_to_completion(
         accelerate_launch(2) + _command(method, model, sharded, "--sequence_parallel_size", "2")
     )
-    expected, got = _logged(one), _logged(sharded)
+    expected, got = one_process(method, model), _logged(sharded)
     assert len(expected) == len(got) == 3, output[-2000:]
     assert "training on 1 data-parallel rank(s) of 2 processes" in output
     keys = ("loss", "grad_norm", "reward", "reward_std", "kl", "entropy", "completions/mean_length")
@@ -286,7 +320,7 @@ def test_with_a_lora_adapter_sp_size_2_takes_the_steps_of_one_process(family_mod
 @pytest.mark.slow  # the first DeepSpeed run on a machine JIT-builds its CPU communication op (80-140 s)
 @pytest.mark.parametrize("method, stage", [("grpo", 3), ("ppo", 3), ("grpo", 2)])
 def test_under_deepspeed_two_processes_with_sp_size_2_take_the_steps_of_one_process(
-    family_models, method, stage, tmp_path
+    family_models, one_process, method, stage, tmp_path
 ):
     """`accelerate launch` with DeepSpeed ZeRO-3 (2 CPU processes): the policy's parameters partitioned over both
     ranks and gathered per module while each packed row is sharded over them (PPO: its critic in its own ZeRO-3
@@ -302,12 +336,10 @@ def test_under_deepspeed_two_processes_with_sp_size_2_take_the_steps_of_one_proc
         deepspeed_launcher_config(stage=stage, init_flag="false")
         + "parallelism_config:\n  parallelism_config_sp_size: 2\n  parallelism_config_sp_backend: deepspeed\n"
     )
-    model = family_models["qwen2"]
-    one, sharded = tmp_path / "one", tmp_path / "sharded"
-    run_to_completion([sys.executable, *_command(method, model, one)])
+    model, sharded = family_models["qwen2"], tmp_path / "sharded"
     output = run_to_completion(accelerate_launch_with_config(sharded_config) + _command(method, model, sharded))
     assert "training on 1 data-parallel rank(s) of 2 processes" in output
-    expected, got = _logged(one), _logged(sharded)
+    expected, got = one_process(method, model), _logged(sharded)
     assert len(expected) == len(got) == 3
     keys = ("loss", "grad_norm", "critic/grad_norm", "loss/value") if method == "ppo" else ("loss", "grad_norm", "kl")
     for step, (e, g) in enumerate(zip(expected, got), start=1):
