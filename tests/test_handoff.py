@@ -10,7 +10,7 @@ def test_a_value_is_taken_once():
     handoff = Handoff("rewards")
     handoff.give([1.0])
     assert handoff.take() == [1.0]
-    with pytest.raises(RuntimeError, match="rewards was not given before it was needed.*seams.py"):
+    with pytest.raises(RuntimeError, match="rewards was not given before it was needed.*trl_scale/seams"):
         handoff.take()  # the previous batch's value is gone
 
 

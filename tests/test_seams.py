@@ -1,4 +1,4 @@
-"""The seam registry (`trl_scale/seams.py`): every TRL internal trl-scale relies on still holds in the installed TRL,
+"""The seam registry (`trl_scale/seams`): every TRL internal trl-scale relies on still holds in the installed TRL,
 none is used without being registered, and a TRL that moved one fails naming it."""
 
 import os
@@ -21,7 +21,11 @@ _OWNERS = {
     "trl.trainer.dpo_trainer:DPOTrainer",
     "trl.generation.vllm_generation:VLLMGeneration",
     "transformers.trainer:Trainer",
+    "transformers.modeling_utils:PreTrainedModel",  # the models trl-scale patches and reads
+    "transformers.configuration_utils:PretrainedConfig",
 }
+# Modules whose private module-level names trl-scale reads or writes.
+_OWNER_MODULES = ("transformers.integrations.deepspeed", "trl.trainer.utils")
 
 
 def test_every_seam_holds_in_the_installed_trl():
@@ -36,9 +40,10 @@ def _registered_names() -> set[str]:
 
 
 def _private_names_of_trl_classes() -> set[str]:
+    import importlib
     import inspect
 
-    names = set()
+    names = {n for m in _OWNER_MODULES for n in vars(importlib.import_module(m)) if re.match(r"_[a-z]", n)}
     for target in _OWNERS:
         cls = seams.resolve(target)
         for klass in cls.__mro__:
@@ -52,20 +57,39 @@ def _private_names_of_trl_classes() -> set[str]:
     return names
 
 
+def private_names_used(text: str, owned: set[str]) -> set[str]:
+    """The private names of TRL/transformers (`owned`) a source text uses: method overrides (`def _x`), attribute
+    reads and writes (`._x`), names passed as strings to getattr/hasattr/setattr/delattr, and private names imported
+    from TRL modules."""
+    used = set(re.findall(r"(?:def |\.)(_[a-z][a-z0-9_]*)\b", text))
+    used |= set(re.findall(r"(?:get|has|set|del)attr\([^,()]+,\s*[\"'](_[a-z][a-z0-9_]*)[\"']", text))
+    used &= owned
+    used |= set(re.findall(r"from trl[\w.]* import (_\w+)", text))
+    return used | set(re.findall(r"trl_utils\.(_\w+)", text))
+
+
 def test_trl_scale_uses_no_unregistered_private_trl_name():
-    """Method overrides (`def _x`), attribute reads and writes (`._x`) of names TRL's classes define, and private
-    names imported from TRL modules, must each be in the registry."""
-    trl_private = _private_names_of_trl_classes()
-    registered = _registered_names()
+    """Every private name of TRL and transformers (their trainers, models, configs, and the module-level names of
+    `_OWNER_MODULES`) that trl-scale uses, however it names it (see `private_names_used`), is in the registry."""
+    owned, registered = _private_names_of_trl_classes(), _registered_names()
     unregistered = {}
     for path in (ROOT / "trl_scale").rglob("*.py"):
-        text = path.read_text()
-        used = set(re.findall(r"(?:def |\.)(_[a-z][a-z0-9_]*)\b", text)) & trl_private
-        used |= set(re.findall(r"from trl[\w.]* import (_\w+)", text))
-        used |= set(re.findall(r"trl_utils\.(_\w+)", text))
-        for name in used - registered:
+        for name in private_names_used(path.read_text(), owned) - registered:
             unregistered.setdefault(name, []).append(str(path.relative_to(ROOT)))
-    assert not unregistered, f"register these in trl_scale/seams.py: {unregistered}"
+    assert not unregistered, f"register these in trl_scale/seams: {unregistered}"
+
+
+def test_a_private_name_passed_as_a_string_is_seen():
+    """Planted: TRL's `_logs` read by a string, a model's `_no_split_modules` by getattr, a transformers module's
+    private global assigned: each is found (and so must be registered); a trl-scale attribute of its own is not."""
+    owned = _private_names_of_trl_classes()
+    planted = (
+        'buffer = getattr(trainer, "_logs", None)\n'
+        "layers = getattr(model, '_no_split_modules', None)\n"
+        "hf_deepspeed._hf_deepspeed_config_weak_ref = saved\n"
+        'setattr(model, "_trl_scale_compiled", True)\n'
+    )
+    assert private_names_used(planted, owned) == {"_logs", "_no_split_modules", "_hf_deepspeed_config_weak_ref"}
 
 
 def test_a_seam_renamed_in_a_patched_trl_fails_naming_it(tmp_path):

@@ -176,6 +176,6 @@ class GenerationAhead:
         if [list(p) for p in prompts] != streamed.prompt_ids:
             raise RuntimeError(
                 "streaming rollout: TRL asked for completions of other prompts than the streamed batch's: TRL's hook "
-                "order is not the one trl-scale was built on (see trl_scale/seams.py)"
+                "order is not the one trl-scale was built on (see trl_scale/seams)"
             )
         return streamed.choices, list(streamed.spans)

@@ -121,7 +121,7 @@ class DynamicSamplingMixin:
         else:
             raise RuntimeError(
                 f"dynamic sampling: TRL's _generate returned {len(generated)} values, not the 8 (GRPO) or 3 (RLOO) "
-                "trl-scale was built on (see trl_scale/seams.py)"
+                "trl-scale was built on (see trl_scale/seams)"
             )
         for i, row in enumerate(rows):  # as TRL merges a rollout_func's extra fields before the rewards
             row.update({key: values[i] for key, values in extra_fields.items() if isinstance(values, list)})
@@ -167,7 +167,7 @@ class DynamicSamplingMixin:
         if list(prompts) != [row["prompt"] for row in served.rows]:
             raise RuntimeError(
                 "dynamic sampling: TRL asked for completions of other prompts than the chosen rows': TRL's hook order "
-                "is not the one trl-scale was built on (see trl_scale/seams.py)"
+                "is not the one trl-scale was built on (see trl_scale/seams)"
             )
         backend = getattr(self, "vllm_generation", None)
         for name in GENERATION_PER_ROW:

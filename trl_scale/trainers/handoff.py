@@ -11,7 +11,7 @@ T = TypeVar("T")
 
 class Handoff(Generic[T]):
     """One value, used once. Taking empties it; taking from an empty one, or giving twice without a take, is an
-    error naming the hand-off: if TRL's hook order changes (see `seams.py`), the run stops instead of training on
+    error naming the hand-off: if TRL's hook order changes (see trl_scale/seams), the run stops instead of training on
     the previous batch's value."""
 
     def __init__(self, name: str):
@@ -23,7 +23,7 @@ class Handoff(Generic[T]):
         if self._full:
             raise RuntimeError(
                 f"{self.name} was given twice before it was used: TRL's hook order is not the one "
-                "trl-scale was built on (see trl_scale/seams.py)"
+                "trl-scale was built on (see trl_scale/seams)"
             )
         self._value, self._full = value, True
 
@@ -31,7 +31,7 @@ class Handoff(Generic[T]):
         if not self._full:
             raise RuntimeError(
                 f"{self.name} was not given before it was needed: TRL's hook order is not the one "
-                "trl-scale was built on (see trl_scale/seams.py)"
+                "trl-scale was built on (see trl_scale/seams)"
             )
         value, self._value, self._full = self._value, None, False
         return value
