@@ -57,8 +57,8 @@ def test_critic_group_averages_gradients_over_nccl(tiny_reward_model):
     ray = pytest.importorskip("ray")
     from trl_scale.critic import CriticSettings, CriticUpdater, load_critic
     from trl_scale.critic.ray import RayCritic
+    from trl_scale.critic.worker import CriticWorkerSettings
     from trl_scale.distributed.ray_backend import Placement, RoleGroup, init_ray
-    from trl_scale.distributed.role_workers import CriticWorkerSettings
 
     init_ray()
     settings = CriticSettings(learning_rate=1e-2, max_grad_norm=None)

@@ -141,6 +141,18 @@ def crossings(graph: dict[str, set[str]], packages=INDEPENDENT) -> list[str]:
     ]
 
 
+def _package(module: str) -> str:
+    """The package of a module (`trl_scale.critic.ray` -> `trl_scale.critic`); a top-level module is its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def two_way_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Pairs of packages each importing the other (by any of their modules, lazily or not): a cycle between
+    packages, which the module-level cycle check does not see when the modules involved differ."""
+    edges = {(_package(m), _package(t)) for m, targets in graph.items() for t in targets if _package(m) != _package(t)}
+    return sorted(f"{a} <-> {b}" for a, b in edges if (b, a) in edges and a < b and a != "trl_scale")
+
+
 def private_reach_ins(sources: dict[str, str]) -> list[str]:
     """`x._name` where `x` is not `self`, `cls` or `super()`: a reach into another object's private state."""
     found = []
@@ -185,6 +197,27 @@ def test_no_function_is_over_80_lines_and_none_in_serve_over_60():
 def test_imports_point_down_the_layers():
     upward = upward_imports(import_graph())
     assert not upward, "\n".join(upward)
+
+
+def test_no_two_packages_import_each_other():
+    """Packages, like modules, import one way: `critic` may build on `distributed`'s Ray plumbing, not be imported
+    back by it. The package `trl_scale` (its `__init__`, the public names) is the top and imports everything."""
+    graph = import_graph()
+    found = two_way_imports(graph)
+    assert not found, found
+    planted = {
+        **graph,
+        "trl_scale.distributed.role_workers": graph["trl_scale.distributed.role_workers"] | {"trl_scale.critic.base"},
+    }
+    assert two_way_imports(planted) == ["trl_scale.critic <-> trl_scale.distributed"]  # the one this test ended
+    size, function = function_lengths(PACKAGE)[0]
+    methods, largest = max(
+        (sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in node.body), f"{path.name}:{node.name}")
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    )
+    print(f"layers: longest function {function} ({size} lines), largest class {largest} ({methods} methods)")
 
 
 def test_no_import_cycle_anywhere():

@@ -1,7 +1,7 @@
 """The critic on its own Ray role group (`backend="ray"`), behind the `Critic` interface PPOTrainer uses.
 
 Started and called by the main trainer process only; every rank's rows are gathered to it, split over the group's
-workers (each a `RoleWorker` holding a `CriticUpdater`), and the results go back to each rank."""
+workers (each a `CriticWorker` holding a `CriticUpdater`), and the results go back to each rank."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import torch
 
 from ..distributed.main_process import call_on_main, run_on_main, start_on_main
 from ..distributed.ray_backend import RoleGroup, init_ray
-from ..distributed.role_workers import CriticWorkerSettings, RoleRows
+from ..distributed.role_workers import RoleRows
 from ..distributed.roles import per_row_forward, saved_model_dir
 from ..scoring.packing import UnpaddedRows
 from .base import CriticSettings
 from .holders import read_optimizer_files, write_optimizer_files
+from .worker import CriticWorkerSettings
 
 
 class _MovedTo:

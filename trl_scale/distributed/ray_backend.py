@@ -19,7 +19,6 @@ from typing import Literal
 
 from ..logs import get_logger
 from ..numbers import check_non_negative, check_whole
-from .role_workers import RoleWorker, RoleWorkerSettings
 
 logger = get_logger(__name__)
 
@@ -153,16 +152,13 @@ class RoleGroup:
     critic worker stops the run with a `RoleError` naming the role; the last checkpoint resumes it.
     """
 
-    STATELESS_ROLES = ("reward", "reference")
-
-    def __init__(
-        self, role: str, model_path: str, placement: Placement, settings: RoleWorkerSettings, timeout: float = 300.0
-    ):
+    def __init__(self, role: str, model_path: str, placement: Placement, settings, timeout: float = 300.0):
         from ray.util.placement_group import placement_group
 
         self.role, self.timeout = role, timeout
         self.model_path, self.placement, self.settings = model_path, placement, settings
-        self.restartable = role in self.STATELESS_ROLES
+        self.worker_class = settings.worker_class()  # the role's worker (`role_workers.RoleWorker`'s subclass)
+        self.restartable = self.worker_class.stateless
         bundle = {"CPU": placement.num_cpus_per_worker, **(placement.resources or {})}
         if placement.num_gpus_per_worker:
             bundle["GPU"] = placement.num_gpus_per_worker
@@ -183,7 +179,7 @@ class RoleGroup:
     def _start_workers(self) -> None:
         try:
             self._call([w.ping.remote() for w in self.workers], "start")
-            if self.role == "critic" and len(self.workers) > 1:
+            if self.worker_class.uses_process_group and len(self.workers) > 1:
                 address, port = self._call(self.workers[0].rendezvous_address.remote(), "rendezvous")
                 world = len(self.workers)
                 refs = [w.init_process_group.remote(i, world, address, port) for i, w in enumerate(self.workers)]
@@ -197,7 +193,7 @@ class RoleGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        actor = ray.remote(RoleWorker).options(
+        actor = ray.remote(self.worker_class).options(
             num_cpus=self.placement.num_cpus_per_worker,
             num_gpus=self.placement.num_gpus_per_worker,
             resources=dict(self.placement.resources or {}),

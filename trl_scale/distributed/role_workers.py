@@ -1,17 +1,18 @@
-"""What runs inside a role group's Ray actors: the reward model, the critic (forward and update) and the reference
-policy, each loaded from a path and fed `RoleRows` (token ids without padding) or texts."""
+"""What runs inside a role group's Ray actors: `RoleWorker`, the base every role's worker builds on (one thread, its
+device, the group's process group for a role that needs one), and the reward and reference workers, each loaded from
+a path and fed texts or `RoleRows` (token ids without padding). The critic's worker lives with the critic
+(`critic/worker.py`). A worker's settings name its class (`worker_class`), so `RoleGroup` starts the right one."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..scoring.packing import UnpaddedRows
 
 if TYPE_CHECKING:
-    from ..critic.base import CriticSettings
     from ..scoring import ScoringSettings
 
 
@@ -21,15 +22,9 @@ class RewardWorkerSettings:
 
     tokenizer_path: str
 
-
-@dataclass(frozen=True)
-class CriticWorkerSettings:
-    """A critic worker: its updater's settings, the seed of a new value head (as the local critic's), and how its
-    group holds the critic across workers (FSDP2 needs the group's process group: with several workers only)."""
-
-    updater: CriticSettings
-    seed: int
-    sharding: Literal["fsdp2", "replicated"] = "replicated"
+    @staticmethod
+    def worker_class() -> type:
+        return RewardWorker
 
 
 @dataclass(frozen=True)
@@ -43,8 +38,9 @@ class ReferenceWorkerSettings:
     attn_implementation: str | None = None
     autocast_dtype: str | None = None
 
-
-RoleWorkerSettings = RewardWorkerSettings | CriticWorkerSettings | ReferenceWorkerSettings
+    @staticmethod
+    def worker_class() -> type:
+        return ReferenceWorker
 
 
 @dataclass
@@ -70,35 +66,69 @@ class RoleRows:
 
 
 class RoleWorker:
-    """Runs inside a Ray actor: loads its model from a path and serves one role ('reward', 'critic' or
-    'reference'), as its settings' type says."""
+    """Runs inside a Ray actor: one role's model, loaded by the subclass. `stateless`: a dead worker can be replaced
+    and the call retried (its model is all it holds); `uses_process_group`: a group of several joins its own process
+    group (`rendezvous_address`, then `init_process_group` on each), for a role whose state is sharded."""
 
-    def __init__(self, role: str, model_path: str, settings: RoleWorkerSettings):
+    stateless = True
+    uses_process_group = False
+
+    def __init__(self, role: str, settings):
         torch.set_num_threads(1)  # an actor beside others on the node's cores: one thread, as the trainer runs
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
         self.role, self.settings = role, settings
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if role == "reference":
-            self._load_reference(model_path, settings)
-            return
-        if role == "reward":
-            model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1).to(self.device)
-            self.tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or model_path)
-            model.config.pad_token_id = self.tokenizer.pad_token_id  # pooling at the last non-pad token, as TRL
-            model.eval()
-            self.model = model
-        else:
-            from ..critic.updater import CriticUpdater, load_critic
 
-            critic = load_critic(model_path, settings.seed).to(self.device)
-            # Replicated until the group's process group exists (`init_process_group`): FSDP2 shards over it.
-            self.updater = CriticUpdater(critic, settings.updater)
-            self.sharding = settings.sharding
+    def ping(self) -> str:
+        return self.role
 
-    def _load_reference(self, model_path: str, settings: ReferenceWorkerSettings) -> None:
-        """The frozen reference policy, scored as TRL scores its `ref_model`: its fused log-prob head (and
-        trl-scale's packed scoring when the trainer packs)."""
+    def rendezvous_address(self) -> tuple[str, int]:
+        import ray
+
+        from ..net import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def init_process_group(self, rank: int, world_size: int, address: str, port: int) -> None:
+        """Join the group's own process group (then `joined_group`)."""
+        import torch.distributed as dist
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world_size)
+        self.joined_group()
+
+    def joined_group(self) -> None:
+        """What a role does once its group's process group exists (a role with `uses_process_group`)."""
+
+
+class RewardWorker(RoleWorker):
+    """A reward model scoring texts, tokenized as TRL tokenizes for that reward model."""
+
+    def __init__(self, role: str, model_path: str, settings: RewardWorkerSettings):
+        super().__init__(role, settings)
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1).to(self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path or model_path)
+        model.config.pad_token_id = self.tokenizer.pad_token_id  # pooling at the last non-pad token, as TRL
+        model.eval()
+        self.model = model
+
+    @torch.no_grad()
+    def rewards(self, texts: list[str]) -> list[float]:
+        if not texts:  # more workers than texts
+            return []
+        inputs = self.tokenizer(
+            text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+        ).to(self.device)
+        return self.model(**inputs).logits[:, 0].float().cpu().tolist()
+
+
+class ReferenceWorker(RoleWorker):
+    """The frozen reference policy, scored as TRL scores its `ref_model`: its fused log-prob head (and trl-scale's
+    packed scoring when the trainer packs), under the trainer's mixed precision."""
+
+    def __init__(self, role: str, model_path: str, settings: ReferenceWorkerSettings):
+        super().__init__(role, settings)
         from transformers import AutoModelForCausalLM
         from trl.trainer.utils import add_fused_lm_head
 
@@ -115,39 +145,6 @@ class RoleWorker:
         install_packed_scoring(model, scoring)
         self.autocast_dtype = getattr(torch, settings.autocast_dtype) if settings.autocast_dtype else None
         self.model = model
-
-    def ping(self) -> str:
-        return self.role
-
-    def rendezvous_address(self) -> tuple[str, int]:
-        import ray
-
-        from ..net import free_port
-
-        return ray.util.get_node_ip_address(), free_port()
-
-    def init_process_group(self, rank: int, world_size: int, address: str, port: int) -> None:
-        """Join the group's own process group and start from rank 0's weights."""
-        import torch.distributed as dist
-
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world_size)
-        with torch.no_grad():
-            for parameter in self.updater.critic.parameters():
-                dist.broadcast(parameter.data, src=0)
-        if self.sharding != "replicated":
-            from ..critic.updater import CriticUpdater
-
-            self.updater = CriticUpdater(self.updater.critic, self.settings.updater, sharding=self.sharding)
-
-    @torch.no_grad()
-    def rewards(self, texts: list[str]) -> list[float]:
-        if not texts:  # more workers than texts
-            return []
-        inputs = self.tokenizer(
-            text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
-        ).to(self.device)
-        return self.model(**inputs).logits[:, 0].float().cpu().tolist()
 
     @torch.no_grad()
     def logps(self, pieces: list[RoleRows]) -> list[torch.Tensor]:
@@ -166,44 +163,3 @@ class RoleWorker:
                 )
             out.append(output.log_probs[:, -piece.num_tokens :].float().cpu())
         return out
-
-    def values(self, pieces: list[RoleRows]) -> list[torch.Tensor]:
-        out = []
-        for piece in pieces:
-            input_ids, attention_mask = piece.rows.to_padded(device=self.device)
-            out.append(self.updater.values(input_ids, attention_mask, piece.prompt_len, piece.num_tokens).cpu())
-        return out
-
-    def step(self, pieces: list[RoleRows], train: bool) -> list[tuple[torch.Tensor, dict]]:
-        """One micro-step of the critic over every piece (one per trainer rank): backward on each, then a single
-        optimizer step at the end of the accumulation window."""
-        results = []
-        for piece in pieces:
-            input_ids, attention_mask = piece.rows.to_padded(device=self.device)
-            old_values, returns, mask = (t.to(self.device) for t in (piece.old_values, piece.returns, piece.mask))
-            loss, stats = self.updater.loss_and_backward(
-                input_ids,
-                attention_mask,
-                piece.prompt_len,
-                old_values,
-                returns,
-                mask,
-                train=train,
-                loss_scale=piece.loss_scale,
-            )
-            results.append((loss.cpu(), {k: v.cpu() for k, v in stats.items()}))
-        if train:
-            self.updater.end_micro_step()
-        return results
-
-    def set_scheduler(self, *args):
-        self.updater.set_scheduler(*args)
-
-    def state(self, with_weights: bool = True):
-        return self.updater.state(with_weights)
-
-    def shard_bytes(self) -> dict[str, int]:
-        return self.updater.shard_bytes()
-
-    def load_state(self, state):
-        self.updater.load_state(state)
