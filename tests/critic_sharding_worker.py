@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import end_distributed_worker
-from trl_scale.critic import CriticSettings, CriticUpdater, load_critic
+from trl_scale.critic import CriticBatch, CriticSettings, CriticUpdater, load_critic
 
 ROWS, PROMPT, COMPLETION = 8, 4, 6
 
@@ -92,7 +92,8 @@ def _micro_step(updater: CriticUpdater, input_ids, returns, images, prompt_len, 
     mask = torch.ones_like(returns)
     attention_mask = torch.ones_like(input_ids)
     old_values = updater.values(input_ids, attention_mask, prompt_len, COMPLETION, images)
-    loss, _ = updater.step(input_ids, attention_mask, prompt_len, old_values, returns, mask, multimodal_inputs=images)
+    batch = CriticBatch(input_ids, attention_mask, prompt_len, old_values, returns, mask, multimodal_inputs=images)
+    loss, _ = updater.step(batch)
     if world > 1:  # the whole batch's loss: ranks hold equal token counts
         dist.all_reduce(loss)
         loss /= world

@@ -55,7 +55,7 @@ def test_packed_scoring_on_cuda_matches_padded(tiny_llama):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: one per critic worker")
 def test_critic_group_averages_gradients_over_nccl(tiny_reward_model):
     ray = pytest.importorskip("ray")
-    from trl_scale.critic import CriticSettings, CriticUpdater, load_critic
+    from trl_scale.critic import CriticBatch, CriticSettings, CriticUpdater, load_critic
     from trl_scale.critic.ray import RayCritic
     from trl_scale.critic.worker import CriticWorkerSettings
     from trl_scale.distributed.ray_backend import Placement, RoleGroup, init_ray
@@ -76,8 +76,9 @@ def test_critic_group_averages_gradients_over_nccl(tiny_reward_model):
     mask[1, 3:] = 0
     returns = torch.randn(6, 4, generator=generator)
     values = local.values(input_ids, attention_mask, 5, 4)
-    remote.step(input_ids, attention_mask, 5, values, returns, mask)
-    local.step(input_ids, attention_mask, 5, values, returns, mask)
+    batch = CriticBatch(input_ids, attention_mask, 5, values, returns, mask)
+    remote.step(batch)
+    local.step(batch)
     assert torch.allclose(
         remote.values(input_ids, attention_mask, 5, 4), local.values(input_ids, attention_mask, 5, 4), atol=1e-4
     )

@@ -273,7 +273,7 @@ def test_ray_critic_with_more_workers_than_rows_matches_the_local_critic(tiny_re
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from trl_scale.critic import CriticSettings, CriticUpdater
+    from trl_scale.critic import CriticBatch, CriticSettings, CriticUpdater
     from trl_scale.critic.ray import RayCritic
     from trl_scale.critic.worker import CriticWorkerSettings
     from trl_scale.distributed.ray_backend import Placement, RoleGroup
@@ -292,8 +292,9 @@ def test_ray_critic_with_more_workers_than_rows_matches_the_local_critic(tiny_re
     values = remote.values(input_ids, attention_mask, 3, 4)
     assert torch.allclose(values, local.values(input_ids, attention_mask, 3, 4), atol=1e-6)
     returns = torch.tensor([[1.0, -0.5, 2.0, 0.0]])
-    got_loss, _ = remote.step(input_ids, attention_mask, 3, values, returns, mask)
-    loss, _ = local.step(input_ids, attention_mask, 3, values, returns, mask)
+    batch = CriticBatch(input_ids, attention_mask, 3, values, returns, mask)
+    got_loss, _ = remote.step(batch)
+    loss, _ = local.step(batch)
     assert got_loss.item() == pytest.approx(loss.item(), abs=1e-6)
     after = remote.values(input_ids, attention_mask, 3, 4)
     assert not torch.allclose(after, values, atol=1e-4)  # the update changed the critic ...

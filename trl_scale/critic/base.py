@@ -46,6 +46,23 @@ class CriticSettings:
         )
 
 
+@dataclass(frozen=True)
+class CriticBatch:
+    """What one value-loss micro-step (or a part of one) reads: padded rows (``[B, P + T]``: prompt, then completion),
+    the prompt's width, the old values, returns and completion mask (``[B, T]``), image inputs for a vision-language
+    critic, and ``loss_scale``, this part's weight in the micro-step (its share of the tokens, times the data-parallel
+    world size that averages the gradients)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prompt_len: int
+    old_values: torch.Tensor
+    returns: torch.Tensor
+    mask: torch.Tensor
+    multimodal_inputs: dict | None = None
+    loss_scale: float = 1.0
+
+
 class Critic(Protocol):
     """What PPOTrainer asks of its critic, wherever it lives: in the trainer processes (`CriticUpdater`, replicated
     or sharded) or on a Ray role group (`RayCritic`). Built by `build_critic`; `tests/test_ppo.py` checks both
@@ -63,18 +80,7 @@ class Critic(Protocol):
     ) -> torch.Tensor:
         """Each completion token's value, ``[B, num_tokens]`` (a collective: every rank calls it)."""
 
-    def step_async(
-        self,
-        input_ids,
-        attention_mask,
-        prompt_len,
-        old_values,
-        returns,
-        mask,
-        train=True,
-        multimodal_inputs=None,
-        loss_scale: float = 1.0,
-    ) -> PendingCriticStep:
+    def step_async(self, batch: CriticBatch, train: bool = True) -> PendingCriticStep:
         """Start one micro-step's value loss (and, in training, its update); `.result()` is `(loss, stats)`."""
 
     def weights(self) -> dict | None:

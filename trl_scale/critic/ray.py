@@ -16,7 +16,7 @@ from ..distributed.ray_backend import RoleGroup, init_ray
 from ..distributed.role_workers import RoleRows
 from ..distributed.roles import per_row_forward, saved_model_dir
 from ..scoring.packing import UnpaddedRows
-from .base import CriticSettings
+from .base import CriticBatch, CriticSettings
 from .holders import read_optimizer_files, write_optimizer_files
 from .worker import CriticWorkerSettings
 
@@ -61,32 +61,21 @@ class RayCritic:
         piece = RoleRows(UnpaddedRows.from_padded(input_ids, attention_mask), prompt_len, num_tokens)
         return call_on_main(piece, lambda pieces: per_row_forward(self.group, "values", pieces)).to(input_ids.device)
 
-    def step_async(
-        self,
-        input_ids,
-        attention_mask,
-        prompt_len,
-        old_values,
-        returns,
-        mask,
-        train=True,
-        multimodal_inputs=None,
-        loss_scale: float = 1.0,
-    ):
+    def step_async(self, batch: CriticBatch, train: bool = True):
         """Start the critic's update on its group and return at once; `.result()` waits (bounded) for it, so the
         policy's update runs meanwhile. A collective: every rank calls it, then `.result()`, in the same order."""
-        _refuse_multimodal(multimodal_inputs)
+        _refuse_multimodal(batch.multimodal_inputs)
         piece = RoleRows(
-            UnpaddedRows.from_padded(input_ids, attention_mask),
-            prompt_len,
-            mask.size(1),
-            old_values.detach().cpu(),
-            returns.detach().cpu(),
-            mask.detach().cpu(),
-            loss_scale,
+            UnpaddedRows.from_padded(batch.input_ids, batch.attention_mask),
+            batch.prompt_len,
+            batch.mask.size(1),
+            batch.old_values.detach().cpu(),
+            batch.returns.detach().cpu(),
+            batch.mask.detach().cpu(),
+            batch.loss_scale,
         )
         pending = start_on_main(piece, lambda pieces: self._start_step(pieces, train))
-        return _MovedTo(pending, input_ids.device)
+        return _MovedTo(pending, batch.input_ids.device)
 
     def _start_step(self, pieces: list[RoleRows], train: bool):
         workers = self.group.workers
@@ -112,8 +101,8 @@ class RayCritic:
 
         return finish
 
-    def step(self, *args, **kwargs):
-        return self.step_async(*args, **kwargs).result()
+    def step(self, batch: CriticBatch, train: bool = True):
+        return self.step_async(batch, train).result()
 
     # Called on every rank; only the main process talks to the group, and its errors reach every rank.
     def set_scheduler(self, scheduler_type: str, num_warmup_steps: int, num_training_steps: int, kwargs=None) -> None:

@@ -7,7 +7,7 @@ import torch
 
 from .. import ppo_core
 from ..scoring import token_scores, use_packing
-from .base import CriticSettings, CriticSharding, Finished
+from .base import CriticBatch, CriticSettings, CriticSharding, Finished
 
 
 def completion_values(
@@ -160,30 +160,19 @@ class CriticUpdater:
             return torch.zeros(0, num_tokens, device=input_ids.device)
         return self.holder.module(input_ids, attention_mask, prompt_len, num_tokens, multimodal_inputs)
 
-    def step(self, *args, train: bool = True, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """A whole micro-step on one batch: `loss_and_backward` (same arguments), then in training the end of the
-        micro-step (an optimizer step at the end of an accumulation window)."""
-        result = self.loss_and_backward(*args, train=train, **kwargs)
+    def step(self, batch: CriticBatch, train: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A whole micro-step on one batch: `loss_and_backward`, then in training the end of the micro-step (an
+        optimizer step at the end of an accumulation window)."""
+        result = self.loss_and_backward(batch, train)
         if train:
             self.end_micro_step()
         return result
 
-    def loss_and_backward(
-        self,
-        input_ids,
-        attention_mask,
-        prompt_len,
-        old_values,
-        returns,
-        mask,
-        train: bool = True,
-        loss_scale: float = 1.0,
-        multimodal_inputs: dict | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_and_backward(self, batch: CriticBatch, train: bool = True) -> tuple[torch.Tensor, dict]:
         """The value loss of some rows and, in training, its backward (no optimizer step): a micro-step may take
-        several calls, one per part of the batch. ``loss_scale`` weights this part's loss in the micro-step's
-        (its share of the tokens, times the data-parallel world size that averages the gradients).
-        ``multimodal_inputs``: these rows' image inputs, as for `values`."""
+        several calls, one per part of the batch (`CriticBatch.loss_scale` weights each)."""
+        input_ids, attention_mask, prompt_len = batch.input_ids, batch.attention_mask, batch.prompt_len
+        old_values, returns, mask = batch.old_values, batch.returns, batch.mask
         if self._empty_padded_shard(input_ids):
             zero = mask.new_zeros(())
             if self._must_run():
@@ -195,13 +184,13 @@ class CriticUpdater:
             return zero, {"val/vpred": zero, "val/error": zero, "val/clipfrac": zero}
         with torch.set_grad_enabled(train):
             self.holder.module.train(train)
-            vpred = self.holder.module(input_ids, attention_mask, prompt_len, mask.size(1), multimodal_inputs)
+            vpred = self.holder.module(input_ids, attention_mask, prompt_len, mask.size(1), batch.multimodal_inputs)
             loss, clipfrac = ppo_core.clipped_value_loss(
                 vpred, old_values, returns, mask, self.settings.cliprange_value
             )
             if train and loss.requires_grad:
                 self.holder.backward(
-                    loss_scale * self.settings.vf_coef * loss / self.settings.gradient_accumulation_steps
+                    batch.loss_scale * self.settings.vf_coef * loss / self.settings.gradient_accumulation_steps
                 )
         stats = {
             "val/vpred": ppo_core.masked_mean(vpred.detach(), mask),
@@ -218,32 +207,9 @@ class CriticUpdater:
             boundary=self.micro_steps % self.settings.gradient_accumulation_steps == 0
         )
 
-    def step_async(
-        self,
-        input_ids,
-        attention_mask,
-        prompt_len,
-        old_values,
-        returns,
-        mask,
-        train=True,
-        multimodal_inputs=None,
-        loss_scale: float = 1.0,
-    ) -> Finished:
+    def step_async(self, batch: CriticBatch, train: bool = True) -> Finished:
         """`step`, as a handle with `.result()`: in-process the work is done here; a remote critic overlaps it."""
-        return Finished(
-            self.step(
-                input_ids,
-                attention_mask,
-                prompt_len,
-                old_values,
-                returns,
-                mask,
-                train=train,
-                multimodal_inputs=multimodal_inputs,
-                loss_scale=loss_scale,
-            )
-        )
+        return Finished(self.step(batch, train))
 
     # ---- state: the same calls whether the critic is in-process (any sharding) or remote --------------------
 

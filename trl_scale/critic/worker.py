@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 
 from ..distributed.role_workers import RoleRows, RoleWorker
-from .base import CriticSettings
+from .base import CriticBatch, CriticSettings
 
 
 @dataclass(frozen=True)
@@ -69,16 +69,10 @@ class CriticWorker(RoleWorker):
         for piece in pieces:
             input_ids, attention_mask = piece.rows.to_padded(device=self.device)
             old_values, returns, mask = (t.to(self.device) for t in (piece.old_values, piece.returns, piece.mask))
-            loss, stats = self.updater.loss_and_backward(
-                input_ids,
-                attention_mask,
-                piece.prompt_len,
-                old_values,
-                returns,
-                mask,
-                train=train,
-                loss_scale=piece.loss_scale,
+            batch = CriticBatch(
+                input_ids, attention_mask, piece.prompt_len, old_values, returns, mask, loss_scale=piece.loss_scale
             )
+            loss, stats = self.updater.loss_and_backward(batch, train)
             results.append((loss.cpu(), {k: v.cpu() for k, v in stats.items()}))
         if train:
             self.updater.end_micro_step()

@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from .. import ppo_core
-from ..critic import build_critic
+from ..critic import CriticBatch, build_critic
 from ..critic.holders import (
     CRITIC_DEEPSPEED_DIR,
     CRITIC_OPTIMIZER_NAME,
@@ -247,17 +247,17 @@ class PPOTrainer(GRPOTrainer):
         images = _multimodal_inputs(inputs)
         token_weight = self._token_weight(inputs, mask, mode)
         # The critic's update starts first: on a Ray group it runs while the policy's forward/backward runs here.
-        critic_update = self.critic.step_async(
+        batch = CriticBatch(
             input_ids,
             attention_mask,
             inputs["prompt_ids"].size(1),
             inputs["values"],
             inputs["returns"],
             mask,
-            train=mode == "train",
             multimodal_inputs=_critic_inputs(images),
             loss_scale=token_weight,
         )
+        critic_update = self.critic.step_async(batch, train=mode == "train")
 
         logps, entropies, _ = self._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, compute_entropy=True, **images
