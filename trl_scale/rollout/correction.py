@@ -41,6 +41,18 @@ def ratio_statistics(ratios: torch.Tensor, clip_min: float | None, clip_max: flo
     return {"min": ratios.min(), "mean": ratios.mean(), "max": ratios.max(), "clipped": clipped}
 
 
+def record_ratio_statistics(metrics: dict, gather, stats: dict | None) -> None:
+    """`ratio_statistics`' figures over every process (`gather`: accelerate's), into TRL's metrics lists
+    (`sampling/importance_sampling_ratio_raw/{min,mean,max}`, `.../clipped_fraction`); nothing when None."""
+    if stats is None:
+        return
+    prefix = "sampling/importance_sampling_ratio"
+    metrics[f"{prefix}_raw/min"].append(gather(stats["min"]).min().item())
+    metrics[f"{prefix}_raw/mean"].append(gather(stats["mean"]).mean().item())
+    metrics[f"{prefix}_raw/max"].append(gather(stats["max"]).max().item())
+    metrics[f"{prefix}/clipped_fraction"].append(gather(stats["clipped"]).mean().item())
+
+
 def sequence_importance_weights(
     log_ratios: torch.Tensor, mode: str, clip_min: float | None, clip_max: float | None
 ) -> torch.Tensor:

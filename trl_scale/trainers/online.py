@@ -81,7 +81,7 @@ class OnlineTrainerMixin(
     def _log_raw_importance_ratios(self, batch: dict) -> None:
         """The correction's ratios before TRL clips them (`sampling/importance_sampling_ratio_raw/*`), the share
         clipped, and the share of completions generated across a weight sync (streaming: tokens of two versions)."""
-        from ..rollout.correction import raw_ratio_statistics
+        from ..rollout.correction import raw_ratio_statistics, record_ratio_statistics
 
         if "importance_sampling_ratio" not in batch or "sampling_per_token_logps" not in batch:
             return
@@ -95,14 +95,7 @@ class OnlineTrainerMixin(
             self.vllm_importance_sampling_clip_max,
         )
         metrics = self._metrics["train" if self.model.training else "eval"]
-        if stats is not None:
-            gather = self.accelerator.gather
-            metrics["sampling/importance_sampling_ratio_raw/min"].append(gather(stats["min"]).min().item())
-            metrics["sampling/importance_sampling_ratio_raw/mean"].append(gather(stats["mean"]).mean().item())
-            metrics["sampling/importance_sampling_ratio_raw/max"].append(gather(stats["max"]).max().item())
-            metrics["sampling/importance_sampling_ratio/clipped_fraction"].append(
-                gather(stats["clipped"]).mean().item()
-            )
+        record_ratio_statistics(metrics, self.accelerator.gather, stats)
         spans = getattr(getattr(self, "vllm_generation", None), "last_version_spans", None)
         if spans:
             spanning = torch.tensor(sum(first != newest for first, newest in spans) / len(spans), device=mask.device)

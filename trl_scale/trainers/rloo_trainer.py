@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from trl import RLOOTrainer as _TRLRLOOTrainer
 
-from ..rollout.correction import ratio_statistics, sequence_importance_weights
+from ..rollout.correction import ratio_statistics, record_ratio_statistics, sequence_importance_weights
 from .construction import with_signature_of
 from .hub import TRL_SCALE_TAG
 from .online import OnlineTrainerMixin
@@ -47,12 +47,6 @@ class RLOOTrainer(OnlineTrainerMixin, _TRLRLOOTrainer):
         args = self.args
         clip_min, clip_max = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
         stats = ratio_statistics(log_ratios.exp(), clip_min, clip_max)
-        if stats is not None:
-            metrics, gather = self._metrics["train" if self.model.training else "eval"], self.accelerator.gather
-            metrics["sampling/importance_sampling_ratio_raw/min"].append(gather(stats["min"]).min().item())
-            metrics["sampling/importance_sampling_ratio_raw/mean"].append(gather(stats["mean"]).mean().item())
-            metrics["sampling/importance_sampling_ratio_raw/max"].append(gather(stats["max"]).max().item())
-            metrics["sampling/importance_sampling_ratio/clipped_fraction"].append(
-                gather(stats["clipped"]).mean().item()
-            )
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        record_ratio_statistics(metrics, self.accelerator.gather, stats)
         return sequence_importance_weights(log_ratios, args.vllm_importance_sampling_mode, clip_min, clip_max)
