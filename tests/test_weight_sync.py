@@ -11,6 +11,7 @@ The fixtures below are written from vLLM 0.31.0's source (`pip download --no-dep
 - `entrypoints/serve/dev/rpc/api_router.py` (collective_rpc), `dev/cache/api_router.py` (reset_prefix_cache),
 - `entrypoints/serve/lora/protocol.py` and `entrypoints/openai/models/serving.py:167-300` (LoRA load/unload)."""
 
+import re
 import threading
 import time
 
@@ -442,15 +443,23 @@ def test_a_paused_server_holds_new_requests_until_resumed(tiny_llama):
         server.stop()
 
 
-def test_a_server_left_paused_by_a_killed_trainer_is_resumed_when_the_next_trainer_starts(tiny_llama, tmp_path):
+def test_a_server_left_paused_by_a_killed_trainer_is_resumed_when_the_next_trainer_starts(
+    tiny_llama, tmp_path, capsys
+):
     """A trainer killed during a weight sync (between its /pause and /resume: the chaos run's kill did this) leaves
     the server paused, and every request to it waits. The next trainer against it resumes it before its first
     request (its checks send one), names it in a warning, and trains; without that its start waited out the
-    request timeout on the paused server."""
+    request timeout on the paused server. `trl-scale check-servers` names it, with the fix."""
+    from trl_scale.cli import main
+
     (server,) = start_servers(tiny_llama, 1)
     try:
         requests.post(f"{server.url}/pause?mode=keep", timeout=10).raise_for_status()
         began = time.monotonic()
+        assert main(["check-servers", server.url]) == 1  # named, with the fix, at once
+        named = r"paused \(a trainer that ended during a weight sync.*Fix: POST .*/resume"
+        assert re.search(named, capsys.readouterr().err)
+        assert time.monotonic() - began < 10
         trainer = server_grpo(tiny_llama, tmp_path, [server.url], max_steps=1, rollout_request_timeout=20)
         assert time.monotonic() - began < 15  # not a request timed out on the paused server
         assert requests.get(f"{server.url}/is_paused", timeout=10).json() == {"is_paused": False}

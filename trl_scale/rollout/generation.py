@@ -132,6 +132,7 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
             logger.warning("rollout server %s was paused (a trainer that ended during a weight sync leaves its "
                            "servers paused): resumed", report.url)  # fmt: skip
             self.client.post_url(report.url, "/resume").raise_for_status()
+            report.paused = False
         errors, warnings = all_problems(reports, needs)
         for report in reports:  # the one check that needs the policy: its vocabulary
             if report.reachable and needs.vocab_size:

@@ -25,7 +25,7 @@ def check_servers_for(client: RolloutClient, tokenizer, timeout: float) -> None:
     client.wait_until_ready(timeout)
     reports = inspect_all(client.get_url, client.post_url, [s.url for s in client.servers])
     problems, _ = all_problems(reports, RunNeeds())
-    for report in (r for r in reports if r.reachable):
+    for report in (r for r in reports if r.reachable and not r.paused):  # a paused one would not answer
         problems += [p for p in (check_vocabulary(client.complete_url, report, len(tokenizer)),) if p]
         problems += [p for p in (check_tokenizer(client.prompt_ids_url, report, tokenizer),) if p]
     if problems:

@@ -197,6 +197,11 @@ def problems_of(report: ServerReport, needs: RunNeeds) -> tuple[list[str], list[
         if "Fix:" in report.error:  # a definite cause, with its own fix
             return [f"{url}: not usable: {report.error}"], []
         return [f"{url}: not reachable ({report.error}). Fix: start it, or check the URL"], []
+    if report.paused:
+        errors.append(
+            f"{url}: paused (a trainer that ended during a weight sync leaves its servers paused): every request "
+            f"waits for /resume. Fix: POST {url}/resume (a trainer started against it resumes it)"
+        )
     mode = needs.weight_sync
     seed = needs.sampling.get("seed")
     if needs.streaming and seed is not None and str(report.device_type).lower() == "cpu":
