@@ -3,6 +3,7 @@ trained once or still out at the end, none twice; no trained completion is older
 delayed, not starved; a server killed mid-stream loses and duplicates nothing; a resume neither repeats nor skips.
 Each prompt carries an `id` column, which TRL hands to the reward function with the row it trained on."""
 
+import threading
 import time
 from collections import Counter
 
@@ -75,15 +76,30 @@ def streaming_run(method, model_path, out, urls, recorder, **overrides):
     )
 
 
-def slow_first_attempts(trainer, ids: set[int], seconds: float) -> list[int]:
-    """The servers' answers for these prompts' first requests come `seconds` late (a long answer): returns the ids
-    of the requests sent, in order."""
+class _DeadlineCounts(dict):
+    """The stream's counts, setting `reached` once a batch waits for a group at its deadline."""
+
+    def __init__(self, counts: dict):
+        super().__init__(counts)
+        self.reached = threading.Event()
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        if key == "waited_for_deadline" and value > 0:
+            self.reached.set()
+
+
+def slow_first_attempts(trainer, ids: set[int], seconds: float | None = None) -> list[int]:
+    """The servers' answers for these prompts' first requests come late (a long answer): `seconds` late, or (None)
+    held until a batch waits for them at their deadline, which forces that order however slow the machine's steps
+    are. Returns the ids of the requests sent, in order."""
     generation = trainer.vllm_generation
     prompt_to_id = {}
     tokenize = generation.streamer.tokenize
     for row in id_dataset():
         prompt_to_id[tuple(tokenize([row["prompt"]])[0])] = row["id"]
     sent, complete = [], generation.client.complete
+    counts = generation.streamer.counts = _DeadlineCounts(generation.streamer.counts)
 
     def complete_slowly(prompt, *args, **kwargs):
         row_id = prompt_to_id[tuple(prompt)]
@@ -91,7 +107,10 @@ def slow_first_attempts(trainer, ids: set[int], seconds: float) -> list[int]:
         sent.append(row_id)
         choices = complete(prompt, *args, **kwargs)
         if first and row_id in ids:
-            time.sleep(seconds)
+            if seconds is None:
+                counts.reached.wait(timeout=120)
+            else:
+                time.sleep(seconds)
         return choices
 
     generation.client.complete = complete_slowly
@@ -122,8 +141,8 @@ def test_grpo_streams_every_group_once_within_the_bound_and_slow_answers_are_not
         "grpo", tiny_llama, tmp_path, [s.url for s in servers], recorder, async_rollout_staleness=staleness
     )
     assert trainer.vllm_generation.streamer is not None and trainer.vllm_generation.prefetcher is None
-    slow = {1, 5}  # their answers take longer than a step: waited for at their deadline
-    sent = slow_first_attempts(trainer, slow, seconds=2.5)
+    slow = {1, 5}  # their answers are held until a batch waits for them at their deadline (as a long answer is)
+    sent = slow_first_attempts(trainer, slow)
     seen = versions_recorder(trainer)
     trainer.train()
     trained = check_once_each(trainer, recorder, GROUP)
