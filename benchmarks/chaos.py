@@ -388,6 +388,9 @@ def chaos_run(options) -> dict:
             phases[name] = Phase(name, out / name, model, proxies, fleet, options, injected)
             walls[name] = phases[name].run()
         recoveries(phases["chaos"])  # its probes waited for while the servers run
+        settle = time.monotonic() + 30  # a server answering a probe may not be counted restarted yet (1 s polls)
+        while fleet.restarts + len(fleet.failed) < fleet.deaths and time.monotonic() < settle:
+            time.sleep(0.2)
     finally:
         fleet.close()
         for proxy in proxies:
