@@ -122,13 +122,16 @@ def run(method: str, out: str, model: str) -> dict:
     generation.sync_weights = checked_sync
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    from trl_scale.trainers.packing import PackedScoring
+
+    packed = trainer.features.get(PackedScoring).stats is not None
     return {
         "method": method,
         "steps": trainer.state.global_step,
         "seconds": round(time.monotonic() - began, 1),
         "engine_dtype": str(generation.llm.llm_engine.model_config.dtype),
         "direct_load": generation._loads_directly,
-        "packed": trainer._packing_stats is not None and all("padding_free/row_fill" in e for e in logs),
+        "packed": packed and all("padding_free/row_fill" in e for e in logs),
         "syncs": syncs,
         "sampler_logp_difference_max": [e.get("sampling/sampling_logp_difference/max") for e in logs],
     }

@@ -473,7 +473,7 @@ def flat_on_rank_1_reward(completion_ids, **kwargs) -> list[float]:
 
 
 def rloo_correction_view(backend, clip_min, clip_max, mode: str, **attributes):
-    """The attributes RLOO's `_importance_weights` reads, around a generation `backend` (with its
+    """The attributes RLOO's `importance_weights` reads, around a generation `backend` (with its
     `last_sampler_logprobs`): to call the trainer's own method without a trainer (one process, training)."""
     from collections import defaultdict
     from types import SimpleNamespace

@@ -37,7 +37,7 @@ def test_rloo_sequence_correction_honours_clip_min(mode, low_weight):
     `vllm_importance_sampling_clip_min` is masked or raised to it, as one above `clip_max` is; within, the ratio."""
     from types import SimpleNamespace
 
-    from trl_scale import RLOOTrainer
+    from trl_scale.trainers.correction import importance_weights
 
     from .helpers import rloo_correction_view
 
@@ -50,7 +50,7 @@ def test_rloo_sequence_correction_honours_clip_min(mode, low_weight):
     }
     backend = SimpleNamespace(last_sampler_logprobs=[[0.0, 0.0]] * 3)
     trainer = rloo_correction_view(backend, clip_min=0.5, clip_max=3.0, mode=mode)
-    weights = RLOOTrainer._importance_weights(trainer, batch)
+    weights = importance_weights(trainer, batch)
     high_weight = 0.0 if mode == "sequence_mask" else 3.0
     assert torch.allclose(weights, torch.tensor([low_weight, 1.2, high_weight]), atol=1e-6)
     assert trainer._metrics["train"]["sampling/importance_sampling_ratio/clipped_fraction"] == [pytest.approx(2 / 3)]

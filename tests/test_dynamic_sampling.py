@@ -13,7 +13,8 @@ from datasets import Dataset
 import trl_scale
 from trl_scale.rollout.dynamic_sampling import CandidateRows, TopUpPrompts, choose_groups, groups_with_signal
 from trl_scale.toy import counting_prompts
-from trl_scale.trainers.dynamic_sampling import DynamicSamplingMixin
+from trl_scale.trainers.correction import importance_weights
+from trl_scale.trainers.dynamic_sampling import DynamicSampling
 
 from .helpers import cpu_args, paired, step_logs
 
@@ -132,7 +133,7 @@ def test_dynamic_sampling_trains_only_groups_with_a_signal(method, tiny_llama, t
     assert len(dropped) == 3 and sum(dropped) > 0
     assert max(_logged(dynamic, "dynamic_sampling/oversampling")) > 1
     assert _logged(dynamic, "dynamic_sampling/filled_without_signal") == [0.0] * 3
-    assert dynamic._top_up.drawn > 0
+    assert dynamic.features.get(DynamicSampling).top_up.drawn > 0
 
 
 def test_dynamic_sampling_without_flat_groups_is_trl_bit_for_bit(tiny_llama, tmp_path):
@@ -171,14 +172,14 @@ def test_dynamic_sampling_refusals(tiny_llama, tmp_path):
         environment_factories=None,
     )
     with pytest.raises(ValueError, match="whole groups"):
-        DynamicSamplingMixin._check_dynamic_sampling(two_processes)
+        DynamicSampling().check(two_processes)
     two_processes.num_generations = 1  # PPO's default
     with pytest.raises(ValueError, match="num_generations >= 2"):
-        DynamicSamplingMixin._check_dynamic_sampling(two_processes)
+        DynamicSampling().check(two_processes)
     two_processes.num_generations = 3
     two_processes.environment_factories = {"env": object}
     with pytest.raises(ValueError, match="environment_factory"):
-        DynamicSamplingMixin._check_dynamic_sampling(two_processes)
+        DynamicSampling().check(two_processes)
 
 
 def test_a_resume_draws_top_ups_on_from_where_the_checkpoint_was(tiny_llama, tmp_path):
@@ -188,14 +189,15 @@ def test_a_resume_draws_top_ups_on_from_where_the_checkpoint_was(tiny_llama, tmp
 
     def drawing(trainer):
         drawn = []
-        top_up_rows = trainer._top_up_rows
+        feature = trainer.features.get(DynamicSampling)
+        top_up_rows = feature.top_up_rows
 
-        def recording(num_rows):
-            rows = top_up_rows(num_rows)
+        def recording(trainer, num_rows):
+            rows = top_up_rows(trainer, num_rows)
             drawn.append((trainer.state.global_step, [row["prompt"] for row in rows]))
             return rows
 
-        trainer._top_up_rows = recording
+        feature.top_up_rows = recording
         return drawn
 
     settings = dict(dynamic_sampling=True, dynamic_sampling_max_oversampling=2.0, max_steps=3)
@@ -243,8 +245,6 @@ def test_rloo_with_dynamic_sampling_corrects_the_chosen_rows_with_their_own_samp
     weighted with another row's ratio."""
     import math
 
-    from trl_scale import RLOOTrainer
-
     from .helpers import rloo_correction_view
 
     def round_of(prompt: str, sampler: float, count: int = 2) -> CandidateRows:
@@ -256,12 +256,18 @@ def test_rloo_with_dynamic_sampling_corrects_the_chosen_rows_with_their_own_samp
     # the batch's own group (sampler log-probs -1 per token) had no signal; the top-up's (-2 per token) is chosen
     chosen = CandidateRows.joined([round_of("flat", -1.0), round_of("varied", -2.0)]).select([2, 3])
     backend = SimpleNamespace(last_sampler_logprobs=[[-9.0, -9.0]] * 2)  # the last round's call left other values
-    trainer = rloo_correction_view(backend, clip_min=None, clip_max=100.0, mode="sequence_truncate", _served=chosen)
-    assert DynamicSamplingMixin._generate(trainer, ["varied", "varied"]) == chosen.generated
+    trainer = rloo_correction_view(backend, clip_min=None, clip_max=100.0, mode="sequence_truncate")
+    feature = DynamicSampling()
+    feature.generated.give(chosen)
+
+    def not_generated(prompts):
+        raise AssertionError("TRL's _generate ran: the chosen rows were not served")
+
+    assert feature.generate(trainer, not_generated, ["varied", "varied"]) == chosen.generated
     batch = {
         "completion_ids": torch.ones(2, 2, dtype=torch.long),
         "completion_mask": torch.ones(2, 2),
         "old_logps": torch.tensor([-3.0, -3.0]),  # each sequence's old log-prob, summed over its 2 tokens
     }
-    weights = RLOOTrainer._importance_weights(trainer, batch)
+    weights = importance_weights(trainer, batch)
     assert torch.allclose(weights, torch.full((2,), math.exp(-3.0 + 4.0)))  # the chosen rows' -2 + -2

@@ -19,6 +19,7 @@ from trl_scale.scoring import (
     unpack,
 )
 from trl_scale.toy import counting_prompts, preference_pairs
+from trl_scale.trainers.packing import PackedScoring
 
 from .helpers import cpu_args, max_param_diff, padded_scoring_batch, paired, step_logs, token_parity_reward
 
@@ -292,8 +293,11 @@ def test_dpo_precomputed_reference_goes_through_the_packed_engine(tiny_llama, tm
         train_dataset=preference_pairs(16, seed=0),
         processing_class=AutoTokenizer.from_pretrained(tiny_llama),
     )
-    assert trainer._packing_stats is not None
-    assert trainer._packing_stats.calls == 2 and trainer._packing_stats.fallbacks == 0  # 16 pairs / 8 per batch
+    assert trainer.features.get(PackedScoring).stats is not None
+    assert (
+        trainer.features.get(PackedScoring).stats.calls == 2
+        and trainer.features.get(PackedScoring).stats.fallbacks == 0
+    )  # 16 pairs / 8 per batch
     assert "ref_chosen_logps" in trainer.train_dataset.column_names
     trainer.train()
     (logs,) = step_logs(trainer, ("rewards/chosen", "rewards/rejected"))

@@ -109,7 +109,7 @@ def test_a_seam_renamed_in_a_patched_trl_fails_naming_it(tmp_path):
     moved = [line for line in result.stdout.splitlines() if line.startswith(("trl.", "transformers."))]
     assert result.returncode == 1, result.stdout + result.stderr[-2000:]
     assert len(moved) == 1 and moved[0].startswith("trl.trainer.grpo_trainer:GRPOTrainer._tokenize_prompts"), moved
-    assert "gone" in moved[0] and "trainers/online.py" in moved[0]
+    assert "gone" in moved[0] and "step_checks.py ContextLength" in moved[0]
     print(moved[0])
 
 

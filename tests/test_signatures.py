@@ -11,6 +11,7 @@ from trl.chat_template_utils import qwen3_template
 
 import trl_scale
 from trl_scale.toy import counting_prompts, preference_pairs
+from trl_scale.trainers.packing import PackedScoring
 
 from .helpers import cpu_args, paired, step_logs, token_parity_reward
 
@@ -114,7 +115,9 @@ def _assert_trains_with_trls_numbers(make_trainer, keys: tuple[str, ...], abs: f
         trainer = make_trainer(package)
         trainer.train()
         runs[package.__name__] = step_logs(trainer, keys)
-    assert trainer._packing_stats is not None, "trl-scale fell back to the padded path: the shape went untested"
+    assert trainer.features.get(PackedScoring).stats is not None, (
+        "trl-scale fell back to the padded path: the shape went untested"
+    )
     for theirs, ours in paired(runs["trl"], runs["trl_scale"]):
         assert ours == pytest.approx(theirs, rel=1e-5, abs=abs)
 

@@ -7,6 +7,7 @@ import trl
 
 import trl_scale
 from trl_scale.toy import counting_prompts, preference_pairs
+from trl_scale.trainers.packing import PackedScoring
 
 from .helpers import assert_logs_close, cpu_args, max_param_diff, step_logs, token_parity_reward
 
@@ -66,7 +67,7 @@ def test_online_trainers_match_trl(method, tiny_llama, tmp_path):
 
 
 def _assert_nothing_packed(trainer):
-    assert trainer._packing_stats is None
+    assert trainer.features.get(PackedScoring).stats is None
     assert not any("padding_free/" in key for entry in trainer.state.log_history for key in entry)
     model = trainer.accelerator.unwrap_model(trainer.model)
     assert not hasattr(model, "_trl_scale_packed_scoring")
@@ -129,7 +130,7 @@ def test_grpo_with_a_lora_adapter_is_packed_and_takes_trls_steps(tiny_llama, tmp
     expected = step_logs(reference, keys)
     assert all(e["grad_norm"] > 0 for e in expected) and any(e["kl"] > 0 for e in expected)
     assert_logs_close(step_logs(candidate, keys), expected, 1e-5)
-    stats = candidate._packing_stats
+    stats = candidate.features.get(PackedScoring).stats
     stats.pop()
     batch = AutoTokenizer.from_pretrained(tiny_llama)(["1 2 3 4 5", "6 7"], return_tensors="pt", padding=True)
     with torch.no_grad():

@@ -12,7 +12,8 @@ MODEL_SEAMS: tuple[Seam, ...] = (
     Seam(
         C,
         ATTRIBUTE,
-        "scoring/support.py, scoring/varlen.py, scoring/sequence_parallel.py, trainers/wiring.py, trainers/online.py",
+        "scoring/support.py, scoring/varlen.py, scoring/sequence_parallel.py, trainers/packing.py, "
+        "trainers/remote_reference.py",
         "the attention implementation a model runs (a property over the config's own); read to choose packing's "
         "layout and to restore it, set only through model.set_attn_implementation",
         attribute="_attn_implementation",

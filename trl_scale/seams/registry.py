@@ -10,7 +10,7 @@ TRAINER_SEAMS: tuple[Seam, ...] = (
     Seam(
         f"{G}._generate",
         OVERRIDE,
-        "trainers/wiring.py PhaseTimingMixin, trainers/dynamic_sampling.py",
+        "trainers/adapter.py: timing.py PhaseTiming, dynamic_sampling.py DynamicSampling",
         "generation of one batch's prompts; timed around super(). Dynamic sampling calls it on its candidate rows "
         "and answers TRL's call with the chosen rows: it returns a tuple of per-row lists (GRPO 8 values: prompt "
         "ids, completion ids, tool mask, completions, logprobs, extra fields (a dict of lists), images, tool images; "
@@ -21,7 +21,7 @@ TRAINER_SEAMS: tuple[Seam, ...] = (
     Seam(
         f"{G}._calculate_rewards",
         OVERRIDE,
-        "trainers/online.py, trainers/ppo_trainer.py, trainers/dynamic_sampling.py",
+        "trainers/adapter.py: step_checks.py, timing.py, dynamic_sampling.py; trainers/ppo_trainer.py",
         "returns [num completions of all processes, num reward functions] with NaN where a function gave None, "
         "called once per TRL step (dynamic sampling answers that call with the chosen rows' rewards); "
         "PPO reads it as every completion's score (sliced by process_index)",
@@ -30,7 +30,7 @@ TRAINER_SEAMS: tuple[Seam, ...] = (
     Seam(
         f"{G}._get_per_token_logps_and_entropies",
         OVERRIDE,
-        "trainers/wiring.py, trainers/online.py, trainers/ppo_trainer.py",
+        "trainers/adapter.py: timing.py, remote_reference.py; trainers/ppo_trainer.py",
         "every log-prob forward of policy and reference; the parameters after compute_aux_loss are the image inputs "
         "PPO passes on (ppo_trainer.MULTIMODAL_FIELDS is derived from them)",
         "(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, "
@@ -41,7 +41,7 @@ TRAINER_SEAMS: tuple[Seam, ...] = (
     Seam(
         f"{G}._generate_single_turn",
         OVERRIDE,
-        "trainers/wiring.py PackedScoringMixin (local generation under sequence parallelism)",
+        "trainers/adapter.py: packing.py PackedScoring (local generation under sequence parallelism)",
         "the local (transformers) generation of one turn; trl-scale runs it with the model's own attention, since "
         "the sharded attention expects every rank of the group to call it with a slice of one row",
         "(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False)",
@@ -49,7 +49,7 @@ TRAINER_SEAMS: tuple[Seam, ...] = (
     Seam(
         f"{G}._tool_call_loop",
         OVERRIDE,
-        "trainers/wiring.py ServerRolloutMixin (asynchronous tool rollouts)",
+        "trainers/adapter.py: server_rollout.py ServerRollout (asynchronous tool rollouts)",
         "runs after the first turn's generate call, with the first turn's completions (completions[i][0] the "
         "assistant message, its 'tool_calls' set when it called a tool) and generates the later turns through "
         "vllm_generation.generate; returns (tool_mask, completions, completion_ids, logprobs, ...)",
@@ -98,7 +98,7 @@ TRAINER_SEAMS: tuple[Seam, ...] = (
     Seam(
         f"{G}._tokenize_prompts",
         OVERRIDE,
-        "trainers/online.py (prompt length check)",
+        "trainers/adapter.py: step_checks.py ContextLength (prompt length check)",
         "returns (prompt_ids, ...) with prompt_ids a list of token-id lists, before generation",
         "(self, prompts: list)",
     ),
@@ -144,7 +144,7 @@ TRAINER_SEAMS: tuple[Seam, ...] = (
     Seam(
         G,
         ATTRIBUTE,
-        "trainers/wiring.py (server rollout)",
+        "trainers/server_rollout.py",
         "the global step at which the weights were last synced (TRL syncs when it differs)",
         attribute="_last_loaded_step",
     ),
@@ -175,35 +175,35 @@ TRAINER_SEAMS: tuple[Seam, ...] = (
     Seam(
         f"{T}._save_optimizer_and_scheduler",
         OVERRIDE,
-        "trainers/checkpoints.py, trainers/ppo_trainer.py",
+        "trainers/adapter.py (the features' save_state), trainers/ppo_trainer.py",
         "called on every rank while saving a checkpoint, with its folder (rollout buffers, the critic's state)",
         "(self, output_dir: str) -> None",
     ),
     Seam(
         f"{T}._load_optimizer_and_scheduler",
         OVERRIDE,
-        "trainers/checkpoints.py, trainers/ppo_trainer.py",
+        "trainers/adapter.py (the features' load_state), trainers/ppo_trainer.py",
         "called on every rank at resume, before the first step, with the checkpoint folder or None",
         "(self, checkpoint: str | None) -> None",
     ),
     Seam(
         f"{T}._save_checkpoint",
         OVERRIDE,
-        "trainers/checkpoints.py SafeCheckpointMixin",
+        "trainers/adapter.py: checkpoints.py SafeCheckpoint",
         "writes checkpoint-<global_step> under _get_output_dir(trial); an OSError leaves a partial folder",
         "(self, model: torch.nn.modules.module.Module, trial: 'optuna.Trial | dict[str, Any] | None') -> None",
     ),
     Seam(
         f"{T}._get_output_dir",
         CALL,
-        "trainers/checkpoints.py SafeCheckpointMixin",
+        "trainers/checkpoints.py SafeCheckpoint",
         "the run directory checkpoints go to",
         "(self, trial: 'optuna.Trial | dict[str, Any] | None') -> str",
     ),
     Seam(
         f"{T}.init_hf_repo",
         OVERRIDE,
-        "trainers/hub.py (push_to_hub)",
+        "trainers/adapter.py: hub.py ModelCard (push_to_hub)",
         "creates the Hub repo; transformers passes private=",
         "(self, token: str | None = None, private: bool | None = None) -> None",
     ),
@@ -323,7 +323,7 @@ TRAINER_SEAMS: tuple[Seam, ...] = (
         Seam(
             f"trl.trainer.{module}:{name}",
             CONSTANT,
-            "sharding/data_parallel.py data_parallel_gathers (trainers/wiring.py _data_parallel_gathers)",
+            "sharding/data_parallel.py data_parallel_gathers (trainers/packing.py PackedScoring)",
             f"the accelerate `{name}` TRL's {module} calls by its module-level name (rewards, KL, logs) while it "
             "builds a batch; swapped for one taking one copy per sequence-parallel group during that call",
         )

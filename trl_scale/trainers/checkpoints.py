@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from ..sharding.data_parallel import writes_group_files
+from .feature import Feature
 
 ROLLOUT_BUFFER_NAME = "rollout_buffer_rank{rank}.pt"
 STREAM_STATE_NAME = "rollout_stream_rank{rank}.pt"
@@ -45,22 +46,24 @@ def check_rollout_buffers(checkpoint: str, num_processes: int) -> None:
         )
 
 
-class SafeCheckpointMixin:
+class SafeCheckpoint(Feature):
     """A checkpoint save that fails (disk full, quota, a dropped network mount) removes its partial folder, so that
     `resume_from_checkpoint=True` picks the last complete checkpoint instead of a broken one, and says so."""
 
-    def _save_checkpoint(self, model, trial):
+    name = "safe_checkpoint"
+
+    def save_checkpoint(self, trainer, proceed, model, trial):
         import shutil
 
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-        run_dir = self._get_output_dir(trial=trial)
-        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        run_dir = trainer._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
         existed = os.path.isdir(folder)
         try:
-            super()._save_checkpoint(model, trial)
+            return proceed(model, trial)
         except OSError as error:
-            if not existed and self.args.should_save:
+            if not existed and trainer.args.should_save:
                 shutil.rmtree(folder, ignore_errors=True)
             last = get_last_checkpoint(run_dir) if os.path.isdir(run_dir) else None
             raise OSError(
@@ -71,61 +74,33 @@ class SafeCheckpointMixin:
             ) from error
 
 
-class RolloutResumeMixin:
+class RolloutResume(Feature):
     """Checkpoints carry the rollout being trained on; a resume inside the window trains on it."""
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Also save the rollout being trained on (every rank its own): a checkpoint inside a generation window
+    name = "rollout_resume"
+
+    def save_state(self, trainer, output_dir: str) -> None:
+        """The rollout being trained on (every rank its own): a checkpoint inside a generation window
         (`steps_per_generation` x `num_iterations` > 1, or PPO's epochs x mini-batches) then resumes on the same
         rollout, where TRL would sample a new one and diverge from the uninterrupted run."""
-        super()._save_optimizer_and_scheduler(output_dir)
-        self._save_stream_state(output_dir)
-        if self._buffered_inputs is not None and writes_group_files(self.accelerator):
-            import torch
-
-            # Ranks other than the main one get here while it may still be writing the model: the folder it creates
-            # may not exist yet (transformers' own per-rank RNG file makes it the same way).
-            os.makedirs(output_dir, exist_ok=True)
-            path = os.path.join(output_dir, ROLLOUT_BUFFER_NAME.format(rank=self.accelerator.process_index))
-            torch.save({"step": self._step, "inputs": self._buffered_inputs}, path)
-
-    def _save_stream_state(self, output_dir: str) -> None:
-        """Streaming rollout: the prompt groups read and not yet trained (generating, finished or queued), each
-        rank its own, so that a resume trains each once and reads on past them (see `rollout.streaming`)."""
-        streamer = getattr(getattr(self, "vllm_generation", None), "streamer", None)
-        if streamer is None:
+        if trainer._buffered_inputs is None or not writes_group_files(trainer.accelerator):
             return
         import torch
 
-        lookahead = getattr(self, "_lookahead", None)
-        state = streamer.state(lookahead.noted_ahead() if lookahead is not None else 0)
-        state["group_size"] = self.num_generations  # the saved groups are cut at it: a resume must use the same
+        # Ranks other than the main one get here while it may still be writing the model: the folder it creates
+        # may not exist yet (transformers' own per-rank RNG file makes it the same way).
         os.makedirs(output_dir, exist_ok=True)
-        torch.save(state, os.path.join(output_dir, STREAM_STATE_NAME.format(rank=self.accelerator.process_index)))
+        path = os.path.join(output_dir, ROLLOUT_BUFFER_NAME.format(rank=trainer.accelerator.process_index))
+        torch.save({"step": trainer._step, "inputs": trainer._buffered_inputs}, path)
 
-    def _load_stream_state(self, checkpoint: str) -> None:
-        streamer = getattr(getattr(self, "vllm_generation", None), "streamer", None)
-        path = os.path.join(checkpoint, STREAM_STATE_NAME.format(rank=self.accelerator.process_index))
-        if streamer is None or not os.path.isfile(path):
-            return
-        import torch
-
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        check_stream_group_size(state, self.num_generations, path)
-        streamer.restore(state)
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None:
-            return
-        check_rollout_buffers(checkpoint, self.accelerator.num_processes)
-        self._load_stream_state(checkpoint)
-        path = os.path.join(checkpoint, ROLLOUT_BUFFER_NAME.format(rank=self.accelerator.process_index))
+    def load_state(self, trainer, checkpoint: str) -> None:
+        check_rollout_buffers(checkpoint, trainer.accelerator.num_processes)
+        path = os.path.join(checkpoint, ROLLOUT_BUFFER_NAME.format(rank=trainer.accelerator.process_index))
         if os.path.isfile(path):
             import torch
 
             # Our own file in our own checkpoint (tensors in lists and dicts), loaded as the Trainer loads RNG state.
             # Plain "cpu" for CPU runs: under DeepSpeed the device is "cpu:0", a location torch.load cannot restore.
-            device = self.accelerator.device
+            device = trainer.accelerator.device
             saved = torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=False)
-            self._step, self._buffered_inputs = saved["step"], saved["inputs"]
+            trainer._step, trainer._buffered_inputs = saved["step"], saved["inputs"]

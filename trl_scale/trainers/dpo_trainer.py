@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from trl import DPOTrainer as _TRLDPOTrainer
 
-from .checkpoints import SafeCheckpointMixin
+from .adapter import PreferenceHooks
+from .checkpoints import SafeCheckpoint
 from .construction import (
     check_model_arguments,
     check_output_dir,
@@ -13,8 +14,9 @@ from .construction import (
     trl_arguments,
     with_signature_of,
 )
-from .hub import TRL_SCALE_TAG, ModelCardMixin
-from .wiring import PackedScoringMixin
+from .feature import Feature
+from .hub import TRL_SCALE_TAG, ModelCard
+from .packing import PackedScoring, PackingRequest
 
 
 def check_preference_pairs(dataset) -> None:
@@ -34,12 +36,30 @@ def check_preference_pairs(dataset) -> None:
                 )
 
 
-class DPOTrainer(SafeCheckpointMixin, ModelCardMixin, PackedScoringMixin, _TRLDPOTrainer):
+class PreferencePackedScoring(PackedScoring):
+    """DPO's packed scoring: its outputs, and its own `padding_free` (TRL 1.16 force-disables TRL's flag with a
+    warning; ours is a different mechanism, a packed forward behind TRL's padded collator)."""
+
+    def __init__(self, padding_free: bool | None = None):
+        super().__init__()
+        self.padding_free = padding_free  # the user's value, read before TRL's constructor hides it
+
+    @classmethod
+    def from_arguments(cls, arguments: dict) -> Feature:
+        config = arguments.get("args")
+        return cls(getattr(config, "padding_free", None) if config is not None else None)
+
+    def request(self, trainer) -> PackingRequest:
+        outputs = ("entropy", "mean_logits", "is_top1") + (("log_sum_sq_probs",) if trainer.use_weighting else ())
+        return PackingRequest(1.0, outputs, self.padding_free)
+
+
+class DPOTrainer(PreferenceHooks, _TRLDPOTrainer):
     """TRL's `DPOTrainer` with trl-scale's packed scoring (`padding_free`, `token_budget`, `logprob_chunk_size`);
     same constructor, and TRL's numbers when those are off."""
 
     _tag_names = ["trl", TRL_SCALE_TAG, "dpo"]
-    takes_sequence_parallel = True  # the policy and reference scoring calls go through the packed engine
+    FEATURES = (SafeCheckpoint, ModelCard, PreferencePackedScoring)  # outermost first
 
     @with_signature_of(_TRLDPOTrainer.__init__)
     def __init__(self, *args, **kwargs):
@@ -49,19 +69,7 @@ class DPOTrainer(SafeCheckpointMixin, ModelCardMixin, PackedScoringMixin, _TRLDP
         check_model_arguments(arguments)
         check_train_dataset(arguments.get("train_dataset"), ("chosen", "rejected"), "DPOTrainer")
         check_preference_pairs(arguments.get("train_dataset"))
-        # TRL 1.16 force-disables its own `padding_free` with a warning; ours is a different mechanism (a packed
-        # forward behind TRL's padded collator), so hide the flag from TRL's constructor, and keep its value for
-        # `_precompute_ref_logps`, which TRL runs inside its constructor.
-        self._scoring_padding_free = getattr(config, "padding_free", None) if config is not None else None
+        self._start_features(arguments)  # packed scoring is asked for inside TRL's constructor (reference log-probs)
         with overridden(config, padding_free=False):
             super().__init__(**arguments)
-        self._install_dpo_packed_scoring()
-
-    def _install_dpo_packed_scoring(self) -> None:
-        outputs = ("entropy", "mean_logits", "is_top1") + (("log_sum_sq_probs",) if self.use_weighting else ())
-        self._install_packed_scoring(1.0, outputs, self._scoring_padding_free)
-
-    def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
-        # TRL precomputes the reference log-probs inside its constructor; pack them as the policy will be packed.
-        self._install_dpo_packed_scoring()
-        return super()._precompute_ref_logps(dataset, name, batch_size)
+        self._set_up_features()

@@ -14,5 +14,4 @@ class GRPOTrainer(OnlineTrainerMixin, _TRLGRPOTrainer):
     constructor, and TRL's numbers when those are off."""
 
     _tag_names = ["trl", TRL_SCALE_TAG, "grpo"]
-    takes_sequence_parallel = True  # every scoring path goes through the packed engine
     __init__ = with_signature_of(_TRLGRPOTrainer.__init__)(OnlineTrainerMixin.__init__)

@@ -4,51 +4,49 @@ from __future__ import annotations
 
 import os
 
+from .feature import Feature
+
 TRL_SCALE_TAG = "trl-scale"
 
 
 _CARD_KWARGS = ("language", "license", "finetuned_from", "tasks", "dataset_tags", "dataset", "dataset_args")
 
 
-class ModelCardMixin:
+def _hub_error(trainer, action: str, error: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"{action} failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). Nothing "
+        f"is lost: the model and checkpoints stay in output_dir={trainer.args.output_dir!r}. Fix: log in "
+        "(`hf auth login`) or set HF_TOKEN with write access, check hub_model_id, then call "
+        "trainer.push_to_hub() again"
+    )
+
+
+class ModelCard(Feature):
     """TRL's model card with trl-scale's tags (the method, the features used) and transformers' card kwargs
-    (`language`, `license`, `finetuned_from`, ...), so `push_to_hub(license=...)` works as with any Trainer."""
+    (`language`, `license`, `finetuned_from`, ...), so `push_to_hub(license=...)` works as with any Trainer; Hub
+    failures name what is kept and the fix."""
 
-    def _hub_error(self, action: str, error: Exception) -> RuntimeError:
-        return RuntimeError(
-            f"{action} failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). Nothing "
-            f"is lost: the model and checkpoints stay in output_dir={self.args.output_dir!r}. Fix: log in "
-            "(`hf auth login`) or set HF_TOKEN with write access, check hub_model_id, then call "
-            "trainer.push_to_hub() again"
-        )
+    name = "model_card"
 
-    def init_hf_repo(self, token: str | None = None, private: bool | None = None):
+    def init_hf_repo(self, trainer, proceed, token: str | None = None, private: bool | None = None):
         # transformers' signature: `push_to_hub(private=...)` on a run configured with push_to_hub=False calls it so
         try:
-            return super().init_hf_repo(token=token, private=private)
+            return proceed(token=token, private=private)
         except Exception as error:  # before any training: say why, and how to fix it
-            raise self._hub_error("creating the Hub repo for push_to_hub=True", error) from error
+            raise _hub_error(trainer, "creating the Hub repo for push_to_hub=True", error) from error
 
-    def push_to_hub(self, *args, **kwargs):
+    def push_to_hub(self, trainer, proceed, *args, **kwargs):
         try:
-            return super().push_to_hub(*args, **kwargs)
+            return proceed(*args, **kwargs)
         except Exception as error:
             # The push can fail before its own save (creating the repo): save here, so the message below holds.
-            self.save_model(self.args.output_dir, _internal_call=True)
-            raise self._hub_error("push_to_hub", error) from error
-
-    def trl_scale_features(self) -> list[str]:
-        features = []
-        if getattr(self, "_packing_stats", None) is not None:
-            features.append("padding-free")
-        if getattr(self, "critic", None) is not None:
-            features.append("value-model")
-        if getattr(self.args, "backend", "local") == "ray":
-            features.append("ray")
-        return features
+            trainer.save_model(trainer.args.output_dir, _internal_call=True)
+            raise _hub_error(trainer, "push_to_hub", error) from error
 
     def create_model_card(
         self,
+        trainer,
+        proceed,
         model_name: str | None = None,
         dataset_name: str | None = None,
         tags: str | list[str] | None = None,
@@ -58,15 +56,16 @@ class ModelCardMixin:
         if unknown:
             raise TypeError(f"create_model_card got unexpected arguments {sorted(unknown)}; known: {_CARD_KWARGS}")
         tags = [tags] if isinstance(tags, str) else list(tags or [])
-        tags += [TRL_SCALE_TAG, *self.trl_scale_features()]
+        features = trainer.card_features()
+        tags += [TRL_SCALE_TAG, *features]
         dataset_name = dataset_name or kwargs.get("dataset")
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
-        if not self.is_world_process_zero():
+        proceed(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if not trainer.is_world_process_zero():
             return
 
         from huggingface_hub import ModelCard
 
-        path = os.path.join(self.args.output_dir, "README.md")
+        path = os.path.join(trainer.args.output_dir, "README.md")
         if not os.path.exists(path):
             return
         card = ModelCard.load(path)
@@ -80,9 +79,8 @@ class ModelCardMixin:
             card.data.pipeline_tag = kwargs["tasks"] if isinstance(kwargs["tasks"], str) else kwargs["tasks"][0]
         if kwargs.get("dataset_tags"):
             card.data.datasets = kwargs["dataset_tags"]
-        features = ", ".join(self.trl_scale_features()) or "none"
         card.text += (
             "\n## trl-scale\n\nTrained with [trl-scale](https://github.com/trl-scale/trl-scale), TRL's trainers made "
-            f"to scale. Features used: {features}.\n"
+            f"to scale. Features used: {', '.join(features) or 'none'}.\n"
         )
         card.save(path)

@@ -32,6 +32,7 @@ from .construction import image_columns, overridden
 from .grpo_trainer import GRPOTrainer
 from .handoff import Handoff
 from .hub import TRL_SCALE_TAG
+from .packing import PackedScoring
 from .ppo_config import PPOConfig
 
 VALUE_MODEL_DIR = "value_model"
@@ -69,7 +70,6 @@ class PPOTrainer(GRPOTrainer):
     """
 
     _tag_names = ["trl", TRL_SCALE_TAG, "ppo"]
-    takes_sequence_parallel = True  # the policy, the reference and the critic go through the sharded engine
     _name = "PPO"
 
     def __init__(
@@ -117,18 +117,19 @@ class PPOTrainer(GRPOTrainer):
             args, self.accelerator, self.processing_class, self.model, value_model, model, reward_list, images
         )
         self.critic, self.value_model, self.critic_config = built.critic, built.model, built.config
-        if self._sequence_parallel is not None:
-            self._shard_critic_sequences()
+        sequence_parallel = self.features.get(PackedScoring).sequence_parallel
+        if sequence_parallel is not None:
+            self._shard_critic_sequences(sequence_parallel)
         self._rewards_per_func = Handoff("PPOTrainer's rewards_per_func (from _calculate_rewards)")
         self._critic_update = Handoff("PPOTrainer's pending critic update (from _compute_loss)")
 
-    def _shard_critic_sequences(self) -> None:
+    def _shard_critic_sequences(self, sequence_parallel) -> None:
         """Sequence parallelism: the critic's values through the sharded engine too (a critic in the trainer's
         processes, held as the launcher holds the policy; its gradients are averaged over them as the policy's)."""
         from ..critic.updater import CriticUpdater
         from ..scoring.sequence_parallel import enable_sequence_parallel
 
-        sp_size = self._sequence_parallel.size
+        sp_size = sequence_parallel.size
         if not isinstance(self.critic, CriticUpdater):
             raise ValueError(
                 f"sequence_parallel_size={sp_size} shards the critic's rows in the trainer's processes; this "
@@ -136,7 +137,10 @@ class PPOTrainer(GRPOTrainer):
                 "trainer), or sequence_parallel_size=1"
             )
         enable_sequence_parallel(self.value_model, sp_size)
-        self.critic.holder.module.sequence_parallel = self._sequence_parallel
+        self.critic.holder.module.sequence_parallel = sequence_parallel
+
+    def card_features(self) -> list[str]:
+        return [*super().card_features(), "value-model"]
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         scheduler = super().create_scheduler(num_training_steps, optimizer)

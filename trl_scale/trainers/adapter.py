@@ -1,0 +1,134 @@
+"""The one place trl-scale overrides TRL's trainer hooks: each once, running the trainer's features in order.
+
+A trainer family's adapter (`OnlineHooks` for GRPO, RLOO and PPO; `PreferenceHooks` for DPO) sits between the
+trl-scale trainer and TRL's. Each of its hooks hands the call to the trainer's `FeatureChain` (`self.features`,
+built from the class's `FEATURES`, outermost first), whose innermost call is TRL's own method. What runs in a step
+is the list, read top to bottom; the features are in `trainers/*.py`, one object each (`trainers/feature.py`).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from .feature import Feature, FeatureChain
+
+# The around hooks' TRL methods (a feature's hook name -> the trainer method it wraps).
+TRL_METHODS = {
+    "generate_and_score": "_generate_and_score_completions",
+    "generate": "_generate",
+    "rewards": "_calculate_rewards",
+    "scoring": "_get_per_token_logps_and_entropies",
+    "single_turn": "_generate_single_turn",
+    "tool_call_loop": "_tool_call_loop",
+    "tokenize_prompts": "_tokenize_prompts",
+    "precompute_ref_logps": "_precompute_ref_logps",
+    "batch_samples": "get_batch_samples",
+    "train": "train",
+    "save_checkpoint": "_save_checkpoint",
+    "push_to_hub": "push_to_hub",
+    "init_hf_repo": "init_hf_repo",
+    "create_model_card": "create_model_card",
+}
+
+
+class FeatureHooks:
+    """The hooks every trl-scale trainer family shares: the run, logs, checkpoints and the Hub."""
+
+    FEATURES: ClassVar[tuple[type[Feature], ...]] = ()
+    features: FeatureChain
+
+    def _start_features(self, arguments: dict) -> FeatureChain:
+        """The features of this trainer, made from its constructor arguments before TRL's constructor runs (DPO's
+        packed scoring is asked for inside it)."""
+        self.features = FeatureChain(kind.from_arguments(arguments) for kind in self.FEATURES)
+        return self.features
+
+    def _set_up_features(self) -> None:
+        """After TRL's constructor: every feature checks, then every feature sets up, in order."""
+        self.features.event("check", self)
+        self.features.event("setup", self)
+
+    def _around(self, hook: str, *args, **kwargs):
+        trl_method = getattr(super(), TRL_METHODS[hook])
+        return self.features.around(hook, self, trl_method, *args, **kwargs)
+
+    def hook_below(self, feature: Feature, hook: str):
+        """`hook` as run under `feature`: the features inside it, then TRL's method."""
+        trl_method = getattr(super(), TRL_METHODS[hook])
+        return self.features.below(feature, hook, self, trl_method)
+
+    def card_features(self) -> list[str]:
+        """The trl-scale features this run uses, as model card tags."""
+        tags = self.features.card_tags(self)
+        return tags + (["ray"] if getattr(self.args, "backend", "local") == "ray" else [])
+
+    # ---- TRL's hooks -----------------------------------------------------------------------------------------
+
+    def train(self, *args, **kwargs):
+        return self._around("train", *args, **kwargs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # training logs (not the final summary)
+            self.features.event("log", self, logs)
+            # trl-scale callbacks add their figures here, before the Trainer hands `logs` to report_to integrations
+            # (a callback's own on_log runs after those and could not reach them).
+            for callback in self.callback_handler.callbacks:
+                if hasattr(callback, "trl_scale_metrics"):
+                    logs.update(callback.trl_scale_metrics(trainer=self, logs=logs))
+        super().log(logs, start_time)
+
+    def _save_checkpoint(self, model, trial):
+        return self._around("save_checkpoint", model, trial)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        self.features.event("save_state", self, output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            self.features.event("load_state", self, checkpoint)
+
+    def push_to_hub(self, *args, **kwargs):
+        return self._around("push_to_hub", *args, **kwargs)
+
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None):
+        return self._around("init_hf_repo", token=token, private=private)
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None, **kwargs) -> None:
+        return self._around("create_model_card", model_name, dataset_name, tags, **kwargs)
+
+
+class OnlineHooks(FeatureHooks):
+    """GRPO, RLOO and PPO: an online step's hooks."""
+
+    def _generate_and_score_completions(self, inputs):
+        return self._around("generate_and_score", inputs)
+
+    def _generate(self, prompts):
+        return self._around("generate", prompts)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        return self._around("rewards", inputs, prompts, completions, completion_ids_list)
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        return self._around("scoring", *args, **kwargs)
+
+    def _generate_single_turn(self, *args, **kwargs):
+        return self._around("single_turn", *args, **kwargs)
+
+    def _tool_call_loop(self, *args, **kwargs):
+        return self._around("tool_call_loop", *args, **kwargs)
+
+    def _tokenize_prompts(self, prompts):
+        return self._around("tokenize_prompts", prompts)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        return self._around("batch_samples", epoch_iterator, num_batches, device)
+
+
+class PreferenceHooks(FeatureHooks):
+    """DPO: its reference log-probs, precomputed inside TRL's constructor."""
+
+    def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
+        return self._around("precompute_ref_logps", dataset, name, batch_size)

@@ -1,0 +1,84 @@
+"""The off-policy correction's figures and RLOO's correction, as trainer features."""
+
+from __future__ import annotations
+
+import torch
+
+from ..rollout.correction import (
+    ratio_statistics,
+    raw_ratio_statistics,
+    record_ratio_statistics,
+    sequence_importance_weights,
+)
+from .feature import Feature
+
+
+class RatioMetrics(Feature):
+    """The correction's ratios before TRL clips them (`sampling/importance_sampling_ratio_raw/*`), the share clipped,
+    and the share of completions generated across a weight sync (streaming: tokens of two versions)."""
+
+    name = "ratio_metrics"
+
+    def generate_and_score(self, trainer, proceed, inputs):
+        batch = proceed(inputs)
+        if "importance_sampling_ratio" in batch and "sampling_per_token_logps" in batch:
+            self._record(trainer, batch)
+        return batch
+
+    def _record(self, trainer, batch: dict) -> None:
+        mask = batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
+        stats = raw_ratio_statistics(
+            batch["old_per_token_logps"],
+            batch["sampling_per_token_logps"],
+            mask,
+            trainer.vllm_importance_sampling_mode,
+            trainer.vllm_importance_sampling_clip_min,
+            trainer.vllm_importance_sampling_clip_max,
+        )
+        metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+        record_ratio_statistics(metrics, trainer.accelerator.gather, stats)
+        spans = getattr(getattr(trainer, "vllm_generation", None), "last_version_spans", None)
+        if spans:
+            spanning = torch.tensor(sum(first != newest for first, newest in spans) / len(spans), device=mask.device)
+            metrics["rollout/completions_overlapping_a_sync"].append(
+                trainer.accelerator.gather(spanning).mean().item()
+            )
+
+
+class SequenceCorrection(Feature):
+    """RLOO's off-policy correction for asynchronous rollout (`RLOOCorrectionArguments`): each sequence's loss weighted
+    by its importance weight. TRL's RLOO has none."""
+
+    name = "sequence_correction"
+
+    def generate_and_score(self, trainer, proceed, inputs):
+        batch = proceed(inputs)
+        if trainer.args.corrects_sampler_logprobs:
+            weights = importance_weights(trainer, batch)
+            # RLOO's loss is -min(r A, clip(r) A) per sequence: with w > 0, scaling A by w scales the loss by w
+            batch["advantages"] = batch["advantages"] * weights
+            batch["importance_sampling_ratio"] = weights
+        return batch
+
+
+def importance_weights(trainer, batch: dict) -> torch.Tensor:
+    """Each sequence's weight from the servers' log-probs of its sampled tokens (`generate`'s, which TRL's RLOO drops)
+    and the old log-probs TRL scored with the current weights."""
+    completion_ids, mask = batch["completion_ids"], batch["completion_mask"]
+    rows = trainer.vllm_generation.last_sampler_logprobs
+    if len(rows) != completion_ids.size(0):
+        raise RuntimeError(
+            f"RLOO's off-policy correction: {len(rows)} completions' sampler log-probs for a batch of "
+            f"{completion_ids.size(0)} (TRL's generation order is not the one trl-scale was built on)"
+        )
+    sampling = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    for i, values in enumerate(rows):
+        width = min(len(values), sampling.size(1))
+        sampling[i, :width] = torch.tensor(values[:width], dtype=torch.float32)
+    log_ratios = batch["old_logps"] - (sampling * mask).sum(1)
+    args = trainer.args
+    clip_min, clip_max = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    stats = ratio_statistics(log_ratios.exp(), clip_min, clip_max)
+    metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+    record_ratio_statistics(metrics, trainer.accelerator.gather, stats)
+    return sequence_importance_weights(log_ratios, args.vllm_importance_sampling_mode, clip_min, clip_max)

@@ -1,0 +1,126 @@
+"""A trl-scale feature on TRL's trainer hooks, and the ordered chain the trainers' adapters run them in.
+
+Every feature is one object with one small interface: events (`check`, `setup`, `log`, `save_state`, `load_state`,
+`card_tags`) it is told of, and "around" hooks, each given `proceed` (what runs inside it: the next feature, then
+TRL's own method) and the hook's arguments. A feature overrides only the hooks it needs; the adapter
+(`trainers/adapter.py`) overrides each of TRL's hooks once and runs the chain, in the order the trainer's `FEATURES`
+lists (outermost first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, TypeVar
+
+# The around hooks: a feature method of this name wraps the adapter's trainer method of the same meaning.
+AROUND_HOOKS = (
+    "generate_and_score",  # TRL's `_generate_and_score_completions(inputs)`: one generation batch, built
+    "generate",  # `_generate(prompts)`: completions
+    "rewards",  # `_calculate_rewards(inputs, prompts, completions, completion_ids_list)`: rewards per function
+    "scoring",  # `_get_per_token_logps_and_entropies(model, input_ids, ...)`: log-probs of a model
+    "single_turn",  # `_generate_single_turn(...)`: one turn of local generation
+    "tool_call_loop",  # `_tool_call_loop(...)`: a batch's tool-calling turns
+    "tokenize_prompts",  # `_tokenize_prompts(prompts)`
+    "precompute_ref_logps",  # DPO: `_precompute_ref_logps(dataset, name, batch_size)`
+    "batch_samples",  # `get_batch_samples(epoch_iterator, num_batches, device)`
+    "train",  # `train(...)`: the whole run
+    "save_checkpoint",  # `_save_checkpoint(model, trial)`
+    "push_to_hub",
+    "init_hf_repo",
+    "create_model_card",
+)
+EVENTS = ("check", "setup", "log", "save_state", "load_state", "card_tags")
+
+
+class Feature:
+    """One trl-scale feature. Subclasses set `name` and override what they need; every default does nothing (an
+    around hook's default is not called: the chain skips features that do not override it)."""
+
+    name: ClassVar[str] = "feature"
+
+    @classmethod
+    def from_arguments(cls, arguments: dict) -> Feature:
+        """The feature for a trainer built with these constructor arguments (TRL's, by name), before TRL's
+        constructor runs."""
+        return cls()
+
+    def check(self, trainer) -> None:
+        """After TRL's constructor, before any feature sets up: refuse a setting that cannot work (every feature
+        checks before any starts a server or a Ray group)."""
+
+    def setup(self, trainer) -> None:
+        """After TRL's constructor: install what the feature needs (features set up in the chain's order)."""
+
+    def log(self, trainer, logs: dict[str, float]) -> None:
+        """Add figures to a training log (`logs` has "loss"), before `report_to` integrations get it."""
+
+    def save_state(self, trainer, output_dir: str) -> None:
+        """A checkpoint is being saved into `output_dir` (after TRL's optimizer and scheduler): save what resumes
+        this feature exactly."""
+
+    def load_state(self, trainer, checkpoint: str) -> None:
+        """Resuming from `checkpoint` (after TRL loaded its optimizer and scheduler)."""
+
+    def card_tags(self, trainer) -> list[str]:
+        """The model card's tags for this feature, where it is in use."""
+        return []
+
+
+F = TypeVar("F", bound=Feature)
+
+
+def _takes(feature: Feature, hook: str) -> bool:
+    method = getattr(type(feature), hook, None)
+    return method is not None and method is not getattr(Feature, hook, None)
+
+
+class FeatureChain:
+    """The features of one trainer, in order (outermost first): runs an around hook through those that take it,
+    and an event through all."""
+
+    def __init__(self, features: Iterable[Feature]):
+        self.features = tuple(features)
+        names = [feature.name for feature in self.features]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a feature is listed twice: {names}")
+
+    def __iter__(self):
+        return iter(self.features)
+
+    def names(self, hook: str | None = None) -> list[str]:
+        """The features' names, in order; with `hook`, those that take it."""
+        return [feature.name for feature in self.features if hook is None or _takes(feature, hook)]
+
+    def get(self, kind: type[F]) -> F | None:
+        return next((feature for feature in self.features if isinstance(feature, kind)), None)
+
+    def around(self, hook: str, trainer, innermost: Callable, *args: Any, **kwargs: Any) -> Any:
+        """`hook` through every feature that takes it, outermost first, then `innermost` (TRL's method)."""
+        return self.below(None, hook, trainer, innermost)(*args, **kwargs)
+
+    def below(self, feature: Feature | None, hook: str, trainer, innermost: Callable) -> Callable:
+        """The chain of `hook` under `feature` (all of it for None): what a feature calls to run the hook without
+        itself and the features outside it (dynamic sampling's rounds compute rewards as TRL's step would)."""
+        takers = [f for f in self.features if _takes(f, hook)]
+        if feature is not None:
+            takers = (
+                takers[takers.index(feature) + 1 :] if feature in takers else takers[self._after(feature, takers) :]
+            )
+        call = innermost
+        for taker in reversed(takers):
+            call = _bound(getattr(taker, hook), trainer, call)
+        return call
+
+    def event(self, name: str, trainer, *args: Any) -> None:
+        for feature in self.features:
+            getattr(feature, name)(trainer, *args)
+
+    def card_tags(self, trainer) -> list[str]:
+        return [tag for feature in self.features for tag in feature.card_tags(trainer)]
+
+
+def _bound(method: Callable, trainer, proceed: Callable) -> Callable:
+    def call(*args, **kwargs):
+        return method(trainer, proceed, *args, **kwargs)
+
+    return call

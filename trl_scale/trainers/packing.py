@@ -1,0 +1,142 @@
+"""Packed scoring as a trainer feature: the engine installed on the policy's and the reference's forwards TRL
+patched, sequence parallelism around it, and its figures in the logs."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from contextlib import contextmanager
+from typing import NamedTuple
+
+from ..distributed.roles import RayReference
+from ..scoring import PackingStats, ScoringSettings, install_packed_scoring
+from .construction import trl_base_class
+from .feature import Feature
+
+
+class PackingRequest(NamedTuple):
+    """What a trainer family scores: the softmax temperature, the outputs the policy's forward returns besides
+    log-probs, and `padding_free` (None: trl-scale's default)."""
+
+    temperature: float
+    policy_outputs: tuple[str, ...]
+    padding_free: bool | None
+
+
+class PackedScoring(Feature):
+    """The packed scoring engine on the policy's and a local reference's forwards (TRL's forwards where packing is
+    off or not exact for the model), then `compile_decoder_layers`; Ulysses sequence parallelism
+    (`sequence_parallel_size` > 1) on the same forwards; `padding_free/*` figures in the logs."""
+
+    name = "packed_scoring"
+
+    def __init__(self):
+        self.stats: PackingStats | None = None  # while packing is installed and on
+        self.installed = False
+        self.sequence_parallel = None  # the SP group, once enabled
+        self.plain_attention: str | None = None  # what local generation runs with under SP
+
+    def request(self, trainer) -> PackingRequest:
+        """What this trainer family scores (an online trainer's; DPO's is its own), asked when the engine is
+        installed, after TRL built the models."""
+        return PackingRequest(trainer.temperature, ("entropy",), trainer.args.padding_free)
+
+    def setup(self, trainer) -> None:
+        self.install(trainer)
+
+    def install(self, trainer) -> None:
+        """Pack once (TRL's forwards where `padding_free=False`); then compile the layers where
+        `compile_decoder_layers` asks (after packing's probe, which would otherwise compile its own small shapes)."""
+        request = self.request(trainer)
+        if not (self.installed or request.padding_free is False):
+            self._install_engine(trainer, request)
+        if getattr(trainer.args, "compile_decoder_layers", False):
+            from ..scoring.compiled import compile_decoder_layers
+
+            for model in (trainer.model, getattr(trainer, "ref_model", None)):
+                if model is not None and not isinstance(model, RayReference):
+                    compile_decoder_layers(trainer.accelerator.unwrap_model(model))
+
+    def _install_engine(self, trainer, request: PackingRequest) -> None:
+        self.installed = True
+        from peft import PeftModel
+
+        stats = PackingStats()
+        # One settings object for the policy and its reference. (DPO keeps its own padding_free apart from TRL's
+        # flag: the request's value stands.)
+        settings = ScoringSettings.from_config(trainer.args, request.temperature)
+        settings = dataclasses.replace(settings, padding_free=request.padding_free)
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        if isinstance(policy, PeftModel):
+            policy = policy.get_base_model()
+        reference = getattr(trainer, "ref_model", None)
+        group = self._sequence_parallel_group(trainer, policy, reference)
+        outputs = request.policy_outputs
+        packed = install_packed_scoring(policy, settings, outputs=outputs, stats=stats, sequence_parallel=group)
+        if reference is not None and not isinstance(reference, RayReference):
+            unwrapped = trainer.accelerator.unwrap_model(reference)
+            install_packed_scoring(unwrapped, settings, stats=stats, sequence_parallel=group)
+        self.stats = stats if packed is not None else None
+
+    def _sequence_parallel_group(self, trainer, policy, reference):
+        """Ulysses attention on the policy and the reference (`sequence_parallel_size` > 1), after the refusals;
+        None without sequence parallelism."""
+        sp_size = getattr(trainer.args, "sequence_parallel_size", 1)
+        if sp_size <= 1:
+            return None
+        from ..scoring.sequence_parallel import enable_sequence_parallel
+        from ..sharding.data_parallel import draw_like_group_leader, share_batches_within_groups
+
+        self.plain_attention = policy.config._attn_implementation
+        group = self.sequence_parallel = enable_sequence_parallel(policy, sp_size)
+        if reference is not None:
+            enable_sequence_parallel(trainer.accelerator.unwrap_model(reference), sp_size)
+        # the group is one data-parallel rank: TRL sees world / sp processes (data, slices, gathers)
+        share_batches_within_groups(trainer.accelerator, sp_size)
+        draw_like_group_leader(group.group, group.rank)
+        generation = getattr(trainer, "vllm_generation", None)
+        if hasattr(generation, "share_with"):
+            generation.share_with(group.group, group.rank)
+        return group
+
+    def generate_and_score(self, trainer, proceed, inputs):
+        """TRL's module-level `gather` / `gather_object` (rewards, logs) with one copy per sequence-parallel group
+        while TRL builds a batch (nothing changes without sequence parallelism)."""
+        with self._data_parallel_gathers(trainer):
+            return proceed(inputs)
+
+    @contextmanager
+    def _data_parallel_gathers(self, trainer):
+        from ..sharding.data_parallel import data_parallel_gathers
+
+        with data_parallel_gathers(trainer.accelerator, sys.modules[trl_base_class(trainer).__module__]):
+            yield
+
+    def single_turn(self, trainer, proceed, *args, **kwargs):
+        """Local generation under sequence parallelism: with the model's own attention (only scoring is sharded).
+        Every rank of the group generates (ZeRO-3 gathers parameters collectively), and all take rank 0's
+        completions: they train on one batch."""
+        if self.plain_attention is None or getattr(trainer, "use_vllm", False):
+            return proceed(*args, **kwargs)
+        from ..ranks import decide_on_leader
+
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        sharded = model.config._attn_implementation
+        model.set_attn_implementation(self.plain_attention)
+        try:
+            generated = proceed(*args, **kwargs)
+        finally:
+            model.set_attn_implementation(sharded)
+        return decide_on_leader(lambda: generated, self.sequence_parallel.group)
+
+    def precompute_ref_logps(self, trainer, proceed, dataset, name: str, batch_size: int):
+        # DPO precomputes the reference log-probs inside TRL's constructor: packed as the policy will be.
+        self.install(trainer)
+        return proceed(dataset, name, batch_size)
+
+    def log(self, trainer, logs: dict[str, float]) -> None:
+        if self.stats is not None:
+            logs.update(self.stats.pop())
+
+    def card_tags(self, trainer) -> list[str]:
+        return ["padding-free"] if self.stats is not None else []

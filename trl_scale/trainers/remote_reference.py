@@ -1,0 +1,57 @@
+"""The reference model on its own Ray group (`backend="ray"`, `reference_placement`), as a trainer feature."""
+
+from __future__ import annotations
+
+from ..distributed.role_workers import ReferenceWorkerSettings
+from ..distributed.roles import RayReference, start_reference
+from ..scoring import ScoringSettings
+from .construction import wants_remote_reference
+from .feature import Feature
+
+
+class RemoteReference(Feature):
+    """TRL built no reference (beta=0 while it built, see the adapter); the reference group stands in for it, and
+    TRL's reference scoring calls are answered by it (log-probs only, as TRL asks of it)."""
+
+    name = "remote_reference"
+
+    def __init__(self, wanted: bool = False):
+        self.wanted = wanted  # decided from the constructor's arguments (a PEFT policy needs none)
+
+    @classmethod
+    def from_arguments(cls, arguments: dict) -> RemoteReference:
+        config = arguments.get("args")
+        return cls(
+            config is not None and wants_remote_reference(config, arguments["model"], arguments.get("peft_config"))
+        )
+
+    def setup(self, trainer) -> None:
+        if not self.wanted:
+            return
+        trainer.beta = trainer.args.beta
+        trainer.ref_model = start_remote_reference(trainer)
+
+    def scoring(self, trainer, proceed, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        if isinstance(model, RayReference):
+            return model.logps(input_ids, attention_mask, logits_to_keep), None, None
+        return proceed(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+
+
+def start_remote_reference(trainer) -> RayReference:
+    """The reference on its group, loaded as TRL would load it: from the policy's path, in the policy's dtype and
+    attention implementation, scored with the same head (temperature, fp32 cast, packing)."""
+    from trl.trainer.utils import get_config_model_id
+
+    args = trainer.args
+    init_kwargs = args.model_init_kwargs or {}
+    model = trainer.model
+    dtype = init_kwargs.get("dtype", model.dtype)
+    mixed = {"bf16": "bfloat16", "fp16": "float16"}.get(str(trainer.accelerator.mixed_precision))
+    settings = ReferenceWorkerSettings(
+        dtype=str(dtype).removeprefix("torch."),  # "auto" passes through, as TRL passes it
+        attn_implementation=init_kwargs.get("attn_implementation", model.config._attn_implementation),
+        scoring=ScoringSettings.from_config(args, trainer.temperature),
+        autocast_dtype=mixed,
+    )
+    model_path = get_config_model_id(trainer.accelerator.unwrap_model(model).config)
+    return start_reference(model_path, settings, args)

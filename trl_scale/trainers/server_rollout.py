@@ -1,0 +1,266 @@
+"""Server rollout as a trainer feature: trl-scale's multi-server client plugged in as TRL's `vllm_generation` (the
+trainer was built with TRL's vLLM off), its asynchronous read-ahead, streaming, the managed fleet's life, and the
+stream's state in checkpoints."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+from ..logs import get_logger
+from ..ranks import broadcast_from_main, run_on_main
+from ..rollout.weight_dir import WeightDirectory
+from .checkpoints import STREAM_STATE_NAME, check_stream_group_size
+from .construction import uses_server_rollout
+from .feature import Feature
+from .streamed_tools import conversing, streamed_conversations
+
+logger = get_logger(__name__)
+
+
+def claimed_weight_dir(args, run_id: str) -> WeightDirectory | None:
+    """The directory this run's shared_dir / lora syncs write to ("auto" may pick shared_dir), claimed now."""
+    if args.weight_sync not in ("shared_dir", "lora", "auto"):
+        return None
+    prefix = "trl-scale-lora-" if args.weight_sync == "lora" else "trl-scale-weights-"
+    weight_dir = WeightDirectory(args.weight_sync_dir, run_id, args.output_dir, temporary_prefix=prefix)
+    weight_dir.claim()
+    return weight_dir
+
+
+def _generation(trainer):
+    return getattr(trainer, "vllm_generation", None)
+
+
+def _streamer(trainer):
+    return getattr(_generation(trainer), "streamer", None)
+
+
+class ServerRollout(Feature):
+    """`use_vllm=True, vllm_mode="server"` served by trl-scale's client (several servers, managed or given)."""
+
+    name = "server_rollout"
+
+    def __init__(self, wanted: bool = False):
+        self.wanted = wanted  # TRL's vLLM stays off while TRL's constructor runs, and this client stands in
+        self.lookahead = None  # the epoch's batch iterator, read ahead (async rollout)
+
+    @classmethod
+    def from_arguments(cls, arguments: dict) -> ServerRollout:
+        config = arguments.get("args")
+        return cls(config is not None and uses_server_rollout(config))
+
+    def setup(self, trainer) -> None:
+        trainer.rollout_fleet = None
+        if not self.wanted:
+            return
+        trainer.vllm_generation = self._client(trainer)
+        trainer.use_vllm = True
+        trainer.vllm_mode = "server"
+        trainer._last_loaded_step = -1
+        if trainer.args.async_rollout_staleness:
+            self._enable_async(trainer)
+
+    def _urls(self, trainer) -> list[str]:
+        from ..rollout.urls import check_server_urls
+
+        args = trainer.args
+        if args.managed_servers:
+            from .fleet import start_managed_servers
+
+            trainer.rollout_fleet, managed_urls = start_managed_servers(trainer)
+            return managed_urls + list(args.vllm_server_base_urls or [])
+        if args.vllm_server_base_urls:
+            return args.vllm_server_base_urls  # checked by the config
+        url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"  # TRL's own
+        return check_server_urls([url], field="vllm_server_base_url")
+
+    def _client(self, trainer):
+        from ..rollout import RolloutClient, ServerRolloutGeneration
+        from ..rollout.settings import RolloutSettings
+
+        args = trainer.args
+        run_id = broadcast_from_main(uuid.uuid4().hex[:8])  # one id on every rank: it names the weight versions
+        # Claimed before any server starts: a directory another run uses, or one not writable, fails here.
+        weight_dir = run_on_main(lambda: claimed_weight_dir(args, run_id))
+        try:
+            client = RolloutClient(
+                self._urls(trainer),
+                request_timeout=args.rollout_request_timeout,
+                api_key=args.rollout_api_key,
+                max_inflight_per_server=args.rollout_max_inflight_per_server,
+                generation_timeout=args.rollout_generation_timeout or 120.0 + 0.25 * args.max_completion_length,
+                load_timeout=args.weight_load_timeout,
+            )
+            # GRPO and PPO: TRL's correction (TRL asks for the log-probs whenever it has one); RLOO: trl-scale's,
+            # for prefetched completions only (a synchronous RLOO run asks for none, as TRL's)
+            trl_correction = getattr(trainer, "vllm_importance_sampling_correction", None)
+            correction = bool(getattr(args, "corrects_sampler_logprobs", trl_correction or False))
+            asks_logprobs = trl_correction is not None or correction
+            settings = RolloutSettings.from_config(
+                args, logprobs=asks_logprobs, require_logprobs=correction, run_id=run_id
+            )
+            return ServerRolloutGeneration(
+                trainer.model,
+                trainer.accelerator,
+                trainer.processing_class,
+                client,
+                settings,
+                weight_dir=weight_dir,
+                fleet=trainer.rollout_fleet,
+            )
+        except BaseException:  # no server outlives a trainer that never got built, no lock a directory
+            close_servers(trainer)
+            if weight_dir is not None:
+                weight_dir.release()
+            raise
+
+    def _enable_async(self, trainer) -> None:
+        if getattr(trainer, "rollout_func", None) is not None:
+            raise ValueError(
+                "async_rollout_staleness > 0 generates ahead from the trainer's prompts; a rollout_func generates "
+                "inside the step with its own calls. Fix: async_rollout_staleness=0 (tools are streamed: pass "
+                "them as tools=...)"
+            )
+        if getattr(trainer, "environment_factories", None) is not None:
+            raise ValueError(
+                "async_rollout_staleness > 0 generates ahead from the trainer's prompts; environment_factory "
+                "rollouts take theirs from each environment's reset() inside the step. Fix: "
+                "async_rollout_staleness=0, or tools=... (stateless tools are streamed)"
+            )
+        generation = trainer.vllm_generation
+        streaming = generation.settings.streaming
+        generation.enable_async(
+            trainer.args.async_rollout_staleness,
+            lambda prompts: trainer._tokenize_prompts(prompts)[0],
+            stream_groups_per_batch(trainer) if streaming else None,
+            converse=conversing(trainer) if streaming and getattr(trainer, "tools", None) else None,
+        )
+
+    # ---- the step -------------------------------------------------------------------------------------------
+
+    def generate_and_score(self, trainer, proceed, inputs):
+        """Streaming: the rows trained are the finished prompt groups, taken at the weights just synced, in place of
+        the rows TRL read (those were read ahead and streamed already)."""
+        generation = _generation(trainer)
+        if not getattr(generation, "streams", False) or not trainer.model.training:
+            return proceed(inputs)
+        if trainer.state.global_step != trainer._last_loaded_step:  # TRL's sync, done first: the batch is after it
+            generation.sync_weights()
+            trainer._last_loaded_step = trainer.state.global_step
+        streamed = generation.take_streamed(len(inputs))
+        with generation.serving(streamed):
+            return proceed(streamed.rows)
+
+    def tool_call_loop(self, trainer, proceed, prompts, prompt_ids, completion_ids, completions, logprobs, *rest):
+        """Tool-using rollouts, asynchronous. Streaming: each conversation's later turns were generated in the stream
+        with its first (`streamed_tools`); the batch takes them whole, its version span covering every turn. Ordered
+        (prefetch): the first turn was prefetched, the later ones are generated now with the weights this batch
+        trains at, so a conversation that called a tool spans (its first turn's first version, the current one).
+        Each token keeps the sampler log-prob of the weights that drew it."""
+        generation = _generation(trainer)
+        conversations = getattr(generation, "last_conversations", None)
+        if conversations and all(c is not None for c in conversations) and len(conversations) == len(prompt_ids):
+            generation.last_conversations = None
+            return streamed_conversations(conversations, completion_ids, logprobs)
+        spans = list(getattr(generation, "last_version_spans", None) or [])
+        called = [bool(completion[0].get("tool_calls")) for completion in completions]
+        result = proceed(prompts, prompt_ids, completion_ids, completions, logprobs, *rest)
+        if generation is not None and len(spans) == len(called):
+            now = generation.sync_count
+            generation.last_version_spans = [
+                (first, max(newest, now)) if tool else (first, newest) for (first, newest), tool in zip(spans, called)
+            ]
+            generation.last_versions = [first for first, _ in spans]
+        return result
+
+    def batch_samples(self, trainer, proceed, epoch_iterator, num_batches, device):
+        """With async rollout, the epoch's batch iterator is read ahead so upcoming generation batches are known
+        (also after `skip_first_batches` on resume: whatever iterator the epoch uses is wrapped)."""
+        reader = getattr(_generation(trainer), "read_ahead", None)
+        if reader is not None:
+            from ..rollout.async_rollout import LookaheadIterator
+
+            if self.lookahead is None or self.lookahead.source is not epoch_iterator:
+                args, state = trainer.args, trainer.state
+                every = args.steps_per_generation * trainer.num_iterations
+                # No generation past the last step: it would run on the servers for nothing and outlive train().
+                ga = args.gradient_accumulation_steps
+                remaining = (state.max_steps - state.global_step) * ga
+                phase = state.global_step * ga % every  # a resume inside a generation window
+                self.lookahead = LookaheadIterator(epoch_iterator, reader, every, limit=remaining, phase=phase)
+            epoch_iterator = self.lookahead
+        return proceed(epoch_iterator, num_batches, device)
+
+    # ---- the run ----------------------------------------------------------------------------------------------
+
+    def train(self, trainer, proceed, *args, **kwargs):
+        generation = _generation(trainer)
+        if _streamer(trainer) is not None:
+            generation.open_streaming()  # a second train() streams again (the first closed its stream at its end)
+        try:
+            return proceed(*args, **kwargs)
+        except BaseException:  # an exception or Ctrl-C: no server outlives the run that failed
+            close_servers(trainer)
+            raise
+        finally:  # no copy of the model left behind (in /tmp or weight_sync_dir), however the run ended
+            if _streamer(trainer) is not None:
+                generation.close_streaming()  # answers still generating were not needed
+            release = getattr(generation, "release_weight_dir", None)
+            if release is not None:
+                release()
+
+    def log(self, trainer, logs: dict[str, float]) -> None:
+        if _streamer(trainer) is not None:
+            logs.update(_generation(trainer).stream_metrics())
+        if getattr(trainer, "rollout_fleet", None) is not None:
+            logs.update(trainer.rollout_fleet.metrics())
+
+    # ---- checkpoints: the stream's prompt groups -------------------------------------------------------------
+
+    def save_state(self, trainer, output_dir: str) -> None:
+        """Streaming rollout: the prompt groups read and not yet trained (generating, finished or queued), each
+        rank its own, so that a resume trains each once and reads on past them (see `rollout.streaming`)."""
+        streamer = _streamer(trainer)
+        if streamer is None:
+            return
+        import torch
+
+        state = streamer.state(self.lookahead.noted_ahead() if self.lookahead is not None else 0)
+        state["group_size"] = trainer.num_generations  # the saved groups are cut at it: a resume must use the same
+        os.makedirs(output_dir, exist_ok=True)
+        rank = trainer.accelerator.process_index
+        torch.save(state, os.path.join(output_dir, STREAM_STATE_NAME.format(rank=rank)))
+
+    def load_state(self, trainer, checkpoint: str) -> None:
+        streamer = _streamer(trainer)
+        path = os.path.join(checkpoint, STREAM_STATE_NAME.format(rank=trainer.accelerator.process_index))
+        if streamer is None or not os.path.isfile(path):
+            return
+        import torch
+
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        check_stream_group_size(state, trainer.num_generations, path)
+        streamer.restore(state)
+
+
+def stream_groups_per_batch(trainer) -> int:
+    """Prompt groups in this process's generation batch. Each process streams its own rows, so that batch must hold
+    whole groups (TRL's sampler keeps a prompt's copies together; accelerate hands each process consecutive rows)."""
+    args = trainer.args
+    rows = args.per_device_train_batch_size * args.steps_per_generation
+    group = trainer.num_generations or 1
+    if rows % group:
+        raise ValueError(
+            f"async_rollout_mode='streaming' streams whole prompt groups, but this process's generation batch of "
+            f"{rows} rows (per_device_train_batch_size x steps_per_generation) does not hold whole groups of "
+            f"num_generations={group}. Fix: make per_device_train_batch_size x steps_per_generation a multiple of "
+            "num_generations, or async_rollout_mode='ordered'"
+        )
+    return rows // group
+
+
+def close_servers(trainer) -> None:
+    """Stop the managed vLLM servers now (they stop by themselves when the process exits, however it does)."""
+    if getattr(trainer, "rollout_fleet", None) is not None:
+        trainer.rollout_fleet.close()
