@@ -360,7 +360,11 @@ def group_sync(client, timeout: float = 60):
     from trl_scale.rollout.preflight import inspect_all
     from trl_scale.rollout.weight_sync import GroupSync, SyncSettings
 
-    reports = [r for r in inspect_all(client.get_url, client.post_url, [s.url for s in client.servers]) if r.reachable]
+    reports = [
+        r
+        for r in inspect_all(client.transport.get_url, client.transport.post_url, [s.url for s in client.servers])
+        if r.reachable
+    ]
     backends = {r.weight_transfer for r in reports}
     assert reports and len(backends) == 1 and None not in backends, backends
     return GroupSync(client, SyncSettings(timeout=timeout, backend=backends.pop()))

@@ -309,7 +309,7 @@ def test_streaming_mode_is_refused_where_nothing_would_stream(tmp_path):
         output_dir=str(tmp_path), async_rollout_staleness=1, async_rollout_interrupt="partial", **server
     )
     settings = RolloutSettings.from_config(partial, logprobs=True, require_logprobs=True, run_id="r")
-    assert settings.interrupt == "partial"
+    assert settings.asynchronous.interrupt == "partial"
 
 
 @pytest.mark.parametrize(

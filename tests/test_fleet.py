@@ -228,9 +228,11 @@ def test_a_restarted_server_catches_up_to_the_current_weights_before_the_next_sy
         restarted(restarted_url)
         server = next(s for s in generation.client.servers if s.url == restarted_url)
         seen.update(
-            version=generation.version, syncs=generation.sync_count, in_rotation=generation.client.is_current(server)
+            version=generation.version,
+            syncs=generation.sync_count,
+            in_rotation=generation.client.versions.is_current(server),
         )
-        seen["served_version"] = generation.client.version_reader(server)
+        seen["served_version"] = generation.client.versions.reader(server)
         seen["sample"] = _seeded_sample(restarted_url, generation.lora_name)
 
     fleet.on_restarted = observed

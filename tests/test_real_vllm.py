@@ -309,7 +309,7 @@ def test_preflight_names_every_problem_of_each_server(fleet, rl_urls, tmp_path):
     from trl_scale.rollout.preflight import RunNeeds, inspect_all, problems_of
 
     client = RolloutClient([fleet.a.url])
-    (report,) = inspect_all(client.get_url, client.post_url, [fleet.a.url])
+    (report,) = inspect_all(client.transport.get_url, client.transport.post_url, [fleet.a.url])
     client.close()
     pattern = LoraConfig(r=4, rank_pattern={"v_proj": 32}, init_lora_weights="pissa")
     errors, _ = problems_of(report, RunNeeds(weight_sync="lora", lora_config=pattern))
@@ -339,7 +339,7 @@ def test_preflight_names_every_problem_of_each_server(fleet, rl_urls, tmp_path):
         _trainer("grpo", fleet.model_path, tmp_path / "len", [fleet.b.url], "shared_dir", max_completion_length=300)
     # the boundary: completions as long as the whole context leave no token for the prompt
     client = RolloutClient([fleet.b.url])
-    (report,) = inspect_all(client.get_url, client.post_url, [fleet.b.url])
+    (report,) = inspect_all(client.transport.get_url, client.transport.post_url, [fleet.b.url])
     client.close()
     errors, _ = problems_of(report, RunNeeds(max_completion_length=256))
     assert any("--max-model-len 256 leaves no room" in e for e in errors), errors

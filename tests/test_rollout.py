@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 import trl_scale
 from trl_scale.rollout import RolloutClient, RolloutError
+from trl_scale.rollout.routing import LatencyRouting
 from trl_scale.rollout.weight_sync import SharedDirSync, SyncSettings
 from trl_scale.toy import build_tiny_model, counting_prompts
 
@@ -172,7 +173,7 @@ def test_a_server_measured_slow_is_tried_again_once_its_estimate_is_old():
     picked = client._acquire(set(), now + 1)
     client._release(picked, ok=True)
     assert picked is fast  # while its estimate is fresh, the slow server waits
-    slow.measured_at = now - client.LATENCY_MEMORY - 1
+    slow.measured_at = now - LatencyRouting.LATENCY_MEMORY - 1
     picked = client._acquire(set(), now + 1)
     assert picked is slow
     client._release(picked, ok=True, seconds=0.2)

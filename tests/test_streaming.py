@@ -346,8 +346,9 @@ def _generation_with_held_sync():
 
     generation = object.__new__(Held)
     generation.settings = SimpleNamespace(streaming=True)
-    generation.weight_sync, generation.client, generation._run_id = "shared_dir", SimpleNamespace(version=None), "r"
-    generation.sync_count, generation.prefetcher = 0, None
+    client = SimpleNamespace(versions=SimpleNamespace(version=None))
+    generation.weight_sync, generation.client, generation._run_id = "shared_dir", client, "r"
+    generation.sync_count, generation.read_ahead = 0, None
     return generation, events
 
 
@@ -363,7 +364,7 @@ def test_an_answer_finishing_during_a_sync_records_the_syncs_weights_in_its_span
 
     generation._request = request
     spanned = {}
-    requester = threading.Thread(target=lambda: spanned.update(result=generation._request_spanned([[1]])))
+    requester = threading.Thread(target=lambda: spanned.update(result=generation.request_spanned([[1]])))
     requester.start()
     syncer = threading.Thread(target=generation.sync_weights)
     syncer.start()

@@ -198,7 +198,7 @@ def test_a_restarted_server_is_left_out_until_a_sync_reaches_it_then_rejoins(tin
             server = _server_digest(url)
             assert {name: server[name] for name in policy} == policy
         client = trainer.vllm_generation.client
-        assert all(client.is_current(s) for s in client.servers)
+        assert all(client.versions.is_current(s) for s in client.servers)
         before = {s.url: s.served for s in client.servers}
         client.generate([[432, 375]] * 40, max_tokens=2)  # more than one server's in-flight cap: both work
         assert {s.url: s.served for s in client.servers}[restarted.url] > before[restarted.url]
@@ -325,7 +325,7 @@ def test_a_receiver_failing_while_alive_leaves_the_group_closed_and_the_next_syn
         state = dict(AutoModelForCausalLM.from_pretrained(tiny_llama).state_dict())
         sync = group_sync(client, timeout=20)
         push(sync, _perturbed(state, 1))
-        post = client.post
+        post = client.transport.post
         failed = []
 
         def update_weights_fails_once(target, path, *args, **kwargs):

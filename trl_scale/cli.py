@@ -396,7 +396,7 @@ def check_servers(argv: list[str]) -> int:
         parser.error(str(error))
     client = RolloutClient(urls, request_timeout=30, api_key=args.api_key)
     try:
-        reports = inspect_all(client.get_url, client.post_url, [s.url for s in client.servers])
+        reports = inspect_all(client.transport.get_url, client.transport.post_url, [s.url for s in client.servers])
     finally:
         client.close()
     needs = RunNeeds(

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import Protocol
 
 from ..ranks import decide_on_leader
 
@@ -23,61 +24,107 @@ CONVERSATION_KEY = "trl_scale_conversation"  # a streamed choice's whole convers
 Converse = Callable[[list, list[int], list[list[int]], list[list[float]], Callable], list]
 
 
+class ReadAhead(Protocol):
+    """A read-ahead engine: told the trainer's upcoming generation batches, it generates them before they are
+    trained (`READ_AHEAD_ENGINES`, one per `async_rollout_mode`)."""
+
+    batches_ahead: int  # generation batches read ahead of the one being trained
+    notes_first: bool  # the run's first generation batch is generated ahead too
+
+    def note_upcoming(self, batch: list) -> None: ...
+
+    def before_sync(self) -> None:
+        """A weight sync is about to start."""
+
+    def state(self, batches_read_ahead: int) -> dict | None:
+        """What a checkpoint keeps to resume exactly (None: nothing)."""
+
+    def restore(self, state: dict) -> None: ...
+
+    def metrics(self) -> dict[str, float]: ...
+
+    def close(self) -> None:
+        """The run ended: nothing more is generated ahead (`reopen` starts again)."""
+
+    def reopen(self) -> None: ...
+
+
+def _ordered(generation, staleness: int, tokenize, groups_per_batch: int | None, converse) -> ReadAhead:
+    """Up to `staleness` generation batches prefetched, each generated whole at the weights of its request."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .async_rollout import RolloutPrefetcher
+
+    # Its own threads: a prefetch waits on the client's request pool, which must never wait on itself.
+    pool = ThreadPoolExecutor(max_workers=max(1, staleness), thread_name_prefix="prefetch")
+    request = functools.partial(_submit_spanned, pool, generation)
+    return RolloutPrefetcher(staleness, tokenize, request, shutdown=lambda: pool.shutdown(False, cancel_futures=True))
+
+
+def _submit_spanned(pool, generation, prompt_ids):
+    return pool.submit(generation.request_spanned, [list(p) for p in prompt_ids])
+
+
+def _streaming(generation, staleness: int, tokenize, groups_per_batch: int | None, converse) -> ReadAhead:
+    """Prompt groups streamed through the servers, each trained once finished, within `staleness` syncs."""
+    from .streaming import StreamingRollout
+
+    if generation.weight_sync == "lora":  # running generations keep their adapter: keep it loaded
+        generation.sync_mode.settings = replace(generation.sync_mode.settings, keep_adapters=staleness)
+    return StreamingRollout(
+        staleness,
+        tokenize,
+        generation.send_group,
+        groups_per_batch or 1,
+        version=lambda: generation.sync_count,
+        converse=None if converse is None else functools.partial(generation.continue_conversations, converse),
+    )
+
+
+# async_rollout_mode -> the engine that reads ahead (like the weight-sync modes' registry)
+READ_AHEAD_ENGINES: dict[str, Callable[..., ReadAhead]] = {"ordered": _ordered, "streaming": _streaming}
+
+
 class GenerationAhead:
     """`ServerRolloutGeneration`'s asynchronous half: reading the trainer's data ahead and generating it."""
 
-    prefetcher = None
-    streamer = None
+    read_ahead: ReadAhead | None = None  # the engine, or None for a synchronous run
     shared_with = None  # the sequence-parallel group's process group: its rank 0 generates for it (`share_with`)
     streams = False  # streaming rollout: this rank's batches come from the stream (its own, or its group's)
     converses = False  # streaming generates a group's later turns too (`enable_async(converse=...)`)
     _serving = None  # a streamed batch TRL's next generate() call is answered from
     _version_lock = threading.Lock()  # the sync count and the syncing flag change together (`_newest_reachable`)
 
-    def enable_async(
-        self, staleness: int, tokenize, groups_per_batch: int | None = None, converse: Converse | None = None
-    ) -> None:
-        """Asynchronous rollout: with `settings.streaming`, prompt groups stream through the servers (see
-        `streaming`; `groups_per_batch`: the groups one generation batch trains on); else up to `staleness`
-        generation batches are prefetched (see `async_rollout`). `converse` (streaming, tool-using rollouts): a
-        group's later turns, run in the stream's thread right after its first turn (see `Converse`)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        from .async_rollout import RolloutPrefetcher
-        from .streaming import StreamingRollout
-
-        if self.settings.streaming:
-            self.streams = True
-            if self.weight_sync == "lora":  # running generations keep their adapter: keep it loaded
-                self.sync_mode.settings = replace(self.sync_mode.settings, keep_adapters=staleness)
-            self.converses = converse is not None
-            self.streamer = StreamingRollout(
-                staleness,
-                tokenize,
-                self._send_group,
-                groups_per_batch or 1,
-                version=lambda: self.sync_count,
-                converse=None if converse is None else functools.partial(self._continue_conversations, converse),
-            )
-            return
-        # Its own threads: a prefetch waits on the client's request pool, which must never wait on itself.
-        self._prefetch_pool = ThreadPoolExecutor(max_workers=max(1, staleness), thread_name_prefix="prefetch")
-        self.prefetcher = RolloutPrefetcher(
-            staleness, tokenize, lambda ids: self._prefetch_pool.submit(self._request_spanned, [list(p) for p in ids])
-        )
+    def enable_async(self, tokenize, groups_per_batch: int | None = None, converse: Converse | None = None) -> None:
+        """Asynchronous rollout (`settings.asynchronous`): the read-ahead engine of its mode reads the trainer's
+        data ahead. `groups_per_batch` (streaming): the prompt groups one generation batch trains on. `converse`
+        (streaming, tool-using rollouts): a group's later turns, run in the stream's thread right after its first
+        turn (see `Converse`)."""
+        asynchronous = self.settings.asynchronous
+        self.streams = asynchronous.streams
+        self.converses = self.streams and converse is not None
+        build = READ_AHEAD_ENGINES[asynchronous.mode]
+        self.read_ahead = build(self, asynchronous.staleness, tokenize, groups_per_batch, converse)
 
     @property
-    def read_ahead(self):
-        """What reads the trainer's data ahead (the streamer or the prefetcher), or None for a synchronous run."""
-        return self.streamer if self.streamer is not None else self.prefetcher
+    def streamer(self):
+        """The streaming engine (streaming rollout), or None."""
+        return self.read_ahead if self.streams else None
 
-    def _send_group(self, prompt_ids: list[int], n: int, dispatched=None) -> tuple[list[dict], int]:
+    @property
+    def prefetcher(self):
+        """The ordered prefetch engine, or None."""
+        return None if self.streams else self.read_ahead
+
+    def send_group(self, prompt_ids: list[int], n: int, dispatched=None) -> tuple[list[dict], int]:
         """One prompt group's request (streaming): its choices and the newest weights its tokens can come from.
         With LoRA, a generation keeps the adapter it was sent with (a sync loads the next under a new name and
         leaves this one loaded): every token comes from that adapter's version."""
         sampling = self.settings.sampling
         name, adapter_version = self._lora_served  # one read: the adapter named and its version agree
-        continue_cut = self.settings.interrupt == "partial"  # a sync cuts running answers: each continued after it
+        continue_cut = (
+            self.settings.asynchronous.interrupt == "partial"
+        )  # a sync cuts running answers: each continued after it
         choices = self._retried_after_fleet(
             lambda: self.client.complete(
                 prompt_ids, n, name, on_dispatch=dispatched, continue_cut=continue_cut, **sampling
@@ -87,7 +134,7 @@ class GenerationAhead:
             return choices, adapter_version
         return choices, self._newest_reachable()
 
-    def _continue_conversations(self, converse: Converse, rows: list, prompt_ids: list[int], choices: list[dict]):
+    def continue_conversations(self, converse: Converse, rows: list, prompt_ids: list[int], choices: list[dict]):
         """A prompt group's later turns (`converse`), right after its first turn's `choices`: each turn one request
         per conversation, sent as a group's first turn is (routed, failed over, with the weights served then). Each
         choice then carries its whole conversation (`CONVERSATION_KEY`); returns the newest weights of the later
@@ -95,7 +142,7 @@ class GenerationAhead:
         newest = [-1]
 
         def send_turns(prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
-            futures = [self.client.submit(self._send_group, list(p), 1) for p in prompts]
+            futures = [self.client.submit(self.send_group, list(p), 1) for p in prompts]
             sent = [future.result() for future in futures]
             newest.extend(version for _, version in sent)
             return self.turn_outputs([turn[0] for turn, _ in sent])
@@ -113,7 +160,7 @@ class GenerationAhead:
 
         def take():
             self._check_fleet()
-            self.client.refresh_versions(only_unchecked=True)
+            self.client.versions.refresh(self.client.submit, only_unchecked=True)
             if new_rows is not None:
                 self.streamer.add(new_rows)
             return self.streamer.take(num_rows)
@@ -130,21 +177,23 @@ class GenerationAhead:
         finally:
             self._serving = None
 
-    def stream_metrics(self) -> dict[str, float]:
-        """The stream's counts (see `StreamingRollout.metrics`) and the cut answers continued (partial rollout)."""
-        continued = float(self.client.answers_continued)
-        return {**self.streamer.metrics(), "rollout/stream_answers_continued": continued}
+    def read_ahead_metrics(self) -> dict[str, float]:
+        """The engine's counts (see `StreamingRollout.metrics`) and, streaming, the cut answers continued."""
+        metrics = self.read_ahead.metrics() if self.read_ahead is not None else {}
+        if self.streams:
+            metrics["rollout/stream_answers_continued"] = float(self.client.answers_continued)
+        return metrics
 
-    def open_streaming(self) -> None:
-        """The start of a run: a stream the last run closed reads and generates again."""
-        if self.streamer is not None:
-            self.streamer.reopen()
+    def open_read_ahead(self) -> None:
+        """The start of a run: an engine the last run closed reads and generates again."""
+        if self.read_ahead is not None:
+            self.read_ahead.reopen()
 
-    def close_streaming(self) -> None:
-        if self.streamer is not None:
-            self.streamer.close()
+    def close_read_ahead(self) -> None:
+        if self.read_ahead is not None:
+            self.read_ahead.close()
 
-    def _request_spanned(self, prompts) -> tuple[list[dict], int]:
+    def request_spanned(self, prompts) -> tuple[list[dict], int]:
         """`_request`, and the newest weight version its tokens can come from: the sync count when it finished (one
         more while a sync is under way, whose new weights a streaming sync lets it reach)."""
         choices = self._request(prompts)
@@ -162,14 +211,10 @@ class GenerationAhead:
         same batch, so its rank 0 alone requests, prefetches or streams completions, and hands them to the
         others (`take_streamed_shared`, `generate`)."""
         self.shared_with = group
-        if rank == 0:
+        if rank == 0 or self.read_ahead is None:
             return
-        if self.prefetcher is not None:
-            self.prefetcher = None
-            self._prefetch_pool.shutdown(wait=False)
-        if self.streamer is not None:
-            self.streamer.close()
-            self.streamer = None
+        self.read_ahead.close()
+        self.read_ahead = None
 
     def _streamed_choices(self, prompts) -> tuple[list[dict], list[tuple[int, int]]]:
         streamed, self._serving = self._serving, None  # answers one call

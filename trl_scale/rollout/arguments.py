@@ -7,8 +7,8 @@ from typing import Literal
 
 from ..model_paths import check_model_path
 from ..numbers import check_field_types, check_positive, check_whole
-from .setting_checks import check_partial_rollout, check_sampling
-from .settings import WeightSyncName
+from .setting_checks import check_sampling
+from .settings import AsyncRollout, WeightSyncName
 
 # `vllm.LLM` settings TRL sets for the engine and the trainer to stay in step (the set of TRL's proposed
 # `vllm_llm_kwargs`, huggingface/trl#6816): a user value for one of them is refused.
@@ -374,18 +374,6 @@ class RolloutArguments:
             from .urls import check_server_urls
 
             check_server_urls(self.vllm_server_base_urls)
-        check_whole(
-            "async_rollout_staleness",
-            self.async_rollout_staleness,
-            fix="use a whole number of weight syncs: 0 (synchronous) or k >= 1",
-        )
-        if self.async_rollout_staleness and not (
-            getattr(self, "use_vllm", False) and getattr(self, "vllm_mode", None) == "server"
-        ):
-            raise ValueError(
-                "async_rollout_staleness > 0 overlaps server generation with training: it needs use_vllm=True, "
-                "vllm_mode='server' and vllm_server_base_urls. Fix: set those, or async_rollout_staleness=0"
-            )
         if self.weight_sync == "http":
             raise ValueError(
                 "weight_sync='http' is gone: no vLLM route takes weights in a request body (its /update_weights takes "
@@ -408,36 +396,14 @@ class RolloutArguments:
             fix="use a positive whole number of requests (default 8); with 0 no request could ever be sent",
         )
         sequence_parallel = getattr(self, "sequence_parallel_size", 1) > 1
-        if self.async_rollout_mode is None:  # streaming by default; LoRA syncs cannot reach running generations
-            streams = bool(self.async_rollout_staleness)
-            self.async_rollout_mode = "streaming" if streams else "ordered"
         if sequence_parallel and self.use_vllm and self.vllm_mode == "colocate":
             raise ValueError(
                 f"vllm_mode='colocate' with sequence_parallel_size={self.sequence_parallel_size}: each rank's vLLM "
                 "engine would sample its own completions for a batch the group shares. Fix: vllm_mode='server' "
                 "(trl-scale's rollout servers), or sequence_parallel_size=1"
             )
-        if self.async_rollout_mode not in ("ordered", "streaming"):
-            raise ValueError(f"async_rollout_mode={self.async_rollout_mode!r}: use 'ordered' or 'streaming'")
-        if self.async_rollout_interrupt not in ("keep", "partial"):
-            raise ValueError(
-                f"async_rollout_interrupt={self.async_rollout_interrupt!r}: use 'keep' (running answers go on with "
-                "the new weights) or 'partial' (they are cut at the sync and continued after it)"
-            )
-        check_partial_rollout(self)
-        if self.async_rollout_mode == "streaming":
-            if not self.async_rollout_staleness:
-                raise ValueError(
-                    "async_rollout_mode='streaming' lets generations run across weight syncs; with "
-                    "async_rollout_staleness=0 none does. Fix: async_rollout_staleness=1 (or more)"
-                )
-        if self.async_rollout_staleness:
-            if not self.vllm_importance_sampling_correction:
-                raise ValueError(
-                    f"async_rollout_staleness={self.async_rollout_staleness} trains completions sampled from older "
-                    "weights; with vllm_importance_sampling_correction=False nothing corrects for it. Fix: "
-                    "vllm_importance_sampling_correction=True (default), or async_rollout_staleness=0"
-                )
+        asynchronous = AsyncRollout.from_config(self)  # checked once, with the fields it depends on
+        self.async_rollout_mode = asynchronous.mode  # the default resolved (streaming with staleness >= 1)
 
 
 @dataclass

@@ -41,8 +41,15 @@ class RolloutPrefetcher:
 
     notes_first = False  # the first generation batch is generated in turn, when it is needed
 
-    def __init__(self, staleness: int, tokenize: Callable[[list], list[list[int]]], request: Callable):
+    def __init__(
+        self,
+        staleness: int,
+        tokenize: Callable[[list], list[list[int]]],
+        request: Callable,
+        shutdown: Callable[[], None] | None = None,
+    ):
         self.staleness = staleness
+        self.shutdown = shutdown  # stops the threads `request` submits to (`close`)
         self.batches_ahead = staleness  # generation batches read ahead of the one being trained
         self.tokenize = tokenize  # raw rows' prompts -> prompt token ids, as the trainer tokenizes them
         self.request = request  # prompt ids -> a Future of the generation's result
@@ -87,6 +94,25 @@ class RolloutPrefetcher:
             return None
         self.served_from_prefetch += 1
         return result, requested_at
+
+    def before_sync(self) -> None:
+        self.settle()  # each prefetched batch generated whole by the weights of its tag
+
+    def state(self, batches_read_ahead: int) -> dict | None:
+        return None  # a resume prefetches again: no request outlives its process
+
+    def restore(self, state: dict) -> None:
+        pass
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def reopen(self) -> None:
+        pass
+
+    def close(self) -> None:
+        """The run ended: a second `train()` prefetches on (the requests in flight are kept); only a process that
+        stops generating (`shutdown`, by `ServerRolloutGeneration.close`) ends the threads."""
 
     def settle(self) -> None:
         """Wait until every request sent has finished (failed ones too: `take` regenerates those)."""

@@ -2,17 +2,19 @@
 
 - Readiness: `wait_until_ready` polls `/health` (a real model loads for minutes) before the first request.
 - Routing: at most `max_inflight_per_server` requests in flight per server; a request (one prompt, its `n`
-  completions) goes to the fastest free server (observed latency), and to a slower one only if it finishes there
-  before the faster servers could clear the queue: not an even split.
+  completions) goes where the routing policy (`routing.py`, chosen by name) picks: by default the fastest free
+  server (observed latency), and a slower one only if it finishes there before the faster servers could clear the
+  queue: not an even split.
 - Failover: a server that errors or times out leaves the rotation for `retry_after` seconds and its request is
   re-sent to another; with every server down the call fails with `RolloutError` within `request_timeout`.
 - Timeouts, apart because they bound different waits: `request_timeout` bounds waiting for a server to take a
   request (a free slot, a failover); `generation_timeout` bounds one server generating it (None: no limit, as
   TRL's client); `load_timeout` bounds a server receiving or loading weights (read by the weight-sync modes).
-- Weight versions: every sync (`weight_sync.py`, one strategy per mode) has a version; each server's is read back
-  (`/weight_info`, or the adapter list for LoRA), and only servers on the current version get requests. A server
-  that restarted (and so serves its original weights) or missed a sync is out of the rotation until a sync
-  reaches it.
+- Weight versions (`versions.py`, the client's `versions`): every sync (`weight_sync/`, one strategy per mode) has
+  a version; each server's is read back (`/weight_info`, or the adapter list for LoRA), and only servers on the
+  current version get requests. A server that restarted (and so serves its original weights) or missed a sync is
+  out of the rotation until a sync reaches it.
+- HTTP (`transport.py`, the client's `transport`): one pooled session, the API key, plain calls by server or URL.
 
 Only `requests` is needed.
 """
@@ -24,13 +26,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from dataclasses import dataclass
 
 import requests
 
 from ..errors import RolloutError
 from ..logs import get_logger
+from .routing import RoutingPolicy, ServerState, routing_policy
+from .transport import Transport
 from .urls import definite_failure
+from .versions import VersionBook
 
 logger = get_logger(__name__)
 
@@ -42,21 +46,6 @@ SERVER_KEY = "_trl_scale_server"  # set on each returned choice: the server that
 # 4xx answers that mean "not now" rather than "not this request": failed over like a 5xx (every other 4xx is final:
 # another server would refuse the same request).
 RETRYABLE = (408, 429)
-
-
-@dataclass
-class ServerState:
-    url: str
-    outstanding: int = 0
-    served: int = 0
-    failures: int = 0
-    down_until: float = 0.0
-    version: str | None = None  # the weight version this server reported or took last
-    unchecked: bool = False  # failed since its version was last read: it may have restarted
-    last_error: str = ""
-    latency: float = 0.0  # moving average of seconds per request (0 until measured: tried first)
-    measured_at: float = 0.0  # time.monotonic() of its last measurement (an old estimate is forgotten)
-    world_size: int = 0  # ranks it brings to the weight-transfer group (0: not read yet)
 
 
 def _check_choices(choices, n: int, cut_allowed: bool = False) -> None:
@@ -94,6 +83,9 @@ def joined(cut: dict, rest: dict) -> dict:
 
 
 class RolloutClient:
+    """Routes completion requests over the servers and fails them over; holds the servers' routing state, the
+    request threads, the version book (`versions`) and the HTTP transport (`transport`)."""
+
     def __init__(
         self,
         base_urls: list[str],
@@ -104,6 +96,7 @@ class RolloutClient:
         max_inflight_per_server: int = 8,
         generation_timeout: float | None = None,
         load_timeout: float = 900.0,
+        routing: RoutingPolicy | str = "latency",
     ):
         if not base_urls:
             raise ValueError("vllm_server_base_urls is empty: give at least one server URL")
@@ -112,65 +105,42 @@ class RolloutClient:
         self.generation_timeout = generation_timeout
         self.load_timeout = load_timeout
         self.retry_after = retry_after
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # Requests beyond this many per server wait in the client and go to whichever server frees up first: that
         # is what makes the routing load-aware (with no cap, least-outstanding degenerates into an even split).
         self.max_inflight_per_server = max_inflight_per_server
+        self.routing = routing_policy(routing) if isinstance(routing, str) else routing
         self._lock = threading.Condition()
         self._backlog = 0  # requests submitted through generate() and not yet sent
         # Enough threads that the in-flight cap, not the pool, bounds the requests on the wire (+ weight-sync calls).
         workers = max_workers or max(32, len(self.servers) * (max_inflight_per_server + 2))
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout")
-        self._session = requests.Session()
-        adapter = requests.adapters.HTTPAdapter(pool_maxsize=workers)
-        self._session.mount("http://", adapter)
-        self._session.mount("https://", adapter)
-        self._model_names: dict[str, str] = {}
-        self.version: str | None = None  # the weights every server should serve; None until the first sync
-        self.version_reader: Callable[[ServerState], str | None] = self.weight_version
+        self.transport = Transport(api_key, workers, request_timeout)
+        self.versions = VersionBook(self.servers, self._lock, self.weight_version)
         # A trainer waits through refused connections (a starting vLLM refuses them while its model loads); commands
         # that talk to running servers (`trl-scale rollout`) set this to fail at once.
         self.refused_is_definite = False
         self.answers_continued = 0  # cut answers continued (partial rollout): `complete(continue_cut=True)`
 
-    # Seconds a latency estimate is trusted unrenewed: a server measured slow gets nothing while faster ones keep up,
-    # so one slow for a while would idle for the rest of the run. Forgotten, it is tried again as an unmeasured one.
-    LATENCY_MEMORY = 10.0
-
-    def _latency(self, server: ServerState, now: float) -> float:
-        return server.latency if now - server.measured_at <= self.LATENCY_MEMORY else 0.0
-
     # ---- server selection -----------------------------------------------------------------------------------
 
     def _acquire(self, exclude: set[str], deadline: float) -> ServerState | None:
-        """A server for one request, or None when none is usable (all down, stale or excluded).
-
-        Free servers (below their in-flight cap) are tried fastest first. A slower one takes the request only if
-        it would finish it before the faster servers could clear the backlog of requests not yet dispatched;
-        otherwise the request waits for a faster server. With a long queue every server works; at the tail a
-        slow server is not handed the request that would finish last.
-        """
+        """A server for one request (the routing policy's pick among the usable servers), or None when none is
+        usable (all down, stale or excluded) or none was free before `deadline`."""
         with self._lock:
             while True:
                 now = time.monotonic()
                 usable = [
-                    s for s in self.servers if s.url not in exclude and self.is_current(s) and s.down_until <= now
+                    s
+                    for s in self.servers
+                    if s.url not in exclude and self.versions.is_current(s) and s.down_until <= now
                 ]
                 if not usable:
                     return None
-                latency = {s.url: self._latency(s, now) for s in usable}
-                free = sorted(
-                    (s for s in usable if s.outstanding < self.max_inflight_per_server),
-                    key=lambda s: (latency[s.url], s.outstanding, s.served),
-                )
-                for server in free:
-                    mine = latency[server.url]
-                    faster = [t for t in usable if 0.0 < latency[t.url] < mine]
-                    rate = sum(self.max_inflight_per_server / latency[t.url] for t in faster)
-                    if mine == 0.0 or not faster or mine <= max(1, self._backlog) / rate:
-                        server.outstanding += 1
-                        self._backlog = max(0, self._backlog - 1)
-                        return server
+                server = self.routing.pick(usable, self.max_inflight_per_server, self._backlog, now)
+                if server is not None:
+                    server.outstanding += 1
+                    self._backlog = max(0, self._backlog - 1)
+                    return server
                 if now >= deadline:
                     return None
                 self._lock.wait(timeout=min(0.5, deadline - now))
@@ -180,8 +150,7 @@ class RolloutClient:
             self._lock.notify_all()
             server.outstanding -= 1
             if seconds is not None:
-                known, server.measured_at = self._latency(server, time.monotonic()) > 0.0, time.monotonic()
-                server.latency = 0.7 * server.latency + 0.3 * seconds if known else seconds
+                self.routing.observe(server, seconds, time.monotonic())
             if ok:
                 server.served += 1
                 server.failures = 0
@@ -192,14 +161,6 @@ class RolloutClient:
                 server.unchecked = True  # it may come back restarted, on its original weights
                 server.down_until = time.monotonic() + self.retry_after
                 logger.warning("rollout server %s left the rotation: %s", server.url, error)
-
-    def _model_name(self, server: ServerState) -> str | None:
-        if server.url not in self._model_names:
-            timeout = min(10.0, self.request_timeout)
-            response = self._session.get(f"{server.url}/v1/models", headers=self.headers, timeout=timeout)
-            response.raise_for_status()
-            self._model_names[server.url] = response.json()["data"][0]["id"]
-        return self._model_names[server.url]
 
     # ---- generation ---------------------------------------------------------------------------------------
 
@@ -220,6 +181,7 @@ class RolloutClient:
         deadline = time.monotonic() + self.request_timeout
         tried: set[str] = set()
         errors = []
+        payload = {"prompt": [prompt], "n": n, "return_token_ids": True, **sampling}
         while time.monotonic() < deadline:
             server = self._acquire(tried, deadline)
             if server is None:
@@ -227,29 +189,10 @@ class RolloutClient:
                     break
                 tried.clear()  # every server was tried once; wait for one to come back
                 time.sleep(min(0.2, self.retry_after))
-                self.refresh_versions(only_unchecked=True)
+                self.versions.refresh(self.submit, only_unchecked=True)
                 continue
             try:
-                payload = {"prompt": [prompt], "n": n, "return_token_ids": True, **sampling}
-                payload["model"] = model or self._model_name(server)
-                if on_dispatch is not None:
-                    on_dispatch()
-                sent = time.monotonic()
-                response = self._session.post(
-                    f"{server.url}/v1/completions",
-                    json=payload,
-                    headers=self.headers,
-                    timeout=(min(10.0, self.request_timeout), self.generation_timeout),
-                )
-                if 400 <= response.status_code < 500 and response.status_code not in RETRYABLE:
-                    self._release(server, ok=True)
-                    raise RolloutError(f"{server.url} rejected the request ({response.status_code}): {response.text}")
-                response.raise_for_status()  # 5xx, 408, 429: fail over
-                choices = response.json()["choices"]  # malformed JSON raises here: a server fault, fail over
-                _check_choices(choices, n, cut_allowed=continue_cut)
-                self._release(server, ok=True, seconds=time.monotonic() - sent)
-                for choice in choices:
-                    choice[SERVER_KEY] = server.url
+                choices = self._send(server, {**payload, "model": model}, continue_cut, on_dispatch)
             except RolloutError:
                 raise
             except Exception as error:  # connection refused, timeout, 5xx: fail over
@@ -267,6 +210,24 @@ class RolloutClient:
             f"{self.request_timeout:g}s (each generation may take rollout_generation_timeout: {limit}). Servers: "
             f"{[s.url for s in self.servers]}. Errors: {errors[-3:] or 'all servers down or stale'}"
         )
+
+    def _send(self, server: ServerState, payload: dict, continue_cut: bool, on_dispatch) -> list[dict]:
+        """One request to the server `_acquire` gave; released here when it answered (a failure is the caller's)."""
+        payload["model"] = payload["model"] or self.transport.model_name(server)
+        if on_dispatch is not None:
+            on_dispatch()
+        sent = time.monotonic()
+        response = self.transport.completions(server, payload, self.generation_timeout)
+        if 400 <= response.status_code < 500 and response.status_code not in RETRYABLE:
+            self._release(server, ok=True)
+            raise RolloutError(f"{server.url} rejected the request ({response.status_code}): {response.text}")
+        response.raise_for_status()  # 5xx, 408, 429: fail over
+        choices = response.json()["choices"]  # malformed JSON raises here: a server fault, fail over
+        _check_choices(choices, payload["n"], cut_allowed=continue_cut)
+        self._release(server, ok=True, seconds=time.monotonic() - sent)
+        for choice in choices:
+            choice[SERVER_KEY] = server.url
+        return choices
 
     def _all_continued(self, prompt: list[int], choices: list[dict], model: str | None, sampling: dict) -> list:
         """Each cut choice continued (`_continued`), at the same time: one thread each (not the request pool, which
@@ -306,39 +267,6 @@ class RolloutClient:
         (rest,) = self.complete(prompt + done, 1, model, continue_cut=True, **rest_sampling)
         return joined(choice, rest)
 
-    # ---- plain calls by URL (preflight, `trl-scale check-servers`) --------------------------------------------
-
-    def get_url(self, url: str, path: str) -> requests.Response:
-        return self._session.get(f"{url}{path}", headers=self.headers, timeout=min(30.0, self.request_timeout))
-
-    def post_url(self, url: str, path: str, json=None) -> requests.Response:
-        return self._session.post(
-            f"{url}{path}", json=json, headers=self.headers, timeout=min(30.0, self.request_timeout)
-        )
-
-    def complete_url(self, url: str, model: str, prompt: list[int]) -> dict:
-        """One greedy token for `prompt` from this server alone (no routing); raises for an HTTP error."""
-        body = {
-            "model": model,
-            "prompt": [prompt],
-            "n": 1,
-            "max_tokens": 1,
-            "temperature": 0.0,
-            "return_token_ids": True,
-        }
-        response = self.post_url(url, "/v1/completions", body)
-        response.raise_for_status()
-        return response.json()
-
-    def prompt_ids_url(self, url: str, model: str, text: str) -> list[int] | None:
-        """How this server's tokenizer encodes `text` (no special tokens), read from a 1-token completion of it;
-        None where the server does not say."""
-        body = {"model": model, "prompt": text, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
-        response = self.post_url(url, "/v1/completions", {**body, "add_special_tokens": False})
-        response.raise_for_status()
-        ids = (response.json().get("choices") or [{}])[0].get("prompt_token_ids")
-        return list(ids) if isinstance(ids, list) else None
-
     def replace_url(self, old: str, new: str) -> None:
         """A server that moved (a managed server restarted on another node): the new address, on no version (out of
         the rotation until a weight sync reaches it)."""
@@ -347,15 +275,11 @@ class RolloutClient:
                 if server.url == old.rstrip("/"):
                     server.url, server.version, server.unchecked = new.rstrip("/"), None, True
                     server.world_size = 0
-            self._model_names.pop(old.rstrip("/"), None)
+            self.transport.forget(old.rstrip("/"))
 
     def _any_may_return(self, deadline: float) -> bool:
         with self._lock:
-            return any((self.is_current(s) or s.unchecked) and s.down_until < deadline for s in self.servers)
-
-    def is_current(self, server: ServerState) -> bool:
-        """Serves the current weights (as far as we know): before the first sync every server does."""
-        return not server.unchecked and (self.version is None or server.version == self.version)
+            return any((self.versions.is_current(s) or s.unchecked) and s.down_until < deadline for s in self.servers)
 
     def generate(
         self, prompts: list[list[int]], n: int | list[int] = 1, model: str | None = None, **sampling
@@ -365,23 +289,13 @@ class RolloutClient:
         counts = n if isinstance(n, list) else [n] * len(prompts)
         if len(counts) != len(prompts):
             raise ValueError(f"n has {len(counts)} entries for {len(prompts)} prompts")
-        self.refresh_versions()
+        self.versions.refresh(self.submit)
         with self._lock:
             self._backlog += len(prompts)
         futures = [self._pool.submit(self.complete, p, k, model, **sampling) for p, k in zip(prompts, counts)]
         return [f.result() for f in futures]
 
     # ---- readiness and versions ------------------------------------------------------------------------
-
-    def get(self, server: ServerState, path: str, timeout: float = 10.0) -> requests.Response:
-        return self._session.get(f"{server.url}{path}", headers=self.headers, timeout=timeout)
-
-    def post(self, server: ServerState, path: str, timeout: float, json=None) -> requests.Response:
-        # JSON or nothing: no weight-sync route of vLLM's takes a binary body.
-        response = self._session.post(f"{server.url}{path}", json=json, headers=self.headers, timeout=timeout)
-        if response.status_code >= 400:
-            raise RolloutError(f"{server.url}{path} answered {response.status_code}: {response.text[:500]}")
-        return response
 
     def wait_until_ready(self, timeout: float) -> None:
         """Poll every server's `/health` until all answer 200, or raise naming those that did not within `timeout`.
@@ -394,7 +308,8 @@ class RolloutClient:
             for server in list(waiting):
                 status, failure = None, None
                 try:
-                    response = self.get(server, "/health", timeout=max(0.5, min(5.0, deadline - time.monotonic())))
+                    wait = max(0.5, min(5.0, deadline - time.monotonic()))
+                    response = self.transport.get(server, "/health", timeout=wait)
                     if response.status_code == 200:
                         waiting.remove(server)
                         continue
@@ -418,30 +333,10 @@ class RolloutClient:
 
     def weight_version(self, server: ServerState) -> str | None:
         """vLLM's `/weight_info` (dev mode): the version set by the last `/finish_weight_update`."""
-        response = self.get(server, "/weight_info", timeout=5)
+        response = self.transport.get(server, "/weight_info", timeout=5)
         response.raise_for_status()
         version = response.json().get("weight_version")
         return None if version is None else str(version)
-
-    def refresh_versions(self, only_unchecked: bool = False) -> None:
-        """Read back each server's weight version (concurrently, bounded): a server that restarted reports its
-        original version and leaves the rotation until a sync reaches it. Unreachable servers keep what we knew
-        and stay unchecked. Only after a first sync: before it, every server serves the initial weights."""
-        if self.version is None:
-            with self._lock:
-                for server in self.servers:
-                    server.unchecked = False
-            return
-        targets = [s for s in self.servers if s.unchecked or not only_unchecked]
-        futures = {self._pool.submit(self.version_reader, s): s for s in targets}
-        for future, server in futures.items():
-            try:
-                version = future.result(timeout=10)
-            except Exception:  # unreachable or not ready: stays as it was, failover handles it
-                continue
-            with self._lock:
-                server.version, server.unchecked = version, False
-                self._lock.notify_all()
 
     # ---- what the weight-sync modes use: the one place they touch the router's state --------------------------
 
@@ -472,28 +367,12 @@ class RolloutClient:
         alive = []
 
         def health(server: ServerState) -> None:
-            self.get(server, "/health", timeout=min(5.0, timeout)).raise_for_status()
+            self.transport.get(server, "/health", timeout=min(5.0, timeout)).raise_for_status()
             alive.append(server)
 
         self.each(self.servers, health, timeout)
         return [s for s in self.servers if s in alive]
 
-    def record_sync(self, version: str, took: list[ServerState]) -> None:
-        """A sync to `version` reached `took`: they are current; every other server stays out of the rotation until
-        a sync (or a catch-up) reaches it."""
-        with self._lock:
-            self.version = version
-            for server in self.servers:
-                if server in took:
-                    server.version, server.unchecked = version, False
-            self._lock.notify_all()
-
-    def rejoin(self, server: ServerState, version: str) -> None:
-        """One server caught up to `version` on its own (a restarted server): back in the rotation."""
-        with self._lock:
-            server.version, server.unchecked, server.down_until = version, False, 0.0
-            self._lock.notify_all()
-
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._session.close()
+        self.transport.close()

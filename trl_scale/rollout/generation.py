@@ -103,10 +103,10 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
             self.weight_dir.release()
         pause_mode = "wait"  # a sync drains the servers, unless streaming, where it freezes or cuts running answers
         if self.settings.streaming:
-            pause_mode = "keep" if self.settings.interrupt == "keep" else "abort"
+            pause_mode = "keep" if self.settings.asynchronous.interrupt == "keep" else "abort"
         settings = SyncSettings(self.settings.weight_sync_timeout, self.weight_dir, fit.backend, pause_mode)
         self.sync_mode = weight_sync_for(self.weight_sync, self.client, settings)
-        self.client.version_reader = self.sync_mode.server_version
+        self.client.versions.reader = self.sync_mode.server_version
 
     def _preflight(self) -> ServersFit:
         """Every server inspected once; all problems raised together (one line each: server, flag, fix), warnings
@@ -127,16 +127,18 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
             vocab_size=model.config.get_text_config().vocab_size,
             streaming=self.settings.streaming,
         )
-        reports = inspect_all(self.client.get_url, self.client.post_url, [s.url for s in self.client.servers])
+        reports = inspect_all(
+            self.client.transport.get_url, self.client.transport.post_url, [s.url for s in self.client.servers]
+        )
         for report in (r for r in reports if r.paused):  # no request would be answered there until a sync
             logger.warning("rollout server %s was paused (a trainer that ended during a weight sync leaves its "
                            "servers paused): resumed", report.url)  # fmt: skip
-            self.client.post_url(report.url, "/resume").raise_for_status()
+            self.client.transport.post_url(report.url, "/resume").raise_for_status()
             report.paused = False
         errors, warnings = all_problems(reports, needs)
         for report in reports:  # the one check that needs the policy: its vocabulary
             if report.reachable and needs.vocab_size:
-                wrong_model = check_vocabulary(self.client.complete_url, report, needs.vocab_size)
+                wrong_model = check_vocabulary(self.client.transport.complete_url, report, needs.vocab_size)
                 errors += [wrong_model] if wrong_model else []
         backends = {r.weight_transfer for r in reports if r.reachable}
         if mode in ("nccl", "auto") and len(backends) > 1:
@@ -187,10 +189,9 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
     def close(self) -> None:
         """No more generation: the stream, the prefetch and the client's request threads stop (idle pool threads
         would otherwise keep a process that ends with `os._exit`, as the CLI's multi-process runs do, waiting)."""
-        self.close_streaming()
-        pool = getattr(self, "_prefetch_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        self.close_read_ahead()
+        if self.prefetcher is not None and self.prefetcher.shutdown is not None:
+            self.prefetcher.shutdown()
         self.client.close()
 
     def release_weight_dir(self) -> None:
@@ -297,8 +298,8 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
         more, by every rank, after the fleet has a server serving again: one can pass the fleet's check and die
         before the weights reach it (its restart is then waited for, not taken for the end of the run)."""
         version = f"{VERSION_PREFIX}{self._run_id}-{self.sync_count + 1}"
-        if self.prefetcher is not None and not self.settings.streaming:
-            self.prefetcher.settle()  # "ordered": each prefetched batch generated whole by the weights of its tag
+        if self.read_ahead is not None:
+            self.read_ahead.before_sync()
         with self._version_lock:
             self._syncing = True
         try:
@@ -313,7 +314,7 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
         self.version = version
         if self.weight_sync == "lora":
             self._lora_served = (version, self.sync_count)
-        self.client.version = version  # every rank routes only to servers on this version
+        self.client.versions.version = version  # every rank routes only to servers on this version
 
     def _sync_with_retry(self, version: str) -> None:
         try:

@@ -23,11 +23,11 @@ def check_servers_for(client: RolloutClient, tokenizer, timeout: float) -> None:
 
     client.refused_is_definite = True  # running servers, not starting ones
     client.wait_until_ready(timeout)
-    reports = inspect_all(client.get_url, client.post_url, [s.url for s in client.servers])
+    reports = inspect_all(client.transport.get_url, client.transport.post_url, [s.url for s in client.servers])
     problems, _ = all_problems(reports, RunNeeds())
     for report in (r for r in reports if r.reachable and not r.paused):  # a paused one would not answer
-        problems += [p for p in (check_vocabulary(client.complete_url, report, len(tokenizer)),) if p]
-        problems += [p for p in (check_tokenizer(client.prompt_ids_url, report, tokenizer),) if p]
+        problems += [p for p in (check_vocabulary(client.transport.complete_url, report, len(tokenizer)),) if p]
+        problems += [p for p in (check_tokenizer(client.transport.prompt_ids_url, report, tokenizer),) if p]
     if problems:
         raise RolloutError("the rollout servers cannot serve this tokenizer:\n  - " + "\n  - ".join(problems))
 

@@ -1,5 +1,5 @@
-"""Checks of rollout settings that span several fields (TRL's sampling fields, the partial-rollout interrupt),
-run by `RolloutArguments` at construction: each error names the field and the fix."""
+"""Checks of TRL's sampling fields, run by `RolloutArguments` at construction: each error names the field and the
+fix. (The asynchronous settings check themselves: `settings.AsyncRollout`.)"""
 
 from __future__ import annotations
 
@@ -23,30 +23,3 @@ def check_sampling(args) -> None:
         check_number("min_p", args.min_p, fix="use a number in [0, 1], or None")
         if not 0 <= args.min_p <= 1:
             raise ValueError(f"min_p={args.min_p}: use a number in [0, 1] (typical: 0.01-0.2), or None")
-
-
-def check_partial_rollout(args) -> None:
-    """`async_rollout_interrupt="partial"` acts only where a sync meets running answers it can cut: streaming
-    (with staleness >= 1), and full-weight syncs (a LoRA sync loads the next adapter beside the running one and
-    never pauses). Anywhere else it would be accepted and do nothing."""
-    if args.async_rollout_interrupt != "partial":
-        return
-    keep = "async_rollout_interrupt='keep' (the default)"
-    if not args.async_rollout_staleness:
-        raise ValueError(
-            "async_rollout_interrupt='partial' cuts the answers a weight sync meets on the servers; with "
-            "async_rollout_staleness=0 a sync waits for every answer, so none is cut. Fix: "
-            f"async_rollout_staleness=1 (streaming), or {keep}"
-        )
-    if args.async_rollout_mode != "streaming":
-        raise ValueError(
-            f"async_rollout_interrupt='partial' with async_rollout_mode={args.async_rollout_mode!r}: ordered read-"
-            "ahead lets the answers a sync meets finish on the old weights (they are never cut). Fix: "
-            f"async_rollout_mode='streaming', or {keep}"
-        )
-    if args.weight_sync == "lora":
-        raise ValueError(
-            "async_rollout_interrupt='partial' with weight_sync='lora': a LoRA sync loads the new adapter under a "
-            "new name and running answers finish on the adapter they started with, so none is cut. Fix: "
-            f"{keep}, or a full-weight sync (weight_sync='auto') with streaming"
-        )

@@ -6,9 +6,93 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..numbers import check_whole
 from ..scoring.sampler_support import SamplerSupport
 
 WeightSyncName = Literal["auto", "nccl", "shared_dir", "lora"]
+AsyncMode = Literal["ordered", "streaming"]
+Interrupt = Literal["keep", "partial"]
+
+
+@dataclass(frozen=True)
+class AsyncRollout:
+    """Asynchronous rollout, read once from `async_rollout_staleness`, `async_rollout_mode` and
+    `async_rollout_interrupt` and checked with the fields it depends on (each error names the field and the fix):
+    how many weight syncs a trained token may be behind, which read-ahead engine generates ahead (`ahead.py`'s
+    registry), and what a streaming sync does to running answers."""
+
+    staleness: int = 0  # 0: synchronous
+    mode: AsyncMode = "ordered"  # the read-ahead engine (with staleness >= 1)
+    interrupt: Interrupt = "keep"  # streaming: a sync freezes running answers ("keep") or cuts them ("partial")
+
+    @property
+    def streams(self) -> bool:
+        return self.staleness > 0 and self.mode == "streaming"
+
+    @classmethod
+    def from_config(cls, args) -> AsyncRollout:
+        staleness = getattr(args, "async_rollout_staleness", 0)
+        check_whole(
+            "async_rollout_staleness", staleness, fix="use a whole number of weight syncs: 0 (synchronous) or k >= 1"
+        )
+        # streaming by default with staleness >= 1
+        mode = getattr(args, "async_rollout_mode", None) or ("streaming" if staleness else "ordered")
+        interrupt = getattr(args, "async_rollout_interrupt", "keep")
+        if mode not in ("ordered", "streaming"):
+            raise ValueError(f"async_rollout_mode={mode!r}: use 'ordered' or 'streaming'")
+        if interrupt not in ("keep", "partial"):
+            raise ValueError(
+                f"async_rollout_interrupt={interrupt!r}: use 'keep' (running answers go on with the new weights) or "
+                "'partial' (they are cut at the sync and continued after it)"
+            )
+        settings = cls(staleness, mode, interrupt)
+        settings.check_with(args)
+        return settings
+
+    def check_with(self, args) -> None:
+        """What the other fields must be for these settings to act."""
+        if self.staleness and not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server"):
+            raise ValueError(
+                "async_rollout_staleness > 0 overlaps server generation with training: it needs use_vllm=True, "
+                "vllm_mode='server' and vllm_server_base_urls. Fix: set those, or async_rollout_staleness=0"
+            )
+        if self.mode == "streaming" and not self.staleness:
+            raise ValueError(
+                "async_rollout_mode='streaming' lets generations run across weight syncs; with "
+                "async_rollout_staleness=0 none does. Fix: async_rollout_staleness=1 (or more)"
+            )
+        if self.interrupt == "partial":
+            self._check_partial(getattr(args, "weight_sync", "auto"))
+        if self.staleness and not getattr(args, "vllm_importance_sampling_correction", True):
+            raise ValueError(
+                f"async_rollout_staleness={self.staleness} trains completions sampled from older weights; with "
+                "vllm_importance_sampling_correction=False nothing corrects for it. Fix: "
+                "vllm_importance_sampling_correction=True (default), or async_rollout_staleness=0"
+            )
+
+    def _check_partial(self, weight_sync: str) -> None:
+        """`interrupt="partial"` acts only where a sync meets running answers it can cut: streaming (with staleness
+        >= 1), and full-weight syncs (a LoRA sync loads the next adapter beside the running one and never pauses).
+        Anywhere else it would be accepted and do nothing."""
+        keep = "async_rollout_interrupt='keep' (the default)"
+        if not self.staleness:
+            raise ValueError(
+                "async_rollout_interrupt='partial' cuts the answers a weight sync meets on the servers; with "
+                "async_rollout_staleness=0 a sync waits for every answer, so none is cut. Fix: "
+                f"async_rollout_staleness=1 (streaming), or {keep}"
+            )
+        if self.mode != "streaming":
+            raise ValueError(
+                f"async_rollout_interrupt='partial' with async_rollout_mode={self.mode!r}: ordered read-ahead lets "
+                "the answers a sync meets finish on the old weights (they are never cut). Fix: "
+                f"async_rollout_mode='streaming', or {keep}"
+            )
+        if weight_sync == "lora":
+            raise ValueError(
+                "async_rollout_interrupt='partial' with weight_sync='lora': a LoRA sync loads the new adapter under a "
+                "new name and running answers finish on the adapter they started with, so none is cut. Fix: "
+                f"{keep}, or a full-weight sync (weight_sync='auto') with streaming"
+            )
 
 
 @dataclass(frozen=True)
@@ -23,9 +107,12 @@ class RolloutSettings:
     managed: bool = False  # this run manages its servers: a failed sync is tried once more after a restart
     run_id: str = ""  # names the weight versions and adapters of this run (the same on every rank)
     on_sampler_support: bool = False  # the trainer scores its log-probs on the sampler's truncated support
-    streaming: bool = False  # async_rollout_mode="streaming": syncs do not drain the servers
-    # streaming: a sync freezes running answers ("keep") or cuts them, each continued after it ("partial")
-    interrupt: Literal["keep", "partial"] = "keep"
+    asynchronous: AsyncRollout = field(default_factory=AsyncRollout)
+
+    @property
+    def streaming(self) -> bool:
+        """Prompt groups stream through the servers: syncs do not drain them."""
+        return self.asynchronous.streams
 
     @classmethod
     def from_config(cls, args, *, logprobs: bool, require_logprobs: bool, run_id: str) -> RolloutSettings:
@@ -40,8 +127,9 @@ class RolloutSettings:
             "logprobs": 0 if logprobs else None,
         }
         sampling.update(args.generation_kwargs or {})
+        asynchronous = AsyncRollout.from_config(args)
         if sampling.get("seed") is not None:
-            _warn_seeded_requests(sampling["seed"], getattr(args, "async_rollout_mode", None) == "streaming")
+            _warn_seeded_requests(sampling["seed"], asynchronous.streams)
         regex = getattr(args, "vllm_structured_outputs_regex", None)
         if regex is not None:  # as TRL's client sends it (vllm_client.py:441-442), taking precedence
             sampling["structured_outputs"] = {"regex": regex}
@@ -56,8 +144,7 @@ class RolloutSettings:
             managed=bool(args.managed_servers),
             run_id=run_id,
             on_sampler_support=SamplerSupport.from_config(args) is not None,
-            streaming=getattr(args, "async_rollout_mode", "ordered") == "streaming",
-            interrupt=getattr(args, "async_rollout_interrupt", "keep"),
+            asynchronous=asynchronous,
         )
 
 

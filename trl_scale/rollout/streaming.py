@@ -113,6 +113,9 @@ class StreamingRollout:
 
     # ---- reading the trainer's data --------------------------------------------------------------------------
 
+    def before_sync(self) -> None:
+        pass  # running answers go on across the sync (frozen or cut by the sync mode's pause)
+
     def note_upcoming(self, batch: list) -> None:
         """A generation batch read ahead from the trainer's data: cut into prompt groups, queued, sent as the
         window allows."""

@@ -32,8 +32,8 @@ def _generation(trainer):
     return getattr(trainer, "vllm_generation", None)
 
 
-def _streamer(trainer):
-    return getattr(_generation(trainer), "streamer", None)
+def _read_ahead(trainer):
+    return getattr(_generation(trainer), "read_ahead", None)
 
 
 class ServerRollout(Feature):
@@ -58,7 +58,7 @@ class ServerRollout(Feature):
         trainer.use_vllm = True
         trainer.vllm_mode = "server"
         trainer._last_loaded_step = -1
-        if trainer.args.async_rollout_staleness:
+        if trainer.vllm_generation.settings.asynchronous.staleness:
             self._enable_async(trainer)
 
     def _urls(self, trainer) -> list[str]:
@@ -131,7 +131,6 @@ class ServerRollout(Feature):
         generation = trainer.vllm_generation
         streaming = generation.settings.streaming
         generation.enable_async(
-            trainer.args.async_rollout_staleness,
             lambda prompts: trainer._tokenize_prompts(prompts)[0],
             stream_groups_per_batch(trainer) if streaming else None,
             converse=conversing(trainer) if streaming and getattr(trainer, "tools", None) else None,
@@ -196,52 +195,54 @@ class ServerRollout(Feature):
 
     def train(self, trainer, proceed, *args, **kwargs):
         generation = _generation(trainer)
-        if _streamer(trainer) is not None:
-            generation.open_streaming()  # a second train() streams again (the first closed its stream at its end)
+        if _read_ahead(trainer) is not None:
+            generation.open_read_ahead()  # a second train() reads ahead again (the first closed it at its end)
         try:
             return proceed(*args, **kwargs)
         except BaseException:  # an exception or Ctrl-C: no server outlives the run that failed
             close_servers(trainer)
             raise
         finally:  # no copy of the model left behind (in /tmp or weight_sync_dir), however the run ended
-            if _streamer(trainer) is not None:
-                generation.close_streaming()  # answers still generating were not needed
+            if _read_ahead(trainer) is not None:
+                generation.close_read_ahead()  # answers still generating were not needed
             release = getattr(generation, "release_weight_dir", None)
             if release is not None:
                 release()
 
     def log(self, trainer, logs: dict[str, float]) -> None:
-        if _streamer(trainer) is not None:
-            logs.update(_generation(trainer).stream_metrics())
+        if _read_ahead(trainer) is not None:
+            logs.update(_generation(trainer).read_ahead_metrics())
         if getattr(trainer, "rollout_fleet", None) is not None:
             logs.update(trainer.rollout_fleet.metrics())
 
     # ---- checkpoints: the stream's prompt groups -------------------------------------------------------------
 
     def save_state(self, trainer, output_dir: str) -> None:
-        """Streaming rollout: the prompt groups read and not yet trained (generating, finished or queued), each
-        rank its own, so that a resume trains each once and reads on past them (see `rollout.streaming`)."""
-        streamer = _streamer(trainer)
-        if streamer is None:
+        """The read-ahead engine's state (streaming: the prompt groups read and not yet trained, generating,
+        finished or queued), each rank its own, so that a resume trains each once and reads on past them (see
+        `rollout.streaming`)."""
+        read_ahead = _read_ahead(trainer)
+        noted = self.lookahead.noted_ahead() if self.lookahead is not None else 0
+        state = read_ahead.state(noted) if read_ahead is not None else None
+        if state is None:
             return
         import torch
 
-        state = streamer.state(self.lookahead.noted_ahead() if self.lookahead is not None else 0)
         state["group_size"] = trainer.num_generations  # the saved groups are cut at it: a resume must use the same
         os.makedirs(output_dir, exist_ok=True)
         rank = trainer.accelerator.process_index
         torch.save(state, os.path.join(output_dir, STREAM_STATE_NAME.format(rank=rank)))
 
     def load_state(self, trainer, checkpoint: str) -> None:
-        streamer = _streamer(trainer)
+        read_ahead = _read_ahead(trainer)
         path = os.path.join(checkpoint, STREAM_STATE_NAME.format(rank=trainer.accelerator.process_index))
-        if streamer is None or not os.path.isfile(path):
+        if read_ahead is None or not os.path.isfile(path):
             return
         import torch
 
         state = torch.load(path, map_location="cpu", weights_only=False)
         check_stream_group_size(state, trainer.num_generations, path)
-        streamer.restore(state)
+        read_ahead.restore(state)
 
 
 def stream_groups_per_batch(trainer) -> int:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from ...logs import get_logger
-from ..client import RolloutClient, RolloutError, ServerState
+from ..client import RolloutClient, RolloutError
+from ..routing import ServerState
 from ..weight_dir import WeightDirectory
 
 logger = get_logger(__name__)
@@ -102,13 +103,13 @@ class WeightSyncMode(ABC):
                 raise RolloutError(f"{error}; refused /pause: {refused}") from error
             raise
         finally:
-            self.client.each(paused, lambda s: self.client.post(s, "/resume", timeout), timeout)
+            self.client.each(paused, lambda s: self.client.transport.post(s, "/resume", timeout), timeout)
         return took, {**refused, **failed}
 
     def _pause(self, server: ServerState) -> None:
         if self.settings.pause_mode in ("keep", "abort"):  # returns at once, between two decoding steps
             try:
-                self.client.post(server, f"/pause?mode={self.settings.pause_mode}", self.settings.timeout)
+                self.client.transport.post(server, f"/pause?mode={self.settings.pause_mode}", self.settings.timeout)
             except RolloutError as error:
                 if self.settings.pause_mode == "keep" and " answered 422" in str(error):
                     raise RolloutError(
@@ -120,13 +121,13 @@ class WeightSyncMode(ABC):
             return
         # It returns once the server's running generations have finished: bounded as one generation is.
         generation = self.client.generation_timeout
-        self.client.post(server, "/pause?mode=wait", None if generation is None else 30.0 + generation)
+        self.client.transport.post(server, "/pause?mode=wait", None if generation is None else 30.0 + generation)
 
     def _reset_prefix_cache(self, server: ServerState) -> None:
         """vLLM V1 keeps prefix caching on: blocks computed with the old weights must not be reused. A reset vLLM
         refuses (`success: false`, blocks still held) is an error, not a silent reuse. Generations frozen by a "keep"
         pause go on with the new weights either way (`tests/test_real_vllm.py`)."""
-        response = self.client.post(server, "/reset_prefix_cache", self.settings.timeout)
+        response = self.client.transport.post(server, "/reset_prefix_cache", self.settings.timeout)
         try:
             success = response.json().get("success", True)
         except (ValueError, AttributeError):  # an older server answers with no body
@@ -139,7 +140,7 @@ class WeightSyncMode(ABC):
 
     def _finish(self, what: str, version: str, took: list[ServerState], failed: dict[str, str]) -> None:
         """Record the new version; servers that did not take it stay out of the rotation until a sync does."""
-        self.client.record_sync(version, took)
+        self.client.versions.record_sync(version, took)
         if not took:
             why = "; ".join(f"{url}: {reason}" for url, reason in failed.items())
             raise RolloutError(

@@ -14,7 +14,8 @@ from urllib.parse import urlparse
 
 from ...logs import get_logger
 from ...net import free_port, is_loopback
-from ..client import RolloutError, ServerState
+from ..client import RolloutError
+from ..routing import ServerState
 from .base import PolicyWeights, WeightSyncMode
 
 logger = get_logger(__name__)
@@ -53,9 +54,9 @@ class GroupSync(WeightSyncMode):
         live = self.client.live(timeout)
         if not live:
             raise RolloutError(f"weight sync: no server answers /health ({[s.url for s in self.client.servers]})")
-        self.client.refresh_versions()
+        self.client.versions.refresh(self.client.submit)
         members = self.group.members if self.group else []
-        current = self.client.version
+        current = self.client.versions.version
         restarted = [s for s in live if s.url in members and current is not None and s.version != current]
         if [s.url for s in live] != members or restarted:
             self.close_group()
@@ -71,7 +72,7 @@ class GroupSync(WeightSyncMode):
         self._finish("weight sync", version, took, failed)
 
     def _update(self, paused, live, update_info: dict, named_tensors: Iterable, version: str):
-        timeout, post = self.settings.timeout, self.client.post
+        timeout, post = self.settings.timeout, self.client.transport.post
         if len(paused) != len(live):
             raise RolloutError(f"weight sync: {len(live) - len(paused)} group member(s) did not pause")
         refused = self.client.each(paused, lambda s: post(s, "/start_weight_update", timeout, json={}), timeout)
@@ -102,7 +103,7 @@ class GroupSync(WeightSyncMode):
 
         timeout = self.settings.timeout
         for server in members:
-            response = self.client.get(server, "/get_world_size", timeout=timeout)
+            response = self.client.transport.get(server, "/get_world_size", timeout=timeout)
             response.raise_for_status()
             server.world_size = int(response.json()["world_size"])
         world_size, offsets = group_layout([s.world_size for s in members])
@@ -114,7 +115,7 @@ class GroupSync(WeightSyncMode):
             init_info.update(world_size=world_size, packed=sender.packed)
             # It blocks in the rendezvous until the trainer joins: sent from a thread.
             joining[server.url] = self.client.submit(
-                self.client.post, server, "/init_weight_transfer_engine", timeout, {"init_info": init_info}
+                self.client.transport.post, server, "/init_weight_transfer_engine", timeout, {"init_info": init_info}
             )
         try:
             sender.join(address, port, world_size)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 
 from ...logs import get_logger
-from ..client import VERSION_PREFIX, RolloutError, ServerState
+from ..client import VERSION_PREFIX, RolloutError
+from ..routing import ServerState
 from .base import PolicyWeights, WeightSyncMode
 
 logger = get_logger(__name__)
@@ -58,11 +59,11 @@ class LoraSync(WeightSyncMode):
     def _load(self, server: ServerState, name: str, path: str) -> None:
         timeout = self.settings.timeout
         body = {"lora_name": name, "lora_path": path, "load_inplace": False}
-        self.client.post(server, "/v1/load_lora_adapter", self.client.load_timeout, json=body)
-        listed = self.client.get(server, "/v1/models", timeout=timeout).json()["data"][1:]
+        self.client.transport.post(server, "/v1/load_lora_adapter", self.client.load_timeout, json=body)
+        listed = self.client.transport.get(server, "/v1/models", timeout=timeout).json()["data"][1:]
         for old in superseded([m["id"] for m in listed], name, self.settings.keep_adapters):
             try:
-                self.client.post(server, "/v1/unload_lora_adapter", timeout, json={"lora_name": old})
+                self.client.transport.post(server, "/v1/unload_lora_adapter", timeout, json={"lora_name": old})
             except RolloutError as error:  # gone meanwhile: nothing to free
                 logger.info("unloading adapter %s on %s: %s", old, server.url, error)
 
@@ -71,15 +72,15 @@ class LoraSync(WeightSyncMode):
         if self.current is None:
             return False
         self._load(server, version, self.current)
-        self.client.rejoin(server, version)
+        self.client.versions.rejoin(server, version)
         return True
 
     def server_version(self, server: ServerState) -> str | None:
         """A server's version is the newest of our adapters it lists (none after a restart)."""
-        response = self.client.get(server, "/v1/models", timeout=5)
+        response = self.client.transport.get(server, "/v1/models", timeout=5)
         response.raise_for_status()
         ids = [m["id"] for m in response.json()["data"][1:]]
-        return next((i for i in reversed(ids) if i == self.client.version), ids[-1] if ids else None)
+        return next((i for i in reversed(ids) if i == self.client.versions.version), ids[-1] if ids else None)
 
     def close(self) -> None:
         self.current = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from ..client import ServerState
+from ..routing import ServerState
 from .base import PolicyWeights, WeightSyncMode
 
 
@@ -45,8 +45,10 @@ class SharedDirSync(WeightSyncMode):
 
     def _reload(self, server: ServerState, path: str, version: str) -> None:
         body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
-        self.client.post(server, "/collective_rpc", self.client.load_timeout, json=body)
-        self.client.post(server, "/update_weight_version", self.settings.timeout, json={"new_version": version})
+        self.client.transport.post(server, "/collective_rpc", self.client.load_timeout, json=body)
+        self.client.transport.post(
+            server, "/update_weight_version", self.settings.timeout, json={"new_version": version}
+        )
         self._reset_prefix_cache(server)
 
     def catch_up(self, server: ServerState, version: str) -> bool:
@@ -55,7 +57,7 @@ class SharedDirSync(WeightSyncMode):
         if self.current is None:
             return False
         self._reload(server, self.current, version)
-        self.client.rejoin(server, version)
+        self.client.versions.rejoin(server, version)
         return True
 
     def close(self) -> None:

@@ -1,0 +1,78 @@
+"""HTTP to the rollout servers: one pooled session, the API key, and the plain calls (by server or by URL)."""
+
+from __future__ import annotations
+
+import requests
+
+from ..errors import RolloutError
+from .routing import ServerState
+
+
+class Transport:
+    def __init__(self, api_key: str | None, pool_size: int, request_timeout: float):
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.request_timeout = request_timeout
+        self.session = requests.Session()
+        adapter = requests.adapters.HTTPAdapter(pool_maxsize=pool_size)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+        self._model_names: dict[str, str] = {}
+
+    def get(self, server: ServerState, path: str, timeout: float = 10.0) -> requests.Response:
+        return self.session.get(f"{server.url}{path}", headers=self.headers, timeout=timeout)
+
+    def post(self, server: ServerState, path: str, timeout: float, json=None) -> requests.Response:
+        """A control call (weight sync): JSON or nothing (no weight-sync route of vLLM's takes a binary body); an
+        HTTP error raises `RolloutError` naming the route."""
+        response = self.session.post(f"{server.url}{path}", json=json, headers=self.headers, timeout=timeout)
+        if response.status_code >= 400:
+            raise RolloutError(f"{server.url}{path} answered {response.status_code}: {response.text[:500]}")
+        return response
+
+    def completions(self, server: ServerState, payload: dict, generation_timeout: float | None) -> requests.Response:
+        return self.session.post(
+            f"{server.url}/v1/completions",
+            json=payload,
+            headers=self.headers,
+            timeout=(min(10.0, self.request_timeout), generation_timeout),
+        )
+
+    def model_name(self, server: ServerState) -> str:
+        """The model a server serves (`/v1/models`), read once per URL."""
+        if server.url not in self._model_names:
+            timeout = min(10.0, self.request_timeout)
+            response = self.session.get(f"{server.url}/v1/models", headers=self.headers, timeout=timeout)
+            response.raise_for_status()
+            self._model_names[server.url] = response.json()["data"][0]["id"]
+        return self._model_names[server.url]
+
+    def forget(self, url: str) -> None:
+        self._model_names.pop(url, None)
+
+    # ---- plain calls by URL (preflight, `trl-scale check-servers`) --------------------------------------------
+
+    def get_url(self, url: str, path: str) -> requests.Response:
+        return self.session.get(f"{url}{path}", headers=self.headers, timeout=min(30.0, self.request_timeout))
+
+    def post_url(self, url: str, path: str, json=None) -> requests.Response:
+        timeout = min(30.0, self.request_timeout)
+        return self.session.post(f"{url}{path}", json=json, headers=self.headers, timeout=timeout)
+
+    def complete_url(self, url: str, model: str, prompt: list[int]) -> dict:
+        """One greedy token for `prompt` from this server alone (no routing); raises for an HTTP error."""
+        body = {"model": model, "prompt": [prompt], "n": 1, "max_tokens": 1, "temperature": 0.0}
+        response = self.post_url(url, "/v1/completions", {**body, "return_token_ids": True})
+        response.raise_for_status()
+        return response.json()
+
+    def prompt_ids_url(self, url: str, model: str, text: str) -> list[int] | None:
+        """How this server's tokenizer encodes `text` (no special tokens), read from a 1-token completion of it;
+        None where the server does not say."""
+        body = {"model": model, "prompt": text, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
+        response = self.post_url(url, "/v1/completions", {**body, "add_special_tokens": False})
+        response.raise_for_status()
+        ids = (response.json().get("choices") or [{}])[0].get("prompt_token_ids")
+        return list(ids) if isinstance(ids, list) else None
+
+    def close(self) -> None:
+        self.session.close()
