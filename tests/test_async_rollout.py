@@ -361,3 +361,20 @@ def test_the_prefetcher_never_serves_a_batch_older_than_the_bound():
                 assert taken is None, (staleness, age, taken)
         assert prefetcher.take([[9, 9]], version=10) is None  # never requested
         assert prefetcher.served_from_prefetch == staleness + 1 and prefetcher.generated_now == 4 - staleness
+
+
+def test_each_async_rollout_mode_has_its_read_ahead_engine_behind_one_interface():
+    """`async_rollout_mode` picks the engine from READ_AHEAD_ENGINES (as `weight_sync` picks its mode): each
+    implements the whole `ReadAhead` interface the trainer uses (save, restore, log, open, close, sync)."""
+    import typing
+
+    from trl_scale.rollout.ahead import READ_AHEAD_ENGINES, ReadAhead
+    from trl_scale.rollout.async_rollout import RolloutPrefetcher
+    from trl_scale.rollout.settings import AsyncMode
+    from trl_scale.rollout.streaming import StreamingRollout
+
+    assert set(READ_AHEAD_ENGINES) == set(typing.get_args(AsyncMode)) == {"ordered", "streaming"}
+    interface = {name for name in vars(ReadAhead) if not name.startswith("_")}
+    for engine in (RolloutPrefetcher, StreamingRollout):
+        missing = {name for name in interface if not hasattr(engine, name) and name not in ("batches_ahead",)}
+        assert not missing, f"{engine.__name__} lacks {missing}"

@@ -631,3 +631,34 @@ def test_a_seed_in_generation_kwargs_is_warned_about(tmp_path, caplog):
     (said,) = settings(generation_kwargs={"seed": 3}, async_rollout_staleness=1, async_rollout_mode="streaming",
                        vllm_server_base_urls=["http://127.0.0.1:1"])  # fmt: skip
     assert "resuming seeded requests" in said
+
+
+def test_the_routing_policy_is_chosen_by_name_or_given_as_an_object():
+    """'latency' (the default) sends a request to the faster free server; 'least_outstanding' to the one with the
+    fewest requests in flight, blind to speed; a policy object of the user's is asked; an unknown name is refused."""
+    from trl_scale.rollout.routing import LeastOutstandingRouting
+
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    for routing, expected in (("latency", 0), ("least_outstanding", 1)):
+        client = RolloutClient(urls, request_timeout=1, routing=routing)
+        fast, slow = client.servers
+        now = time.monotonic()
+        fast.latency, fast.measured_at, fast.outstanding = 0.1, now, 1
+        slow.latency, slow.measured_at = 5.0, now
+        assert client._acquire(set(), now + 1) is client.servers[expected], routing
+
+    class Last:
+        def pick(self, usable, cap, backlog, now):
+            return usable[-1]
+
+        def observe(self, server, seconds, now):
+            self.seen = (server.url, seconds)
+
+    policy = Last()
+    client = RolloutClient(urls, request_timeout=1, routing=policy)
+    picked = client._acquire(set(), time.monotonic() + 1)
+    client._release(picked, ok=True, seconds=0.5)
+    assert picked.url == urls[1] and policy.seen == (urls[1], 0.5)
+    assert isinstance(RolloutClient(urls, routing="least_outstanding").routing, LeastOutstandingRouting)
+    with pytest.raises(ValueError, match="unknown routing policy 'fastest'"):
+        RolloutClient(urls, routing="fastest")
