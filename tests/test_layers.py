@@ -178,20 +178,49 @@ def test_no_module_is_over_500_lines():
     assert not long, f"split these by job: {long}"
 
 
+MAX_FUNCTION_LINES = 60
+MAX_METHODS = 20
+
+
 def function_lengths(root) -> list[tuple[int, str]]:
     """(lines, "path:name") of every function under `root`, longest first."""
+    return _function_lengths({str(path.relative_to(ROOT)): path.read_text() for path in root.rglob("*.py")})
+
+
+def _function_lengths(sources: dict[str, str]) -> list[tuple[int, str]]:
     found = []
-    for path in root.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+    for name, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                found.append((node.end_lineno - node.lineno + 1, f"{path.relative_to(ROOT)}:{node.name}"))
+                found.append((node.end_lineno - node.lineno + 1, f"{name}:{node.name}"))
     return sorted(found, reverse=True)
 
 
-def test_no_function_is_over_80_lines_and_none_in_serve_over_60():
-    """Small functions: the longest anywhere under 80 lines, in `serve` (route handlers) under 60."""
-    assert function_lengths(PACKAGE)[0][0] < 80, function_lengths(PACKAGE)[:3]
-    assert function_lengths(PACKAGE / "serve")[0][0] <= 60, function_lengths(PACKAGE / "serve")[:3]
+def class_sizes(sources: dict[str, str]) -> list[tuple[int, str]]:
+    """(methods, "path:name") of every class, largest first."""
+    found = []
+    for name, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef):
+                methods = sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in node.body)
+                found.append((methods, f"{name}:{node.name}"))
+    return sorted(found, reverse=True)
+
+
+def _sources() -> dict[str, str]:
+    return {str(path.relative_to(ROOT)): path.read_text() for path in PACKAGE.rglob("*.py")}
+
+
+def test_no_function_is_over_60_lines_and_no_class_over_20_methods():
+    """Small functions and classes: a limit about to be hit is a signal to split, not to squeeze."""
+    long = [entry for entry in _function_lengths(_sources()) if entry[0] > MAX_FUNCTION_LINES]
+    assert not long, f"split these functions: {long}"
+    large = [entry for entry in class_sizes(_sources()) if entry[0] > MAX_METHODS]
+    assert not large, f"split these classes by concern: {large}"
+    planted = {"big.py": "def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES}
+    assert _function_lengths(planted)[0][0] > MAX_FUNCTION_LINES
+    planted = {"wide.py": "class C:\n" + "".join(f"    def m{i}(self): ...\n" for i in range(MAX_METHODS + 1))}
+    assert class_sizes(planted)[0][0] > MAX_METHODS
 
 
 def test_imports_point_down_the_layers():
@@ -211,12 +240,7 @@ def test_no_two_packages_import_each_other():
     }
     assert two_way_imports(planted) == ["trl_scale.critic <-> trl_scale.distributed"]  # the one this test ended
     size, function = function_lengths(PACKAGE)[0]
-    methods, largest = max(
-        (sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in node.body), f"{path.name}:{node.name}")
-        for path in PACKAGE.rglob("*.py")
-        for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, ast.ClassDef)
-    )
+    methods, largest = class_sizes(_sources())[0]
     print(f"layers: longest function {function} ({size} lines), largest class {largest} ({methods} methods)")
 
 

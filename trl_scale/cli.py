@@ -152,15 +152,11 @@ def _resolve_model(model_name: str | None, training_args) -> str:
     return model_name
 
 
-def train(method: str, argv: list[str]) -> int:
-    """Parse `--config` YAML and overrides with TrlParser, build the trainer, train, save, push if asked."""
-    from trl import TrlParser, get_peft_config
-
-    script_type, model_config_type = _import_trl_script_types()
-    trainer_cls, config_cls = _method_classes(method)
-    parser = TrlParser((script_type, config_cls, model_config_type), prog=f"trl-scale {method}")
+def _parse(parser, method: str, argv: list[str]):
+    """TrlParser's dataclasses from `--config` and the overrides; a bad field, value or YAML is a usage error naming
+    the fix, not a traceback."""
     try:
-        script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+        return parser.parse_args_and_config(args=argv)
     except ValueError as error:  # a usage error, not a traceback
         unknown = re.search(r"Unknown arguments from config file: (\[.*?\])", str(error))  # TrlParser, a YAML key
         if unknown:
@@ -181,6 +177,27 @@ def train(method: str, argv: list[str]) -> int:
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
         parser.error(f"--config is not valid YAML{line}: {problem}. Fix: correct the YAML (e.g. its indentation)")
 
+
+def _say_processes(trainer, method: str) -> None:
+    sp_size = getattr(trainer.args, "sequence_parallel_size", 1)
+    processes = trainer.accelerator.state.num_processes
+    if sp_size > 1:
+        trainer.accelerator.print(
+            f"trl-scale {method}: training on {processes // sp_size} data-parallel rank(s) of {processes} processes, "
+            f"each packed row scored over {sp_size} ranks (sequence parallelism)"
+        )
+    else:
+        trainer.accelerator.print(f"trl-scale {method}: training on {processes} process(es)")
+
+
+def train(method: str, argv: list[str]) -> int:
+    """Parse `--config` YAML and overrides with TrlParser, build the trainer, train, save, push if asked."""
+    from trl import TrlParser, get_peft_config
+
+    script_type, model_config_type = _import_trl_script_types()
+    trainer_cls, config_cls = _method_classes(method)
+    parser = TrlParser((script_type, config_cls, model_config_type), prog=f"trl-scale {method}")
+    script_args, training_args, model_args = _parse(parser, method, argv)
     model_path = _resolve_model(model_args.model_name_or_path, training_args)
     model_init_kwargs = {"attn_implementation": model_args.attn_implementation, "dtype": model_args.dtype}
     model_init_kwargs = {k: v for k, v in model_init_kwargs.items() if v is not None}
@@ -208,15 +225,7 @@ def train(method: str, argv: list[str]) -> int:
     if method == "ppo":
         kwargs["value_model"] = script_args.value_model_name_or_path
     trainer = trainer_cls(**kwargs)
-    sp_size = getattr(trainer.args, "sequence_parallel_size", 1)
-    processes = trainer.accelerator.state.num_processes
-    if sp_size > 1:
-        trainer.accelerator.print(
-            f"trl-scale {method}: training on {processes // sp_size} data-parallel rank(s) of {processes} processes, "
-            f"each packed row scored over {sp_size} ranks (sequence parallelism)"
-        )
-    else:
-        trainer.accelerator.print(f"trl-scale {method}: training on {processes} process(es)")
+    _say_processes(trainer, method)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}")
@@ -253,8 +262,7 @@ def _end_distributed(accelerator) -> None:
     os._exit(0)
 
 
-def _rollout(argv: list[str]) -> int:
-    """`trl-scale rollout {rejection-sample,eval}`: generate and score on running servers, no training."""
+def _rollout_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trl-scale rollout", description=_rollout.__doc__)
     parser.add_argument("mode", choices=["rejection-sample", "eval"])
     parser.add_argument("--servers", nargs="+", required=True, help="completion server URLs (http://HOST:PORT)")
@@ -270,6 +278,10 @@ def _rollout(argv: list[str]) -> int:
     parser.add_argument("--output", help="rejection-sample (required): where to write the kept rows (.jsonl)")
     parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds a request may wait for a server")
     parser.add_argument("--api-key", default=None)
+    return parser
+
+
+def _checked_rollout_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     for flag, value, low in (("--num-samples", args.num_samples, 1), ("--max-tokens", args.max_tokens, 1)):
         if value < low:
@@ -281,6 +293,13 @@ def _rollout(argv: list[str]) -> int:
             parser.error("rejection-sample needs --output FILE.jsonl: where to write the kept rows")
     if args.request_timeout <= 0:
         parser.error(f"--request-timeout {args.request_timeout:g}: use a positive number of seconds")
+    return args
+
+
+def _rollout(argv: list[str]) -> int:
+    """`trl-scale rollout {rejection-sample,eval}`: generate and score on running servers, no training."""
+    parser = _rollout_parser()
+    args = _checked_rollout_args(parser, argv)
     from .rollout.urls import check_server_urls
 
     try:

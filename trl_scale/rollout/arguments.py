@@ -342,6 +342,10 @@ class RolloutArguments:
                     f"{gpus if gpus is not None else 1} GPU(s) need {needed}. Fix: list {needed} distinct GPU ids, "
                     "or lower managed_servers / managed_server_gpus"
                 )
+        self._validate_server_placement()
+
+    def _validate_server_placement(self) -> None:
+        """managed_server_placement='ray' and its resources (Ray importable, amounts per server)."""
         if self.managed_server_placement == "ray":
             import importlib.util
 

@@ -190,6 +190,49 @@ def distorting_sampling(sampling: dict) -> list[str]:
     return found
 
 
+def _lora_problems(report: ServerReport, needs: RunNeeds, errors: list[str], warnings: list[str]) -> None:
+    """weight_sync='lora': LoRA loading on, and the adapter within the server's limits."""
+    url = report.url
+    if report.lora_enabled is False or report.runtime_lora is False:
+        why = "no --enable-lora" if report.lora_enabled is False else "/v1/load_lora_adapter is missing"
+        errors.append(
+            f"{url}: LoRA loading is off ({why}), so weight_sync='lora' cannot load the adapter. Fix: {LORA_FIX}"
+        )
+    if needs.lora_config is not None:
+        if report.lora_enabled is None:
+            warnings.append(
+                f"{url}: its LoRA limits are unknown without dev mode (/server_info); an adapter above its "
+                "--max-lora-rank fails at the first sync. To check them now: start it with VLLM_SERVER_DEV_MODE=1"
+            )
+        refused = lora_refusals(needs.lora_config, report.max_lora_rank if report.lora_enabled else None)
+        errors += [f"{url} would refuse this adapter: {problem}" for problem in refused]
+
+
+def _sampling_problems(report: ServerReport, needs: RunNeeds, errors: list[str], warnings: list[str]) -> None:
+    """The importance-sampling correction: log-probs after the sampler's processing, on the support it samples."""
+    url = report.url
+    if needs.importance_sampling and report.dev_mode and report.logprobs_mode not in (None, "processed_logprobs"):
+        distorted = distorting_sampling(needs.sampling)
+        if distorted:
+            errors.append(
+                f"{url}: --logprobs-mode {report.logprobs_mode} returns log-probs before {', '.join(distorted)}, so "
+                "the importance-sampling correction would be biased. Fix: "
+                f"{LOGPROBS_FIX}, or set vllm_importance_sampling_correction=False"
+            )
+        else:  # TRL's rule (grpo_trainer.py:1144-1154): with neutral sampling the two modes agree
+            warnings.append(
+                f"{url}: runs with --logprobs-mode {report.logprobs_mode}, which biases the importance-sampling "
+                f"correction once sampling is not neutral. Fix: {LOGPROBS_FIX}"
+            )
+    truncation = [name for name in distorting_sampling(needs.sampling) if name.split("=")[0] in _TRUNCATION]
+    if needs.importance_sampling and truncation and not needs.on_sampler_support:
+        warnings.append(
+            f"{url}: with {', '.join(truncation)} vLLM's log-probs are renormalised over the tokens it keeps, and the "
+            "trainer scores the whole vocabulary: every importance ratio carries the kept mass (an unchanged policy's "
+            "is below 1). Fix: logprobs_on_sampler_support=True"
+        )
+
+
 def problems_of(report: ServerReport, needs: RunNeeds) -> tuple[list[str], list[str]]:
     """(errors, warnings) for one server and one run: each a line naming the server and the fix."""
     url, errors, warnings = report.url, [], []
@@ -222,19 +265,7 @@ def problems_of(report: ServerReport, needs: RunNeeds) -> tuple[list[str], list[
             "plugin (CPU trainer), or use weight_sync='shared_dir'"
         )
     if mode == "lora":
-        if report.lora_enabled is False or report.runtime_lora is False:
-            why = "no --enable-lora" if report.lora_enabled is False else "/v1/load_lora_adapter is missing"
-            errors.append(
-                f"{url}: LoRA loading is off ({why}), so weight_sync='lora' cannot load the adapter. Fix: {LORA_FIX}"
-            )
-        if needs.lora_config is not None:
-            if report.lora_enabled is None:
-                warnings.append(
-                    f"{url}: its LoRA limits are unknown without dev mode (/server_info); an adapter above its "
-                    "--max-lora-rank fails at the first sync. To check them now: start it with VLLM_SERVER_DEV_MODE=1"
-                )
-            refused = lora_refusals(needs.lora_config, report.max_lora_rank if report.lora_enabled else None)
-            errors += [f"{url} would refuse this adapter: {problem}" for problem in refused]
+        _lora_problems(report, needs, errors, warnings)
     if needs.max_completion_length is not None and report.max_model_len is not None:
         if report.max_model_len <= needs.max_completion_length:
             errors.append(
@@ -242,26 +273,7 @@ def problems_of(report: ServerReport, needs: RunNeeds) -> tuple[list[str], list[
                 f"max_completion_length={needs.max_completion_length}. Fix: raise its --max-model-len, or lower "
                 "max_completion_length"
             )
-    if needs.importance_sampling and report.dev_mode and report.logprobs_mode not in (None, "processed_logprobs"):
-        distorted = distorting_sampling(needs.sampling)
-        if distorted:
-            errors.append(
-                f"{url}: --logprobs-mode {report.logprobs_mode} returns log-probs before {', '.join(distorted)}, so "
-                "the importance-sampling correction would be biased. Fix: "
-                f"{LOGPROBS_FIX}, or set vllm_importance_sampling_correction=False"
-            )
-        else:  # TRL's rule (grpo_trainer.py:1144-1154): with neutral sampling the two modes agree
-            warnings.append(
-                f"{url}: runs with --logprobs-mode {report.logprobs_mode}, which biases the importance-sampling "
-                f"correction once sampling is not neutral. Fix: {LOGPROBS_FIX}"
-            )
-    truncation = [name for name in distorting_sampling(needs.sampling) if name.split("=")[0] in _TRUNCATION]
-    if needs.importance_sampling and truncation and not needs.on_sampler_support:
-        warnings.append(
-            f"{url}: with {', '.join(truncation)} vLLM's log-probs are renormalised over the tokens it keeps, and the "
-            "trainer scores the whole vocabulary: every importance ratio carries the kept mass (an unchanged policy's "
-            "is below 1). Fix: logprobs_on_sampler_support=True"
-        )
+    _sampling_problems(report, needs, errors, warnings)
     return errors, warnings
 
 

@@ -240,7 +240,6 @@ def _scored_output(
     scored its own tokens: the fields are summed over the group, so every rank holds all of them."""
     from trl.trainer.utils import FusedCausalLMOutput
 
-    batch_size, seq_len = shift_labels.shape
     settings = config.settings
     softcap, logit_scale = logit_transform_of(model.config)
     lm_head = model.get_output_embeddings()
@@ -274,13 +273,25 @@ def _scored_output(
             if record:  # packing's figures
                 config.stats.tokens_per_micro_batch.append(flat_index.numel())
 
+    empty = weight.new_zeros(0, dtype=torch.float32)
+    fields = _laid_out(config.outputs, collected, indices, shift_labels, anchor, sp, empty)
+    label_mask = shift_labels[:, :-1] != -100
+    denominator = label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    loss = -fields["log_probs"].sum() / denominator
+    return FusedCausalLMOutput(loss=loss, label_mask=label_mask, aux_loss=None, **fields)
+
+
+def _laid_out(outputs, collected: dict, indices: list, shift_labels, anchor, sp, empty: torch.Tensor) -> dict:
+    """The scored tokens' fields (`collected`, at the flat `indices` into [B, T]) laid out as TRL's fused forward
+    returns them ([B, T-1]; None for an output not asked for), summed over the sequence-parallel group."""
+    batch_size, seq_len = shift_labels.shape
     flat_index = torch.cat(indices) if indices else shift_labels.new_zeros(0)
     fields = {}
-    for name in names:
-        if name != "log_probs" and name not in config.outputs:
+    for name, values in collected.items():
+        if name != "log_probs" and name not in outputs:
             fields[name] = None
             continue
-        values = torch.cat(collected[name]) if collected[name] else weight.new_zeros(0, dtype=torch.float32)
+        values = torch.cat(values) if values else empty
         if name == "is_top1":
             full = torch.zeros(batch_size * seq_len, dtype=torch.float32, device=shift_labels.device)
             full[flat_index] = values.float()
@@ -295,10 +306,24 @@ def _scored_output(
                 fields[name] = summed_over_group(fields[name], sp)
     if anchor is not None and sp is None:
         fields["log_probs"] = fields["log_probs"] + anchor
-    label_mask = shift_labels[:, :-1] != -100
-    denominator = label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-    loss = -fields["log_probs"].sum() / denominator
-    return FusedCausalLMOutput(loss=loss, label_mask=label_mask, aux_loss=None, **fields)
+    return fields
+
+
+def _is_padded_call(labels, shift_labels, kwargs: dict) -> bool:
+    """A scoring call packing can take: padded [batch, seq] ids and mask with labels, nothing else that would
+    need a position (no images, embeddings, position_ids or cache)."""
+    input_ids, attention_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+    given = {name for name, value in kwargs.items() if value is not None}  # PEFT passes inputs_embeds=None ...
+    return (
+        labels is not None
+        and shift_labels is None
+        and isinstance(input_ids, torch.Tensor)
+        and input_ids.dim() == 2
+        and isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dim() == 2
+        and given - {"input_ids", "attention_mask"} <= _PACKABLE_KWARGS
+        and kwargs.get("use_cache") in (None, False)
+    )
 
 
 def install_packed_scoring(
@@ -330,19 +355,7 @@ def install_packed_scoring(
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
         input_ids = kwargs.get("input_ids")
         attention_mask = kwargs.get("attention_mask")
-        given = {name for name, value in kwargs.items() if value is not None}  # PEFT passes inputs_embeds=None ...
-        padded_call = (
-            fused_lm_head
-            and not args
-            and labels is not None
-            and shift_labels is None
-            and isinstance(input_ids, torch.Tensor)
-            and input_ids.dim() == 2
-            and isinstance(attention_mask, torch.Tensor)
-            and attention_mask.dim() == 2
-            and given - {"input_ids", "attention_mask"} <= _PACKABLE_KWARGS
-            and kwargs.get("use_cache") in (None, False)
-        )
+        padded_call = fused_lm_head and not args and _is_padded_call(labels, shift_labels, kwargs)
         width = input_ids.size(1) if padded_call else 0
         if sharded and fused_lm_head:  # (a plain forward, e.g. generation, runs unsharded: see the trainers)
             if not padded_call:

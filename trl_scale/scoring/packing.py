@@ -145,51 +145,57 @@ def pack_padded_batch(
     if row_capacity == "longest":
         row_capacity = max(lengths, default=1)
     plan = plan_micro_batches(lengths, token_budget, num_micro_batches)
-    device = input_ids.device
-    flat_positions = torch.arange(batch_size * seq_len, device=device).view(batch_size, seq_len)
-    real_ids = input_ids.reshape(-1)
-    micro_batches = []
-    for sequences in plan:
-        rows = plan_rows(lengths, sequences, row_capacity)
-        width = max((sum(lengths[i] for i in row) for row in rows), default=0)
-        num_rows = max(1, len(rows))
-        # Filler: token 0 (any valid id), positions restarting at 0 as a sequence of its own, outputs dropped.
-        ids = input_ids.new_zeros(num_rows, width)
-        positions = torch.zeros(num_rows, width, dtype=torch.long, device=device)
-        seq_idx = torch.zeros(num_rows, width, dtype=torch.int32, device=device)
-        flat_index, token_index, segment_lengths = [], [], []
-        for r, row in enumerate(rows):
-            offset = 0
-            for s, i in enumerate(row):
-                n = lengths[i]
-                flat_index.append(flat_positions[i][mask[i]])
-                token_index.append(torch.arange(r * width + offset, r * width + offset + n, device=device))
-                positions[r, offset : offset + n] = torch.arange(n, device=device)
-                seq_idx[r, offset : offset + n] = s
-                segment_lengths.append(n)
-                offset += n
-            if offset < width:
-                positions[r, offset:] = torch.arange(width - offset, device=device)
-                seq_idx[r, offset:] = len(row)
-                segment_lengths.append(width - offset)
-        flat = torch.cat(flat_index) if flat_index else flat_positions.new_zeros(0)
-        tokens = torch.cat(token_index) if token_index else flat_positions.new_zeros(0)
-        ids.view(-1)[tokens] = real_ids[flat]
-        cu = torch.zeros(len(segment_lengths) + 1, dtype=torch.int32, device=device)
-        if segment_lengths:
-            cu[1:] = torch.tensor(segment_lengths, device=device).cumsum(0)
-        micro_batches.append(
-            PackedMicroBatch(
-                input_ids=ids if rows else ids[:, :0],
-                position_ids=positions if rows else positions[:, :0],
-                seq_idx=seq_idx if rows else seq_idx[:, :0],
-                cu_seq_lens=cu,
-                max_length=max(segment_lengths, default=0),
-                flat_index=flat,
-                token_index=tokens,
-            )
-        )
+    flat_positions = torch.arange(batch_size * seq_len, device=input_ids.device).view(batch_size, seq_len)
+    micro_batches = [
+        _packed_micro_batch(input_ids, mask, flat_positions, lengths, plan_rows(lengths, sequences, row_capacity))
+        for sequences in plan
+    ]
     return PackedBatch(micro_batches, batch_size, seq_len, int(sum(lengths)))
+
+
+def _packed_micro_batch(
+    input_ids: torch.Tensor, mask: torch.Tensor, flat_positions: torch.Tensor, lengths: list[int], rows: list
+) -> PackedMicroBatch:
+    """One micro-batch: its sequences laid in `rows` (each a list of sequence indices), every row as wide as the
+    widest, the rest filler."""
+    device = input_ids.device
+    real_ids = input_ids.reshape(-1)
+    width = max((sum(lengths[i] for i in row) for row in rows), default=0)
+    num_rows = max(1, len(rows))
+    # Filler: token 0 (any valid id), positions restarting at 0 as a sequence of its own, outputs dropped.
+    ids = input_ids.new_zeros(num_rows, width)
+    positions = torch.zeros(num_rows, width, dtype=torch.long, device=device)
+    seq_idx = torch.zeros(num_rows, width, dtype=torch.int32, device=device)
+    flat_index, token_index, segment_lengths = [], [], []
+    for r, row in enumerate(rows):
+        offset = 0
+        for s, i in enumerate(row):
+            n = lengths[i]
+            flat_index.append(flat_positions[i][mask[i]])
+            token_index.append(torch.arange(r * width + offset, r * width + offset + n, device=device))
+            positions[r, offset : offset + n] = torch.arange(n, device=device)
+            seq_idx[r, offset : offset + n] = s
+            segment_lengths.append(n)
+            offset += n
+        if offset < width:
+            positions[r, offset:] = torch.arange(width - offset, device=device)
+            seq_idx[r, offset:] = len(row)
+            segment_lengths.append(width - offset)
+    flat = torch.cat(flat_index) if flat_index else flat_positions.new_zeros(0)
+    tokens = torch.cat(token_index) if token_index else flat_positions.new_zeros(0)
+    ids.view(-1)[tokens] = real_ids[flat]
+    cu = torch.zeros(len(segment_lengths) + 1, dtype=torch.int32, device=device)
+    if segment_lengths:
+        cu[1:] = torch.tensor(segment_lengths, device=device).cumsum(0)
+    return PackedMicroBatch(
+        input_ids=ids if rows else ids[:, :0],
+        position_ids=positions if rows else positions[:, :0],
+        seq_idx=seq_idx if rows else seq_idx[:, :0],
+        cu_seq_lens=cu,
+        max_length=max(segment_lengths, default=0),
+        flat_index=flat,
+        token_index=tokens,
+    )
 
 
 def packed_forward_kwargs(micro_batch: PackedMicroBatch, varlen_kwargs: bool = False) -> dict:

@@ -166,6 +166,18 @@ def _progress_bar_only(trainer) -> None:
             callback.on_log = lambda *args, **kwargs: None
 
 
+def _warmed_up_model(output_dir: str, family: str, seed: int, warm_up_steps: int):
+    """The tiny model built, saved and loaded back with `from_pretrained` (the real loading code), then warmed up."""
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.makedirs(output_dir, exist_ok=True)
+    base_dir = build_tiny_model(os.path.join(output_dir, "base-model"), family=family, seed=seed)
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    torch.manual_seed(seed)
+    warm_up(model, tokenizer, steps=warm_up_steps)
+    return model, tokenizer
+
+
 def run_demo(
     output_dir: str = "trl-scale-demo",
     max_steps: int = 800,
@@ -184,14 +196,7 @@ def run_demo(
 
     from ..trainers import GRPOConfig, GRPOTrainer
 
-    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    os.makedirs(output_dir, exist_ok=True)
-    base_dir = build_tiny_model(os.path.join(output_dir, "base-model"), family=family, seed=seed)
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    model = AutoModelForCausalLM.from_pretrained(base_dir)
-    torch.manual_seed(seed)
-    warm_up(model, tokenizer, steps=warm_up_steps)
-
+    model, tokenizer = _warmed_up_model(output_dir, family, seed, warm_up_steps)
     reward_before = evaluate_counting(model, tokenizer)
     greedy_before = evaluate_counting(model, tokenizer, greedy=True)
 
@@ -200,13 +205,8 @@ def run_demo(
         disable_tqdm=not show_progress,
         **config_overrides,
     )
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=counting_reward,
-        args=args,
-        train_dataset=counting_prompts(max_steps * per_device_train_batch_size // num_generations + 64, seed=seed),
-        processing_class=tokenizer,
-    )
+    prompts = counting_prompts(max_steps * per_device_train_batch_size // num_generations + 64, seed=seed)
+    trainer = GRPOTrainer(model, counting_reward, args, prompts, processing_class=tokenizer)
     _progress_bar_only(trainer)
     start = time.perf_counter()
     trainer.train()

@@ -176,14 +176,9 @@ class PPOTrainer(GRPOTrainer):
         rewards_per_func = self._rewards_per_func.take()
         args = self.args
         device = self.accelerator.device
-        prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"]
-        completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        prompt_ids, completion_ids = batch["prompt_ids"], batch["completion_ids"]
+        input_ids, attention_mask, mask = _rollout_rows(batch)
         logits_to_keep = completion_ids.size(1)
-        mask = completion_mask.float()
-        if "tool_mask" in batch:
-            mask = mask * batch["tool_mask"]
         images = _multimodal_inputs(batch)
 
         with torch.no_grad():
@@ -213,7 +208,7 @@ class PPOTrainer(GRPOTrainer):
             scores = (rewards_per_func * weights).nansum(dim=1)[process_slice]
             if args.missing_eos_penalty is not None:
                 # EOS counts where it ends the completion (its last real token), not inside a tool turn or as padding
-                ends_with_eos = ppo_core.ends_with(completion_ids, completion_mask, self.eos_token_ids)
+                ends_with_eos = ppo_core.ends_with(completion_ids, batch["completion_mask"], self.eos_token_ids)
                 scores = scores - args.missing_eos_penalty * (~ends_with_eos).float()
 
             kl = ppo_core.kl_penalty(old_logps, ref_logps, args.kl_estimator) * mask
@@ -228,26 +223,24 @@ class PPOTrainer(GRPOTrainer):
         batch["advantages"] = advantages
         batch["values"] = values
         batch["returns"] = returns
-        mode = "train" if self.model.training else "eval"
+        self._log_objective(scores, kl, non_score, old_logps, mask)
+        return batch
+
+    def _log_objective(self, scores, kl, non_score, old_logps, mask) -> None:
         gather = self.accelerator.gather
-        metrics = self._metrics[mode]
+        metrics = self._metrics["train" if self.model.training else "eval"]
         metrics["objective/kl"].append(gather(kl.sum(1)).mean().item())
         metrics["objective/entropy"].append(gather((-old_logps * mask).sum(1)).mean().item())
         metrics["objective/non_score_reward"].append(gather(non_score.sum(1)).mean().item())
         metrics["objective/rlhf_reward"].append(gather(scores + non_score.sum(1)).mean().item())
         metrics["objective/scores"].append(gather(scores).mean().item())
-        return batch
 
     # ---- update: clipped policy loss + critic step ---------------------------------------------------------
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
-        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        input_ids, attention_mask, mask = _rollout_rows(inputs)
         logits_to_keep = inputs["completion_ids"].size(1)
-        mask = inputs["completion_mask"].float()
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
         images = _multimodal_inputs(inputs)
         token_weight = self._token_weight(inputs, mask, mode)
         # The critic's update starts first: on a Ray group it runs while the policy's forward/backward runs here.
@@ -377,6 +370,17 @@ class PPOTrainer(GRPOTrainer):
         from safetensors.torch import load_file
 
         self.critic.load_training_state(checkpoint, load_file(weights))
+
+
+def _rollout_rows(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch's whole rows (prompt and completion ids, their attention mask) and the completion tokens that are
+    the policy's (a float mask; tool output excluded)."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    mask = batch["completion_mask"].float()
+    if "tool_mask" in batch:
+        mask = mask * batch["tool_mask"]
+    return input_ids, attention_mask, mask
 
 
 def _multimodal_inputs(batch: dict) -> dict:
