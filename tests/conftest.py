@@ -1,4 +1,6 @@
+import json
 import os
+import pathlib
 
 # Nothing downloads, nothing phones home; set before transformers/trl are imported.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -11,8 +13,19 @@ import torch  # noqa: E402
 from trl_scale.toy import build_tiny_model, build_tiny_vlm  # noqa: E402
 from trl_scale.toy.models import VLLM_CPU_SHAPE  # noqa: E402
 
+# Measured seconds per test file (scripts/module_seconds.py writes it from a run): the slowest files are handed to
+# pytest-xdist first (with --no-loadscope-reorder, which keeps this order), so the two workers end together; a file
+# not measured yet counts as UNMEASURED_SECONDS.
+MODULE_SECONDS = json.loads((pathlib.Path(__file__).parent / "module_seconds.json").read_text())
+UNMEASURED_SECONDS = 60.0
+
+
+def _module_seconds(item) -> float:
+    return MODULE_SECONDS.get(item.nodeid.split("::")[0], UNMEASURED_SECONDS)
+
 
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: -_module_seconds(item))  # stable: a file's tests keep their order, together
     has_cuda = torch.cuda.is_available()
     try:
         import vllm  # noqa: F401
