@@ -334,7 +334,7 @@ def test_a_receiver_failing_while_alive_leaves_the_group_closed_and_the_next_syn
                 raise RolloutError(f"{target.url}/update_weights answered 500: receive failed")
             return post(target, path, *args, **kwargs)
 
-        monkeypatch.setattr(client, "post", update_weights_fails_once)
+        monkeypatch.setattr(client.transport, "post", update_weights_fails_once)
         with pytest.raises(RolloutError, match="weight broadcast abandoned: /update_weights failed"):
             push(sync, _perturbed(state, 2))
         assert failed and sync.group is None and requests.get(f"{server.url}/health", timeout=5).ok
