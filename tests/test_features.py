@@ -50,6 +50,8 @@ def test_the_chain_runs_outermost_first_skips_features_without_the_hook_and_ends
     assert chain.below(inner, "rewards", None, lambda value: value + ["trl"])([]) == ["trl"]
     chain.event("setup", None)
     assert seen == ["inner in", "inner out", "outer setup", "inner setup"]
+    no_rewards = chain.features[1]  # a feature without the hook: what runs under it is what runs after it
+    assert chain.below(no_rewards, "rewards", None, lambda value: value + ["trl"])([]) == ["inner", "trl"]
     with pytest.raises(ValueError, match="listed twice"):
         FeatureChain([outer, Recording("outer", seen)])
 

@@ -84,9 +84,6 @@ class FeatureChain:
         if len(set(names)) != len(names):
             raise ValueError(f"a feature is listed twice: {names}")
 
-    def __iter__(self):
-        return iter(self.features)
-
     def names(self, hook: str | None = None) -> list[str]:
         """The features' names, in order; with `hook`, those that take it."""
         return [feature.name for feature in self.features if hook is None or _takes(feature, hook)]
@@ -101,11 +98,8 @@ class FeatureChain:
     def below(self, feature: Feature | None, hook: str, trainer, innermost: Callable) -> Callable:
         """The chain of `hook` under `feature` (all of it for None): what a feature calls to run the hook without
         itself and the features outside it (dynamic sampling's rounds compute rewards as TRL's step would)."""
-        takers = [f for f in self.features if _takes(f, hook)]
-        if feature is not None:
-            takers = (
-                takers[takers.index(feature) + 1 :] if feature in takers else takers[self._after(feature, takers) :]
-            )
+        position = -1 if feature is None else self.features.index(feature)
+        takers = [f for index, f in enumerate(self.features) if index > position and _takes(f, hook)]
         call = innermost
         for taker in reversed(takers):
             call = _bound(getattr(taker, hook), trainer, call)
