@@ -48,6 +48,9 @@ class ReadAhead(Protocol):
 
     def reopen(self) -> None: ...
 
+    def shutdown(self) -> None:
+        """This process generates no more: the engine's threads stop."""
+
 
 def _ordered(generation, staleness: int, tokenize, groups_per_batch: int | None, converse) -> ReadAhead:
     """Up to `staleness` generation batches prefetched, each generated whole at the weights of its request."""
@@ -58,7 +61,8 @@ def _ordered(generation, staleness: int, tokenize, groups_per_batch: int | None,
     # Its own threads: a prefetch waits on the client's request pool, which must never wait on itself.
     pool = ThreadPoolExecutor(max_workers=max(1, staleness), thread_name_prefix="prefetch")
     request = functools.partial(_submit_spanned, pool, generation)
-    return RolloutPrefetcher(staleness, tokenize, request, shutdown=lambda: pool.shutdown(False, cancel_futures=True))
+    stop_threads = functools.partial(pool.shutdown, wait=False, cancel_futures=True)
+    return RolloutPrefetcher(staleness, tokenize, request, stop_threads=stop_threads)
 
 
 def _submit_spanned(pool, generation, prompt_ids):
@@ -122,9 +126,8 @@ class GenerationAhead:
         leaves this one loaded): every token comes from that adapter's version."""
         sampling = self.settings.sampling
         name, adapter_version = self._lora_served  # one read: the adapter named and its version agree
-        continue_cut = (
-            self.settings.asynchronous.interrupt == "partial"
-        )  # a sync cuts running answers: each continued after it
+        # a sync cuts running answers: each continued after it
+        continue_cut = self.settings.asynchronous.interrupt == "partial"
         choices = self._retried_after_fleet(
             lambda: self.client.complete(
                 prompt_ids, n, name, on_dispatch=dispatched, continue_cut=continue_cut, **sampling
@@ -213,7 +216,7 @@ class GenerationAhead:
         self.shared_with = group
         if rank == 0 or self.read_ahead is None:
             return
-        self.read_ahead.close()
+        self.read_ahead.shutdown()
         self.read_ahead = None
 
     def _streamed_choices(self, prompts) -> tuple[list[dict], list[tuple[int, int]]]:

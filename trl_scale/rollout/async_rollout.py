@@ -46,10 +46,10 @@ class RolloutPrefetcher:
         staleness: int,
         tokenize: Callable[[list], list[list[int]]],
         request: Callable,
-        shutdown: Callable[[], None] | None = None,
+        stop_threads: Callable[[], None] | None = None,
     ):
         self.staleness = staleness
-        self.shutdown = shutdown  # stops the threads `request` submits to (`close`)
+        self.stop_threads = stop_threads  # stops the threads `request` submits to (`shutdown`)
         self.batches_ahead = staleness  # generation batches read ahead of the one being trained
         self.tokenize = tokenize  # raw rows' prompts -> prompt token ids, as the trainer tokenizes them
         self.request = request  # prompt ids -> a Future of the generation's result
@@ -112,7 +112,11 @@ class RolloutPrefetcher:
 
     def close(self) -> None:
         """The run ended: a second `train()` prefetches on (the requests in flight are kept); only a process that
-        stops generating (`shutdown`, by `ServerRolloutGeneration.close`) ends the threads."""
+        stops generating (`shutdown`) ends the threads."""
+
+    def shutdown(self) -> None:
+        if self.stop_threads is not None:
+            self.stop_threads()
 
     def settle(self) -> None:
         """Wait until every request sent has finished (failed ones too: `take` regenerates those)."""

@@ -189,9 +189,8 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
     def close(self) -> None:
         """No more generation: the stream, the prefetch and the client's request threads stop (idle pool threads
         would otherwise keep a process that ends with `os._exit`, as the CLI's multi-process runs do, waiting)."""
-        self.close_read_ahead()
-        if self.prefetcher is not None and self.prefetcher.shutdown is not None:
-            self.prefetcher.shutdown()
+        if self.read_ahead is not None:
+            self.read_ahead.shutdown()
         self.client.close()
 
     def release_weight_dir(self) -> None:

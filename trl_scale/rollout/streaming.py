@@ -291,6 +291,9 @@ class StreamingRollout:
             self.pending.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def shutdown(self) -> None:
+        self.close()  # its threads stop with the stream
+
     def reopen(self) -> None:
         """Another run (a second `train()`, which reads its data anew): what the closed one read and did not train
         is forgotten, as TRL's own run forgets its last rollout; reading starts again. A no-op on an open stream."""
