@@ -74,15 +74,22 @@ def _ppo(model_path, out, reward_funcs, backend, **overrides):
     )
 
 
+@pytest.fixture(scope="module")
+def local_ppo(tiny_llama, tiny_reward_model, tmp_path_factory):
+    """The local backend's run, trained once for the module: the reference every Ray variant below must equal."""
+    # A list each: TRL replaces reward-model paths with loaded models inside the list it is given.
+    local = _ppo(tiny_llama, tmp_path_factory.mktemp("local"), [tiny_reward_model, token_parity_reward], "local")
+    local.train()
+    return local
+
+
 @pytest.mark.slow  # > 20 s on 2 cores; still in CI (CI deselects only gpu and vllm)
 @pytest.mark.parametrize("num_workers", [1, 2])
 def test_local_and_ray_backends_give_the_same_rewards_values_and_losses(
-    tiny_llama, tiny_reward_model, tmp_path, num_workers
+    local_ppo, tiny_llama, tiny_reward_model, tmp_path, num_workers
 ):
     """With 2 workers per role, rows are split and the critic's workers average gradients over gloo."""
-    # A list each: TRL replaces reward-model paths with loaded models inside the list it is given.
-    local = _ppo(tiny_llama, tmp_path / "local", [tiny_reward_model, token_parity_reward], "local")
-    local.train()
+    local = local_ppo
     placement = {"num_workers": num_workers, "num_cpus_per_worker": 0.5}
     remote = _ppo(
         tiny_llama,
@@ -126,7 +133,7 @@ def test_local_and_ray_backends_give_the_same_rewards_values_and_losses(
         assert (value - local_critic[key]).abs().max().item() <= 1e-5, key
 
 
-@pytest.mark.slow  # > 20 s on 2 cores; still in CI (CI deselects only gpu and vllm)
+@pytest.mark.learning  # 200 steps, over 60 s: outside CI. In CI, the Ray critic's steps equal the local critic's
 def test_ppo_learns_with_its_critic_on_ray(tmp_path):
     sft = sft_counting_model(tmp_path)
     trainer = _ppo(

@@ -384,6 +384,14 @@ def test_lora_sync_follows_vllms_rules_across_resyncs_and_resume(tiny_llama, tmp
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def lora_rank_8_server(tiny_llama):
+    """One server for the refusal cases below (each refused before it touches the server): one start, not four."""
+    (server,) = start_servers(tiny_llama, 1, ("--max-lora-rank", "8"))
+    yield server
+    server.stop()
+
+
 @pytest.mark.parametrize(
     "lora_fields, match",
     [
@@ -394,17 +402,16 @@ def test_lora_sync_follows_vllms_rules_across_resyncs_and_resume(tiny_llama, tmp
     ],
     ids=["modules_to_save", "dora", "bias", "rank"],
 )
-def test_an_adapter_vllm_would_refuse_is_refused_at_construction(tiny_llama, tmp_path, lora_fields, match):
+def test_an_adapter_vllm_would_refuse_is_refused_at_construction(
+    lora_rank_8_server, tiny_llama, tmp_path, lora_fields, match
+):
     from peft import LoraConfig
 
-    (server,) = start_servers(tiny_llama, 1, ("--max-lora-rank", "8"))
-    try:
-        lora = LoraConfig(**{"r": 4, "target_modules": ["q_proj"], **lora_fields})
-        with pytest.raises(ValueError, match=match):
-            server_grpo(tiny_llama, tmp_path, [server.url], weight_sync="lora", peft_config=lora)
-        # and the server itself refuses it as vLLM does (a 500 carrying vLLM's message)
-    finally:
-        server.stop()
+    lora = LoraConfig(**{"r": 4, "target_modules": ["q_proj"], **lora_fields})
+    with pytest.raises(ValueError, match=match):
+        server_grpo(tiny_llama, tmp_path, [lora_rank_8_server.url], weight_sync="lora", peft_config=lora)
+    # nothing reached the server: no adapter loaded, its weights untouched
+    assert requests.get(f"{lora_rank_8_server.url}/v1/models", timeout=10).json()["data"][1:] == []
 
 
 def test_serve_answers_like_vllm_to_out_of_order_and_malformed_weight_calls(tiny_llama):
@@ -429,22 +436,29 @@ def test_serve_answers_like_vllm_to_out_of_order_and_malformed_weight_calls(tiny
         server.stop()
 
 
-def test_a_paused_server_holds_new_requests_until_resumed(tiny_llama):
+@pytest.fixture(scope="module")
+def shared_server(tiny_llama):
+    """One server for the tests below that take it as they find it (any weights) and leave it resumed."""
     (server,) = start_servers(tiny_llama, 1)
+    yield server
+    server.stop()
+
+
+def test_a_paused_server_holds_new_requests_until_resumed(shared_server):
+    server = shared_server
+    client = RolloutClient([server.url], request_timeout=30)
+    requests.post(f"{server.url}/pause?mode=keep", timeout=10)
     try:
-        client = RolloutClient([server.url], request_timeout=30)
-        requests.post(f"{server.url}/pause?mode=keep", timeout=10)
         pending = client.submit(client.generate, [[432]], 1, None, max_tokens=2)
         time.sleep(1.0)
         assert not pending.done()  # held, not refused or dropped (vLLM's mode=keep)
-        requests.post(f"{server.url}/resume", timeout=10)
-        assert pending.result(timeout=30)[0][0]["token_ids"]
     finally:
-        server.stop()
+        requests.post(f"{server.url}/resume", timeout=10)
+    assert pending.result(timeout=30)[0][0]["token_ids"]
 
 
 def test_a_server_left_paused_by_a_killed_trainer_is_resumed_when_the_next_trainer_starts(
-    tiny_llama, tmp_path, capsys
+    shared_server, tiny_llama, tmp_path, capsys
 ):
     """A trainer killed during a weight sync (between its /pause and /resume: the chaos run's kill did this) leaves
     the server paused, and every request to it waits. The next trainer against it resumes it before its first
@@ -452,9 +466,9 @@ def test_a_server_left_paused_by_a_killed_trainer_is_resumed_when_the_next_train
     request timeout on the paused server. `trl-scale check-servers` names it, with the fix."""
     from trl_scale.cli import main
 
-    (server,) = start_servers(tiny_llama, 1)
+    server = shared_server
+    requests.post(f"{server.url}/pause?mode=keep", timeout=10).raise_for_status()
     try:
-        requests.post(f"{server.url}/pause?mode=keep", timeout=10).raise_for_status()
         began = time.monotonic()
         assert main(["check-servers", server.url]) == 1  # named, with the fix, at once
         named = r"paused \(a trainer that ended during a weight sync.*Fix: POST .*/resume"
@@ -463,10 +477,10 @@ def test_a_server_left_paused_by_a_killed_trainer_is_resumed_when_the_next_train
         trainer = server_grpo(tiny_llama, tmp_path, [server.url], max_steps=1, rollout_request_timeout=20)
         assert time.monotonic() - began < 15  # not a request timed out on the paused server
         assert requests.get(f"{server.url}/is_paused", timeout=10).json() == {"is_paused": False}
-        trainer.train()
-        assert trainer.state.global_step == 1
     finally:
-        server.stop()
+        requests.post(f"{server.url}/resume", timeout=10)  # left resumed for the module's other tests
+    trainer.train()
+    assert trainer.state.global_step == 1
 
 
 def test_pause_wait_returns_once_started_generations_have_finished(tiny_llama):
@@ -507,17 +521,13 @@ def test_the_client_waits_for_servers_still_loading_and_names_those_that_never_c
     assert time.monotonic() - start < 8
 
 
-def test_a_prompts_completions_go_as_one_request_with_n(tiny_llama, tmp_path, monkeypatch):
-    (server,) = start_servers(tiny_llama, 1)
-    try:
-        trainer = server_grpo(tiny_llama, tmp_path, [server.url], max_steps=1)
-        recorder = Recorder(monkeypatch)  # generation only (construction's preflight sends a probe)
-        trainer.train()
-        completions = [body for _, url, body, _, _ in recorder.calls if url.endswith("/v1/completions")]
-        assert len(completions) == 8 // 4 and all(body["n"] == 4 for body in completions)
-        assert all(body["return_tokens_as_token_ids"] is True for body in completions)  # as TRL sends it
-    finally:
-        server.stop()
+def test_a_prompts_completions_go_as_one_request_with_n(shared_server, tiny_llama, tmp_path, monkeypatch):
+    trainer = server_grpo(tiny_llama, tmp_path, [shared_server.url], max_steps=1)
+    recorder = Recorder(monkeypatch)  # generation only (construction's preflight sends a probe)
+    trainer.train()
+    completions = [body for _, url, body, _, _ in recorder.calls if url.endswith("/v1/completions")]
+    assert len(completions) == 8 // 4 and all(body["n"] == 4 for body in completions)
+    assert all(body["return_tokens_as_token_ids"] is True for body in completions)  # as TRL sends it
 
 
 @pytest.mark.gpu
