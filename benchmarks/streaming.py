@@ -23,7 +23,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import zlib
 
@@ -156,29 +155,10 @@ def main() -> None:
     parser.add_argument("--regimes", default="long-tail,even")
     parser.add_argument("--modes", default=None, help="comma-separated subset of the regime's modes (sync always)")
     args = parser.parse_args()
-    import torch
-    import transformers
+    from pinned_vllm import pinned_vllm_servers
 
-    from tests.real_vllm import VLLM_PYTHON, start_vllm_servers, vllm_cpu_available
-    from trl_scale.toy import build_tiny_model
-    from trl_scale.toy.models import VLLM_CPU_SHAPE
-
-    if not vllm_cpu_available():
-        raise SystemExit(f"real vLLM is not installed at {VLLM_PYTHON}: bash scripts/setup_vllm.sh")
-    transformers.logging.set_verbosity_error()
-    cores = sorted(os.sched_getaffinity(0))
-    trainer_cores, server_cores = set(cores[: len(cores) // 2]), set(cores[len(cores) // 2 :])
     steps, warmup, repeats = (8, 2, 1) if args.quick else (14, 3, 2)
-    work = tempfile.mkdtemp(prefix="streaming-bench-")
-    model_path = build_tiny_model(os.path.join(work, "model"), **VLLM_CPU_SHAPE)
-    flags = ("--logprobs-mode", "processed_logprobs", "--weight-transfer-config", '{"backend":"trl_scale_gloo"}')
-    servers = start_vllm_servers([(model_path, flags, {"max_model_len": 256}) for _ in range(2)])
-    try:
-        for server in servers:  # every process of each server on the servers' core(s)
-            for pid in server.group_pids():
-                os.sched_setaffinity(pid, server_cores)
-        os.sched_setaffinity(0, trainer_cores)
-        torch.set_num_threads(len(trainer_cores))
+    with pinned_vllm_servers("streaming-bench-") as (model_path, urls, work):
         wanted = None if args.modes is None else {"sync", *args.modes.split(",")}
         results = {
             regime: {mode: [] for mode in REGIME_MODES[regime] if wanted is None or mode in wanted}
@@ -189,11 +169,8 @@ def main() -> None:
                 order = list(by_mode) if repeat % 2 == 0 else list(reversed(by_mode))
                 for mode in order:
                     out = os.path.join(work, f"{regime}-{mode}-{repeat}")
-                    by_mode[mode].append(run(model_path, [s.url for s in servers], mode, regime, steps, warmup, out))
+                    by_mode[mode].append(run(model_path, urls, mode, regime, steps, warmup, out))
                     print(regime, mode, repeat, by_mode[mode][-1], flush=True)
-    finally:
-        for server in servers:
-            server.stop()
     summary = {}
     for regime, by_mode in results.items():
         step = {mode: statistics.mean(r["step_s"] for r in runs) for mode, runs in by_mode.items()}

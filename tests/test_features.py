@@ -104,6 +104,7 @@ def test_the_features_of_each_trainer_in_their_order():
         "packed_scoring",
         "dynamic_sampling",
         "phase_timing",
+        "stream_rewards",
         "remote_reference",
     ]
     assert [kind.name for kind in trl_scale.GRPOTrainer.FEATURES] == online

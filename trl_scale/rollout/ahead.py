@@ -52,7 +52,7 @@ class ReadAhead(Protocol):
         """This process generates no more: the engine's threads stop."""
 
 
-def _ordered(generation, staleness: int, tokenize, groups_per_batch: int | None, converse) -> ReadAhead:
+def _ordered(generation, staleness: int, tokenize, groups_per_batch: int | None, converse, score) -> ReadAhead:
     """Up to `staleness` generation batches prefetched, each generated whole at the weights of its request."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -69,7 +69,9 @@ def _submit_spanned(pool, generation, prompt_ids):
     return pool.submit(generation.request_spanned, [list(p) for p in prompt_ids])
 
 
-def _streaming(generation, staleness: int, tokenize, groups_per_batch: int | None, converse) -> ReadAhead:
+def _streaming(
+    generation, staleness: int, tokenize, groups_per_batch: int | None, converse, score, open_episode=None
+) -> ReadAhead:
     """Prompt groups streamed through the servers, each trained once finished, within `staleness` syncs."""
     from .streaming import StreamingRollout
 
@@ -82,6 +84,9 @@ def _streaming(generation, staleness: int, tokenize, groups_per_batch: int | Non
         groups_per_batch or 1,
         version=lambda: generation.sync_count,
         converse=None if converse is None else functools.partial(generation.continue_conversations, converse),
+        score=score,
+        open_episode=open_episode,
+        group_size=None if open_episode is None else open_episode.group_size,
     )
 
 
@@ -97,18 +102,29 @@ class GenerationAhead:
     streams = False  # streaming rollout: this rank's batches come from the stream (its own, or its group's)
     converses = False  # streaming generates a group's later turns too (`enable_async(converse=...)`)
     _serving = None  # a streamed batch TRL's next generate() call is answered from
+    _serving_rewards = None  # ... and its groups' rewards (computed in the stream), for the next reward call
     _version_lock = threading.Lock()  # the sync count and the syncing flag change together (`_newest_reachable`)
 
-    def enable_async(self, tokenize, groups_per_batch: int | None = None, converse: Converse | None = None) -> None:
+    def enable_async(
+        self,
+        tokenize,
+        groups_per_batch: int | None = None,
+        converse: Converse | None = None,
+        score=None,
+        open_episode=None,
+    ) -> None:
         """Asynchronous rollout (`settings.asynchronous`): the read-ahead engine of its mode reads the trainer's
         data ahead. `groups_per_batch` (streaming): the prompt groups one generation batch trains on. `converse`
         (streaming, tool-using rollouts): a group's later turns, run in the stream's thread right after its first
-        turn (see `Converse`)."""
+        turn (see `Converse`). `score` (streaming, rewards in the stream): (rows, prompt ids, choices) -> the
+        group's rewards, run in the stream's thread once the group has finished. `open_episode` (streaming,
+        environments): rows -> the group's episode, opened when it is sent (see `streaming.Episode`)."""
         asynchronous = self.settings.asynchronous
         self.streams = asynchronous.streams
         self.converses = self.streams and converse is not None
         build = READ_AHEAD_ENGINES[asynchronous.mode]
-        self.read_ahead = build(self, asynchronous.staleness, tokenize, groups_per_batch, converse)
+        extra = {} if open_episode is None else {"open_episode": open_episode}
+        self.read_ahead = build(self, asynchronous.staleness, tokenize, groups_per_batch, converse, score, **extra)
 
     @property
     def streamer(self):
@@ -137,11 +153,13 @@ class GenerationAhead:
             return choices, adapter_version
         return choices, self._newest_reachable()
 
-    def continue_conversations(self, converse: Converse, rows: list, prompt_ids: list[int], choices: list[dict]):
+    def continue_conversations(
+        self, converse: Converse, rows: list, prompt_ids: list, choices: list[dict], *episode
+    ) -> int:
         """A prompt group's later turns (`converse`), right after its first turn's `choices`: each turn one request
         per conversation, sent as a group's first turn is (routed, failed over, with the weights served then). Each
         choice then carries its whole conversation (`CONVERSATION_KEY`); returns the newest weights of the later
-        turns (-1 with none)."""
+        turns (-1 with none). With an episode (environments), `prompt_ids` has one entry per row."""
         newest = [-1]
 
         def send_turns(prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
@@ -151,7 +169,7 @@ class GenerationAhead:
             return self.turn_outputs([turn[0] for turn, _ in sent])
 
         completion_ids, logprobs = self.turn_outputs(choices)
-        conversations = converse(rows, prompt_ids, completion_ids, logprobs, send_turns)
+        conversations = converse(rows, prompt_ids, completion_ids, logprobs, send_turns, *episode)
         for choice, conversation in zip(choices, conversations, strict=True):
             choice[CONVERSATION_KEY] = conversation
         return max(newest)
@@ -173,12 +191,17 @@ class GenerationAhead:
     @contextmanager
     def serving(self, streamed):
         """Within the block, TRL's `generate` call for this batch is answered from the streamed groups (their
-        prompts must be the ones asked for)."""
-        self._serving = streamed
+        prompts must be the ones asked for), and its reward call from their rewards (`streamed_rewards`)."""
+        self._serving, self._serving_rewards = streamed, streamed.rewards
         try:
             yield
         finally:
-            self._serving = None
+            self._serving = self._serving_rewards = None
+
+    def streamed_rewards(self) -> list | None:
+        """The served batch's rewards, computed in the stream (one per group, in order), once; None without."""
+        rewards, self._serving_rewards = self._serving_rewards, None
+        return rewards
 
     def read_ahead_metrics(self) -> dict[str, float]:
         """The engine's counts (see `StreamingRollout.metrics`) and, streaming, the cut answers continued."""

@@ -105,6 +105,19 @@ class RolloutArguments:
         is continued after the sync from where it stopped (its prompt and tokens so far sent as the next request's
         prompt, within what is left of `max_completion_length`), on the new weights. Either way a completion holds
         tokens of two versions, each with its sampler log-prob; "partial" re-reads the prefix once per cut.
+    stream_rewards (`bool` or `None`, defaults to `None`), stream_reward_workers (`int`, defaults to `4`): with
+        `async_rollout_mode="streaming"`, compute each prompt group's rewards as soon as it finishes, off the
+        training step (`None`: on with an `environment_factory`, whose instances the rewards read as the episode
+        ends in the stream; off otherwise): synchronous reward functions (and reward models on Ray groups) on
+        `stream_reward_workers` threads (they must be safe to call from several threads at once; 1 calls one at a
+        time), async ones on TRL's event loop. A reward model in the trainer stays in the step. The step's rewards
+        are then TRL's `_calculate_rewards` over the values computed in the stream (weights, NaN rules, per-function
+        logs, gathers). Each function is called once per prompt group (its rows only), and `trainer_state` is the state
+        when the group finished (up to `async_rollout_staleness` syncs before the step that trains it): a
+        function that looks across a whole batch should keep `stream_rewards=False`.
+    environment_timeout (`float`, defaults to `300`): with an `environment_factory` and streaming, seconds an
+        environment's `reset()` or method may take: a tool call past it fails as TRL reports a failing tool, a
+        `reset()` past it stops the run naming the environment and the group; the instance is discarded and closed.
     logprobs_on_sampler_support (`bool`, defaults to `True`): with `top_k`, `top_p` or `min_p` truncating vLLM's
         sampling and `vllm_importance_sampling_correction=True`, score the trainer's log-probs on the support vLLM
         samples from (its rule applied to the trainer's own logits, the sampled token always in it): vLLM's
@@ -212,6 +225,26 @@ class RolloutArguments:
             "help": "Streaming: what a weight sync does to running answers. 'keep': frozen between decoding steps, "
             "they go on with the new weights (/pause?mode=keep). 'partial' (servers without keep): cut "
             "(/pause?mode=abort) and each continued after the sync from where it stopped (partial rollout)."
+        },
+    )
+    stream_rewards: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Streaming: compute each prompt group's rewards as soon as it finishes, off the training step "
+            "(sync reward functions on stream_reward_workers threads, async ones on TRL's event loop); a reward "
+            "model in the trainer stays in the step. Each function is called once per prompt group. None: on with "
+            "an environment_factory, off otherwise."
+        },
+    )
+    stream_reward_workers: int = field(
+        default=4,
+        metadata={"help": "With stream_rewards=True: threads for synchronous reward functions (1: one at a time)."},
+    )
+    environment_timeout: float = field(
+        default=300.0,
+        metadata={
+            "help": "Streaming with an environment_factory: seconds an environment's reset() or method may take "
+            "(a tool past it fails as a failing tool does in TRL; a reset() past it stops the run)."
         },
     )
     logprobs_on_sampler_support: bool = field(
@@ -391,6 +424,7 @@ class RolloutArguments:
             "rollout_request_timeout",
             "rollout_generation_timeout",
             "vllm_server_timeout",
+            "environment_timeout",
         ):
             check_positive(name, getattr(self, name), optional=name == "rollout_generation_timeout")
         check_whole(

@@ -24,6 +24,8 @@ class AsyncRollout:
     staleness: int = 0  # 0: synchronous
     mode: AsyncMode = "ordered"  # the read-ahead engine (with staleness >= 1)
     interrupt: Interrupt = "keep"  # streaming: a sync freezes running answers ("keep") or cuts them ("partial")
+    rewards_in_stream: bool = False  # streaming: a group's rewards are computed as soon as it finishes
+    reward_workers: int = 4  # ... its synchronous reward functions on this many threads
 
     @property
     def streams(self) -> bool:
@@ -45,7 +47,10 @@ class AsyncRollout:
                 f"async_rollout_interrupt={interrupt!r}: use 'keep' (running answers go on with the new weights) or "
                 "'partial' (they are cut at the sync and continued after it)"
             )
-        settings = cls(staleness, mode, interrupt)
+        rewards_in_stream = getattr(args, "stream_rewards", None)  # None: decided by the trainer (environments)
+        reward_workers = getattr(args, "stream_reward_workers", 4)
+        check_whole("stream_reward_workers", reward_workers, minimum=1, fix="use a positive whole number of threads")
+        settings = cls(staleness, mode, interrupt, rewards_in_stream is True, reward_workers)
         settings.check_with(args)
         return settings
 
@@ -63,11 +68,28 @@ class AsyncRollout:
             )
         if self.interrupt == "partial":
             self._check_partial(getattr(args, "weight_sync", "auto"))
+        self._check_stream_rewards()
         if self.staleness and not getattr(args, "vllm_importance_sampling_correction", True):
             raise ValueError(
                 f"async_rollout_staleness={self.staleness} trains completions sampled from older weights; with "
                 "vllm_importance_sampling_correction=False nothing corrects for it. Fix: "
                 "vllm_importance_sampling_correction=True (default), or async_rollout_staleness=0"
+            )
+
+    def _check_stream_rewards(self) -> None:
+        """Rewards are computed in the stream only where groups stream; the workers act only there."""
+        if self.rewards_in_stream and not self.streams:
+            raise ValueError(
+                "stream_rewards=True computes each prompt group's rewards as soon as it finishes streaming; "
+                f"with async_rollout_staleness={self.staleness} and async_rollout_mode={self.mode!r} no group "
+                "streams. Fix: async_rollout_staleness=1 (or more) with async_rollout_mode='streaming' (the "
+                "default), or stream_rewards=False"
+            )
+        if self.reward_workers != 4 and not self.rewards_in_stream:
+            raise ValueError(
+                f"stream_reward_workers={self.reward_workers} sizes the threads that compute rewards in the "
+                "stream, and stream_rewards=False computes them in the step. Fix: stream_rewards=True, or leave "
+                "stream_reward_workers at its default (4)"
             )
 
     def _check_partial(self, weight_sync: str) -> None:

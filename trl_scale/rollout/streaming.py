@@ -38,6 +38,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(eq=False)
@@ -51,6 +52,10 @@ class PromptGroup:
     first_version: int = -1  # the sync count when its request was sent: its first token's weights at the oldest
     newest_version: int = -1  # the newest weights any of its tokens can come from
     choices: list[dict] | None = None
+    rewards: object = None  # what `score` made of its finished answers (rewards in the stream), or None
+    # with `open_episode`: the rows as its episode prepared them (what the trainer trains on) and their prompt ids
+    episode_rows: list | None = None
+    episode_prompt_ids: list[list[int]] | None = None
     error: BaseException | None = None
     future: Future | None = field(default=None, repr=False)
     finished_at: float = 0.0
@@ -69,6 +74,7 @@ class StreamedBatch:
     prompt_ids: list[list[int]]
     choices: list[dict]
     spans: list[tuple[int, int]]
+    rewards: list | None = None  # with `score`: each chosen group's rewards, in the batch's group order
 
 
 # send(prompt_ids, n, dispatched) -> (choices, newest version): blocking; calls dispatched() right before each
@@ -89,6 +95,9 @@ class StreamingRollout:
         groups_per_batch: int,
         version: Callable,
         converse: Callable[[list, list[int], list[dict]], int] | None = None,
+        score: Callable[[list, list[int], list[dict]], object] | None = None,
+        open_episode: Callable[[list], Episode] | None = None,
+        group_size: int | None = None,
     ):
         if staleness < 1:
             raise ValueError(f"streaming needs async_rollout_staleness >= 1, got {staleness}")
@@ -101,6 +110,12 @@ class StreamingRollout:
         # (rows, prompt ids, choices) -> the newest version of a group's later turns, generated right after its first
         # (tool-using rollouts; the choices then carry the conversations); None: one turn
         self.converse = converse
+        # (rows, prompt ids, choices) -> the group's rewards, computed as soon as it finishes (rewards in the stream)
+        self.score = score
+        # rows -> the group's episode (environments): opened when the group is sent, closed once it is scored
+        self.open_episode = open_episode
+        self.group_size = group_size  # rows per group when groups are not cut by prompt (environments)
+        self._scoring = 0  # groups finished generating, their rewards being computed
         self._taken_at = -1  # the version of the last batch taken
         self.pending: deque[PromptGroup] = deque()  # read, not sent (dropped ones go first)
         self.out: list[PromptGroup] = []  # sent, not taken (generating or finished)
@@ -126,9 +141,10 @@ class StreamingRollout:
 
     def add(self, rows: list) -> None:
         """Rows queued after what was read (a generation batch of the trainer's data, or dynamic sampling's top-up)."""
-        prompt_ids = self.tokenize([row["prompt"] for row in rows])
+        prompt_ids = self.tokenize([row.get("prompt") for row in rows])
+        groups = _groups(rows, prompt_ids) if self.group_size is None else _chunks(rows, prompt_ids, self.group_size)
         with self._changed:
-            for group_rows, ids in _groups(rows, prompt_ids):
+            for group_rows, ids in groups:
                 self.pending.append(PromptGroup(self._read, group_rows, ids))
                 self._read += 1
         self.pump()
@@ -154,7 +170,8 @@ class StreamingRollout:
     def _dispatch(self, group: PromptGroup) -> None:
         group.attempts += 1
         attempt = group.attempts  # an abandoned attempt that finishes later must not write into a newer one
-        group.choices, group.error, group.first_version = None, None, self.version()
+        group.choices, group.rewards, group.error, group.first_version = None, None, None, self.version()
+        group.episode_rows = group.episode_prompt_ids = None
 
         def dispatched() -> None:
             if group.attempts == attempt:
@@ -162,23 +179,55 @@ class StreamingRollout:
 
         def run():
             try:
-                choices, newest = self.send(list(group.prompt_ids), len(group.rows), dispatched)
-                sent_with = newest  # (LoRA) the adapter its first turn named
-                if self.converse is not None:  # its later turns, before the group counts as finished
-                    newest = max(newest, self.converse(group.rows, list(group.prompt_ids), choices))
-                error = None
+                wanted = lambda: group.attempts == attempt and not self._closed  # noqa: E731 (read as the run goes)
+                outcome, error = self._attempt(group, dispatched, wanted), None
             except BaseException as failure:  # handed to the trainer when it takes this group
-                choices, newest, sent_with, error = None, -1, -1, failure
+                outcome, error = _Outcome(), failure
             with self._changed:
                 if group.attempts == attempt:
-                    group.choices, group.newest_version, group.error = choices, newest, error
-                    if 0 <= sent_with < group.first_version:  # (LoRA) sent with an adapter older than its dispatch
-                        group.first_version = sent_with
+                    group.choices, group.rewards = outcome.choices, outcome.rewards
+                    group.newest_version = outcome.newest
+                    group.episode_rows, group.episode_prompt_ids = outcome.rows, outcome.prompt_ids
+                    group.error = error
+                    if 0 <= outcome.sent_with < group.first_version:  # (LoRA) an adapter older than its dispatch
+                        group.first_version = outcome.sent_with
                     group.finished_at = time.monotonic()
                 self._changed.notify_all()
 
         group.future = self._pool.submit(run)
         self.out.append(group)
+
+    def _attempt(self, group: PromptGroup, dispatched: Callable[[], None], wanted: Callable[[], bool]) -> _Outcome:
+        """One attempt at a group, in a stream thread: its episode opened (environments), its first turn sent, its
+        later turns (`converse`), its rewards (`score`), the episode closed. An attempt abandoned meanwhile (dropped,
+        or the run ended) stops before its later turns and its rewards: no tool or reward function is called for
+        answers nobody will train on."""
+        episode = self.open_episode(group.rows) if self.open_episode is not None else None
+        try:
+            if episode is None:
+                rows, prompt_ids, more = group.rows, list(group.prompt_ids), ()
+                choices, newest = self.send(prompt_ids, len(rows), dispatched)
+            else:
+                rows, prompt_ids, more = episode.rows, episode.prompt_ids, (episode,)
+                choices, newest = _send_each(self.send, prompt_ids, dispatched)
+            sent_with = newest  # (LoRA) the adapter its first turn named
+            if self.converse is not None and wanted():  # its later turns, before the group finishes
+                newest = max(newest, self.converse(rows, prompt_ids, choices, *more))
+            rewards = None
+            if self.score is not None and wanted():
+                with self._changed:
+                    self._scoring += 1
+                try:
+                    rewards = self.score(rows, prompt_ids, choices, *more)
+                finally:
+                    with self._changed:
+                        self._scoring -= 1
+        finally:
+            if episode is not None:
+                episode.close()
+        if episode is None:
+            return _Outcome(choices, rewards, newest, sent_with)
+        return _Outcome(choices, rewards, newest, sent_with, rows, [list(ids) for ids in prompt_ids])
 
     # ---- taking a batch ----------------------------------------------------------------------------------------
 
@@ -213,10 +262,11 @@ class StreamingRollout:
             self._taken_at = version
         self.pump()
         return StreamedBatch(
-            rows=[row for g in chosen for row in g.rows],
-            prompt_ids=[list(g.prompt_ids) for g in chosen for _ in g.rows],
+            rows=[row for g in chosen for row in (g.episode_rows or g.rows)],
+            prompt_ids=[list(ids) for g in chosen for ids in (g.episode_prompt_ids or [g.prompt_ids] * len(g.rows))],
             choices=[c for g in chosen for c in g.choices],
             spans=[(g.first_version, g.newest_version) for g in chosen for _ in g.rows],
+            rewards=None if self.score is None else [g.rewards for g in chosen],
         )
 
     def _drop_older_than(self, oldest: int) -> None:
@@ -282,7 +332,16 @@ class StreamingRollout:
                 "rollout/stream_groups_finished_waiting": float(len(self.out) - generating),
                 "rollout/stream_groups_dropped_stale": float(self.counts["dropped_stale"]),
                 "rollout/stream_groups_waited_for_deadline": float(self.counts["waited_for_deadline"]),
+                **self._reward_metrics(),
             }
+
+    def _reward_metrics(self) -> dict[str, float]:
+        if self.score is None:
+            return {}
+        # generating until its rewards are in: the groups scoring now are counted among the generating ones
+        metrics = {"rollout/stream_groups_scoring": float(self._scoring)}
+        metrics.update(getattr(self.score, "metrics", dict)())
+        return metrics
 
     def close(self) -> None:
         """The end of the run: nothing more is sent; groups still generating are abandoned (not waited for)."""
@@ -293,6 +352,7 @@ class StreamingRollout:
 
     def shutdown(self) -> None:
         self.close()  # its threads stop with the stream
+        getattr(self.score, "close", lambda: None)()
 
     def reopen(self) -> None:
         """Another run (a second `train()`, which reads its data anew): what the closed one read and did not train
@@ -310,6 +370,46 @@ class StreamingRollout:
         # holds its thread until its server answers): the pool starts threads only as they are needed.
         workers = 8 * (self.staleness + 1) * self.groups_per_batch + 8
         return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stream")
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What one attempt at a group produced (nothing, when it failed)."""
+
+    choices: list[dict] | None = None
+    rewards: object = None
+    newest: int = -1
+    sent_with: int = -1
+    rows: list | None = None  # an episode's rows and prompt ids (environments)
+    prompt_ids: list[list[int]] | None = None
+
+
+class Episode(Protocol):
+    """A group's episode (environments, `open_episode`): its rows as trained (each prompt after its environment's
+    reset) and their prompt ids; closed once the group is scored (its environments go back to their pool)."""
+
+    rows: list
+    prompt_ids: list[list[int]]
+
+    def close(self) -> None: ...
+
+
+def _send_each(send: Send, prompt_ids: list[list[int]], dispatched) -> tuple[list[dict], int]:
+    """An episode's rows, whose prompts may differ (each environment's reset): one request per run of equal prompts,
+    sent at once; the choices in row order, and the newest weights any of them can come from."""
+    runs = [(list(ids), len(rows)) for rows, ids in _groups(prompt_ids, prompt_ids)]
+    if len(runs) == 1:
+        return send(runs[0][0], runs[0][1], dispatched)
+    with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="stream-episode") as pool:
+        sent = list(pool.map(lambda run: send(run[0], run[1], dispatched), runs))
+    return [choice for choices, _ in sent for choice in choices], max(newest for _, newest in sent)
+
+
+def _chunks(batch: list, prompt_ids: list[list[int]], size: int):
+    """(rows, prompt ids) of each `size` consecutive rows: TRL's copies of one prompt, whatever their prompts say
+    (an environment's rows may carry no prompt: its reset makes it)."""
+    for start in range(0, len(batch), size):
+        yield batch[start : start + size], list(prompt_ids[start])
 
 
 def _groups(batch: list, prompt_ids: list[list[int]]):

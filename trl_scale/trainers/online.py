@@ -26,6 +26,7 @@ from .remote_reference import RemoteReference
 from .reward_checks import checked_reward_funcs
 from .server_rollout import ServerRollout, close_servers
 from .step_checks import ContextLength, EmptyRewardsWarning
+from .stream_rewards import StreamRewards
 from .timing import PhaseTiming
 
 # TRL 1.16 reads `model.is_gradient_checkpointing`, which transformers 5.17 deprecates: a FutureWarning on every run
@@ -45,6 +46,7 @@ ONLINE_FEATURES = (
     PackedScoring,  # its sequence-parallel gathers cover dynamic sampling's rounds, which call TRL's reward gathers
     DynamicSampling,  # rounds of generation and rewards under it; TRL's step answered from the chosen rows
     PhaseTiming,  # inside dynamic sampling: times the rounds' real work, not the answers served from them
+    StreamRewards,  # under dynamic sampling: its rounds read the rewards computed in the stream too
     RemoteReference,  # TRL's reference scoring calls answered by the Ray group (timed as scoring)
 )
 

@@ -5,6 +5,7 @@ stream's state in checkpoints."""
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 
 from ..logs import get_logger
@@ -13,6 +14,8 @@ from ..rollout.weight_dir import WeightDirectory
 from .checkpoints import STREAM_STATE_NAME, check_stream_group_size
 from .construction import uses_server_rollout
 from .feature import Feature
+from .stream_environments import EpisodeOpener, finished_environments
+from .stream_rewards import StreamScorer
 from .streamed_tools import conversing, streamed_conversations
 
 logger = get_logger(__name__)
@@ -44,11 +47,30 @@ class ServerRollout(Feature):
     def __init__(self, wanted: bool = False):
         self.wanted = wanted  # TRL's vLLM stays off while TRL's constructor runs, and this client stands in
         self.lookahead = None  # the epoch's batch iterator, read ahead (async rollout)
+        self.episodes = None  # streaming with environments: the pool and its episodes
 
     @classmethod
     def from_arguments(cls, arguments: dict) -> ServerRollout:
         config = arguments.get("args")
         return cls(config is not None and uses_server_rollout(config))
+
+    def check(self, trainer) -> None:
+        """Environments (TRL's `environment_factory`) with asynchronous rollout run in the stream only, their
+        rewards with them; `environment_timeout` acts only there. Refused before any server is reached."""
+        from ..rollout.settings import AsyncRollout
+
+        args = trainer.args
+        asynchronous = AsyncRollout.from_config(args) if self.wanted else AsyncRollout()
+        environments = getattr(trainer, "environment_factories", None) is not None
+        if environments and asynchronous.staleness:
+            check_streamed_environments(args, asynchronous.streams)
+        timeout = getattr(args, "environment_timeout", 300.0)
+        if timeout != 300.0 and not (environments and asynchronous.streams):
+            raise ValueError(
+                f"environment_timeout={timeout:g} bounds the calls of environments run in the stream; this run "
+                "streams none (it needs environment_factory=..., server rollout and async_rollout_mode='streaming'). "
+                "Fix: leave environment_timeout at its default (300)"
+            )
 
     def setup(self, trainer) -> None:
         trainer.rollout_fleet = None
@@ -122,18 +144,21 @@ class ServerRollout(Feature):
                 "inside the step with its own calls. Fix: async_rollout_staleness=0 (tools are streamed: pass "
                 "them as tools=...)"
             )
-        if getattr(trainer, "environment_factories", None) is not None:
-            raise ValueError(
-                "async_rollout_staleness > 0 generates ahead from the trainer's prompts; environment_factory "
-                "rollouts take theirs from each environment's reset() inside the step. Fix: "
-                "async_rollout_staleness=0, or tools=... (stateless tools are streamed)"
-            )
         generation = trainer.vllm_generation
         streaming = generation.settings.streaming
+        asynchronous = generation.settings.asynchronous
+        environments = getattr(trainer, "environment_factories", None) is not None  # streaming (`check`)
+        rewards_in_stream = asynchronous.rewards_in_stream or environments
+        lock = threading.Lock()  # the tokenizer's and the tool loops' (see streamed_tools)
+        timeout = trainer.args.environment_timeout
+        self.episodes = EpisodeOpener(trainer, timeout, lock) if environments else None
+        tokenize = _no_prompt_ids if environments else (lambda prompts: trainer._tokenize_prompts(prompts)[0])
         generation.enable_async(
-            lambda prompts: trainer._tokenize_prompts(prompts)[0],
+            tokenize,  # with environments a group's prompts are made when it is sent (each reset())
             stream_groups_per_batch(trainer) if streaming else None,
-            converse=conversing(trainer) if streaming and getattr(trainer, "tools", None) else None,
+            converse=conversing(trainer, lock, timeout) if streaming and getattr(trainer, "tools", None) else None,
+            score=StreamScorer(trainer, asynchronous.reward_workers) if rewards_in_stream else None,
+            open_episode=self.episodes,
         )
 
     # ---- the step -------------------------------------------------------------------------------------------
@@ -148,7 +173,7 @@ class ServerRollout(Feature):
             generation.sync_weights()
             trainer._last_loaded_step = trainer.state.global_step
         streamed = generation.take_streamed(len(inputs))
-        with generation.serving(streamed):
+        with generation.serving(streamed), finished_environments(trainer):
             return proceed(streamed.rows)
 
     def tool_call_loop(self, trainer, proceed, prompts, prompt_ids, completion_ids, completions, logprobs, *rest):
@@ -203,6 +228,8 @@ class ServerRollout(Feature):
             close_servers(trainer)
             raise
         finally:  # no copy of the model left behind (in /tmp or weight_sync_dir), however the run ended
+            if self.episodes is not None:
+                self.episodes.close()  # every environment instance closed (the next run makes new ones)
             if _read_ahead(trainer) is not None:
                 generation.close_read_ahead()  # answers still generating were not needed
             release = getattr(generation, "release_weight_dir", None)
@@ -214,6 +241,8 @@ class ServerRollout(Feature):
             logs.update(_generation(trainer).read_ahead_metrics())
         if getattr(trainer, "rollout_fleet", None) is not None:
             logs.update(trainer.rollout_fleet.metrics())
+        if self.episodes is not None:
+            logs.update(self.episodes.metrics())
 
     # ---- checkpoints: the stream's prompt groups -------------------------------------------------------------
 
@@ -243,6 +272,26 @@ class ServerRollout(Feature):
         state = torch.load(path, map_location="cpu", weights_only=False)
         check_stream_group_size(state, trainer.num_generations, path)
         read_ahead.restore(state)
+
+
+def _no_prompt_ids(prompts: list) -> list[list[int]]:
+    return [[] for _ in prompts]
+
+
+def check_streamed_environments(args, streaming: bool) -> None:
+    """Environments run in the stream only (their episodes end there, and their rewards with them)."""
+    if not streaming:
+        raise ValueError(
+            f"environment_factory with async_rollout_mode={args.async_rollout_mode!r}: environments run in the stream "
+            "(each group's episode, reset to rewards, beside generation); the ordered prefetch does not run them. "
+            "Fix: async_rollout_mode='streaming' (the default), or async_rollout_staleness=0"
+        )
+    if args.stream_rewards is False:
+        raise ValueError(
+            "stream_rewards=False with environment_factory and streaming: each group's environments go back to their "
+            "pool when its episode ends in the stream, so the rewards that read them (get_reward, environments=) "
+            "are computed there. Fix: stream_rewards=None (the default) or True"
+        )
 
 
 def stream_groups_per_batch(trainer) -> int:

@@ -41,15 +41,20 @@ class Conversation:
 class _GroupView:
     """The trainer as TRL's tool loop sees it, for one prompt group in a stream thread."""
 
-    def __init__(self, trainer, num_rows: int, send_turns, lock: threading.Lock):
+    def __init__(self, trainer, num_rows: int, send_turns, lock: threading.Lock, episode=None, timeout=None):
         self._trainer = trainer
         self._send_turns = send_turns
         self._lock = lock
-        sync_tools, async_tools = {}, {}
-        for tool in trainer._standalone_tools:  # TRL's per-rollout tables, without environments (refused here)
-            (async_tools if inspect.iscoroutinefunction(tool) else sync_tools)[tool.__name__] = tool
-        self._sync_tool_dicts = [sync_tools] * num_rows
-        self._async_tool_dicts = [async_tools] * num_rows
+        self._sync_tool_dicts, self._async_tool_dicts = [], []
+        for row in range(num_rows):  # TRL's per-rollout tables: standalone tools, then the row's environment's methods
+            methods = episode.tool_methods(row, timeout) if episode is not None else []
+            sync_tools, async_tools = {}, {}
+            for tool in [*trainer._standalone_tools, *methods]:
+                (async_tools if inspect.iscoroutinefunction(tool) else sync_tools)[tool.__name__] = tool
+            self._sync_tool_dicts.append(sync_tools)
+            self._async_tool_dicts.append(async_tools)
+        if episode is not None:
+            self._batch_environments = list(episode.names)  # the group's, not the step's
 
     def __getattr__(self, name: str):
         return getattr(self._trainer, name)
@@ -64,9 +69,12 @@ class _GroupView:
             self._lock.acquire()
 
 
-def first_turn_messages(trainer, prompts: list, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list:
+def first_turn_messages(
+    trainer, prompts: list, prompt_ids: list[list[int]], completion_ids: list[list[int]], names: list | None = None
+) -> list:
     """Each completion's first turn as TRL's `_generate` decodes it before its tool loop: conversational prompts
-    with the tokenizer's response template get their tool calls parsed."""
+    with the tokenizer's response template get their tool calls parsed (with environments, `names`: each row's
+    environment's tools)."""
     from trl.chat_template_utils import parse_response  # what TRL's _generate calls
     from trl.data_utils import is_conversational
 
@@ -76,24 +84,26 @@ def first_turn_messages(trainer, prompts: list, prompt_ids: list[list[int]], com
     if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
         texts = trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
         return [[{"role": "assistant", "content": text}] for text in texts]
+    tools = [trainer.tools] * len(completion_ids) if names is None else [trainer._env_tools[n] for n in names]
     return [
-        [parse_response(tokenizer, ids, prefix=prompt_ids[i], tools=trainer.tools)]
-        for i, ids in enumerate(completion_ids)
+        [parse_response(tokenizer, ids, prefix=prompt_ids[i], tools=tools[i])] for i, ids in enumerate(completion_ids)
     ]
 
 
-def conversing(trainer):
+def conversing(trainer, lock: threading.Lock | None = None, timeout: float | None = None):
     """The `converse` a streaming generation runs per prompt group (see `ServerRolloutGeneration.enable_async`):
-    TRL's tool loop over the group's rows, in the stream's thread."""
-    lock = threading.Lock()
+    TRL's tool loop over the group's rows, in the stream's thread. With an episode (environments), `prompt_ids`
+    holds each row's and the tools include each row's environment's methods (bounded by `timeout`)."""
+    lock = lock or threading.Lock()
     tool_call_loop = trl_base_class(trainer)._tool_call_loop
 
-    def converse(rows: list, prompt_ids: list[int], completion_ids, logprobs, send_turns) -> list[Conversation]:
+    def converse(rows, prompt_ids, completion_ids, logprobs, send_turns, episode=None) -> list[Conversation]:
         prompts = copy.deepcopy([row["prompt"] for row in rows])
-        ids = [list(prompt_ids) for _ in rows]
+        ids = [list(prompt_ids) for _ in rows] if episode is None else [list(p) for p in prompt_ids]
+        names = None if episode is None else episode.names
         with lock:
-            completions = first_turn_messages(trainer, prompts, ids, completion_ids)
-            view = _GroupView(trainer, len(rows), send_turns, lock)
+            completions = first_turn_messages(trainer, prompts, ids, completion_ids, names)
+            view = _GroupView(trainer, len(rows), send_turns, lock, episode, timeout)
             first_ids, first_logprobs = [list(c) for c in completion_ids], [list(v) for v in logprobs]
             mask, messages, completion_ids, logprobs, calls, failures, images = tool_call_loop(
                 view, prompts, ids, first_ids, completions, first_logprobs, None, {}

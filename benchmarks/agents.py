@@ -1,0 +1,162 @@
+"""Slow rewards: GRPO step time when a verifier takes about as long as generating, against real vLLM servers.
+
+Three modes on the same model, data, seed and servers, runs alternated: the synchronous run (staleness 0, what TRL
+does), streaming at staleness 1 with the rewards computed in the step (TRL's `_calculate_rewards` after the batch is
+taken), and streaming with the rewards computed in the stream (`stream_rewards=True`: each prompt group scored as soon
+as it finishes, off the step).
+
+The verifier: `--latency` seconds per completion, one completion after another within a call (a unit-test run per
+answer, or a remote judge answering one request at a time), then the counting reward; it waits (sleeps), as a
+verifier in another process or machine does, so calls on several threads overlap. Its default makes a group's rewards
+take about as long as a group takes to generate here. Two vLLM CPU servers (`.venv-vllm`, `bash
+scripts/setup_vllm.sh`) share one core, the trainer has the other (on 2 cores).
+
+Usage: python benchmarks/agents.py [--quick] [--latency S]. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # tests/real_vllm.py: the harness that starts real vLLM servers
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+MODES = {  # mode -> (async_rollout_staleness, stream_rewards)
+    "sync": (0, False),
+    "streaming_rewards_in_step": (1, False),
+    "streaming_rewards_in_stream": (1, True),
+}
+GROUP = 8  # completions per prompt
+PROMPTS_PER_STEP = 8
+ANSWER_TOKENS = 24
+
+
+def slow_verifier(latency: float):
+    """The counting reward, after `latency` seconds per completion scored (one after another)."""
+    from trl_scale.toy import counting_reward
+
+    def verifier(completions, **kwargs):
+        time.sleep(latency * len(completions))
+        return counting_reward(completions=completions, **kwargs)
+
+    return verifier
+
+
+def run(model_path: str, urls: list[str], mode: str, latency: float, steps: int, warmup: int, out: str) -> dict:
+    from transformers import AutoTokenizer, TrainerCallback
+
+    import trl_scale
+    from trl_scale.callbacks import StepTimeCallback
+    from trl_scale.toy import counting_prompts
+
+    staleness, in_stream = MODES[mode]
+    ends = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(time.perf_counter())
+
+    trainer = trl_scale.GRPOTrainer(
+        model=model_path,
+        reward_funcs=slow_verifier(latency),
+        args=trl_scale.GRPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
+            num_generations=GROUP,
+            max_completion_length=ANSWER_TOKENS,
+            max_steps=steps,
+            learning_rate=1e-4,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            bf16=False,
+            use_cpu=True,
+            seed=0,
+            disable_tqdm=True,
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_base_urls=urls,
+            async_rollout_staleness=staleness,
+            stream_rewards=in_stream,
+            rollout_request_timeout=600,
+            weight_sync_timeout=300,
+            generation_kwargs={"ignore_eos": True},
+        ),
+        train_dataset=counting_prompts(4096, seed=0),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+        callbacks=[StepTimeCallback()],
+    )
+    trainer.add_callback(Clock())
+    trainer.train()
+    trainer.vllm_generation.client.close()
+    intervals = [b - a for a, b in zip(ends, ends[1:])][warmup:]
+    logs = [h for h in trainer.state.log_history if "loss" in h][warmup + 1 :]
+    return {
+        "step_s": statistics.mean(intervals),
+        "reward_s_in_step": statistics.mean(h.get("time/reward_s", float("nan")) for h in logs) if logs else None,
+        "reward_s_in_stream": statistics.mean(h.get("rewards/stream_seconds", 0.0) for h in logs) if logs else None,
+    }
+
+
+def group_generation_seconds(urls: list[str], model_path: str, repeats: int = 4) -> float:
+    """Seconds one server takes to generate one group (GROUP answers of ANSWER_TOKENS) here: what the verifier's
+    default latency matches."""
+    from trl_scale.rollout import RolloutClient
+
+    client = RolloutClient(urls[:1], request_timeout=300)
+    times = []
+    for i in range(repeats):
+        start = time.perf_counter()
+        client.generate([[5 + i, 6, 7]], n=GROUP, max_tokens=ANSWER_TOKENS, ignore_eos=True)
+        times.append(time.perf_counter() - start)
+    client.close()
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--latency", type=float, default=None, help="seconds per completion (default: measured)")
+    args = parser.parse_args()
+    from pinned_vllm import pinned_vllm_servers
+
+    steps, warmup, repeats = (6, 2, 1) if args.quick else (10, 3, 2)
+    results = {mode: [] for mode in MODES}
+    with pinned_vllm_servers("agents-bench-") as (model_path, urls, work):
+        group_s = group_generation_seconds(urls, model_path)
+        latency = args.latency if args.latency is not None else group_s / GROUP
+        print(f"a group generates in {group_s:.3f} s; the verifier takes {latency:.4f} s per completion", flush=True)
+        for repeat in range(repeats):
+            order = list(MODES) if repeat % 2 == 0 else list(reversed(MODES))
+            for mode in order:
+                out = os.path.join(work, f"{mode}-{repeat}")
+                results[mode].append(run(model_path, urls, mode, latency, steps, warmup, out))
+                print(mode, repeat, results[mode][-1], flush=True)
+    step = {mode: statistics.mean(r["step_s"] for r in runs) for mode, runs in results.items()}
+    summary = {
+        "benchmark": "agents",
+        "regime": "slow_verifier",
+        "quick": args.quick,
+        "group_generation_s": group_s,
+        "verifier_s_per_completion": latency,
+        "verifier_s_per_group": latency * GROUP,
+        "step_s": step,
+        "vs_sync": {mode: step[mode] / step["sync"] for mode in step},
+        "in_stream_vs_in_step": step["streaming_rewards_in_stream"] / step["streaming_rewards_in_step"],
+    }
+    print(
+        f"step time: sync {step['sync']:.2f} s, streaming (rewards in the step) "
+        f"{step['streaming_rewards_in_step']:.2f} s, streaming (rewards in the stream) "
+        f"{step['streaming_rewards_in_stream']:.2f} s: {summary['in_stream_vs_in_step']:.2f}x"
+    )
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

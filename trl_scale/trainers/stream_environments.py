@@ -1,0 +1,304 @@
+"""Environments in the stream (TRL's `environment_factory` with streaming rollout).
+
+TRL resets a batch's environments, runs their methods as tools and reads their rewards inside the training step, one
+rollout after another (`_generate_and_score_completions`). Streaming runs each prompt group's episode in the stream's
+thread instead, as soon as the group is sent: its environments are taken from a pool (`EnvironmentPool`, one instance
+per row, never two live conversations on one instance, more made only while all are in use), reset as TRL resets them
+(the row as keyword arguments; what `reset()` returns appended to the last message), the prompts tokenized with each
+environment's tools, the group generated, TRL's tool loop run on the group's own tool tables (its instances' methods),
+its rewards computed (`environments=` its instances, `get_reward` included), and the instances given back. The step
+trains on finished conversations and calls no environment: while it runs TRL's method, each row's environment is a
+stand-in whose `reset()` does nothing (`finished_environments`).
+
+A method call that outlasts `environment_timeout` is abandoned: as a tool, it fails as TRL reports a failing tool (the
+conversation goes on with the error as the tool's answer); as `reset()`, it fails the run naming the environment and
+the prompt group. The instance it ran on is discarded (a thread may still be inside it) and closed, as every instance
+is at the end of `train()` however it ends (`__exit__`, or `close()`: see `_close`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from .construction import trl_base_class
+
+EMPTY_PROMPT = [{"role": "user", "content": ""}]  # TRL's prompt for an environment's row that has none
+
+
+class EnvironmentFailure(RuntimeError):
+    """An environment's `reset()` raised or hung: the run stops naming the environment and the group."""
+
+
+class EnvironmentPool:
+    """Instances of each environment (name -> factory, TRL's `environment_factories`), one conversation at a time.
+
+    `close()` (the end of a run) closes the free instances at once; one still in an episode (abandoned with the run,
+    its calls bounded by `environment_timeout`) is closed when that episode gives it back, never under a live call."""
+
+    def __init__(self, factories: dict, seeded: dict):
+        self.factories = factories
+        self._free = {name: list(instances) for name, instances in seeded.items()}
+        self._run = {id(i): 0 for instances in seeded.values() for i in instances}  # the run each instance is of
+        self._current = 0
+        self._in_use: set[int] = set()
+        self._lock = threading.Lock()
+        self.counts = {"timeouts": 0, "discarded": 0, "seconds": 0.0}
+
+    def acquire(self, name):
+        with self._lock:
+            free = self._free.setdefault(name, [])
+            instance = free.pop() if free else None
+            if instance is not None:
+                self._in_use.add(id(instance))
+                return instance
+        instance = self.factories[name]()  # outside the lock: a factory may connect to a server
+        with self._lock:
+            self._run[id(instance)] = self._current
+            self._in_use.add(id(instance))
+        return instance
+
+    def release(self, name, instance) -> None:
+        with self._lock:
+            self._in_use.discard(id(instance))
+            if self._run.get(id(instance)) == self._current:
+                self._free.setdefault(name, []).append(instance)
+                return
+            self._run.pop(id(instance), None)
+        _close(instance)  # of a run that has ended
+
+    def discard(self, instance) -> None:
+        """Out of the pool for good (a call into it was abandoned), and closed."""
+        with self._lock:
+            self._in_use.discard(id(instance))
+            self._run.pop(id(instance), None)
+            self.counts["discarded"] += 1
+        _close(instance)
+
+    def close(self) -> None:
+        """The end of a run: the free instances closed now, those still in an episode when it ends; the next run
+        makes new ones."""
+        with self._lock:
+            free = [instance for instances in self._free.values() for instance in instances]
+            self._free = {}
+            for instance in free:
+                self._run.pop(id(instance), None)
+            self._current += 1
+        if free:  # at once: closing a remote session may wait for its server's goodbye (seconds, each)
+            with ThreadPoolExecutor(max_workers=min(32, len(free)), thread_name_prefix="environment-close") as pool:
+                list(pool.map(_close, free))
+
+    def metrics(self) -> dict[str, float]:
+        """Instances of this run (free or in an episode) and in an episode now; calls abandoned, instances discarded
+        and seconds in reset() and tools (summed over groups) so far."""
+        with self._lock:
+            return {
+                "environments/seconds": self.counts["seconds"],
+                "environments/pool_size": float(sum(run == self._current for run in self._run.values())),
+                "environments/in_use": float(len(self._in_use)),
+                "environments/timeouts": float(self.counts["timeouts"]),
+                "environments/discarded": float(self.counts["discarded"]),
+            }
+
+
+def _close(instance) -> None:
+    """An instance's clean-up: `__exit__` (TRL offers every public method to the model as a tool, so a context
+    manager's exit is where a TRL environment can close its client), else a `close()` method if it has one."""
+    exit_ = getattr(type(instance), "__exit__", None)
+    close = (lambda: exit_(instance, None, None, None)) if exit_ is not None else getattr(instance, "close", None)
+    if callable(close):
+        try:
+            result = close()
+            if inspect.iscoroutine(result):
+                asyncio.run(result)
+        except Exception:  # closing is best effort: a dead server's client may fail to say goodbye
+            pass
+
+
+@dataclass
+class EnvironmentEpisode:
+    """One prompt group's episode (see `streaming.Episode`): its rows as trained, their prompt ids, each row's
+    environment name and instance; closed once the group is scored."""
+
+    rows: list
+    prompt_ids: list[list[int]]
+    names: list
+    instances: list
+    pool: EnvironmentPool
+    broken: set = field(default_factory=set)  # ids of instances a call was abandoned in
+    seconds: list = field(default_factory=lambda: [0.0])
+
+    def close(self) -> None:
+        with self.pool._lock:
+            self.pool.counts["seconds"] += self.seconds[0]
+        for name, instance in zip(self.names, self.instances):
+            if id(instance) in self.broken:
+                self.pool.discard(instance)
+            else:
+                self.pool.release(name, instance)
+
+    def bounded(self, instance, method, timeout: float):
+        """`method` of `instance`, abandoned after `timeout` seconds (a TimeoutError, the instance marked broken)."""
+        name = f"{type(instance).__name__}.{method.__name__}"
+
+        def timed_out():
+            self.broken.add(id(instance))
+            with self.pool._lock:
+                self.pool.counts["timeouts"] += 1
+            return TimeoutError(f"environment method {name} took longer than environment_timeout={timeout:g}s")
+
+        if inspect.iscoroutinefunction(method):
+
+            async def call_async(*args, **kwargs):
+                started = time.monotonic()
+                try:
+                    return await asyncio.wait_for(method(*args, **kwargs), timeout)
+                except asyncio.TimeoutError:
+                    raise timed_out() from None
+                finally:
+                    self.seconds[0] += time.monotonic() - started
+
+            return functools.update_wrapper(call_async, method)
+
+        def call(*args, **kwargs):
+            started, outcome = time.monotonic(), {}
+
+            def run():
+                try:
+                    outcome["value"] = method(*args, **kwargs)
+                except BaseException as error:
+                    outcome["error"] = error
+
+            worker = threading.Thread(target=run, name="environment-call", daemon=True)
+            worker.start()
+            worker.join(timeout)
+            self.seconds[0] += time.monotonic() - started
+            if worker.is_alive():
+                raise timed_out()
+            if "error" in outcome:
+                raise outcome["error"]
+            return outcome["value"]
+
+        return functools.update_wrapper(call, method)
+
+    def tool_methods(self, row: int, timeout: float) -> list:
+        """The row's environment's methods TRL makes tools of (public, not `reset` nor `get_reward`), bounded."""
+        instance = self.instances[row]
+        return [
+            self.bounded(instance, getattr(instance, name), timeout)
+            for name, _ in inspect.getmembers(type(instance), predicate=inspect.isfunction)
+            if name not in ("reset", "get_reward") and not name.startswith("_")
+        ]
+
+
+def with_observation(prompt: list, observation) -> list:
+    """The prompt with what `reset()` returned appended to its last message, as TRL's step does."""
+    if observation is None:
+        return prompt
+    content = prompt[-1]["content"]
+    if isinstance(observation, list) and isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if isinstance(observation, str) and isinstance(content, list):
+        observation = [{"type": "text", "text": observation}]
+    return prompt[:-1] + [{**prompt[-1], "content": content + observation}]
+
+
+class _Tokenizing:
+    """The trainer as TRL's `_tokenize_prompts` sees it, for one group's environments."""
+
+    def __init__(self, trainer, names: list):
+        self._trainer = trainer
+        self._batch_environments = names
+
+    def __getattr__(self, name: str):
+        return getattr(self._trainer, name)
+
+
+class EpisodeOpener:
+    """The stream's `open_episode`: a group's environments taken from the pool and reset, its prompts tokenized."""
+
+    def __init__(self, trainer, timeout: float, lock: threading.Lock):
+        self.trainer = trainer
+        self.timeout = timeout
+        self.lock = lock  # the tokenizer's: shared with the streamed tool loops
+        self.group_size = trainer.num_generations
+        # TRL's probe instances stay TRL's (an evaluation in the step uses them): the stream makes its own
+        self.pool = EnvironmentPool(trainer.environment_factories, {})
+        self._tokenize = trl_base_class(trainer)._tokenize_prompts
+
+    def __call__(self, rows: list) -> EnvironmentEpisode:
+        trainer = self.trainer
+        names = [row.get("environment") if trainer._multi_environment else None for row in rows]
+        unknown = {name for name in names if name not in trainer.environment_factories}
+        if unknown:  # TRL's check, on the group
+            raise ValueError(
+                f"Example has `environment={sorted(unknown, key=str)[0]!r}`, which is not among the environments "
+                f"passed to `environment_factory`. Expected one of: {list(trainer.environment_factories)}."
+            )
+        episode = EnvironmentEpisode([], [], names, [], self.pool)
+        prompts = [row.get("prompt", EMPTY_PROMPT) for row in rows]
+        try:
+            for name in names:
+                with _named(name, None, "its factory", prompts[0]):
+                    episode.instances.append(self.pool.acquire(name))
+            for i, (row, instance) in enumerate(zip(rows, episode.instances)):
+                kwargs = {k: v for k, v in row.items() if k != "environment"} if trainer._multi_environment else row
+                with _named(names[i], instance, "reset()", prompts[i]):
+                    observation = episode.bounded(instance, instance.reset, self.timeout)(**kwargs)
+                prompts[i] = with_observation(prompts[i], observation)
+            with self.lock:
+                episode.prompt_ids = [list(ids) for ids in self._tokenize(_Tokenizing(trainer, names), prompts)[0]]
+        except BaseException:
+            episode.close()
+            raise
+        episode.rows = [{**row, "prompt": prompt} for row, prompt in zip(rows, prompts)]
+        return episode
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def metrics(self) -> dict[str, float]:
+        return self.pool.metrics()
+
+
+@contextmanager
+def _named(name, instance, what: str, prompt):
+    """An error from an environment's factory or reset(), re-raised naming the environment and the group."""
+    try:
+        yield
+    except Exception as error:
+        kind = "" if instance is None else type(instance).__name__
+        label = kind if name is None else f"{name!r}" + (f" ({kind})" if kind else "")
+        raise EnvironmentFailure(
+            f"environment {label or 'factory'}: {what} failed for the prompt group of {str(prompt)[:80]!r}: "
+            f"{type(error).__name__}: {error}"
+        ) from error
+
+
+class _Finished:
+    """A streamed row's environment as TRL's step sees it: its episode ran in the stream, so nothing is reset."""
+
+    def reset(self, **kwargs) -> None:
+        return None
+
+
+@contextmanager
+def finished_environments(trainer):
+    """Within the block (a streamed batch's step), TRL draws stand-ins for the rows' environments, not instances."""
+    factories = getattr(trainer, "environment_factories", None)
+    if factories is None:
+        yield
+        return
+    pool = trainer._environment_pool
+    trainer.environment_factories = {name: _Finished for name in factories}
+    trainer._environment_pool = {name: [] for name in factories}
+    try:
+        yield
+    finally:
+        trainer.environment_factories, trainer._environment_pool = factories, pool
