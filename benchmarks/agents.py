@@ -100,8 +100,14 @@ def run(model_path: str, urls: list[str], mode: str, latency: float, steps: int,
     return {
         "step_s": statistics.mean(intervals),
         "reward_s_in_step": statistics.mean(h.get("time/reward_s", float("nan")) for h in logs) if logs else None,
-        "reward_s_in_stream": statistics.mean(h.get("rewards/stream_seconds", 0.0) for h in logs) if logs else None,
+        "reward_s_in_stream": _growth_per_step(logs, "rewards/stream_seconds"),  # a running total
     }
+
+
+def _growth_per_step(logs: list[dict], key: str) -> float:
+    if len(logs) < 2:
+        return 0.0
+    return (logs[-1].get(key, 0.0) - logs[0].get(key, 0.0)) / (len(logs) - 1)
 
 
 def group_generation_seconds(urls: list[str], model_path: str, repeats: int = 4) -> float:

@@ -33,7 +33,7 @@ class CountingEnvironment(Environment):
     def reset(self, seed=None, episode_id=None, **kwargs) -> HeardObservation:
         self._state = State(episode_id=episode_id, step_count=0)
         self._heard = set()
-        return HeardObservation(text=" Say number words.", reward=0.0, done=False)
+        return HeardObservation(text="", reward=0.0, done=False)  # the prompt as the toy tool model learned it
 
     def step(self, action: SayAction, timeout_s=None, **kwargs) -> HeardObservation:
         self._state.step_count += 1

@@ -864,3 +864,86 @@ def test_a_tool_using_rollout_streams_each_turn_with_its_weights(fleet, rl_urls,
     assert called >= 4, called  # most answers called the tool (about 7 in 8 after the warm-up)
     frequencies = [h["tools/call_frequency"] for h in trainer.state.log_history if "tools/call_frequency" in h]
     assert frequencies and max(frequencies) > 0
+
+
+def test_an_environment_episode_streams_against_real_vllm_and_a_real_openenv_server(
+    fleet, rl_urls, tmp_path, monkeypatch
+):
+    """`environment_factory` (a client of a real OpenEnv server, `tests/openenv_counter.py`) with streaming GRPO
+    against real vLLM: every episode (reset, the tool calls, `get_reward`) runs in the stream and the step requests
+    nothing and calls no environment; each group is trained once; each token's sampler log-prob is the one of
+    weights within its conversation's span (a forward of each, <= 1e-4); none is older than k = 1."""
+    from collections import Counter
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import trl_scale
+    from trl_scale.rollout import ServerRolloutGeneration
+    from trl_scale.toy.tools import build_tool_calling_model
+
+    from .openenv_counter import CountingClientEnvironment
+    from .test_stream_environments import LEDGER, OpenEnvServer, env_prompts, recorded_openenv
+
+    in_step = []
+    request = ServerRolloutGeneration._request
+    monkeypatch.setattr(
+        ServerRolloutGeneration, "_request", lambda self, prompts: in_step.append(1) or request(self, prompts)
+    )
+    trained = []
+
+    def recorded(completion_ids, id, **kwargs):
+        trained.extend(id)
+        return [0.0] * len(completion_ids)
+
+    model_path = build_tool_calling_model(fleet.model_path, str(tmp_path / "tool-model"))
+    server = OpenEnvServer()
+    CountingClientEnvironment.url = server.url
+    LEDGER.__init__()
+    config = trl_scale.GRPOConfig(
+        **cpu_args(
+            tmp_path / "run",
+            max_steps=4,
+            num_generations=4,
+            max_completion_length=80,
+            max_tool_calling_iterations=1,
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_base_urls=[fleet.a.url],
+            weight_sync="shared_dir",
+            weight_sync_timeout=60,
+            rollout_request_timeout=60,
+            learning_rate=3e-3,
+            async_rollout_staleness=1,
+            shuffle_dataset=False,
+        )
+    )
+    trainer = trl_scale.GRPOTrainer(
+        model=model_path,
+        reward_funcs=recorded,
+        args=config,
+        train_dataset=env_prompts(64).remove_columns("environment"),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+        environment_factory=recorded_openenv(),
+    )
+    checkpoints, batches = _record_run(trainer)
+    try:
+        trainer.train()
+    finally:
+        server.kill()
+    assert trainer.state.global_step == 4 and len(batches) == 4
+    assert not in_step  # every turn came from the stream
+    assert not [c for c in LEDGER.calls if c[1] == "MainThread"], "an environment call in the step"
+    assert {"reset", "tick", "get_reward"} <= {name for name, _ in LEDGER.calls}
+    counts = Counter(trained)
+    assert set(counts.values()) == {4} and len(counts) == 4 * 8 // 4  # each group trained once, whole
+    sampler = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    for batch, _, spans, current in batches:
+        tool_mask, mask = batch["tool_mask"], batch["completion_mask"].bool()
+        versions = {v for first, newest in spans for v in range(first, newest + 1) if v in checkpoints}
+        sampled = batch["sampling_per_token_logps"]
+        off = {v: (_drawn_logprobs(sampler, checkpoints[v], batch) - sampled).abs() for v in versions}
+        for row, (first, newest) in enumerate(spans):
+            assert current - first <= 1 and first <= newest <= current  # never older than k = 1
+            drawn = mask[row] & (tool_mask[row] == 1)
+            closest = torch.stack([off[v][row] for v in range(first, newest + 1) if v in off]).min(0).values
+            assert (closest[drawn] <= 1e-4).all(), (row, first, newest, closest)  # each token: weights in its span

@@ -225,3 +225,17 @@ def test_the_trainer_yaml_and_the_command_line_switch_rewards_in_the_stream_on(t
     (from_cli,) = TrlParser((trl_scale.GRPOConfig,)).parse_args_and_config(argv)
     settings = AsyncRollout.from_config(from_cli)
     assert settings.rewards_in_stream and settings.reward_workers == 2
+
+
+def test_the_readmes_defaults_for_agents_are_the_configs():
+    """README, "Agents and slow rewards": the numbers it states are the config's defaults."""
+    import dataclasses
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = text[text.index("### Agents and slow rewards") : text.index("### Managed servers")]
+    defaults = {f.name: f.default for f in dataclasses.fields(trl_scale.GRPOConfig)}
+    assert f"`environment_timeout` ({defaults['environment_timeout']:g} s)" in section
+    assert re.search(rf"`stream_reward_workers` threads \({defaults['stream_reward_workers']};", section)
+    assert defaults["stream_rewards"] is None and "on by default with environments" in section

@@ -95,6 +95,77 @@ TRAINER_SEAMS: tuple[Seam, ...] = (
         "one {name: coroutine function} per row of the batch, run on self.async_loop",
         attribute="_async_tool_dicts",
     ),
+    # ---- environments and rewards in the stream (trainers/stream_environments.py, stream_rewards.py) ----------------
+    Seam(
+        f"{G}._generate_and_score_completions",
+        COPY,
+        "trainers/stream_environments.py (with_observation, EpisodeOpener, finished_environments)",
+        "with environment_factories: each row's environment is drawn from self._environment_pool[name] (the factory "
+        "called when the pool runs out), reset(**row) (without 'environment' in dict mode) is called and a non-None "
+        "return is appended to the last message's content (str + str, or list + list, a str turned into a text "
+        "block); the prompt defaults to one empty user message; _batch_environments is set from the rows",
+        "sha:1fa48922792d",
+    ),
+    Seam(
+        f"{G}._calculate_rewards",
+        COPY,
+        "trainers/stream_rewards.py StreamScorer (the arguments a reward function gets, in the stream)",
+        "reward functions get prompts, completions, completion_ids and every input column but prompt/completion/"
+        "completion_ids, plus trainer_state, log_extra, log_metric and (with environments) environments; nn.Module "
+        "rewards are scored from texts; async functions are gathered on self.async_loop; None becomes NaN",
+        "sha:736ae29b0838",
+    ),
+    Seam(
+        f"{G}._tokenize_prompts",
+        COPY,
+        "trainers/stream_environments.py EpisodeOpener (called on a view with the group's _batch_environments)",
+        "with environment_factories, renders each prompt with self._env_tools[name] for the name in "
+        "self._batch_environments at its index; returns (prompt_ids, ...)",
+        "sha:d2d27f7c9bfd",
+    ),
+    Seam(
+        G,
+        ATTRIBUTE,
+        "trainers/stream_environments.py",
+        "{name: instances} TRL draws from",
+        attribute="_environment_pool",
+    ),
+    Seam(
+        G,
+        ATTRIBUTE,
+        "trainers/stream_environments.py",
+        "True when environment_factory was a dict (rows name theirs in an 'environment' column)",
+        attribute="_multi_environment",
+    ),
+    Seam(
+        G,
+        ATTRIBUTE,
+        "trainers/stream_environments.py, streamed_tools.py (set on the views a group's work runs on)",
+        "one environment name per row of the batch being generated, read by _tokenize_prompts, _generate and "
+        "_tool_call_loop",
+        attribute="_batch_environments",
+    ),
+    Seam(
+        G,
+        ATTRIBUTE,
+        "trainers/streamed_tools.py first_turn_messages",
+        "{name: the tools an environment's rows are rendered and parsed with}",
+        attribute="_env_tools",
+    ),
+    Seam(
+        f"{G}._log_completion_extra",
+        CALL,
+        "trainers/stream_rewards.py (log_extra calls made in the stream, replayed in the step)",
+        "extends the pending completions-table column by the values given",
+        "(self, column: str, values: list)",
+    ),
+    Seam(
+        f"{G}._log_metric",
+        CALL,
+        "trainers/stream_rewards.py (log_metric calls made in the stream, replayed in the step)",
+        "appends one value to the pending metric",
+        "(self, name: str, value: float)",
+    ),
     Seam(
         f"{G}._tokenize_prompts",
         OVERRIDE,
