@@ -94,6 +94,10 @@ class EnvironmentPool:
             with ThreadPoolExecutor(max_workers=min(32, len(free)), thread_name_prefix="environment-close") as pool:
                 list(pool.map(_close, free))
 
+    def count(self, name: str, amount: float = 1) -> None:
+        with self._lock:
+            self.counts[name] += amount
+
     def metrics(self) -> dict[str, float]:
         """Instances of this run (free or in an episode) and in an episode now; calls abandoned, instances discarded
         and seconds in reset() and tools (summed over groups) so far."""
@@ -135,8 +139,7 @@ class EnvironmentEpisode:
     seconds: list = field(default_factory=lambda: [0.0])
 
     def close(self) -> None:
-        with self.pool._lock:
-            self.pool.counts["seconds"] += self.seconds[0]
+        self.pool.count("seconds", self.seconds[0])
         for name, instance in zip(self.names, self.instances):
             if id(instance) in self.broken:
                 self.pool.discard(instance)
@@ -149,8 +152,7 @@ class EnvironmentEpisode:
 
         def timed_out():
             self.broken.add(id(instance))
-            with self.pool._lock:
-                self.pool.counts["timeouts"] += 1
+            self.pool.count("timeouts")
             return TimeoutError(f"environment method {name} took longer than environment_timeout={timeout:g}s")
 
         if inspect.iscoroutinefunction(method):
