@@ -796,6 +796,23 @@ def test_rloo_async_against_real_vllm_is_corrected_with_the_servers_log_probs(fl
     assert moved > 1e-3  # stale batches got weights other than 1
 
 
+def _tokens_within_their_spans(sampler, checkpoints: dict, batches: list):
+    """For each recorded batch's rows (a multi-turn conversation each): no row is older than k = 1, and every token the
+    model drew (not a tool's result) has the sampler log-prob of weights within its row's (first, newest) span, to
+    1e-4 (a forward of each checkpoint). Yields (batch, row, the row's drawn-token mask)."""
+    for batch, _, spans, current in batches:
+        tool_mask, mask = batch["tool_mask"], batch["completion_mask"].bool()
+        versions = {v for first, newest in spans for v in range(first, newest + 1) if v in checkpoints}
+        sampled = batch["sampling_per_token_logps"]
+        off = {v: (_drawn_logprobs(sampler, checkpoints[v], batch) - sampled).abs() for v in versions}
+        for row, (first, newest) in enumerate(spans):
+            assert current - first <= 1 and first <= newest <= current  # never older than k = 1
+            drawn = mask[row] & (tool_mask[row] == 1)
+            closest = torch.stack([off[v][row] for v in range(first, newest + 1) if v in off]).min(0).values
+            assert (closest[drawn] <= 1e-4).all(), (row, first, newest, closest)  # each token: weights in its span
+            yield batch, row, drawn
+
+
 def test_a_tool_using_rollout_streams_each_turn_with_its_weights(fleet, rl_urls, tmp_path, monkeypatch):
     """Multi-turn, tool-using GRPO streamed (staleness 1) against real vLLM: a conversation's turns are all generated
     in the stream (the tool called and the next turn sent as soon as the first is back; the step itself requests
@@ -846,20 +863,10 @@ def test_a_tool_using_rollout_streams_each_turn_with_its_weights(fleet, rl_urls,
     assert not in_step  # every turn came from the stream
     sampler = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     called = 0
-    for batch, _, spans, current in recorded:
-        tool_mask, mask = batch["tool_mask"], batch["completion_mask"].bool()
-        versions = {v for first, newest in spans for v in range(first, newest + 1) if v in checkpoints}
-        sampled = batch["sampling_per_token_logps"]
-        off = {v: (_drawn_logprobs(sampler, checkpoints[v], batch) - sampled).abs() for v in versions}
-        for row, (first, newest) in enumerate(spans):
-            assert current - first <= 1 and first <= newest <= current  # never older than k = 1
-            holes = (tool_mask[row] == 0) & mask[row]
-            if not holes.any():
-                continue
+    for batch, row, drawn in _tokens_within_their_spans(sampler, checkpoints, recorded):
+        holes = (batch["tool_mask"][row] == 0) & batch["completion_mask"][row].bool()
+        if holes.any():
             called += 1
-            drawn = mask[row] & (tool_mask[row] == 1)
-            closest = torch.stack([off[v][row] for v in range(first, newest + 1) if v in off]).min(0).values
-            assert (closest[drawn] <= 1e-4).all(), (row, first, newest, closest)  # each token: weights in its span
             assert drawn[int(holes.nonzero()[-1]) + 1 :].any()  # a turn after the tool's result
     assert called >= 4, called  # most answers called the tool (about 7 in 8 after the warm-up)
     frequencies = [h["tools/call_frequency"] for h in trainer.state.log_history if "tools/call_frequency" in h]
@@ -937,13 +944,5 @@ def test_an_environment_episode_streams_against_real_vllm_and_a_real_openenv_ser
     counts = Counter(trained)
     assert set(counts.values()) == {4} and len(counts) == 4 * 8 // 4  # each group trained once, whole
     sampler = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    for batch, _, spans, current in batches:
-        tool_mask, mask = batch["tool_mask"], batch["completion_mask"].bool()
-        versions = {v for first, newest in spans for v in range(first, newest + 1) if v in checkpoints}
-        sampled = batch["sampling_per_token_logps"]
-        off = {v: (_drawn_logprobs(sampler, checkpoints[v], batch) - sampled).abs() for v in versions}
-        for row, (first, newest) in enumerate(spans):
-            assert current - first <= 1 and first <= newest <= current  # never older than k = 1
-            drawn = mask[row] & (tool_mask[row] == 1)
-            closest = torch.stack([off[v][row] for v in range(first, newest + 1) if v in off]).min(0).values
-            assert (closest[drawn] <= 1e-4).all(), (row, first, newest, closest)  # each token: weights in its span
+    checked = list(_tokens_within_their_spans(sampler, checkpoints, batches))
+    assert len(checked) == 4 * 8
