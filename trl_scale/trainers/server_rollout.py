@@ -61,6 +61,12 @@ class ServerRollout(Feature):
 
         args = trainer.args
         asynchronous = AsyncRollout.from_config(args) if self.wanted else AsyncRollout()
+        if asynchronous.staleness and getattr(trainer, "rollout_func", None) is not None:
+            raise ValueError(
+                "async_rollout_staleness > 0 generates ahead from the trainer's prompts; a rollout_func generates "
+                "inside the step with its own calls. Fix: async_rollout_staleness=0, or give the rollout's tools as "
+                "tools=... or its environment as environment_factory=... (both are streamed)"
+            )
         environments = getattr(trainer, "environment_factories", None) is not None
         if environments and asynchronous.staleness:
             check_streamed_environments(args, asynchronous.streams)
@@ -138,12 +144,6 @@ class ServerRollout(Feature):
             raise
 
     def _enable_async(self, trainer) -> None:
-        if getattr(trainer, "rollout_func", None) is not None:
-            raise ValueError(
-                "async_rollout_staleness > 0 generates ahead from the trainer's prompts; a rollout_func generates "
-                "inside the step with its own calls. Fix: async_rollout_staleness=0 (tools are streamed: pass "
-                "them as tools=...)"
-            )
         generation = trainer.vllm_generation
         streaming = generation.settings.streaming
         asynchronous = generation.settings.asynchronous
