@@ -52,8 +52,11 @@ class ReadAhead(Protocol):
         """This process generates no more: the engine's threads stop."""
 
 
-def _ordered(generation, staleness: int, tokenize, groups_per_batch: int | None, converse, score) -> ReadAhead:
-    """Up to `staleness` generation batches prefetched, each generated whole at the weights of its request."""
+def _ordered(
+    generation, staleness: int, tokenize, groups_per_batch: int | None, converse, score, open_episode
+) -> ReadAhead:
+    """Up to `staleness` generation batches prefetched, each generated whole at the weights of its request (groups,
+    later turns, rewards and episodes are streaming's: none is given here)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from .async_rollout import RolloutPrefetcher
@@ -70,7 +73,7 @@ def _submit_spanned(pool, generation, prompt_ids):
 
 
 def _streaming(
-    generation, staleness: int, tokenize, groups_per_batch: int | None, converse, score, open_episode=None
+    generation, staleness: int, tokenize, groups_per_batch: int | None, converse, score, open_episode
 ) -> ReadAhead:
     """Prompt groups streamed through the servers, each trained once finished, within `staleness` syncs."""
     from .streaming import StreamingRollout
@@ -123,8 +126,8 @@ class GenerationAhead:
         self.streams = asynchronous.streams
         self.converses = self.streams and converse is not None
         build = READ_AHEAD_ENGINES[asynchronous.mode]
-        extra = {} if open_episode is None else {"open_episode": open_episode}
-        self.read_ahead = build(self, asynchronous.staleness, tokenize, groups_per_batch, converse, score, **extra)
+        staleness = asynchronous.staleness
+        self.read_ahead = build(self, staleness, tokenize, groups_per_batch, converse, score, open_episode)
 
     @property
     def streamer(self):

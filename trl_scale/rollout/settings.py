@@ -88,8 +88,9 @@ class AsyncRollout:
         if self.reward_workers != 4 and not self.rewards_in_stream:
             raise ValueError(
                 f"stream_reward_workers={self.reward_workers} sizes the threads that compute rewards in the "
-                "stream, and stream_rewards=False computes them in the step. Fix: stream_rewards=True, or leave "
-                "stream_reward_workers at its default (4)"
+                "stream, and stream_rewards is not True (False computes them in the step; None too, unless an "
+                "environment_factory streams). Fix: stream_rewards=True, or leave stream_reward_workers at its "
+                "default (4)"
             )
 
     def _check_partial(self, weight_sync: str) -> None:

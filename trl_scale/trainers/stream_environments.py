@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from .construction import trl_base_class
+from .streamed_tools import TrainerView
 
 EMPTY_PROMPT = [{"role": "user", "content": ""}]  # TRL's prompt for an environment's row that has none
 
@@ -42,10 +43,10 @@ class EnvironmentPool:
     `close()` (the end of a run) closes the free instances at once; one still in an episode (abandoned with the run,
     its calls bounded by `environment_timeout`) is closed when that episode gives it back, never under a live call."""
 
-    def __init__(self, factories: dict, seeded: dict):
+    def __init__(self, factories: dict):
         self.factories = factories
-        self._free = {name: list(instances) for name, instances in seeded.items()}
-        self._run = {id(i): 0 for instances in seeded.values() for i in instances}  # the run each instance is of
+        self._free: dict = {}  # name -> instances not in an episode
+        self._run: dict[int, int] = {}  # the run each instance is of
         self._current = 0
         self._in_use: set[int] = set()
         self._lock = threading.Lock()
@@ -136,10 +137,10 @@ class EnvironmentEpisode:
     instances: list
     pool: EnvironmentPool
     broken: set = field(default_factory=set)  # ids of instances a call was abandoned in
-    seconds: list = field(default_factory=lambda: [0.0])
+    seconds: float = 0.0  # in reset() and tools
 
     def close(self) -> None:
-        self.pool.count("seconds", self.seconds[0])
+        self.pool.count("seconds", self.seconds)
         for name, instance in zip(self.names, self.instances):
             if id(instance) in self.broken:
                 self.pool.discard(instance)
@@ -164,7 +165,7 @@ class EnvironmentEpisode:
                 except asyncio.TimeoutError:
                     raise timed_out() from None
                 finally:
-                    self.seconds[0] += time.monotonic() - started
+                    self.seconds += time.monotonic() - started
 
             return functools.update_wrapper(call_async, method)
 
@@ -180,7 +181,7 @@ class EnvironmentEpisode:
             worker = threading.Thread(target=run, name="environment-call", daemon=True)
             worker.start()
             worker.join(timeout)
-            self.seconds[0] += time.monotonic() - started
+            self.seconds += time.monotonic() - started
             if worker.is_alive():
                 raise timed_out()
             if "error" in outcome:
@@ -211,17 +212,6 @@ def with_observation(prompt: list, observation) -> list:
     return prompt[:-1] + [{**prompt[-1], "content": content + observation}]
 
 
-class _Tokenizing:
-    """The trainer as TRL's `_tokenize_prompts` sees it, for one group's environments."""
-
-    def __init__(self, trainer, names: list):
-        self._trainer = trainer
-        self._batch_environments = names
-
-    def __getattr__(self, name: str):
-        return getattr(self._trainer, name)
-
-
 class EpisodeOpener:
     """The stream's `open_episode`: a group's environments taken from the pool and reset, its prompts tokenized."""
 
@@ -231,7 +221,7 @@ class EpisodeOpener:
         self.lock = lock  # the tokenizer's: shared with the streamed tool loops
         self.group_size = trainer.num_generations
         # TRL's probe instances stay TRL's (an evaluation in the step uses them): the stream makes its own
-        self.pool = EnvironmentPool(trainer.environment_factories, {})
+        self.pool = EnvironmentPool(trainer.environment_factories)
         self._tokenize = trl_base_class(trainer)._tokenize_prompts
 
     def __call__(self, rows: list) -> EnvironmentEpisode:
@@ -255,7 +245,8 @@ class EpisodeOpener:
                     observation = episode.bounded(instance, instance.reset, self.timeout)(**kwargs)
                 prompts[i] = with_observation(prompts[i], observation)
             with self.lock:
-                episode.prompt_ids = [list(ids) for ids in self._tokenize(_Tokenizing(trainer, names), prompts)[0]]
+                view = TrainerView(trainer, _batch_environments=names)  # each prompt rendered with its tools
+                episode.prompt_ids = [list(ids) for ids in self._tokenize(view, prompts)[0]]
         except BaseException:
             episode.close()
             raise

@@ -29,7 +29,7 @@ from ..rollout.ahead import CONVERSATION_KEY
 from .construction import trl_base_class
 from .feature import Feature
 from .reward_checks import RewardFunctionError
-from .streamed_tools import first_turn_messages
+from .streamed_tools import decoded_completions, first_turn_messages
 
 
 @dataclass
@@ -71,12 +71,7 @@ def trl_completions(trainer, prompts: list, prompt_ids: list, completion_ids: li
         if episode is not None:  # each row its own prompt, rendered with its environment's tools
             return first_turn_messages(trainer, prompts, prompt_ids, completion_ids, episode.names)
         return first_turn_messages(trainer, prompts, [list(prompt_ids) for _ in completion_ids], completion_ids)
-    from trl.data_utils import is_conversational
-
-    texts = trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
-    if is_conversational({"prompt": prompts[0]}):
-        return [[{"role": "assistant", "content": text}] for text in texts]
-    return texts
+    return decoded_completions(trainer, prompts, completion_ids)
 
 
 class StreamScorer:

@@ -38,11 +38,23 @@ class Conversation:
     tool_failures: int
 
 
-class _GroupView:
+class TrainerView:
+    """The trainer as one of TRL's methods sees it when called for one prompt group: the trainer's attributes, those
+    set on the view (the group's own) shadowing them."""
+
+    def __init__(self, trainer, **own):
+        self._trainer = trainer
+        vars(self).update(own)
+
+    def __getattr__(self, name: str):
+        return getattr(self._trainer, name)
+
+
+class _GroupView(TrainerView):
     """The trainer as TRL's tool loop sees it, for one prompt group in a stream thread."""
 
     def __init__(self, trainer, num_rows: int, send_turns, lock: threading.Lock, episode=None, timeout=None):
-        self._trainer = trainer
+        super().__init__(trainer)
         self._send_turns = send_turns
         self._lock = lock
         self._sync_tool_dicts, self._async_tool_dicts = [], []
@@ -55,9 +67,6 @@ class _GroupView:
             self._async_tool_dicts.append(async_tools)
         if episode is not None:
             self._batch_environments = list(episode.names)  # the group's, not the step's
-
-    def __getattr__(self, name: str):
-        return getattr(self._trainer, name)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations=1, has_tool_images=False):
         if images is not None and any(images) or has_tool_images:
@@ -78,16 +87,25 @@ def first_turn_messages(
     from trl.chat_template_utils import parse_response  # what TRL's _generate calls
     from trl.data_utils import is_conversational
 
-    if not is_conversational({"prompt": prompts[0]}):
-        return trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
     tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)  # TRL's _tokenizer
-    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
-        texts = trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
-        return [[{"role": "assistant", "content": text}] for text in texts]
+    templated = getattr(tokenizer, "response_template", None) or getattr(tokenizer, "response_schema", None)
+    if templated is None or not is_conversational({"prompt": prompts[0]}):
+        return decoded_completions(trainer, prompts, completion_ids)
     tools = [trainer.tools] * len(completion_ids) if names is None else [trainer._env_tools[n] for n in names]
     return [
         [parse_response(tokenizer, ids, prefix=prompt_ids[i], tools=tools[i])] for i, ids in enumerate(completion_ids)
     ]
+
+
+def decoded_completions(trainer, prompts: list, completion_ids: list[list[int]]) -> list:
+    """Completions decoded as TRL's `_generate` decodes them without parsing tool calls (RLOO's always; GRPO's
+    without a response template): texts, or one assistant message each for conversational prompts."""
+    from trl.data_utils import is_conversational
+
+    texts = trainer.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+    if not is_conversational({"prompt": prompts[0]}):
+        return texts
+    return [[{"role": "assistant", "content": text}] for text in texts]
 
 
 def conversing(trainer, lock: threading.Lock | None = None, timeout: float | None = None):
