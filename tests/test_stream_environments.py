@@ -225,6 +225,30 @@ def urls(tool_model):
         server.stop()
 
 
+def streamed_env_run(tool_model, urls, out, reward, environment_factory, dataset, **overrides):
+    """Streaming GRPO (staleness 1) over `urls` with environments: 2 groups of GROUP per step, short tool turns."""
+    settings = dict(
+        num_generations=GROUP,
+        max_completion_length=48,
+        max_tool_calling_iterations=2,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_urls=urls,
+        async_rollout_staleness=1,
+        rollout_request_timeout=60,
+        weight_sync_timeout=60,
+        shuffle_dataset=False,
+    )
+    return trl_scale.GRPOTrainer(
+        model=tool_model,
+        reward_funcs=reward,
+        args=trl_scale.GRPOConfig(**cpu_args(out, **{**settings, **overrides})),
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(tool_model),
+        environment_factory=environment_factory,
+    )
+
+
 def test_a_streaming_run_calls_no_environment_from_the_step_and_shares_no_instance(
     tool_model, urls, tmp_path, monkeypatch
 ):
@@ -239,29 +263,8 @@ def test_a_streaming_run_calls_no_environment_from_the_step_and_shares_no_instan
         return [0.0] * len(completion_ids)
 
     LEDGER.__init__()
-    trainer = trl_scale.GRPOTrainer(
-        model=tool_model,
-        reward_funcs=recorded,
-        args=trl_scale.GRPOConfig(
-            **cpu_args(
-                tmp_path,
-                num_generations=GROUP,
-                max_completion_length=48,
-                max_tool_calling_iterations=2,
-                max_steps=5,
-                use_vllm=True,
-                vllm_mode="server",
-                vllm_server_base_urls=urls,
-                async_rollout_staleness=1,
-                rollout_request_timeout=60,
-                weight_sync_timeout=60,
-                shuffle_dataset=False,
-            )
-        ),
-        train_dataset=env_prompts(96),
-        processing_class=AutoTokenizer.from_pretrained(tool_model),
-        environment_factory={"sync": SyncCounter, "async": AsyncCounter},
-    )
+    factories = {"sync": SyncCounter, "async": AsyncCounter}
+    trainer = streamed_env_run(tool_model, urls, tmp_path, recorded, factories, env_prompts(96), max_steps=5)
     trainer.train()
     assert trainer.state.global_step == 5
     assert LEDGER.calls and not [c for c in LEDGER.calls if c[1] == "MainThread"], "an environment call in the step"
@@ -405,28 +408,9 @@ def openenv_run(tool_model, urls, out, server, reward, **overrides):
     from .openenv_counter import CountingClientEnvironment
 
     CountingClientEnvironment.url = server.url
-    settings = dict(
-        num_generations=GROUP,
-        max_completion_length=48,
-        max_tool_calling_iterations=2,
-        max_steps=4,
-        use_vllm=True,
-        vllm_mode="server",
-        vllm_server_base_urls=urls,
-        async_rollout_staleness=1,
-        rollout_request_timeout=60,
-        weight_sync_timeout=60,
-        shuffle_dataset=False,
-        environment_timeout=30,
-    )
-    return trl_scale.GRPOTrainer(
-        model=tool_model,
-        reward_funcs=reward,
-        args=trl_scale.GRPOConfig(**cpu_args(out, **{**settings, **overrides})),
-        train_dataset=env_prompts(96).remove_columns("environment"),
-        processing_class=AutoTokenizer.from_pretrained(tool_model),
-        environment_factory=recorded_openenv(),
-    )
+    dataset = env_prompts(96).remove_columns("environment")
+    settings = {"max_steps": 4, "environment_timeout": 30, **overrides}
+    return streamed_env_run(tool_model, urls, out, reward, recorded_openenv(), dataset, **settings)
 
 
 def test_streaming_grpo_over_a_real_openenv_server(tool_model, urls, tmp_path):
