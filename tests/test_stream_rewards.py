@@ -206,7 +206,7 @@ def test_bad_stream_reward_settings_name_the_field_and_the_fix(tmp_path, fields,
         trl_scale.GRPOConfig(**cpu_args(tmp_path, **server, **fields))
 
 
-def test_the_trainer_yaml_and_the_command_line_switch_rewards_in_the_stream_on(tmp_path):
+def test_the_trainer_yaml_and_the_command_line_set_the_stream_settings(tmp_path):
     import yaml
     from trl import TrlParser
 
@@ -217,14 +217,14 @@ def test_the_trainer_yaml_and_the_command_line_switch_rewards_in_the_stream_on(t
     )
     base.update(vllm_server_base_urls=["http://127.0.0.1:1"], async_rollout_staleness=1)
     path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump({**base, "stream_rewards": True}))
+    path.write_text(yaml.safe_dump({**base, "stream_rewards": True, "environment_timeout": 45}))
     (from_yaml,) = TrlParser((trl_scale.GRPOConfig,)).parse_args_and_config(["--config", str(path)])
-    assert AsyncRollout.from_config(from_yaml).rewards_in_stream
+    assert AsyncRollout.from_config(from_yaml).rewards_in_stream and from_yaml.environment_timeout == 45
     path.write_text(yaml.safe_dump(base))
     argv = ["--config", str(path), "--stream_rewards", "true", "--stream_reward_workers", "2"]
-    (from_cli,) = TrlParser((trl_scale.GRPOConfig,)).parse_args_and_config(argv)
+    (from_cli,) = TrlParser((trl_scale.GRPOConfig,)).parse_args_and_config([*argv, "--environment_timeout", "30"])
     settings = AsyncRollout.from_config(from_cli)
-    assert settings.rewards_in_stream and settings.reward_workers == 2
+    assert settings.rewards_in_stream and settings.reward_workers == 2 and from_cli.environment_timeout == 30
 
 
 def test_the_readmes_defaults_for_agents_are_the_configs():
