@@ -12,6 +12,7 @@ LAYERS = {
     "trl_scale.logs": 0,
     "trl_scale.numbers": 0,
     "trl_scale.net": 0,
+    "trl_scale.routing": 0,
     "trl_scale.ranks": 0,
     "trl_scale.errors": 0,
     "trl_scale.seams": 0,

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 import trl_scale
 from trl_scale.rollout import RolloutClient, RolloutError
-from trl_scale.rollout.routing import LatencyRouting
 from trl_scale.rollout.weight_sync import SharedDirSync, SyncSettings
+from trl_scale.routing import LatencyRouting
 from trl_scale.toy import build_tiny_model, counting_prompts
 
 from .helpers import (
@@ -636,7 +636,7 @@ def test_a_seed_in_generation_kwargs_is_warned_about(tmp_path, caplog):
 def test_the_routing_policy_is_chosen_by_name_or_given_as_an_object():
     """'latency' (the default) sends a request to the faster free server; 'least_outstanding' to the one with the
     fewest requests in flight, blind to speed; a policy object of the user's is asked; an unknown name is refused."""
-    from trl_scale.rollout.routing import LeastOutstandingRouting
+    from trl_scale.routing import LeastOutstandingRouting
 
     urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     for routing, expected in (("latency", 0), ("least_outstanding", 1)):

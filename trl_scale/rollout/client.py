@@ -31,7 +31,7 @@ import requests
 
 from ..errors import RolloutError
 from ..logs import get_logger
-from .routing import RoutingPolicy, ServerState, routing_policy
+from ..routing import Rotation, RoutingPolicy, ServerState, routing_policy
 from .transport import Transport
 from .urls import definite_failure
 from .versions import VersionBook
@@ -110,7 +110,9 @@ class RolloutClient:
         self.max_inflight_per_server = max_inflight_per_server
         self.routing = routing_policy(routing) if isinstance(routing, str) else routing
         self._lock = threading.Condition()
-        self._backlog = 0  # requests submitted through generate() and not yet sent
+        self.rotation = Rotation(
+            self.servers, self.routing, max_inflight_per_server, retry_after, self._lock, "rollout server"
+        )
         # Enough threads that the in-flight cap, not the pool, bounds the requests on the wire (+ weight-sync calls).
         workers = max_workers or max(32, len(self.servers) * (max_inflight_per_server + 2))
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout")
@@ -124,43 +126,11 @@ class RolloutClient:
     # ---- server selection -----------------------------------------------------------------------------------
 
     def _acquire(self, exclude: set[str], deadline: float) -> ServerState | None:
-        """A server for one request (the routing policy's pick among the usable servers), or None when none is
-        usable (all down, stale or excluded) or none was free before `deadline`."""
-        with self._lock:
-            while True:
-                now = time.monotonic()
-                usable = [
-                    s
-                    for s in self.servers
-                    if s.url not in exclude and self.versions.is_current(s) and s.down_until <= now
-                ]
-                if not usable:
-                    return None
-                server = self.routing.pick(usable, self.max_inflight_per_server, self._backlog, now)
-                if server is not None:
-                    server.outstanding += 1
-                    self._backlog = max(0, self._backlog - 1)
-                    return server
-                if now >= deadline:
-                    return None
-                self._lock.wait(timeout=min(0.5, deadline - now))
+        """A server for one request on the current weights (the routing policy's pick), or None (`Rotation`)."""
+        return self.rotation.acquire(exclude, deadline, self.versions.is_current)
 
     def _release(self, server: ServerState, ok: bool, error: str = "", seconds: float | None = None) -> None:
-        with self._lock:
-            self._lock.notify_all()
-            server.outstanding -= 1
-            if seconds is not None:
-                self.routing.observe(server, seconds, time.monotonic())
-            if ok:
-                server.served += 1
-                server.failures = 0
-                server.down_until = 0.0
-            else:
-                server.failures += 1
-                server.last_error = error
-                server.unchecked = True  # it may come back restarted, on its original weights
-                server.down_until = time.monotonic() + self.retry_after
-                logger.warning("rollout server %s left the rotation: %s", server.url, error)
+        self.rotation.release(server, ok, error, seconds)
 
     # ---- generation ---------------------------------------------------------------------------------------
 
@@ -291,7 +261,7 @@ class RolloutClient:
             raise ValueError(f"n has {len(counts)} entries for {len(prompts)} prompts")
         self.versions.refresh(self.submit)
         with self._lock:
-            self._backlog += len(prompts)
+            self.rotation.backlog += len(prompts)
         futures = [self._pool.submit(self.complete, p, k, model, **sampling) for p, k in zip(prompts, counts)]
         return [f.result() for f in futures]
 

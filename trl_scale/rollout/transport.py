@@ -5,7 +5,7 @@ from __future__ import annotations
 import requests
 
 from ..errors import RolloutError
-from .routing import ServerState
+from ..routing import ServerState
 
 
 class Transport:

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from .routing import ServerState
+from ..routing import ServerState
 
 
 class VersionBook:

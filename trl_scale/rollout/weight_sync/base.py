@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from ...logs import get_logger
+from ...routing import ServerState
 from ..client import RolloutClient, RolloutError
-from ..routing import ServerState
 from ..weight_dir import WeightDirectory
 
 logger = get_logger(__name__)

@@ -14,8 +14,8 @@ from urllib.parse import urlparse
 
 from ...logs import get_logger
 from ...net import free_port, is_loopback
+from ...routing import ServerState
 from ..client import RolloutError
-from ..routing import ServerState
 from .base import PolicyWeights, WeightSyncMode
 
 logger = get_logger(__name__)

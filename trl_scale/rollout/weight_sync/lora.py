@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 
 from ...logs import get_logger
+from ...routing import ServerState
 from ..client import VERSION_PREFIX, RolloutError
-from ..routing import ServerState
 from .base import PolicyWeights, WeightSyncMode
 
 logger = get_logger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from ..routing import ServerState
+from ...routing import ServerState
 from .base import PolicyWeights, WeightSyncMode
 
 

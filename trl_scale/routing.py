@@ -1,12 +1,21 @@
-"""Which server takes a request: the servers' routing state and the routing policies, one chosen by name.
+"""Which server takes a request, for every client of a set of HTTP servers (the rollout router, the remote reward
+client): the servers' routing state, the routing policies (one chosen by name) and the rotation.
 
-A policy only orders and picks among the usable servers (current weights, in the rotation, not excluded); the client
-holds the lock, counts what is in flight and waits when the policy picks none."""
+A policy only orders and picks among the usable servers (in the rotation, not excluded, and whatever the caller adds,
+such as current weights); the rotation holds the lock, counts what is in flight, takes a failing server out for
+`retry_after` seconds and waits when the policy picks none."""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
+
+from .logs import get_logger
+
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -86,3 +95,60 @@ def routing_policy(name: str) -> RoutingPolicy:
     if name not in ROUTING_POLICIES:
         raise ValueError(f"unknown routing policy {name!r}: one of {sorted(ROUTING_POLICIES)}")
     return ROUTING_POLICIES[name]()
+
+
+class Rotation:
+    """The servers a client routes over: `acquire` a server for one request (the policy's pick among the usable
+    ones, at most `cap` in flight each), `release` it with the outcome. A failure takes the server out of the
+    rotation for `retry_after` seconds. `lock` is shared with whatever else reads the servers' state."""
+
+    def __init__(
+        self,
+        servers: list[ServerState],
+        policy: RoutingPolicy,
+        cap: int,
+        retry_after: float,
+        lock: threading.Condition | None = None,
+        what: str = "server",
+    ):
+        self.servers, self.policy, self.cap, self.retry_after = servers, policy, cap, retry_after
+        self.lock = lock or threading.Condition()
+        self.backlog = 0  # requests submitted and not yet sent (the latency policy weighs them)
+        self.what = what  # how the log names a server ("rollout server", "reward server")
+
+    def acquire(
+        self, exclude: set[str], deadline: float, usable: Callable[[ServerState], bool] = lambda server: True
+    ) -> ServerState | None:
+        """A server for one request, or None when none is usable (all down or excluded, or refused by `usable`) or
+        none was free before `deadline`."""
+        with self.lock:
+            while True:
+                now = time.monotonic()
+                candidates = [s for s in self.servers if s.url not in exclude and usable(s) and s.down_until <= now]
+                if not candidates:
+                    return None
+                server = self.policy.pick(candidates, self.cap, self.backlog, now)
+                if server is not None:
+                    server.outstanding += 1
+                    self.backlog = max(0, self.backlog - 1)
+                    return server
+                if now >= deadline:
+                    return None
+                self.lock.wait(timeout=min(0.5, deadline - now))
+
+    def release(self, server: ServerState, ok: bool, error: str = "", seconds: float | None = None) -> None:
+        with self.lock:
+            self.lock.notify_all()
+            server.outstanding -= 1
+            if seconds is not None:
+                self.policy.observe(server, seconds, time.monotonic())
+            if ok:
+                server.served += 1
+                server.failures = 0
+                server.down_until = 0.0
+            else:
+                server.failures += 1
+                server.last_error = error
+                server.unchecked = True  # it may come back restarted
+                server.down_until = time.monotonic() + self.retry_after
+                logger.warning("%s %s left the rotation: %s", self.what, server.url, error)
