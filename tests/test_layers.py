@@ -24,6 +24,7 @@ LAYERS = {
     "trl_scale.distributed": 2,
     "trl_scale.fleet": 2,
     "trl_scale.serve": 2,
+    "trl_scale.rewards": 2,
     "trl_scale.trainers": 3,
     "trl_scale.callbacks": 4,
     "trl_scale.toy": 4,

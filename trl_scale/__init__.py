@@ -2,7 +2,10 @@
 
 __version__ = "0.1.0"
 
+REWARDS = ["AsyncRemoteReward", "CodeExecutionReward", "RemoteReward", "RemoteRewardSettings", "SandboxSettings"]
+
 __all__ = [
+    *REWARDS,
     "DPOConfig",
     "DPOTrainer",
     "GRPOConfig",
@@ -18,6 +21,10 @@ __all__ = [
 def __getattr__(name: str):
     # Imported on first use (PEP 562): `trl-scale --help`, `check-servers` and `serve` need no TRL, which takes
     # seconds to import.
+    if name in REWARDS:  # no TRL: a reward server or a verifier needs none
+        from . import rewards
+
+        return getattr(rewards, name)
     if name in __all__:
         from . import trainers
 

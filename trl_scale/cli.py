@@ -385,6 +385,7 @@ METHODS = ("grpo", "rloo", "dpo", "ppo")
 USAGE = (
     "usage: trl-scale {grpo,rloo,dpo,ppo} --config file.yaml [--field value ...]\n"
     "       trl-scale serve --model PATH [--host 127.0.0.1] [--port N]\n"
+    "       trl-scale reward-server [--reward code|module:function] [--host 127.0.0.1] [--port N] [--api-key KEY]\n"
     "       trl-scale check-servers URL... [--weight-sync MODE] [--max-completion-length N] [--json]\n"
     "       trl-scale rollout {rejection-sample,eval} --servers URL... --tokenizer PATH --dataset D --reward-funcs F\n"
     "       trl-scale demo [options]"
@@ -450,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
         from .serve import serve
 
         return serve(rest)
+    if command == "reward-server":
+        from .rewards.server import reward_server
+
+        return reward_server(rest)
     if command == "check-servers":
         return check_servers(rest)
     if command in METHODS:

@@ -1,5 +1,5 @@
-"""Network facts every part needs, written once: a free TCP port, whether a host is this machine's loopback, and
-whether a server answers its health route."""
+"""Network facts every part needs, written once: a free TCP port, whether a host is this machine's loopback, the
+bearer-token rule for a server bound beyond it, and whether a server answers its health route."""
 
 from __future__ import annotations
 
@@ -24,6 +24,16 @@ def is_loopback(host: str | None) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def require_token_off_loopback(host: str, api_key: str | None, allow_unauthenticated: bool, risk: str) -> None:
+    """A server bound beyond loopback needs a bearer token, or an explicit opt-out: anyone who can reach it `risk`."""
+    if not is_loopback(host) and not api_key and not allow_unauthenticated:
+        raise ValueError(
+            f"refusing to serve on {host!r} without a bearer token: anyone who can reach it {risk}. Fix: pass "
+            "--api-key KEY (or set TRL_SCALE_API_KEY), bind --host 127.0.0.1, or pass --allow-unauthenticated on a "
+            "trusted network."
+        )
 
 
 def answers_health(url: str, timeout: float = 2.0) -> bool:

@@ -10,19 +10,14 @@ import os
 from collections.abc import Callable
 
 from ..model_paths import check_model_path
-from ..net import is_loopback
+from ..net import require_token_off_loopback
 from .served import MAX_REQUEST_BYTES
 
 
 def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
     """A server reachable beyond this machine takes weight updates and runs generation for whoever connects: it needs
     a bearer token, or an explicit opt-out."""
-    if not is_loopback(host) and not api_key and not allow_unauthenticated:
-        raise ValueError(
-            f"refusing to serve on {host!r} without a bearer token: anyone who can reach it could replace the model's "
-            "weights. Fix: pass --api-key KEY (or set TRL_SCALE_API_KEY), bind --host 127.0.0.1, or pass "
-            "--allow-unauthenticated on a trusted network."
-        )
+    require_token_off_loopback(host, api_key, allow_unauthenticated, "could replace the model's weights")
 
 
 DESCRIPTION = (

@@ -1,0 +1,247 @@
+"""`RemoteReward` against real reward-server processes on loopback (`trl-scale reward-server`, OpenRLHF's contract):
+equal to scoring the same function locally, one request per prompt group, failed over when a server is killed
+mid-run (a GRPO run goes on), an error naming every URL when all are down, and an answer outside the contract (wrong
+length, not numbers, a refusal) named with its server and field."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from transformers import TrainerCallback
+
+from trl_scale.rewards import AsyncRemoteReward, RemoteReward, RewardServiceError
+
+from .helpers import cpu_args, free_port
+from .reward_servers import RewardServerProcess, response_length
+
+FUNCTION = "tests.reward_servers:response_length"
+
+
+@pytest.fixture(scope="module")
+def two_servers():
+    servers = [RewardServerProcess("--reward", FUNCTION) for _ in range(2)]
+    yield servers
+    for server in servers:
+        server.kill()
+
+
+def local_scores(prompts: list[str], completions: list[str], labels: list | None = None) -> list[float]:
+    """The same function, called here on what OpenRLHF's contract sends it."""
+    labels = labels or [""] * len(prompts)
+    return response_length([p + c for p, c in zip(prompts, completions)], prompts, labels)
+
+
+def groups(count: int, size: int) -> tuple[list[str], list[str]]:
+    """`count` prompt groups of `size` rows each (consecutive equal prompts, as TRL's sampler lays them out); every
+    completion a different length, so a row paired with another row's score is seen."""
+    prompts = [f"prompt {g}: " for g in range(count) for _ in range(size)]
+    completions = ["x" * (3 * i + 1) for i in range(count * size)]
+    return prompts, completions
+
+
+def test_scores_equal_local_scoring_one_request_per_group(two_servers):
+    before = sum(s.requests_served() for s in two_servers)
+    reward = RemoteReward([s.url for s in two_servers], routing="least_outstanding", max_inflight_per_server=1)
+    prompts, completions = groups(count=8, size=4)
+    assert reward(prompts=prompts, completions=completions) == local_scores(prompts, completions)
+    served = [s.requests_served() for s in two_servers]
+    assert sum(served) - before == 8  # one request per prompt group
+    assert all(count > 0 for count in served)  # both servers took requests
+    # rows_per_request cuts a group; labels travel as OpenRLHF's `labels`
+    reward = RemoteReward([two_servers[0].url], rows_per_request=3, label_column="bonus")
+    bonus = [str(i) for i in range(len(prompts))]
+    assert reward(prompts=prompts, completions=completions, bonus=bonus) == local_scores(prompts, completions, bonus)
+
+
+def test_the_async_form_runs_on_an_event_loop_and_scores_the_same(two_servers):
+    from trl.trainer.utils import is_async_callable
+
+    reward = AsyncRemoteReward([s.url for s in two_servers])
+    assert is_async_callable(reward)  # TRL gathers it with its other async reward functions
+    prompts, completions = groups(count=3, size=2)
+    assert asyncio.run(reward(prompts=prompts, completions=completions)) == local_scores(prompts, completions)
+
+
+class KillAtStep(TrainerCallback):
+    def __init__(self, server: RewardServerProcess, step: int):
+        self.server, self.step = server, step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.server.kill()
+
+
+def local_length(prompts, completions, **kwargs) -> list[float]:
+    return local_scores(prompts, completions)
+
+
+def test_a_grpo_run_goes_on_when_a_reward_server_is_killed_mid_run(tiny_llama, tmp_path):
+    """GRPO scored by two reward servers; one is killed (`kill -9`) after step 2: every later request goes to the
+    other, no step is lost, and every step's remote reward equals the same function scored in the trainer."""
+    import trl_scale
+    from trl_scale.toy import counting_prompts
+
+    servers = [RewardServerProcess("--reward", FUNCTION) for _ in range(2)]
+    try:
+        # one request in flight per server: each step's two prompt groups go one to each, so the killed one is tried
+        urls = [s.url for s in servers]
+        remote = RemoteReward(urls, routing="least_outstanding", max_inflight_per_server=1, retry_after=30.0)
+        args = trl_scale.GRPOConfig(
+            **cpu_args(tmp_path, max_steps=5, num_generations=4, max_completion_length=6),
+            reward_weights=[1.0, 0.0],
+        )
+        trainer = trl_scale.GRPOTrainer(
+            model=tiny_llama, reward_funcs=[remote, local_length], args=args, train_dataset=counting_prompts(64)
+        )
+        trainer.add_callback(KillAtStep(servers[0], step=2))
+        trainer.train()
+        logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+        assert [entry["step"] for entry in logs] == [1, 2, 3, 4, 5]
+        for entry in logs:
+            assert entry["rewards/remote_reward/mean"] == pytest.approx(entry["rewards/local_length/mean"], abs=1e-6)
+        assert servers[0].process.poll() is not None and remote.failovers >= 1
+        assert remote.servers[0].failures >= 1 and "Connection" in remote.servers[0].last_error
+    finally:
+        for server in servers:
+            server.kill()
+
+
+def test_every_server_down_names_every_url():
+    servers = [RewardServerProcess("--reward", FUNCTION) for _ in range(2)]
+    urls = [s.url for s in servers]
+    for server in servers:
+        server.kill()
+    reward = RemoteReward(urls, retries=2, retry_after=0.2, timeout=5.0)
+    with pytest.raises(RewardServiceError) as error:
+        reward(prompts=["a", "a"], completions=["b", "c"])
+    message = str(error.value)
+    assert all(url in message for url in urls) and "ConnectionError" in message, message
+
+
+@pytest.fixture
+def answering():
+    """A stand-in server answering every POST with the given JSON (and status): what a broken server says."""
+    started = []
+
+    def start(body, status: int = 200) -> str:
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        started.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}/get_reward"
+
+    yield start
+    for server in started:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_server_answering_the_wrong_length_is_named(answering):
+    real = RewardServerProcess("--reward", "tests.reward_servers:one_too_many")  # the reference server, a bad function
+    try:
+        with pytest.raises(RewardServiceError, match=rf"{real.url} answered outside the contract: 'rewards' holds 3"):
+            RemoteReward([real.url])(prompts=["p", "p"], completions=["a", "b"])
+    finally:
+        real.kill()
+    url = answering({"rewards": [1.0, "high"]})
+    with pytest.raises(RewardServiceError, match=r"answered outside the contract: rewards\[1\] is 'high', not a num"):
+        RemoteReward([url])(prompts=["p", "p"], completions=["a", "b"])
+    url = answering({"scores": [1.0, 2.0]})
+    with pytest.raises(RewardServiceError, match=r"no 'rewards' field \(got \['scores'\]\)"):
+        RemoteReward([url])(prompts=["p", "p"], completions=["a", "b"])
+
+
+def test_a_refusal_is_not_failed_over_and_a_5xx_is(answering, two_servers):
+    refusing = answering({"detail": "bad request"}, status=422)
+    with pytest.raises(RewardServiceError, match=rf"{refusing} refused the request \(422\)"):
+        RemoteReward([refusing, two_servers[0].url], routing="least_outstanding")(prompts=["p"], completions=["a"])
+    failing = answering({"error": "boom"}, status=503)
+    reward = RemoteReward([failing, two_servers[0].url], routing="least_outstanding", retry_after=30.0)
+    prompts, completions = groups(count=4, size=2)
+    assert reward(prompts=prompts, completions=completions) == local_scores(prompts, completions)
+    assert reward.servers[0].failures >= 1 and reward.servers[0].last_error == "HTTP 503"
+
+
+def test_a_token_protected_server():
+    server = RewardServerProcess("--reward", FUNCTION, api_key="s3cret")
+    try:
+        with pytest.raises(RewardServiceError, match=r"refused the request \(401\): .*bearer token"):
+            RemoteReward([server.url])(prompts=["p"], completions=["a"])
+        assert RemoteReward([server.url], api_key="s3cret")(prompts=["p"], completions=["ab"]) == [2.0]
+    finally:
+        server.kill()
+
+
+def test_conversational_rows_are_rendered_with_the_chat_template(two_servers, tiny_llama):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    prompts = [[{"role": "user", "content": "count"}]] * 2
+    completions = [[{"role": "assistant", "content": "one"}], [{"role": "assistant", "content": "one two"}]]
+    with pytest.raises(ValueError, match="conversational rows .* pass tokenizer="):
+        RemoteReward([two_servers[0].url])(prompts=prompts, completions=completions)
+    got = RemoteReward([two_servers[0].url], tokenizer=tokenizer)(prompts=prompts, completions=completions)
+    render = tokenizer.apply_chat_template
+    queries = [render(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+    texts = [render(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    assert got == response_length(queries, texts, ["", ""]) and got[1] > got[0]
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"timeout": 0}, r"timeout=0: use a positive number"),
+        ({"retries": -1}, r"retries=-1: use a whole number >= 0"),
+        ({"retries": 1.5}, r"retries=1.5"),
+        ({"max_concurrency": 0}, r"max_concurrency=0"),
+        ({"rows_per_request": 0}, r"rows_per_request=0"),
+        ({"routing": "random"}, r"routing='random': use one of \['latency', 'least_outstanding'\]"),
+        ({"retry_afterr": 1}, r"unexpected keyword argument 'retry_afterr'"),
+    ],
+)
+def test_bad_settings_name_the_field(fields, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        RemoteReward(["http://127.0.0.1:1/get_reward"], **fields)
+
+
+def test_bad_urls_and_a_missing_label_column_are_named():
+    with pytest.raises(ValueError, match=r"urls=\['127.0.0.1:8100'\]: give one or more http"):
+        RemoteReward(["127.0.0.1:8100"])
+    reward = RemoteReward("http://127.0.0.1:1/get_reward", label_column="answer")
+    with pytest.raises(KeyError, match=r"label_column='answer' is not a column of this batch \(columns: \['id'\]\)"):
+        reward(prompts=["p"], completions=["a"], id=[0])
+
+
+def test_the_code_verifier_behind_the_reference_server_scores_as_it_does_locally():
+    """`trl-scale reward-server --reward code`: the sandboxed verifier over HTTP; the tests travel as OpenRLHF's
+    labels (a JSON column), the response is the query after its prompt."""
+    from trl_scale.rewards import CodeExecutionReward, SandboxSettings
+
+    server = RewardServerProcess("--reward", "code", "--wall-seconds", "3", "--cpu-seconds", "2", "--slots", "2")
+    tests = [[{"call": "double(2)", "expected": 4}, {"call": "double(-1)", "expected": -2}]] * 3
+    prompts = ["Write double(x).\n"] * 3
+    completions = ["def double(x):\n    return 2 * x", "def double(x):\n    return 4", "while True: pass"]
+    try:
+        remote = RemoteReward([server.url], label_column="tests")(
+            prompts=prompts, completions=completions, tests=tests
+        )
+    finally:
+        server.kill()
+    local = CodeExecutionReward(sandbox=SandboxSettings(wall_seconds=3, cpu_seconds=2, slots=2))
+    assert remote == local(completions=completions, tests=tests) == [1.0, 0.5, 0.0]
+    local.close()
