@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -245,3 +246,87 @@ def test_the_code_verifier_behind_the_reference_server_scores_as_it_does_locally
     local = CodeExecutionReward(sandbox=SandboxSettings(wall_seconds=3, cpu_seconds=2, slots=2))
     assert remote == local(completions=completions, tests=tests) == [1.0, 0.5, 0.0]
     local.close()
+
+
+def test_grpo_scored_by_the_sandboxed_verifier_on_a_reward_server_gets_the_counting_reward(tiny_llama, tmp_path):
+    """The toy counting task with its answer run as a program (`trl_scale.toy.code_task`), scored by the sandboxed
+    verifier behind `trl-scale reward-server`: every step's reward is the counting reward computed in the trainer
+    (which `tests/test_examples.py` shows the toy model learns; the end-to-end learning run is
+    `test_the_sandboxed_reward_example_learns`, outside CI)."""
+    import trl_scale
+    from trl_scale.toy import counting_code_prompts, counting_reward
+
+    server = RewardServerProcess("--reward", "code", "--extract", "trl_scale.toy:number_words_as_code")
+    try:
+        args = trl_scale.GRPOConfig(
+            **cpu_args(tmp_path, max_steps=3, num_generations=4, max_completion_length=4), reward_weights=[1.0, 0.0]
+        )
+        remote = RemoteReward([server.url], label_column="tests")
+        trainer = trl_scale.GRPOTrainer(
+            model=tiny_llama,
+            reward_funcs=[remote, counting_reward],
+            args=args,
+            train_dataset=counting_code_prompts(32),
+        )
+        trainer.train()
+        assert server.requests_served() == 3 * 2  # a request per prompt group
+    finally:
+        server.kill()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 3
+    for entry in logs:
+        assert entry["rewards/remote_reward/mean"] == pytest.approx(entry["rewards/counting_reward/mean"], abs=1e-6)
+
+
+@pytest.mark.learning  # 200 steps of 64 sandboxed runs each: minutes on 2 cores
+def test_the_sandboxed_reward_example_learns(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    from .helpers import ROOT, subprocess_env
+
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "grpo_sandboxed_reward.py"), "--output-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=ROOT,
+        env=subprocess_env(),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    before, after = map(
+        float, re.search(r"counting reward: ([\d.]+) before GRPO, ([\d.]+) after", result.stdout).groups()
+    )
+    assert after >= before + 0.1, (before, after)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--host", "0.0.0.0"],
+            "refusing to serve on '0.0.0.0' without a bearer token: anyone who can reach it could",
+        ),
+        (
+            ["--reward", "tests.reward_servers:nothing"],
+            "--reward 'tests.reward_servers:nothing': tests.reward_servers has",
+        ),
+        (["--reward", "no_such_module_xyz:f"], "No module named 'no_such_module_xyz'"),
+        (
+            ["--reward", FUNCTION, "--extract", "trl_scale.toy:number_words_as_code"],
+            "--extract .* is read by --reward code",
+        ),
+        (["--wall-seconds", "0"], "wall_seconds=0.0: use a positive number"),
+        (["--isolation", "none"], "invalid choice: 'none'"),
+    ],
+)
+def test_the_reward_server_refuses_bad_options_before_serving(argv, message, capsys):
+    from trl_scale.cli import main
+
+    try:
+        code = main(["reward-server", "--port", str(free_port()), *argv])
+    except SystemExit as exit:  # argparse's own refusals
+        code = exit.code
+    assert code == 2
+    assert re.search(message, capsys.readouterr().err), message

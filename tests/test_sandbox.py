@@ -241,3 +241,23 @@ def test_no_sandbox_refuses_naming_the_fix_unless_the_unsafe_mode_is_named(caplo
 def test_bad_limits_name_the_field(fields, match):
     with pytest.raises(ValueError, match=match):
         SandboxSettings(**fields)
+
+
+def test_the_readmes_table_and_limits_are_the_codes():
+    """The README's table of hostile code is this module's, row for row, and its default limits are
+    `SandboxSettings`' (a number in the docs that the code can give is checked against the code)."""
+    import re
+
+    from .helpers import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Rewards as services")[1].split("\n### ")[0]
+    rows = re.findall(r"^\| ([^|]+?) \| [^|]+ \|$", section, flags=re.MULTILINE)
+    assert rows[1:] == list(HOSTILE), rows  # the first row is the header
+    defaults = SandboxSettings()
+    limits = (
+        f"wall time ({defaults.wall_seconds:g} s), CPU time ({defaults.cpu_seconds} s), address space "
+        f"({defaults.memory_mb} MiB), processes ({defaults.max_processes}) and output "
+        f"({defaults.max_output_bytes >> 20} MiB)"
+    )
+    assert limits in " ".join(section.split()), limits

@@ -4,7 +4,7 @@ so verifiers can live on other machines and `RemoteReward` (or OpenRLHF's `--rew
 It serves `POST /get_reward` (OpenRLHF's reference route) and `GET /health`, on 127.0.0.1 by default; bound beyond
 loopback it needs a bearer token (`--api-key`), as `trl-scale serve` does. What scores:
 - `--reward code` (default): the sandboxed code verifier (`CodeExecutionReward`); each row's `labels` entry holds its
-  tests (JSON), the response is the query after its prompt;
+  tests (JSON), the response is the query after its prompt, its code the last fenced block (or `--extract`'s);
 - `--reward module:function` (or `module.function`): a function with OpenRLHF's signature,
   `reward_func(queries, prompts, labels)` returning a list of numbers (or a dict with `rewards`).
 
@@ -29,13 +29,25 @@ from .contract import read_request
 MAX_REQUEST_BYTES = 64 << 20
 
 
-def load_reward(spec: str, sandbox_fields: dict) -> Callable[[list, list, list], list]:
+def load_function(spec: str, option: str) -> Callable:
+    """`module:function` (or `module.function`), imported."""
+    module, _, name = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    if not module or not name:
+        raise ValueError(f"{option} {spec!r}: use module:function")
+    function = getattr(importlib.import_module(module), name, None)
+    if not callable(function):
+        raise ValueError(f"{option} {spec!r}: {module} has no function {name!r}")
+    return function
+
+
+def load_reward(spec: str, sandbox_fields: dict, extract: str | None = None) -> Callable[[list, list, list], list]:
     """The scoring function of `--reward`: `fn(queries, prompts, labels) -> rewards`."""
     if spec == "code":
-        from .code import CodeExecutionReward, parse_tests
+        from .code import CodeExecutionReward, extract_code, parse_tests
         from .sandbox import SandboxSettings
 
-        verifier = CodeExecutionReward(sandbox=SandboxSettings(**sandbox_fields))
+        extractor = load_function(extract, "--extract") if extract else extract_code
+        verifier = CodeExecutionReward(sandbox=SandboxSettings(**sandbox_fields), extract=extractor)
 
         def code(queries: list, prompts: list, labels: list) -> list[float]:
             responses = [q[len(p) :] if q.startswith(p) else q for q, p in zip(queries, prompts)]
@@ -44,13 +56,9 @@ def load_reward(spec: str, sandbox_fields: dict) -> Callable[[list, list, list],
             return [sum(o.passed for o in row) / len(row) for row in outcomes]
 
         return code
-    module, _, name = spec.partition(":") if ":" in spec else spec.rpartition(".")
-    if not module or not name:
-        raise ValueError(f"--reward {spec!r}: use 'code' or module:function")
-    function = getattr(importlib.import_module(module), name, None)
-    if not callable(function):
-        raise ValueError(f"--reward {spec!r}: {module} has no function {name!r}")
-    return function
+    if extract:
+        raise ValueError(f"--extract {extract!r} is read by --reward code only (the verifier), not by {spec!r}")
+    return load_function(spec, "--reward")
 
 
 class RewardHandler(BaseHTTPRequestHandler):
@@ -115,6 +123,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--allow-unauthenticated", action="store_true", help="no token beyond loopback")
     parser.add_argument("--route", default="/get_reward", help="the path rewards are posted to")
     parser.add_argument("--reward", default="code", help="'code' (the sandboxed verifier) or module:function")
+    parser.add_argument(
+        "--extract",
+        default=None,
+        help="module:function: the code of a response (default: its last fenced block, else all of it)",
+    )
     sandbox = parser.add_argument_group("sandbox (--reward code)")
     sandbox.add_argument("--wall-seconds", type=float, default=10.0)
     sandbox.add_argument("--cpu-seconds", type=int, default=5)
@@ -133,7 +146,7 @@ def reward_server(argv: list[str]) -> int:
         )
         fields = {"wall_seconds": args.wall_seconds, "cpu_seconds": args.cpu_seconds, "memory_mb": args.memory_mb}
         fields.update(max_processes=args.max_processes, slots=args.slots, isolation=args.isolation)
-        reward = load_reward(args.reward, fields)
+        reward = load_reward(args.reward, fields, args.extract)
         server = RewardServer((args.host, args.port), reward, args.route, args.api_key)
     except (ValueError, RuntimeError, OSError, ImportError) as error:
         print(f"trl-scale reward-server: {error}", file=sys.stderr)

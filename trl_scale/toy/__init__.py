@@ -13,6 +13,7 @@ __all__ = [
     "check_tokenizer_round_trip",
     "tiny_config",
 ]
+from .code_task import counting_code_prompts, number_words_as_code  # noqa: E402
 from .tasks import (  # noqa: E402
     COUNT_TARGET_LENGTH,
     counting_prompts,
@@ -24,6 +25,8 @@ from .tasks import (  # noqa: E402
 
 __all__ += [
     "COUNT_TARGET_LENGTH",
+    "counting_code_prompts",
+    "number_words_as_code",
     "counting_prompts",
     "counting_reward",
     "expected_continuation",
