@@ -261,3 +261,44 @@ def test_the_readmes_table_and_limits_are_the_codes():
         f"({defaults.max_output_bytes >> 20} MiB)"
     )
     assert limits in " ".join(section.split()), limits
+
+
+NOT_ROOT = """
+import json, os
+from trl_scale.rewards import CodeExecutionReward, SandboxSettings
+reward = CodeExecutionReward(sandbox=SandboxSettings(wall_seconds=4.0, cpu_seconds=2, max_processes=16, slots=2))
+codes = [CORRECT, FORKS]
+print(json.dumps({"uid": os.getuid(), "rewards": reward(completions=codes, tests=[TESTS, TESTS])}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to start a process as another user")
+def test_as_another_user_the_process_limit_counts_that_users_processes(tmp_path):
+    """Run by a user other than root (here uid 1000, by `setpriv`), the sandbox has no uid to drop to: its process
+    limit is that user's current count plus `max_processes`, and still holds the forks (the kernel counts a user's
+    processes together, so a plain limit of 16 would not even let bwrap start beside a busy trainer)."""
+    import json
+    import subprocess
+    import sys
+
+    from .helpers import ROOT, subprocess_env
+
+    forks = filled(HOSTILE["more processes than allowed"][0], {"home": "", "checkpoint": "", "port": 0})
+    script = NOT_ROOT.replace("CORRECT", repr("def add(a, b):\n    return a + b")).replace("FORKS", repr(forks))
+    script = script.replace("TESTS", repr(TESTS))
+    sleepers = [  # 20 processes of that user already running
+        subprocess.Popen(["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "sleep", "60"])
+        for _ in range(20)
+    ]
+    try:
+        env = subprocess_env(HOME=str(tmp_path), TMPDIR=str(tmp_path))
+        tmp_path.chmod(0o777)
+        command = ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", sys.executable, "-c", script]
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        for sleeper in sleepers:
+            sleeper.kill()
+            sleeper.wait()
+    assert result.returncode == 0, result.stderr[-2000:]
+    answer = json.loads(result.stdout.strip().splitlines()[-1])
+    assert answer == {"uid": 1000, "rewards": [1.0, 0.0]}, answer
