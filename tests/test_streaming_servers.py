@@ -302,33 +302,6 @@ def test_dynamic_sampling_tops_up_from_the_stream_within_the_bound(servers, tiny
     assert sum(dropped) > 0
 
 
-def test_asynchronous_rollout_refuses_a_rollout_func_naming_the_fix(servers, tiny_llama, tmp_path):
-    """A rollout_func generates inside the step with its own calls: nothing can be generated ahead of it."""
-
-    def rollout_func(prompts, trainer):
-        raise AssertionError("never called")
-
-    args = trl_scale.GRPOConfig(
-        **cpu_args(
-            tmp_path,
-            num_generations=GROUP,
-            use_vllm=True,
-            vllm_mode="server",
-            vllm_server_base_urls=[s.url for s in servers],
-            async_rollout_staleness=1,
-        )
-    )
-    with pytest.raises(ValueError, match="rollout_func.*Fix: async_rollout_staleness=0"):
-        trl_scale.GRPOTrainer(
-            model=tiny_llama,
-            reward_funcs=token_parity_reward,
-            args=args,
-            train_dataset=id_dataset(),
-            processing_class=AutoTokenizer.from_pretrained(tiny_llama),
-            rollout_func=rollout_func,
-        )
-
-
 def test_an_ordered_resume_inside_a_generation_window_neither_repeats_nor_skips(servers, tiny_llama, tmp_path):
     """Ordered read-ahead with a generation batch spanning 2 steps: checkpoint-3 lies inside the batch of steps 3-4.
     The resumed run trains step 4 on the saved rollout and then generates the batch of steps 5-6 for the same

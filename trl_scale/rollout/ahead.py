@@ -53,7 +53,7 @@ class ReadAhead(Protocol):
 
 
 def _ordered(
-    generation, staleness: int, tokenize, groups_per_batch: int | None, converse, score, open_episode
+    generation, staleness: int, tokenize, groups_per_batch: int | None, converse, score, open_episode, rollout
 ) -> ReadAhead:
     """Up to `staleness` generation batches prefetched, each generated whole at the weights of its request (groups,
     later turns, rewards and episodes are streaming's: none is given here)."""
@@ -73,7 +73,7 @@ def _submit_spanned(pool, generation, prompt_ids):
 
 
 def _streaming(
-    generation, staleness: int, tokenize, groups_per_batch: int | None, converse, score, open_episode
+    generation, staleness: int, tokenize, groups_per_batch: int | None, converse, score, open_episode, rollout
 ) -> ReadAhead:
     """Prompt groups streamed through the servers, each trained once finished, within `staleness` syncs."""
     from .streaming import StreamingRollout
@@ -90,6 +90,7 @@ def _streaming(
         score=score,
         open_episode=open_episode,
         group_size=None if open_episode is None else open_episode.group_size,
+        rollout=rollout,
     )
 
 
@@ -115,19 +116,22 @@ class GenerationAhead:
         converse: Converse | None = None,
         score=None,
         open_episode=None,
+        rollout=None,
     ) -> None:
         """Asynchronous rollout (`settings.asynchronous`): the read-ahead engine of its mode reads the trainer's
         data ahead. `groups_per_batch` (streaming): the prompt groups one generation batch trains on. `converse`
         (streaming, tool-using rollouts): a group's later turns, run in the stream's thread right after its first
         turn (see `Converse`). `score` (streaming, rewards in the stream): (rows, prompt ids, choices) -> the
         group's rewards, run in the stream's thread once the group has finished. `open_episode` (streaming,
-        environments): rows -> the group's episode, opened when it is sent (see `streaming.Episode`)."""
+        environments): rows -> the group's episode, opened when it is sent (see `streaming.Episode`). `rollout`
+        (streaming, a `rollout_func`): (rows, send, dispatched) -> the group's choices and newest version, made by
+        the user's function instead of one request (see `streaming.Rollout`)."""
         asynchronous = self.settings.asynchronous
         self.streams = asynchronous.streams
         self.converses = self.streams and converse is not None
         build = READ_AHEAD_ENGINES[asynchronous.mode]
         staleness = asynchronous.staleness
-        self.read_ahead = build(self, staleness, tokenize, groups_per_batch, converse, score, open_episode)
+        self.read_ahead = build(self, staleness, tokenize, groups_per_batch, converse, score, open_episode, rollout)
 
     @property
     def streamer(self):

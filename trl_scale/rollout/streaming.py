@@ -80,6 +80,9 @@ class StreamedBatch:
 # send(prompt_ids, n, dispatched) -> (choices, newest version): blocking; calls dispatched() right before each
 # request goes on the wire (again on a failover), so the group's version is taken when it is sent, not queued.
 Send = Callable[[list[int], int, Callable[[], None]], tuple[list[dict], int]]
+# rollout(rows, send, dispatched) -> (one choice per row, newest version or -1): a user's generation loop for one
+# group (TRL's `rollout_func`), sending through `send`; -1 when nothing it sent was seen (then: up to now).
+Rollout = Callable[[list, Send, Callable[[], None]], tuple[list[dict], int]]
 
 
 class StreamingRollout:
@@ -98,6 +101,7 @@ class StreamingRollout:
         score: Callable[[list, list[int], list[dict]], object] | None = None,
         open_episode: Callable[[list], Episode] | None = None,
         group_size: int | None = None,
+        rollout: Rollout | None = None,
     ):
         if staleness < 1:
             raise ValueError(f"streaming needs async_rollout_staleness >= 1, got {staleness}")
@@ -115,6 +119,7 @@ class StreamingRollout:
         # rows -> the group's episode (environments): opened when the group is sent, closed once it is scored
         self.open_episode = open_episode
         self.group_size = group_size  # rows per group when groups are not cut by prompt (environments)
+        self.rollout = rollout  # a group's choices made by the user's rollout_func instead of one request
         self._scoring = 0  # groups finished generating, their rewards being computed
         self._taken_at = -1  # the version of the last batch taken
         self.pending: deque[PromptGroup] = deque()  # read, not sent (dropped ones go first)
@@ -204,7 +209,11 @@ class StreamingRollout:
         answers nobody will train on."""
         episode = self.open_episode(group.rows) if self.open_episode is not None else None
         try:
-            if episode is None:
+            if self.rollout is not None:
+                rows, prompt_ids, more = group.rows, list(group.prompt_ids), ()
+                choices, newest = self.rollout(rows, self.send, dispatched)
+                newest = newest if newest >= 0 else self.version()  # it sent nothing we saw: up to now
+            elif episode is None:
                 rows, prompt_ids, more = group.rows, list(group.prompt_ids), ()
                 choices, newest = self.send(prompt_ids, len(rows), dispatched)
             else:

@@ -16,6 +16,7 @@ from .construction import uses_server_rollout
 from .feature import Feature
 from .stream_environments import EpisodeOpener, finished_environments
 from .stream_rewards import StreamScorer
+from .stream_rollout_func import replayed_rollouts, rolling_out
 from .streamed_tools import conversing, streamed_conversations
 
 logger = get_logger(__name__)
@@ -62,11 +63,7 @@ class ServerRollout(Feature):
         args = trainer.args
         asynchronous = AsyncRollout.from_config(args) if self.wanted else AsyncRollout()
         if asynchronous.staleness and getattr(trainer, "rollout_func", None) is not None:
-            raise ValueError(
-                "async_rollout_staleness > 0 generates ahead from the trainer's prompts; a rollout_func generates "
-                "inside the step with its own calls. Fix: async_rollout_staleness=0, or give the rollout's tools as "
-                "tools=... or its environment as environment_factory=... (both are streamed)"
-            )
+            check_streamed_rollout_func(args, asynchronous.streams)
         environments = getattr(trainer, "environment_factories", None) is not None
         if environments and asynchronous.staleness:
             check_streamed_environments(args, asynchronous.streams)
@@ -159,6 +156,7 @@ class ServerRollout(Feature):
             converse=conversing(trainer, lock, timeout) if streaming and getattr(trainer, "tools", None) else None,
             score=StreamScorer(trainer, asynchronous.reward_workers) if rewards_in_stream else None,
             open_episode=self.episodes,
+            rollout=rolling_out(trainer) if getattr(trainer, "rollout_func", None) is not None else None,
         )
 
     # ---- the step -------------------------------------------------------------------------------------------
@@ -173,7 +171,7 @@ class ServerRollout(Feature):
             generation.sync_weights()
             trainer._last_loaded_step = trainer.state.global_step
         streamed = generation.take_streamed(len(inputs))
-        with generation.serving(streamed), finished_environments(trainer):
+        with generation.serving(streamed), finished_environments(trainer), replayed_rollouts(trainer, streamed):
             return proceed(streamed.rows)
 
     def tool_call_loop(self, trainer, proceed, prompts, prompt_ids, completion_ids, completions, logprobs, *rest):
@@ -276,6 +274,26 @@ class ServerRollout(Feature):
 
 def _no_prompt_ids(prompts: list) -> list[list[int]]:
     return [[] for _ in prompts]
+
+
+def check_streamed_rollout_func(args, streaming: bool) -> None:
+    """A rollout_func with asynchronous rollout runs in the stream, once per prompt group; its rewards in the step."""
+    if not streaming:
+        raise ValueError(
+            f"rollout_func with async_rollout_mode={args.async_rollout_mode!r}: a rollout_func is streamed (called "
+            "once per prompt group in the stream); the ordered prefetch cannot run it. Fix: "
+            "async_rollout_mode='streaming' (the default), or async_rollout_staleness=0"
+        )
+    if args.stream_rewards:
+        raise ValueError(
+            "stream_rewards=True with a rollout_func: its extra keys reach the reward functions in the step, where "
+            "TRL merges them. Fix: stream_rewards=None (the default) or False"
+        )
+    if getattr(args, "dynamic_sampling", False):
+        raise ValueError(
+            "dynamic_sampling=True with a streamed rollout_func: the top-up rounds generate without it. Fix: "
+            "dynamic_sampling=False, or async_rollout_staleness=0"
+        )
 
 
 def check_streamed_environments(args, streaming: bool) -> None:

@@ -1,0 +1,115 @@
+"""TRL's `rollout_func`, streamed: called once per prompt group in the stream, as soon as the group is sent, instead of
+once per batch inside the step.
+
+TRL calls `rollout_func(prompts, trainer)` in `_generate` with the step's whole slice of prompts (each prompt
+`num_generations` times) and trains on what it returns: `prompt_ids`, `completion_ids`, `logprobs` (the sampler's),
+and extra keys handed to the reward functions (`env_mask` becomes `tool_mask`). Streamed, each group's call gets the
+group's prompts and a view of the trainer whose `vllm_generation.generate(prompts, images, num_generations)` (TRL's
+own interface) sends to the servers through the stream: routed and failed over as every streamed request, the
+group's weight versions recorded from its first request to its last, so the staleness bound and the correction hold
+for its tokens. In the step, TRL's own `_generate` runs with `rollout_func` answering from the streamed groups (their
+prompts checked to be the step's), so TRL's decoding, masks and reward plumbing are TRL's.
+
+What trl-scale cannot see: a rollout_func that reaches the servers another way (`vllm_generation.vllm_client`, its
+own HTTP client). Its requests are not routed by the stream; their tokens are taken to be as new as the moment the
+function returned, as old as the group's dispatch, which holds only if those requests were made within the call.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+
+from .streamed_tools import TrainerView
+
+ROLLOUT_KEY = "trl_scale_rollout"  # a streamed choice's row of its group's rollout_func output
+REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
+
+
+class GroupGeneration:
+    """What a streamed `rollout_func` sees as `trainer.vllm_generation`: TRL's `generate` for one prompt group's
+    prompts, each unique prompt one request through the stream (no gathering across ranks: each rank's stream sends
+    its own groups). Other attributes are the trainer's generation's (sampling settings, ...)."""
+
+    def __init__(self, generation, send, dispatched):
+        self._generation, self._send, self._dispatched = generation, send, dispatched
+        self.newest = -1  # the newest weights any token it generated can come from
+
+    def __getattr__(self, name: str):
+        return getattr(self._generation, name)
+
+    def generate(self, prompts, images=None, num_generations: int = 1, profiler=None):
+        if images is not None and any(image is not None for image in images):
+            raise NotImplementedError("a streamed rollout_func generating with images")
+        choices = []
+        for ids in prompts[::num_generations]:
+            # the group's version is its first request's: later requests (its next turns) must not move it
+            dispatched, self._dispatched = self._dispatched, None
+            got, newest = self._send(list(ids), num_generations, dispatched)
+            self.newest = max(self.newest, newest)
+            choices.extend(got)
+        completion_ids, logprobs = self._generation.turn_outputs(choices)
+        return (
+            [list(p) for p in prompts],
+            completion_ids,
+            [[[v] for v in row] for row in logprobs],
+            [[[t] for t in choice["token_ids"]] for choice in choices],
+        )
+
+    def sync_weights(self) -> None:
+        raise RuntimeError(
+            "a streamed rollout_func called vllm_generation.sync_weights(): the trainer syncs between steps, and "
+            "each group is trained within async_rollout_staleness syncs of its generation. Fix: drop the call"
+        )
+
+
+def rolling_out(trainer):
+    """The stream's `rollout` hook: the user's `rollout_func` for one group, on a view of the trainer (see module)."""
+
+    def rollout(rows: list, send, dispatched) -> tuple[list[dict], int]:
+        prompts = copy.deepcopy([row["prompt"] for row in rows])  # TRL passes a copy too
+        generation = GroupGeneration(trainer.vllm_generation, send, dispatched)
+        output = trainer.rollout_func(prompts, TrainerView(trainer, vllm_generation=generation))
+        missing = sorted(set(REQUIRED) - set(output))
+        if missing:
+            raise ValueError(f"rollout_func must return keys {missing} in its output dict.")  # TRL's words
+        for key in REQUIRED:
+            if len(output[key]) != len(rows):
+                raise ValueError(f"rollout_func returned {len(output[key])} {key} for a group of {len(rows)} rows")
+        choices = [
+            {
+                "token_ids": list(output["completion_ids"][i]),
+                ROLLOUT_KEY: {k: v[i] if isinstance(v, list) else v for k, v in output.items()},
+            }
+            for i in range(len(rows))
+        ]
+        return choices, generation.newest
+
+    return rollout
+
+
+@contextmanager
+def replayed_rollouts(trainer, streamed):
+    """Within the block (a streamed batch's step), TRL's `rollout_func` call answers from the streamed groups' outputs,
+    in the batch's row order, once; the prompts asked for must be the batch's. Each extra key becomes one value per
+    row (a group's scalar, broadcast by TRL, stays that group's)."""
+    function = getattr(trainer, "rollout_func", None)
+    if function is None or not streamed.choices or ROLLOUT_KEY not in streamed.choices[0]:
+        yield
+        return
+    rows = [choice[ROLLOUT_KEY] for choice in streamed.choices]
+    generation = trainer.vllm_generation
+
+    def replay(prompts, _trainer):
+        if copy.deepcopy(prompts) != [row["prompt"] for row in streamed.rows]:
+            raise RuntimeError("streamed rollout_func: TRL asked for other prompts than the streamed batch's")
+        trainer.rollout_func = function  # answers one call
+        generation.last_version_spans = list(streamed.spans)
+        generation.last_versions = [first for first, _ in streamed.spans]
+        return {key: [row[key] for row in rows] for key in rows[0]}
+
+    trainer.rollout_func = replay
+    try:
+        yield
+    finally:
+        trainer.rollout_func = function
