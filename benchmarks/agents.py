@@ -11,7 +11,13 @@ verifier in another process or machine does, so calls on several threads overlap
 take about as long as a group takes to generate here. Two vLLM CPU servers (`.venv-vllm`, `bash
 scripts/setup_vllm.sh`) share one core, the trainer has the other (on 2 cores).
 
-Usage: python benchmarks/agents.py [--quick] [--latency S]. The last line printed is one JSON object.
+`--verifier sandbox`: the reward is the sandboxed code verifier instead (`CodeExecutionReward`, each completion run
+as a program in its own bubblewrap sandbox against the row's tests: the counting task with its answer as code,
+`trl_scale.toy.code_task`); its time is what a sandbox takes here, not a chosen latency, and it spends CPU the
+servers and the trainer also need (2 cores here).
+
+Usage: python benchmarks/agents.py [--quick] [--latency S] [--verifier sleep|sandbox]. The last line printed is one
+JSON object.
 """
 
 from __future__ import annotations
@@ -48,12 +54,24 @@ def slow_verifier(latency: float):
     return verifier
 
 
-def run(model_path: str, urls: list[str], mode: str, latency: float, steps: int, warmup: int, out: str) -> dict:
+def verifier_and_data(verifier: str, latency: float):
+    """The reward function and the prompts of a regime."""
+    from trl_scale.toy import counting_code_prompts, counting_prompts, number_words_as_code
+
+    if verifier == "sleep":
+        return slow_verifier(latency), counting_prompts(4096, seed=0)
+    from trl_scale.rewards import CodeExecutionReward
+
+    return CodeExecutionReward(extract=number_words_as_code), counting_code_prompts(4096, seed=0)
+
+
+def run(
+    model_path: str, urls: list[str], mode: str, latency: float, steps: int, warmup: int, out: str, verifier: str
+) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
 
     import trl_scale
     from trl_scale.callbacks import StepTimeCallback
-    from trl_scale.toy import counting_prompts
 
     staleness, in_stream = MODES[mode]
     ends = []
@@ -62,9 +80,10 @@ def run(model_path: str, urls: list[str], mode: str, latency: float, steps: int,
         def on_step_end(self, args, state, control, **kwargs):
             ends.append(time.perf_counter())
 
+    reward, dataset = verifier_and_data(verifier, latency)
     trainer = trl_scale.GRPOTrainer(
         model=model_path,
-        reward_funcs=slow_verifier(latency),
+        reward_funcs=reward,
         args=trl_scale.GRPOConfig(
             output_dir=out,
             per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
@@ -88,7 +107,7 @@ def run(model_path: str, urls: list[str], mode: str, latency: float, steps: int,
             weight_sync_timeout=300,
             generation_kwargs={"ignore_eos": True},
         ),
-        train_dataset=counting_prompts(4096, seed=0),
+        train_dataset=dataset,
         processing_class=AutoTokenizer.from_pretrained(model_path),
         callbacks=[StepTimeCallback()],
     )
@@ -129,6 +148,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--latency", type=float, default=None, help="seconds per completion (default: measured)")
+    parser.add_argument("--verifier", choices=["sleep", "sandbox"], default="sleep")
     args = parser.parse_args()
     from pinned_vllm import pinned_vllm_servers
 
@@ -137,21 +157,22 @@ def main() -> None:
     with pinned_vllm_servers("agents-bench-") as (model_path, urls, work):
         group_s = group_generation_seconds(urls, model_path)
         latency = args.latency if args.latency is not None else group_s / GROUP
-        print(f"a group generates in {group_s:.3f} s; the verifier takes {latency:.4f} s per completion", flush=True)
+        what = f"{latency:.4f} s per completion" if args.verifier == "sleep" else "a sandboxed run per completion"
+        print(f"a group generates in {group_s:.3f} s; the verifier takes {what}", flush=True)
         for repeat in range(repeats):
             order = list(MODES) if repeat % 2 == 0 else list(reversed(MODES))
             for mode in order:
                 out = os.path.join(work, f"{mode}-{repeat}")
-                results[mode].append(run(model_path, urls, mode, latency, steps, warmup, out))
+                results[mode].append(run(model_path, urls, mode, latency, steps, warmup, out, args.verifier))
                 print(mode, repeat, results[mode][-1], flush=True)
     step = {mode: statistics.mean(r["step_s"] for r in runs) for mode, runs in results.items()}
     summary = {
         "benchmark": "agents",
-        "regime": "slow_verifier",
+        "regime": "slow_verifier" if args.verifier == "sleep" else "sandboxed_verifier",
         "quick": args.quick,
         "group_generation_s": group_s,
-        "verifier_s_per_completion": latency,
-        "verifier_s_per_group": latency * GROUP,
+        "verifier_s_per_completion": latency if args.verifier == "sleep" else None,
+        "verifier_s_per_group": latency * GROUP if args.verifier == "sleep" else None,
         "step_s": step,
         "vs_sync": {mode: step[mode] / step["sync"] for mode in step},
         "in_stream_vs_in_step": step["streaming_rewards_in_stream"] / step["streaming_rewards_in_step"],

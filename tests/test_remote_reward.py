@@ -330,3 +330,41 @@ def test_the_reward_server_refuses_bad_options_before_serving(argv, message, cap
         code = exit.code
     assert code == 2
     assert re.search(message, capsys.readouterr().err), message
+
+
+class TextsAndScores:
+    """Another JSON shape (`adapter=`): `{"texts": [...]}` answered by `{"scores": [...]}`."""
+
+    def request(self, queries: list[str], prompts: list[str], labels: list) -> dict:
+        return {"texts": [q[len(p) :] for q, p in zip(queries, prompts)]}
+
+    def rewards(self, answer: dict, count: int):
+        scores = answer["scores"]
+        if len(scores) != count:
+            raise ValueError(f"'scores' holds {len(scores)} values for {count} rows")
+        return [float(s) for s in scores], {}
+
+
+def test_an_adapter_speaks_another_json_shape():
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            data = json.dumps({"scores": [len(text) for text in body["texts"]]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/score"
+        prompts, completions = groups(count=3, size=2)
+        got = RemoteReward([url], adapter=TextsAndScores())(prompts=prompts, completions=completions)
+        assert got == local_scores(prompts, completions)  # the response's length, as the other shape computes it
+    finally:
+        server.shutdown()
+        server.server_close()
