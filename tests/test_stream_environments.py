@@ -462,3 +462,68 @@ def test_an_environment_server_killed_mid_run_stops_the_run_naming_the_environme
     finally:
         server.kill()
     assert 1 <= trainer.state.global_step < 6
+
+
+class Ticked:
+    """The toy agent's environment: the answer comes from its tool, so an episode is rewarded (1) when it called it."""
+
+    def __init__(self):
+        self.ticks = 0
+
+    def reset(self, **row) -> None:
+        self.ticks = 0
+
+    def tick(self) -> str:
+        """The next number word."""
+        self.ticks += 1
+        return "five"
+
+    def get_reward(self) -> float:
+        return 1.0 if self.ticks else 0.0
+
+
+@pytest.mark.learning  # 120 streamed steps of 32 episodes: 4 minutes on 2 cores, and load-sensitive
+def test_the_toy_agent_learns_to_call_its_tool_in_streaming_mode(tiny_llama, tmp_path):
+    """A tiny model taught only a little (about 1 in 5 sampled answers is a whole call) learns, by streaming GRPO with
+    its environment in the stream (real `trl-scale serve` servers), to call the tool that earns the reward. Measured
+    (2026-11-26): the reward went from about 0.1 to about 0.4 in 120 steps. At twice the learning rate (6e-4) the
+    streamed run collapsed to 0 within 10 steps while the synchronous one learned (one run each; its raw importance
+    ratios ranged 0.13-16: the tiny policy moves far in one step at that rate, and staleness 1 trains on the step
+    before's samples)."""
+    from trl_scale.toy.tools import tool_prompts
+
+    model = build_tool_calling_model(tiny_llama, str(tmp_path / "agent"), steps=55)
+    servers = start_servers(model, 2)
+    try:
+        trainer = trl_scale.GRPOTrainer(
+            model=model,
+            reward_funcs=None,
+            args=trl_scale.GRPOConfig(
+                **cpu_args(
+                    tmp_path / "run",
+                    per_device_train_batch_size=32,
+                    num_generations=8,
+                    max_completion_length=64,
+                    max_tool_calling_iterations=1,
+                    max_steps=120,
+                    learning_rate=3e-4,
+                    beta=0.0,
+                    use_vllm=True,
+                    vllm_mode="server",
+                    vllm_server_base_urls=[s.url for s in servers],
+                    async_rollout_staleness=1,
+                    rollout_request_timeout=60,
+                    weight_sync_timeout=60,
+                )
+            ),
+            train_dataset=tool_prompts(2048),
+            processing_class=AutoTokenizer.from_pretrained(model),
+            environment_factory=Ticked,
+        )
+        trainer.train()
+    finally:
+        for server in servers:
+            server.stop()
+    rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last >= first + 0.1, rewards
