@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -129,6 +130,7 @@ class CodeExecutionReward:
         self._sandbox = Sandbox(self.sandbox)  # refuses here, naming the fix, where no sandbox can be made
         self._pool = ThreadPoolExecutor(self._sandbox.slots, thread_name_prefix="sandbox")
         self.statuses: dict[str, int] = {}  # how the runs ended, since the reward was made
+        self._lock = threading.Lock()  # the stream's reward workers may call it from several threads at once
 
     def __call__(self, completions: list, log_metric: Callable | None = None, **kwargs) -> list[float]:
         if self.tests_column not in kwargs:
@@ -157,7 +159,8 @@ class CodeExecutionReward:
         outcomes = [[TestOutcome(False, "not run") for _ in row_tests] for row_tests in tests]
         for row, indices, job in jobs:
             result = job.result()
-            self.statuses[result.status] = self.statuses.get(result.status, 0) + 1
+            with self._lock:
+                self.statuses[result.status] = self.statuses.get(result.status, 0) + 1
             for index, passed in zip(indices, _judge(result, [tests[row][i] for i in indices]), strict=True):
                 outcomes[row][index] = TestOutcome(passed, "answered" if passed else result.status)
         return outcomes
