@@ -218,6 +218,9 @@ def test_no_sandbox_refuses_naming_the_fix_unless_the_unsafe_mode_is_named(caplo
     # a bwrap that cannot make namespaces (here: one that always fails) is caught by the probe run
     with pytest.raises(SandboxUnavailable, match="bubblewrap cannot make a sandbox here.*user namespaces"):
         Sandbox(SandboxSettings(bwrap="/usr/bin/false"))
+    if os.geteuid() == 0:  # a process limit too low for bwrap itself is named as such, not as missing namespaces
+        with pytest.raises(SandboxUnavailable, match=r"Resource temporarily unavailable. Fix: raise max_processes"):
+            Sandbox(SandboxSettings(max_processes=1, sandbox_uid=FIRST_UID))
     with caplog.at_level(logging.WARNING, logger="trl_scale.rewards.sandbox"):
         Sandbox(SandboxSettings(isolation="unsandboxed"))
         Sandbox(SandboxSettings(isolation="unsandboxed"))

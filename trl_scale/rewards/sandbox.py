@@ -144,11 +144,17 @@ class Sandbox:
             )
         probe = self.run("print('sandbox ok')")
         if probe.status != "exited" or probe.returncode != 0 or probe.stdout.strip() != "sandbox ok":
+            said = probe.stderr.strip()[-400:]
+            if "Resource temporarily unavailable" in said:  # the process limit left bwrap no room to start
+                fix = "raise max_processes (bwrap itself takes 2; run as another user than root, its others count too)"
+            else:
+                fix = (
+                    "enable unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, or "
+                    "user.max_user_namespaces > 0)"
+                )
             raise SandboxUnavailable(
-                f"bubblewrap cannot make a sandbox here ({probe.status}, rc {probe.returncode}): "
-                f"{probe.stderr.strip()[-400:]}. Fix: enable unprivileged user namespaces "
-                "(sysctl kernel.unprivileged_userns_clone=1, or user.max_user_namespaces > 0), or pass "
-                "isolation='unsandboxed' on a throwaway machine"
+                f"bubblewrap cannot make a sandbox here ({probe.status}, rc {probe.returncode}): {said}. Fix: {fix}, "
+                "or pass isolation='unsandboxed' on a throwaway machine"
             )
 
     def run(self, code: str, files: dict[str, str] | None = None, stdin: str = "", argv: tuple[str, ...] = ()):
