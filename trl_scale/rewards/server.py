@@ -88,11 +88,11 @@ class RewardHandler(BaseHTTPRequestHandler):
             return self._send(400, {"error": str(error)})
         try:
             rewards = self.server.reward(queries, prompts, labels)
+            if isinstance(rewards, dict):
+                rewards = rewards.get("rewards")
+            rewards = [None if r is None else float(r) for r in rewards]  # its length is the client's to check
         except Exception as error:  # the scoring function's fault: a 500 the client fails over
             return self._send(500, {"error": f"{type(error).__name__}: {error}"})
-        if isinstance(rewards, dict):
-            rewards = rewards.get("rewards")
-        rewards = [None if r is None else float(r) for r in rewards]
         with self.server.lock:
             self.server.requests += 1
         self._send(200, {"rewards": rewards, "scores": rewards, "extra_logs": {}})
