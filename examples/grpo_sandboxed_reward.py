@@ -11,6 +11,7 @@ other machines with `--api-key`, and no `--extract` (the code is the completion'
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,8 +29,9 @@ SERVER = ["-m", "trl_scale.cli", "reward-server", "--reward", "code"]
 SERVER += ["--extract", "trl_scale.toy:number_words_as_code"]  # the toy's answer is number words: as a program
 
 
-def start_servers(count: int) -> tuple[list[subprocess.Popen], list[str]]:
-    processes, urls = [], []
+def start_servers(count: int, processes: list[subprocess.Popen]) -> list[str]:
+    """`count` reward servers, each appended to `processes` as it starts (the caller stops them however it ends)."""
+    urls = []
     for _ in range(count):
         port = free_port()
         processes.append(subprocess.Popen([sys.executable, *SERVER, "--port", str(port), "--wall-seconds", "5"]))
@@ -40,7 +42,7 @@ def start_servers(count: int) -> tuple[list[subprocess.Popen], list[str]]:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"reward server {url} did not start")
             time.sleep(0.1)
-    return processes, urls
+    return urls
 
 
 def _healthy(url: str) -> bool:
@@ -67,8 +69,10 @@ def main():
     warm_up(model, tokenizer, steps=60)
     before = evaluate_counting(model, tokenizer)
 
-    processes, urls = start_servers(args.servers)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped run stops its servers too (the finally below)
+    processes: list[subprocess.Popen] = []
     try:
+        urls = start_servers(args.servers, processes)
         trainer = GRPOTrainer(
             model=model,
             reward_funcs=RemoteReward(urls, label_column="tests"),

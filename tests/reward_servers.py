@@ -54,3 +54,7 @@ class RewardServerProcess:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait(timeout=10)
+
+
+def not_numbers(queries: list[str], prompts: list[str], labels: list) -> list:
+    return ["high"] * len(queries)

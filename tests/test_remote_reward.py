@@ -368,3 +368,13 @@ def test_an_adapter_speaks_another_json_shape():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_scoring_function_answering_non_numbers_is_a_500_naming_it():
+    server = RewardServerProcess("--reward", "tests.reward_servers:not_numbers")
+    try:
+        reward = RemoteReward([server.url], retries=1, retry_after=0.2)
+        with pytest.raises(RewardServiceError, match=r"HTTP 500: .*ValueError: could not convert string to float"):
+            reward(prompts=["p"], completions=["a"])
+    finally:
+        server.kill()
