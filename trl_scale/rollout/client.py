@@ -104,14 +104,12 @@ class RolloutClient:
         self.request_timeout = request_timeout
         self.generation_timeout = generation_timeout
         self.load_timeout = load_timeout
-        self.retry_after = retry_after
-        # Requests beyond this many per server wait in the client and go to whichever server frees up first: that
-        # is what makes the routing load-aware (with no cap, least-outstanding degenerates into an even split).
-        self.max_inflight_per_server = max_inflight_per_server
-        self.routing = routing_policy(routing) if isinstance(routing, str) else routing
         self._lock = threading.Condition()
+        # Requests beyond `max_inflight_per_server` wait in the client and go to whichever server frees up first:
+        # that is what makes the routing load-aware (with no cap, least-outstanding degenerates into an even split).
+        policy = routing_policy(routing) if isinstance(routing, str) else routing
         self.rotation = Rotation(
-            self.servers, self.routing, max_inflight_per_server, retry_after, self._lock, "rollout server"
+            self.servers, policy, max_inflight_per_server, retry_after, self._lock, "rollout server"
         )
         # Enough threads that the in-flight cap, not the pool, bounds the requests on the wire (+ weight-sync calls).
         workers = max_workers or max(32, len(self.servers) * (max_inflight_per_server + 2))
@@ -122,6 +120,10 @@ class RolloutClient:
         # that talk to running servers (`trl-scale rollout`) set this to fail at once.
         self.refused_is_definite = False
         self.answers_continued = 0  # cut answers continued (partial rollout): `complete(continue_cut=True)`
+
+    @property
+    def routing(self) -> RoutingPolicy:
+        return self.rotation.policy
 
     # ---- server selection -----------------------------------------------------------------------------------
 
@@ -158,7 +160,7 @@ class RolloutClient:
                 if len(tried) >= len(self.servers) or not self._any_may_return(deadline):
                     break
                 tried.clear()  # every server was tried once; wait for one to come back
-                time.sleep(min(0.2, self.retry_after))
+                time.sleep(min(0.2, self.rotation.retry_after))
                 self.versions.refresh(self.submit, only_unchecked=True)
                 continue
             try:

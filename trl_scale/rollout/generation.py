@@ -229,12 +229,7 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
         completion_ids, logprobs = self.turn_outputs(choices)
         # TRL's RLOO drops the log-probs `generate` returns: its trl-scale correction reads them here
         self.last_sampler_logprobs = logprobs
-        return (
-            [list(p) for p in prompts],
-            completion_ids,
-            [[[v] for v in row] for row in logprobs],
-            [[[t] for t in choice["token_ids"]] for choice in choices],
-        )
+        return generate_output(prompts, choices, completion_ids, logprobs)
 
     def turn_outputs(self, choices: list[dict]) -> tuple[list[list[int]], list[list[float]]]:
         """Each choice's completion ids and its tokens' sampler log-probs (NaN where none were asked for)."""
@@ -398,3 +393,14 @@ def sampler_logprobs(choice: dict) -> list[float] | None:
     if not isinstance(values, list) or len(values) != len(choice["token_ids"]) or any(v is None for v in values):
         return None
     return [float(v) for v in values]
+
+
+def generate_output(prompts, choices: list[dict], completion_ids: list[list[int]], logprobs: list[list[float]]):
+    """TRL's `VLLMGeneration.generate` return for `choices` (their `turn_outputs`): prompt ids, completion ids, and
+    per-token log-probs and token ids, each token's a one-entry list as vLLM's `logprobs=0` gives them."""
+    return (
+        [list(p) for p in prompts],
+        completion_ids,
+        [[[v] for v in row] for row in logprobs],
+        [[[t] for t in choice["token_ids"]] for choice in choices],
+    )

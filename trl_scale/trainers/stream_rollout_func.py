@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 from contextlib import contextmanager
 
+from ..rollout.generation import generate_output
 from .streamed_tools import TrainerView
 
 ROLLOUT_KEY = "trl_scale_rollout"  # a streamed choice's row of its group's rollout_func output
@@ -48,13 +49,7 @@ class GroupGeneration:
             got, newest = self._send(list(ids), num_generations, dispatched)
             self.newest = max(self.newest, newest)
             choices.extend(got)
-        completion_ids, logprobs = self._generation.turn_outputs(choices)
-        return (
-            [list(p) for p in prompts],
-            completion_ids,
-            [[[v] for v in row] for row in logprobs],
-            [[[t] for t in choice["token_ids"]] for choice in choices],
-        )
+        return generate_output(prompts, choices, *self._generation.turn_outputs(choices))
 
     def sync_weights(self) -> None:
         raise RuntimeError(
