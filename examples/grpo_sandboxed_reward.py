@@ -16,12 +16,11 @@ import subprocess
 import sys
 import time
 
-import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_scale import GRPOConfig, GRPOTrainer, RemoteReward
-from trl_scale.net import free_port
+from trl_scale.net import answers_health, free_port
 from trl_scale.toy import COUNT_TARGET_LENGTH, build_tiny_model, counting_code_prompts
 from trl_scale.toy.demo import evaluate_counting, warm_up
 
@@ -38,18 +37,11 @@ def start_servers(count: int, processes: list[subprocess.Popen]) -> list[str]:
         urls.append(f"http://127.0.0.1:{port}/get_reward")
     for url in urls:  # a server is up in well under a second
         deadline = time.monotonic() + 60
-        while not _healthy(url.replace("/get_reward", "/health")):
+        while not answers_health(url.removesuffix("/get_reward")):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"reward server {url} did not start")
             time.sleep(0.1)
     return urls
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return requests.get(url, timeout=2).ok
-    except requests.RequestException:
-        return False
 
 
 def main():

@@ -9,6 +9,8 @@ import time
 
 import requests
 
+from trl_scale.net import answers_health
+
 from .helpers import ROOT, free_port, subprocess_env
 
 
@@ -35,11 +37,9 @@ class RewardServerProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(self.process.stderr.read().decode()[-2000:])
-            try:
-                if requests.get(self.health_url, timeout=2).ok:
-                    return
-            except requests.RequestException:
-                time.sleep(0.1)
+            if answers_health(f"http://127.0.0.1:{self.port}"):
+                return
+            time.sleep(0.1)
         self.kill()
         raise TimeoutError(f"reward server {self.url} not ready in 60 s")
 

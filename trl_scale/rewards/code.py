@@ -16,6 +16,7 @@ import json
 import re
 import secrets
 import threading
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -141,7 +142,7 @@ class CodeExecutionReward:
         rows = [parse_tests(t, i, self.tests_column) for i, t in enumerate(kwargs[self.tests_column])]
         outcomes = self.verify([self.extract(c) for c in completions], rows)
         if log_metric is not None:
-            for status, count in _count(o.status for row in outcomes for o in row).items():
+            for status, count in Counter(o.status for row in outcomes for o in row).items():
                 log_metric(f"code_execution/{status}", count)
         return [self.score(row) if self.score else sum(o.passed for o in row) / len(row) for row in outcomes]
 
@@ -191,10 +192,3 @@ def _judge(result: RunResult, tests: list[dict]) -> list[bool]:
         given = answers.get(index, [])
         passed.append(len(given) == 1 and "value" in given[0] and _same(given[0]["value"], test["expected"]))
     return passed
-
-
-def _count(items) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for item in items:
-        counts[item] = counts.get(item, 0) + 1
-    return counts

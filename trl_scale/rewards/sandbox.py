@@ -231,11 +231,12 @@ class Sandbox:
             seconds = time.monotonic() - started
             out, err = _read(stdout, s.max_output_bytes), _read(stderr, s.max_output_bytes)
         code = process.returncode
+        # a signal: Popen's negative code, or bwrap's 128 + the signal its child died of
+        signalled = -code if code < 0 else code - 128 if code > 128 and s.isolation != UNSAFE else 0
         if timed_out:
             status = "timeout"
-        elif code is not None and code < 0 or (code is not None and code > 128 and s.isolation != UNSAFE):
-            number = -code if code < 0 else code - 128
-            status = {signal.SIGXCPU: "cpu", signal.SIGXFSZ: "output"}.get(number, "killed")
+        elif signalled:
+            status = {signal.SIGXCPU: "cpu", signal.SIGXFSZ: "output"}.get(signalled, "killed")
         else:
             status = "exited"
         return RunResult(status, code, out, err, seconds)
@@ -279,18 +280,29 @@ def _claimed_uid(first: int, span: int = 4096):
     raise RuntimeError(f"all {span} sandbox uids from {first} are in use on this machine")
 
 
-def live_pids_of(uid: int) -> list[int]:
-    """Processes of `uid` still running (a zombie has ended: it waits only for the machine's init to reap it)."""
+def _pids_of(uid: int) -> list[str]:
+    """The /proc entries of `uid`'s processes now (zombies included)."""
     pids = []
     for entry in os.scandir("/proc"):
         try:
             if entry.name.isdigit() and entry.stat().st_uid == uid:
-                with open(f"/proc/{entry.name}/stat") as stat:
-                    if stat.read().rpartition(")")[2].split()[0] != "Z":
-                        pids.append(int(entry.name))
+                pids.append(entry.name)
         except OSError:  # it ended meanwhile
             continue
     return pids
+
+
+def live_pids_of(uid: int) -> list[int]:
+    """Processes of `uid` still running (a zombie has ended: it waits only for the machine's init to reap it)."""
+    live = []
+    for pid in _pids_of(uid):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rpartition(")")[2].split()[0] != "Z":
+                    live.append(int(pid))
+        except OSError:
+            continue
+    return live
 
 
 def _reap_uid(uid: int, timeout: float = 10.0) -> None:
@@ -311,12 +323,9 @@ def _reap_uid(uid: int, timeout: float = 10.0) -> None:
 def _tasks_of(uid: int) -> int:
     """Processes and threads `uid` runs now (what the kernel counts against RLIMIT_NPROC)."""
     count = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+    for pid in _pids_of(uid):
         try:
-            if entry.stat().st_uid == uid:
-                count += len(os.listdir(f"/proc/{entry.name}/task"))
+            count += len(os.listdir(f"/proc/{pid}/task"))
         except OSError:  # it ended meanwhile
             continue
     return count
