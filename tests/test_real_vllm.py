@@ -946,3 +946,65 @@ def test_an_environment_episode_streams_against_real_vllm_and_a_real_openenv_ser
     sampler = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     checked = list(_tokens_within_their_spans(sampler, checkpoints, batches))
     assert len(checked) == 4 * 8
+
+
+def test_a_streamed_rollout_func_draws_each_token_with_weights_in_its_span(fleet, rl_urls, tmp_path, monkeypatch):
+    """A two-turn `rollout_func` streamed (staleness 1) against real vLLM: called per prompt group in the stream's
+    threads, its generation routed through the stream (the step requests nothing); each token's sampler log-prob is
+    the one of weights within its group's recorded span (a forward of each), none older than k = 1; each group trained
+    once."""
+    from collections import Counter
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import trl_scale
+    from trl_scale.rollout import ServerRolloutGeneration
+
+    from .test_stream_rollout_func import TwoTurns, hashed_dataset
+
+    in_step = []
+    request = ServerRolloutGeneration._request
+    monkeypatch.setattr(
+        ServerRolloutGeneration, "_request", lambda self, prompts: in_step.append(1) or request(self, prompts)
+    )
+    trained = []
+
+    def recorded(completion_ids, id, **kwargs):
+        trained.extend(id)
+        return token_parity_reward(completion_ids)
+
+    rollout = TwoTurns(hold=set())
+    config = trl_scale.GRPOConfig(
+        **cpu_args(
+            tmp_path / "run",
+            max_steps=4,
+            num_generations=4,
+            max_completion_length=8,
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_base_urls=[fleet.a.url],
+            weight_sync="shared_dir",
+            weight_sync_timeout=60,
+            rollout_request_timeout=60,
+            learning_rate=3e-3,
+            async_rollout_staleness=1,
+            shuffle_dataset=False,
+        )
+    )
+    trainer = trl_scale.GRPOTrainer(
+        model=fleet.model_path,
+        reward_funcs=recorded,
+        args=config,
+        train_dataset=hashed_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(fleet.model_path),
+        rollout_func=rollout,
+    )
+    checkpoints, batches = _record_run(trainer)
+    trainer.train()
+    rollout.stop.set()
+    assert trainer.state.global_step == 4 and len(batches) == 4
+    assert not in_step and {thread.split("_")[0] for thread, _ in rollout.calls} == {"stream"}
+    counts = Counter(trained)
+    assert set(counts.values()) == {4} and len(counts) == 4 * 8 // 4  # each group trained once, whole
+    sampler = AutoModelForCausalLM.from_pretrained(fleet.model_path, dtype=torch.float32)
+    assert len(list(_tokens_within_their_spans(sampler, checkpoints, batches))) == 4 * 8

@@ -305,3 +305,23 @@ def test_as_another_user_the_process_limit_counts_that_users_processes(tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     answer = json.loads(result.stdout.strip().splitlines()[-1])
     assert answer == {"uid": 1000, "rewards": [1.0, 0.0]}, answer
+
+
+def test_a_run_deletes_only_its_own_scratch_directory():
+    """Each run deletes the scratch directory it made, and nothing beside it: a user's file (and directory) in the
+    same parent survive, whatever the code wrote into its scratch. (A directory the sandbox's uid can traverse, as
+    the system's temporary directory is; pytest's are private.)"""
+    import pathlib
+    import shutil
+    import tempfile
+
+    tmp_path = pathlib.Path(tempfile.mkdtemp(prefix="scratch-root-"))
+    tmp_path.chmod(0o755)
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "trl-scale-sandbox-mine").mkdir()  # named like a run's, but not made by one
+    sandbox = Sandbox(SandboxSettings(**LIMITS, sandbox_uid=FIRST_UID, slots=1, scratch_root=str(tmp_path)))
+    result = sandbox.run("open('out.txt', 'w').write('x' * 100)\nprint(open('out.txt').read()[:3])")
+    assert result.status == "exited" and result.stdout.strip() == "xxx"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "trl-scale-sandbox-mine"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    shutil.rmtree(tmp_path)
