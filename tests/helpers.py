@@ -77,6 +77,26 @@ def record_generations(trainer, read) -> list[tuple]:
     return seen
 
 
+def slowed_unevenly(trainer, request_delay: float = 0.6, step_delay: float = 0.3) -> None:
+    """The run's timing changed throughout: requests for every other prompt (by its ids' sum) wait `request_delay`
+    before they go out, so groups finish out of the order they were sent, and every step ends `step_delay` later."""
+    from transformers import TrainerCallback
+
+    client = trainer.vllm_generation.client
+    complete = client.complete
+
+    def slow_for_some(prompt_ids, *args, **kwargs):
+        time.sleep(request_delay if sum(prompt_ids) % 2 else 0.0)
+        return complete(prompt_ids, *args, **kwargs)
+
+    class SlowSteps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            time.sleep(step_delay)
+
+    client.complete = slow_for_some
+    trainer.add_callback(SlowSteps())
+
+
 def step_logs(trainer, keys=("loss", "grad_norm")) -> list[dict]:
     return [{k: entry[k] for k in keys if k in entry} for entry in trainer.state.log_history if "loss" in entry]
 

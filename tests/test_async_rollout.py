@@ -375,6 +375,8 @@ def test_each_async_rollout_mode_has_its_read_ahead_engine_behind_one_interface(
 
     assert set(READ_AHEAD_ENGINES) == set(typing.get_args(AsyncMode)) == {"ordered", "streaming"}
     interface = {name for name in vars(ReadAhead) if not name.startswith("_")}
-    for engine in (RolloutPrefetcher, StreamingRollout):
+    from trl_scale.rollout.ordered_stream import OrderedStream
+
+    for engine in (RolloutPrefetcher, StreamingRollout, OrderedStream):
         missing = {name for name in interface if not hasattr(engine, name) and name not in ("batches_ahead",)}
         assert not missing, f"{engine.__name__} lacks {missing}"

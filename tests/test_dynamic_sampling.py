@@ -178,8 +178,10 @@ def test_dynamic_sampling_refusals(tiny_llama, tmp_path):
         DynamicSampling().check(two_processes)
     two_processes.num_generations = 3
     two_processes.environment_factories = {"env": object}
-    with pytest.raises(ValueError, match="environment_factory"):
+    with pytest.raises(ValueError, match="environment_factory and synchronous rollout.*Fix: async_rollout_staleness"):
         DynamicSampling().check(two_processes)
+    two_processes.args.async_rollout_staleness = 1  # the stream runs the top-ups' episodes
+    DynamicSampling().check(two_processes)
 
 
 def test_a_resume_draws_top_ups_on_from_where_the_checkpoint_was(tiny_llama, tmp_path):

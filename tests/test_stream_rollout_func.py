@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, TrainerCallback
 
 import trl_scale
 
-from .helpers import cpu_args, start_servers, token_parity_reward
+from .helpers import cpu_args, slowed_unevenly, start_servers, step_logs, token_parity_reward
 from .test_streaming_servers import GROUP, TrainedIds, check_once_each, id_dataset
 
 pytest.importorskip("fastapi")
@@ -157,13 +157,59 @@ def test_a_streamed_rollout_func_runs_per_group_in_the_stream_routed_and_version
                 assert newest > first, (row_id, first, newest)
 
 
+def test_an_ordered_rollout_func_trains_the_same_numbers_however_timed(tiny_llama, tmp_path):
+    """`async_rollout_mode="ordered"` runs the rollout_func in the stream's engine, reproducibly (a sync waits for
+    every group out, batches take groups in read order): a run as fast as it goes and one slowed unevenly train the
+    same rows with the same losses, rewards and grad norms; each group's turns all of one version, within the bound."""
+    own = start_servers(tiny_llama, 2)
+    runs = {}
+    try:
+        for delayed in (False, True):
+            rollout, recorder = TwoTurns(hold=set()), Checked()
+            args = trl_scale.GRPOConfig(
+                **cpu_args(
+                    tmp_path / str(delayed),
+                    num_generations=GROUP,
+                    max_completion_length=4,
+                    max_steps=4,
+                    use_vllm=True,
+                    vllm_mode="server",
+                    vllm_server_base_urls=[s.url for s in own],
+                    async_rollout_staleness=1,
+                    async_rollout_mode="ordered",
+                    generation_kwargs={"seed": 0},  # each request sampled reproducibly (trl-scale serve seeds it)
+                    rollout_request_timeout=30,
+                    weight_sync_timeout=60,
+                    shuffle_dataset=False,
+                )
+            )
+            trainer = trl_scale.GRPOTrainer(
+                model=tiny_llama,
+                reward_funcs=recorder,
+                args=args,
+                train_dataset=hashed_dataset(),
+                processing_class=AutoTokenizer.from_pretrained(tiny_llama),
+                rollout_func=rollout,
+            )
+            recorder.generation = trainer.vllm_generation
+            if delayed:
+                slowed_unevenly(trainer)
+            trainer.train()
+            assert {thread.split("_")[0] for thread, _ in rollout.calls} == {"stream"}, rollout.calls
+            assert len(check_once_each(trainer, recorder, GROUP)) == 4 * 2
+            spans = [(now, span) for now, batch in recorder.spans for span in batch]
+            assert all(first == newest and 0 <= now - first <= 1 for now, (first, newest) in spans), spans
+            assert any(now - first == 1 for now, (first, _) in spans)  # generated ahead
+            runs[delayed] = (step_logs(trainer, ("loss", "reward", "grad_norm")), recorder.by_step)
+    finally:
+        for server in own:
+            server.stop()
+    assert runs[True] == runs[False]
+
+
 @pytest.mark.parametrize(
     "fields, match",
     [
-        (
-            {"async_rollout_mode": "ordered"},
-            r"rollout_func with async_rollout_mode='ordered'.*Fix: async_rollout_mode=",
-        ),
         ({"stream_rewards": True}, r"stream_rewards=True with a rollout_func.*Fix: stream_rewards=None"),
         ({"dynamic_sampling": True}, r"dynamic_sampling=True with a streamed rollout_func.*Fix: dynamic_sampling="),
     ],

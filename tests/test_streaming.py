@@ -426,3 +426,95 @@ def test_a_tool_conversations_later_turns_count_in_its_version_span():
     taken = stream.take(2, timeout=10)
     assert taken.spans == [(1, 3), (1, 3)]
     stream.close()
+
+
+class _FuturesDoneLate:
+    """A thread pool whose futures are marked done only when the test says so: the stream must learn that a group
+    finished from the attempt itself (before, `take` read the Future, which its executor marks done only after the
+    attempt's function has returned and notified, so a waiter woken by that notification could miss it, sleep on)."""
+
+    def __init__(self):
+        self.futures = []
+        self.release = threading.Event()
+
+    def submit(self, function):
+        from concurrent.futures import Future
+
+        future = Future()
+
+        def run():
+            function()
+            self.release.wait(timeout=30)
+            future.set_result(None)
+
+        threading.Thread(target=run, daemon=True).start()
+        self.futures.append(future)
+        return future
+
+    def shutdown(self, **kwargs):
+        self.release.set()
+
+
+def test_a_finished_group_is_seen_before_its_future_is_marked_done():
+    servers = Servers(instant={1})
+    stream = make(servers, groups_per_batch=1)
+    late = _FuturesDoneLate()
+    stream._pool = late
+    stream.note_upcoming(batch([1]))
+    taken = stream.take(2, timeout=5)  # TimeoutError when `take` waits on the Future
+    assert [row["prompt"] for row in taken.rows] == [1, 1] and not late.futures[0].done()
+    stream.close()
+
+
+def make_ordered(servers, staleness=1, groups_per_batch=2):
+    from trl_scale.rollout.ordered_stream import OrderedStream
+
+    return OrderedStream(
+        staleness,
+        lambda prompts: [[p] for p in prompts],
+        servers.send,
+        groups_per_batch,
+        version=lambda: servers.version,
+    )
+
+
+def test_ordered_batches_take_the_groups_in_read_order_whatever_finishes_first():
+    servers = Servers()
+    stream = make_ordered(servers, groups_per_batch=2)
+    stream.note_upcoming(batch([1, 2]))
+    stream.note_upcoming(batch([3, 4]))
+    wait_sent(servers, 4)
+    servers.finish(4, 3, 2)  # the first read (1) is the last to finish
+    taken = []
+    threading.Thread(target=lambda: taken.append(stream.take(4))).start()
+    time.sleep(0.2)
+    assert not taken  # it waits for 1, and does not take 3 or 4 (finished) in its place
+    servers.finish(1)
+    wait_until(lambda: taken, lambda: "the batch was never taken")
+    assert [row["prompt"] for row in taken[0].rows] == [1, 1, 2, 2]
+    assert [row["prompt"] for row in stream.take(4).rows] == [3, 3, 4, 4]
+    stream.close()
+
+
+def test_an_ordered_sync_waits_for_every_group_out():
+    """Each group generated whole by the weights it was sent with: the sync starts only once every group out has
+    finished (the streaming engine lets it land inside them)."""
+    servers = Servers(instant={1, 2})
+    stream = make_ordered(servers, groups_per_batch=1)
+    for prompt in (1, 2, 3):
+        stream.note_upcoming(batch([prompt]))
+    assert [row["prompt"] for row in stream.take(2).rows] == [1, 1]
+    stream.before_sync()  # nothing out is running (2 has finished): returns at once
+    servers.version = 2
+    assert [row["prompt"] for row in stream.take(2).rows] == [2, 2]
+    wait_sent(servers, 3)  # sent at the take, after the sync
+    synced = threading.Event()
+    threading.Thread(target=lambda: (stream.before_sync(), synced.set())).start()
+    assert not synced.wait(timeout=0.3)  # group 3 is still out
+    servers.finish(3)
+    assert synced.wait(timeout=10)
+    streaming = make(Servers(), groups_per_batch=1)
+    streaming.note_upcoming(batch([9]))
+    streaming.before_sync()  # returns at once with group 9 out
+    stream.close()
+    streaming.close()

@@ -30,6 +30,7 @@ class ReadAhead(Protocol):
 
     batches_ahead: int  # generation batches read ahead of the one being trained
     notes_first: bool  # the run's first generation batch is generated ahead too
+    streams: bool  # the trainer takes batches of whole finished groups from it (not TRL's generate call)
 
     def note_upcoming(self, batch: list) -> None: ...
 
@@ -55,8 +56,15 @@ class ReadAhead(Protocol):
 def _ordered(
     generation, staleness: int, tokenize, groups_per_batch: int | None, converse, score, open_episode, rollout
 ) -> ReadAhead:
-    """Up to `staleness` generation batches prefetched, each generated whole at the weights of its request (groups,
-    later turns, rewards and episodes are streaming's: none is given here)."""
+    """Up to `staleness` generation batches prefetched, each generated whole at the weights of its request. With
+    episodes (environments) or a `rollout_func`, which only the stream's engine runs: that engine, ordered
+    (`ordered_stream`). Later turns of plain tools are generated in the step (see `ServerRollout.tool_call_loop`)."""
+    if open_episode is not None or rollout is not None:
+        from .ordered_stream import OrderedStream
+
+        return _stream(
+            OrderedStream, generation, staleness, tokenize, groups_per_batch, converse, score, open_episode, rollout
+        )
     from concurrent.futures import ThreadPoolExecutor
 
     from .async_rollout import RolloutPrefetcher
@@ -80,7 +88,14 @@ def _streaming(
 
     if generation.weight_sync == "lora":  # running generations keep their adapter: keep it loaded
         generation.sync_mode.settings = replace(generation.sync_mode.settings, keep_adapters=staleness)
-    return StreamingRollout(
+    return _stream(
+        StreamingRollout, generation, staleness, tokenize, groups_per_batch, converse, score, open_episode, rollout
+    )
+
+
+def _stream(engine, generation, staleness: int, tokenize, groups_per_batch, converse, score, open_episode, rollout):
+    """`engine` (the stream or its ordered form) on this generation's requests."""
+    return engine(
         staleness,
         tokenize,
         generation.send_group,
@@ -127,11 +142,11 @@ class GenerationAhead:
         (streaming, a `rollout_func`): (rows, send, dispatched) -> the group's choices and newest version, made by
         the user's function instead of one request (see `streaming.Rollout`)."""
         asynchronous = self.settings.asynchronous
-        self.streams = asynchronous.streams
-        self.converses = self.streams and converse is not None
         build = READ_AHEAD_ENGINES[asynchronous.mode]
         staleness = asynchronous.staleness
         self.read_ahead = build(self, staleness, tokenize, groups_per_batch, converse, score, open_episode, rollout)
+        self.streams = self.read_ahead.streams  # ordered episodes stream too (`_ordered`)
+        self.converses = self.streams and converse is not None
 
     @property
     def streamer(self):

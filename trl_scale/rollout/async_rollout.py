@@ -40,6 +40,7 @@ class RolloutPrefetcher:
     """Requests for upcoming generation batches, keyed by their prompt ids, with the version they were sent at."""
 
     notes_first = False  # the first generation batch is generated in turn, when it is needed
+    streams = False  # TRL's generate call takes its batch from it (`take`), not whole groups
 
     def __init__(
         self,

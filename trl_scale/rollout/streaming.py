@@ -59,10 +59,13 @@ class PromptGroup:
     error: BaseException | None = None
     future: Future | None = field(default=None, repr=False)
     finished_at: float = 0.0
+    # set under the stream's lock with the attempt's outcome, in the notification a waiter wakes on (the Future
+    # is marked done only after the attempt's function returns, so a waiter reading it could miss the wake-up)
+    finished: bool = False
 
     @property
     def done(self) -> bool:
-        return self.future is not None and self.future.done()
+        return self.future is not None and self.finished
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,7 @@ class StreamingRollout:
     """Keeps up to `window` prompt groups generating on the servers, and hands the trainer finished ones."""
 
     notes_first = True  # the first generation batch is streamed too (the prefetch generates it in turn)
+    streams = True  # the trainer takes its batches of finished groups from it (`take`)
 
     def __init__(
         self,
@@ -176,6 +180,7 @@ class StreamingRollout:
         group.attempts += 1
         attempt = group.attempts  # an abandoned attempt that finishes later must not write into a newer one
         group.choices, group.rewards, group.error, group.first_version = None, None, None, self.version()
+        group.finished = False
         group.episode_rows = group.episode_prompt_ids = None
 
         def dispatched() -> None:
@@ -193,7 +198,7 @@ class StreamingRollout:
                     group.choices, group.rewards = outcome.choices, outcome.rewards
                     group.newest_version = outcome.newest
                     group.episode_rows, group.episode_prompt_ids = outcome.rows, outcome.prompt_ids
-                    group.error = error
+                    group.error, group.finished = error, True
                     if 0 <= outcome.sent_with < group.first_version:  # (LoRA) an adapter older than its dispatch
                         group.first_version = outcome.sent_with
                     group.finished_at = time.monotonic()

@@ -140,7 +140,8 @@ TRAINER_SEAMS: tuple[Seam, ...] = (
     Seam(
         G,
         ATTRIBUTE,
-        "trainers/stream_environments.py, streamed_tools.py (set on the views a group's work runs on)",
+        "trainers/stream_environments.py, streamed_tools.py (set on the views a group's work runs on), "
+        "dynamic_sampling.py (set for a round's rows)",
         "one environment name per row of the batch being generated, read by _tokenize_prompts, _generate and "
         "_tool_call_loop",
         attribute="_batch_environments",

@@ -53,10 +53,13 @@ class DynamicSampling(Feature):
         args = trainer.args
         if not getattr(args, "dynamic_sampling", False):
             return
-        if getattr(trainer, "environment_factories", None) is not None:
+        if getattr(trainer, "environment_factories", None) is not None and not getattr(
+            args, "async_rollout_staleness", 0
+        ):
             raise ValueError(
-                "dynamic_sampling=True generates extra prompt groups outside TRL's step, but environment_factory "
-                "rollouts reset their environments inside it. Fix: dynamic_sampling=False"
+                "dynamic_sampling=True with environment_factory and synchronous rollout: the top-up rounds generate "
+                "outside TRL's step, which is where it resets the environments. Fix: async_rollout_staleness=1 (or "
+                "more; the stream runs each group's episode, a top-up's too), or dynamic_sampling=False"
             )
         size = trainer.num_generations
         if size < 2:  # PPO's default: one completion per prompt
@@ -132,6 +135,11 @@ class DynamicSampling(Feature):
         TRL's `_calculate_rewards`; trl-scale's checks run on the served rewards of the chosen rows), kept row by
         row."""
         prompts = [row["prompt"] for row in rows]
+        if getattr(trainer, "environment_factories", None) is not None:  # streamed episodes: TRL renders and parses
+            # each prompt with its environment's tools, named per row as its own step names them
+            trainer._batch_environments = [
+                row.get("environment") if trainer._multi_environment else None for row in rows
+            ]
         generated = trainer.hook_below(self, "generate")(prompts)
         if len(generated) == 8:  # GRPO (and PPO): ids, completion ids, tool mask, completions, logprobs, extra, ...
             completion_ids, completions, extra_fields = generated[1], generated[3], generated[5]

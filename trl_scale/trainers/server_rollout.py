@@ -56,22 +56,24 @@ class ServerRollout(Feature):
         return cls(config is not None and uses_server_rollout(config))
 
     def check(self, trainer) -> None:
-        """Environments (TRL's `environment_factory`) with asynchronous rollout run in the stream only, their
-        rewards with them; `environment_timeout` acts only there. Refused before any server is reached."""
+        """Environments (TRL's `environment_factory`) and a `rollout_func` with asynchronous rollout run in the
+        stream's engine (streaming, or ordered: `rollout.ordered_stream`), an environment's rewards with it;
+        `environment_timeout` acts only there. Refused before any server is reached."""
         from ..rollout.settings import AsyncRollout
 
         args = trainer.args
         asynchronous = AsyncRollout.from_config(args) if self.wanted else AsyncRollout()
-        if asynchronous.staleness and getattr(trainer, "rollout_func", None) is not None:
-            check_streamed_rollout_func(args, asynchronous.streams)
         environments = getattr(trainer, "environment_factories", None) is not None
+        rollout_func = getattr(trainer, "rollout_func", None) is not None
+        if asynchronous.staleness and rollout_func:
+            check_streamed_rollout_func(args, environments)
         if environments and asynchronous.staleness:
-            check_streamed_environments(args, asynchronous.streams)
+            check_streamed_environments(args)
         timeout = getattr(args, "environment_timeout", 300.0)
-        if timeout != 300.0 and not (environments and asynchronous.streams):
+        if timeout != 300.0 and not (environments and asynchronous.staleness):
             raise ValueError(
                 f"environment_timeout={timeout:g} bounds the calls of environments run in the stream; this run "
-                "streams none (it needs environment_factory=..., server rollout and async_rollout_mode='streaming'). "
+                "streams none (it needs environment_factory=..., server rollout and async_rollout_staleness >= 1). "
                 "Fix: leave environment_timeout at its default (300)"
             )
 
@@ -142,9 +144,11 @@ class ServerRollout(Feature):
 
     def _enable_async(self, trainer) -> None:
         generation = trainer.vllm_generation
-        streaming = generation.settings.streaming
         asynchronous = generation.settings.asynchronous
-        environments = getattr(trainer, "environment_factories", None) is not None  # streaming (`check`)
+        environments = getattr(trainer, "environment_factories", None) is not None
+        rollout_func = getattr(trainer, "rollout_func", None) is not None
+        # the stream's engine runs them, ordered too (`rollout.ahead._ordered`): whole groups, later turns in it
+        streaming = generation.settings.streaming or environments or rollout_func
         rewards_in_stream = asynchronous.rewards_in_stream or environments
         lock = threading.Lock()  # the tokenizer's and the tool loops' (see streamed_tools)
         timeout = trainer.args.environment_timeout
@@ -156,7 +160,7 @@ class ServerRollout(Feature):
             converse=conversing(trainer, lock, timeout) if streaming and getattr(trainer, "tools", None) else None,
             score=StreamScorer(trainer, asynchronous.reward_workers) if rewards_in_stream else None,
             open_episode=self.episodes,
-            rollout=rolling_out(trainer) if getattr(trainer, "rollout_func", None) is not None else None,
+            rollout=rolling_out(trainer) if rollout_func else None,
         )
 
     # ---- the step -------------------------------------------------------------------------------------------
@@ -276,13 +280,14 @@ def _no_prompt_ids(prompts: list) -> list[list[int]]:
     return [[] for _ in prompts]
 
 
-def check_streamed_rollout_func(args, streaming: bool) -> None:
-    """A rollout_func with asynchronous rollout runs in the stream, once per prompt group; its rewards in the step."""
-    if not streaming:
+def check_streamed_rollout_func(args, environments: bool) -> None:
+    """A rollout_func with asynchronous rollout runs in the stream's engine, once per prompt group; its rewards in
+    the step."""
+    if environments:
         raise ValueError(
-            f"rollout_func with async_rollout_mode={args.async_rollout_mode!r}: a rollout_func is streamed (called "
-            "once per prompt group in the stream); the ordered prefetch cannot run it. Fix: "
-            "async_rollout_mode='streaming' (the default), or async_rollout_staleness=0"
+            "rollout_func with environment_factory and async_rollout_staleness >= 1: the stream runs either a "
+            "group's environment episode or its rollout_func, not one inside the other. Fix: "
+            "async_rollout_staleness=0 (TRL's own loop runs both in the step), or drop one of them"
         )
     if args.stream_rewards:
         raise ValueError(
@@ -296,19 +301,14 @@ def check_streamed_rollout_func(args, streaming: bool) -> None:
         )
 
 
-def check_streamed_environments(args, streaming: bool) -> None:
-    """Environments run in the stream only (their episodes end there, and their rewards with them)."""
-    if not streaming:
-        raise ValueError(
-            f"environment_factory with async_rollout_mode={args.async_rollout_mode!r}: environments run in the stream "
-            "(each group's episode, reset to rewards, beside generation); the ordered prefetch does not run them. "
-            "Fix: async_rollout_mode='streaming' (the default), or async_rollout_staleness=0"
-        )
+def check_streamed_environments(args) -> None:
+    """Environments with asynchronous rollout run in the stream's engine (their episodes end there, and their
+    rewards with them)."""
     if args.stream_rewards is False:
         raise ValueError(
-            "stream_rewards=False with environment_factory and streaming: each group's environments go back to their "
-            "pool when its episode ends in the stream, so the rewards that read them (get_reward, environments=) "
-            "are computed there. Fix: stream_rewards=None (the default) or True"
+            "stream_rewards=False with environment_factory and async_rollout_staleness >= 1: each group's "
+            "environments go back to their pool when its episode ends in the stream, so the rewards that read them "
+            "(get_reward, environments=) are computed there. Fix: stream_rewards=None (the default) or True"
         )
 
 
