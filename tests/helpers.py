@@ -342,6 +342,16 @@ def accelerate_launch_with_config(config_file) -> list[str]:
     return command + ["--main_process_port", str(free_port())]
 
 
+def run_cli_in_process(command: list[str]) -> None:
+    """`python -m trl_scale.cli ...` (`command` without the interpreter) run in this process: the single-process
+    reference runs the launcher tests compare with. A process of its own would spend about 10 s of CPU importing
+    torch, transformers and TRL, which this one has imported already."""
+    from trl_scale.cli import main
+
+    assert command[:2] == ["-m", "trl_scale.cli"], command
+    assert main([str(part) for part in command[2:]]) == 0
+
+
 def run_to_completion(command: list[str], timeout: int = 400) -> str:
     """Run a (launcher) command that must finish: a hang fails with its stderr's tail, a non-zero exit with every
     line naming an error. Returns the output."""

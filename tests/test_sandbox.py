@@ -247,14 +247,14 @@ def test_bad_limits_name_the_field(fields, match):
 
 
 def test_the_readmes_table_and_limits_are_the_codes():
-    """The README's table of hostile code is this module's, row for row, and its default limits are
+    """The docs' table of hostile code (docs/agents.md) is this module's, row for row, and its default limits are
     `SandboxSettings`' (a number in the docs that the code can give is checked against the code)."""
     import re
 
     from .helpers import ROOT
 
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Rewards as services")[1].split("\n### ")[0]
+    page = (ROOT / "docs" / "agents.md").read_text()
+    section = page.split("## Rewards as services")[1].split("\n## ")[0]
     rows = re.findall(r"^\| ([^|]+?) \| [^|]+ \|$", section, flags=re.MULTILINE)
     assert rows[1:] == list(HOSTILE), rows  # the first row is the header
     defaults = SandboxSettings()

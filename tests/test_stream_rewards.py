@@ -228,13 +228,12 @@ def test_the_trainer_yaml_and_the_command_line_set_the_stream_settings(tmp_path)
 
 
 def test_the_readmes_defaults_for_agents_are_the_configs():
-    """README, "Agents and slow rewards": the numbers it states are the config's defaults."""
+    """docs/agents.md, "Agents and slow rewards": the numbers it states are the config's defaults."""
     import dataclasses
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    section = text[text.index("### Agents and slow rewards") : text.index("### Managed servers")]
+    section = (pathlib.Path(__file__).parent.parent / "docs" / "agents.md").read_text()
     defaults = {f.name: f.default for f in dataclasses.fields(trl_scale.GRPOConfig)}
     assert f"`environment_timeout` ({defaults['environment_timeout']:g} s)" in section
     assert re.search(rf"`stream_reward_workers` threads \({defaults['stream_reward_workers']};", section)

@@ -66,7 +66,8 @@ class PPOTrainer(GRPOTrainer):
             dataset (a vision-language policy) it gets the prompts' images, so its backbone must take
             `pixel_values` (a critic built from a Gemma 3 policy does).
         args: a `PPOConfig`.
-        Other arguments are GRPO's.
+
+    Other arguments are GRPO's.
     """
 
     _tag_names = ["trl", TRL_SCALE_TAG, "ppo"]
