@@ -72,14 +72,20 @@ class TrainedIds:
         return counting_reward(completions=completions, **kwargs)
 
 
-def test_managed_vllm_example_learns_through_a_killed_server(tmp_path):
+@pytest.mark.parametrize(
+    "steps",
+    # the learning run (30 steps, the reward rising) is outside CI: it took 395 s of a 31-minute suite; CI runs 10
+    # steps, every invariant but the reward's rise
+    [10, pytest.param(30, marks=pytest.mark.learning)],
+)
+def test_managed_vllm_example_learns_through_a_killed_server(tmp_path, steps):
     """`examples/grpo_managed_vllm_cpu.yaml` as written (2 managed servers, toy:llama-vllm, the counting reward),
     parsed as the CLI parses it, streaming at staleness 1, with server 0 killed (`kill -9` of its process group: API
     server, engine core) after step 3, its requests mid-stream: every step trains on the other server meanwhile,
     nothing is lost or trained twice (each prompt group read is trained once, whole, or is still out at the end), the
-    reward rises, and the killed server is restarted and takes the policy's weights. Then a run whose reward function
-    raises leaves no vLLM process. That a restart catches up before any sync is tested on CPU (test_fleet.py) and on
-    Ray (test_fleet_ray.py)."""
+    reward rises (30 steps), and the killed server is restarted and takes the policy's weights. Then a run whose
+    reward function raises leaves no vLLM process. That a restart catches up before any sync is tested on CPU
+    (test_fleet.py) and on Ray (test_fleet_ray.py)."""
     from trl import ModelConfig, TrlParser
 
     import trl_scale
@@ -88,7 +94,7 @@ def test_managed_vllm_example_learns_through_a_killed_server(tmp_path):
     marker = f"{os.getpid()}-{time.time_ns()}"
     parser = TrlParser((_import_trl_script_types()[0], trl_scale.GRPOConfig, ModelConfig))
     argv = ["--config", str(ROOT / "examples" / "grpo_managed_vllm_cpu.yaml"), "--output_dir", str(tmp_path)]
-    argv += ["--max_steps", "30", "--logging_steps", "1", "--disable_tqdm", "true"]
+    argv += ["--max_steps", str(steps), "--logging_steps", "1", "--disable_tqdm", "true"]
     argv += ["--managed_server_python", str(VLLM_PYTHON)]  # the YAML's path is relative to the repository root
     argv += ["--async_rollout_staleness", "1"]  # streaming (the default mode at k >= 1)
     script_args, args, model_args = parser.parse_args_and_config(argv)
@@ -108,17 +114,18 @@ def test_managed_vllm_example_learns_through_a_killed_server(tmp_path):
         trainer.add_callback(KillServerAt(trainer, step=3))
         trainer.train()
         # no step lost: every step trained and logged
-        assert trainer.state.global_step == 30
+        assert trainer.state.global_step == steps
         logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-        assert [entry["step"] for entry in logs] == list(range(1, 31))
+        assert [entry["step"] for entry in logs] == list(range(1, steps + 1))
         assert max(entry["rollout/server_deaths"] for entry in logs) == 1.0
         trained = Counter(recorder.ids)
         assert set(trained.values()) == {args.num_generations}, trained  # each group whole, and once
         streamer = trainer.vllm_generation.streamer
         assert not {row["id"] for g in [*streamer.out, *streamer.pending] for row in g.rows} & set(trained)
-        assert len(trained) == 30 * 64 // args.num_generations
+        assert len(trained) == steps * 64 // args.num_generations
         rewards = [entry["reward"] for entry in logs]
-        assert sum(rewards[-5:]) / 5 >= sum(rewards[:5]) / 5 + 0.1, rewards
+        if steps >= 30:
+            assert sum(rewards[-5:]) / 5 >= sum(rewards[:5]) / 5 + 0.1, rewards
         fleet, generation = trainer.rollout_fleet, trainer.vllm_generation
         deadline = time.monotonic() + 600  # on a busy machine the restart may end after the last step
         while fleet.restarts < 1 and time.monotonic() < deadline:
