@@ -17,3 +17,8 @@ if [[ ",${EXTRAS}," == *",test,"* || ",${EXTRAS}," == *",deepspeed,"* ]]; then
     .venv/bin/python -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 .venv/bin/python -m pip install -q \
         --no-build-isolation "deepspeed==0.19.8" "torch==${TORCH_VERSION}"
 fi
+if [[ ",${EXTRAS}," == *",test,"* ]] && ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] \
+    && command -v apt-get >/dev/null; then
+    # the docs' browser test (tests/test_docs.py) opens the built site in Debian's chromium; it skips without one
+    apt-get install -y -q chromium >/dev/null 2>&1 || echo "could not install chromium: the docs' browser test will skip" >&2
+fi

@@ -68,3 +68,148 @@ def test_the_numbers_the_docs_state_are_the_codes():
 
     architecture = (DOCS / "architecture.md").read_text()
     assert f"{len(SEAMS)} seams" in " ".join(architecture.split()), len(SEAMS)
+
+
+CHROMIUM_HINT = "Debian's chromium (apt-get install chromium)"
+
+
+def _chromium() -> str | None:
+    import shutil
+
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+class _Page:
+    """One page of a headless Chromium, driven over the DevTools protocol (a WebSocket): what it logged as errors
+    (console errors, uncaught exceptions, failed loads) is kept in `errors`."""
+
+    def __init__(self, socket):
+        self.socket, self.next_id, self.errors, self.events = socket, 0, [], []
+
+    async def call(self, method: str, **params):
+        import json
+
+        self.next_id += 1
+        await self.socket.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        while True:
+            message = json.loads(await self.socket.recv())
+            if message.get("id") == self.next_id:
+                assert "error" not in message, message
+                return message.get("result", {})
+            self._note(message)
+
+    def _note(self, message: dict) -> None:
+        method, params = message.get("method"), message.get("params", {})
+        self.events.append(method)
+        if method == "Runtime.exceptionThrown":
+            self.errors.append(params["exceptionDetails"].get("text"))
+        elif method == "Runtime.consoleAPICalled" and params.get("type") == "error":
+            self.errors.append(str(params.get("args")))
+        elif method == "Log.entryAdded" and params["entry"].get("level") == "error":
+            self.errors.append(params["entry"].get("text"))
+
+    async def value(self, expression: str):
+        result = await self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        return result["result"].get("value")
+
+    async def until(self, expression: str, timeout: float = 30.0):
+        import asyncio
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = await self.value(expression)
+            if value:
+                return value
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"never true in the page: {expression}")
+
+
+def test_the_built_site_renders_and_its_search_finds_staleness_in_a_real_browser(tmp_path):
+    """The built site served over HTTP and opened in headless Chromium: the index renders (its title and the pages
+    table), the search box finds "staleness" (Material's client-side search over the built index), and nothing is
+    logged as an error on the way."""
+    import asyncio
+    import functools
+    import http.server
+    import threading
+    import time
+
+    import requests
+
+    pytest.importorskip("mkdocs")
+    websockets = pytest.importorskip("websockets")
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip(f"needs {CHROMIUM_HINT}")
+    site = tmp_path / "site"
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        env=subprocess_env(NO_MKDOCS_2_WARNING="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    from .helpers import free_port
+
+    port = free_port()
+    browser = subprocess.Popen(
+        [
+            chromium,
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            f"--remote-debugging-port={port}",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "about:blank",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                targets = requests.get(f"http://127.0.0.1:{port}/json/list", timeout=5).json()
+                target = next(t for t in targets if t["type"] == "page")
+                break
+            except (requests.RequestException, StopIteration):
+                assert time.monotonic() < deadline, "chromium never listened"
+                time.sleep(0.2)
+
+        async def visit():
+            async with websockets.connect(target["webSocketDebuggerUrl"], max_size=None) as socket:
+                page = _Page(socket)
+                for domain in ("Runtime", "Log", "Page"):
+                    await page.call(f"{domain}.enable")
+                await page.call("Page.navigate", url=f"http://127.0.0.1:{server.server_address[1]}/")
+                await page.until("document.readyState === 'complete' && !!document.querySelector('.md-search__input')")
+                title = await page.value("document.title")
+                pages = await page.value("document.querySelectorAll('article table a').length")
+                await page.value(
+                    "(() => { const box = document.querySelector('.md-search__input'); box.focus();"
+                    " box.value = 'staleness'; box.dispatchEvent(new Event('input', {bubbles: true})); })()"
+                )
+                found = await page.until(
+                    "Array.from(document.querySelectorAll('.md-search-result__item')).map(i => i.innerText)"
+                    ".filter(t => /staleness/i.test(t))"
+                )
+                return title, pages, found, page.errors
+
+        title, pages, found, errors = asyncio.run(visit())
+    finally:
+        browser.kill()
+        browser.wait(timeout=30)
+        server.shutdown()
+    assert title.startswith("trl-scale") and pages >= len(list(DOCS.glob("*.md"))) - 1, (title, pages)
+    assert found, "the search found nothing for 'staleness'"
+    assert not errors, errors
