@@ -152,6 +152,7 @@ def test_the_built_site_renders_and_its_search_finds_staleness_in_a_real_browser
         timeout=300,
     )
     assert built.returncode == 0, built.stderr[-3000:]
+
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args):
             pass
