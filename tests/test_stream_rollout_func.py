@@ -94,34 +94,36 @@ def kill_under_a_request(trainer, server) -> threading.Event:
     return armed
 
 
+def rollout_func_trainer(model, out, servers, recorder, rollout, **overrides):
+    """Streaming GRPO (staleness 1) over `servers` with `rollout` as its rollout_func, `recorder` its reward."""
+    settings = dict(
+        num_generations=GROUP,
+        max_completion_length=4,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_urls=[s.url for s in servers],
+        async_rollout_staleness=1,
+        rollout_request_timeout=30,
+        weight_sync_timeout=60,
+        shuffle_dataset=False,
+    )
+    trainer = trl_scale.GRPOTrainer(
+        model=model,
+        reward_funcs=recorder,
+        args=trl_scale.GRPOConfig(**cpu_args(out, **{**settings, **overrides})),
+        train_dataset=hashed_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(model),
+        rollout_func=rollout,
+    )
+    recorder.generation = trainer.vllm_generation
+    return trainer
+
+
 def test_a_streamed_rollout_func_runs_per_group_in_the_stream_routed_and_version_tagged(tiny_llama, tmp_path):
     own = start_servers(tiny_llama, 2)
     rollout, recorder = TwoTurns(hold={4, 5, 6}), Checked()
     try:
-        args = trl_scale.GRPOConfig(
-            **cpu_args(
-                tmp_path,
-                num_generations=GROUP,
-                max_completion_length=4,
-                max_steps=8,
-                use_vllm=True,
-                vllm_mode="server",
-                vllm_server_base_urls=[s.url for s in own],
-                async_rollout_staleness=1,
-                rollout_request_timeout=30,
-                weight_sync_timeout=60,
-                shuffle_dataset=False,
-            )
-        )
-        trainer = trl_scale.GRPOTrainer(
-            model=tiny_llama,
-            reward_funcs=recorder,
-            args=args,
-            train_dataset=hashed_dataset(),
-            processing_class=AutoTokenizer.from_pretrained(tiny_llama),
-            rollout_func=rollout,
-        )
-        recorder.generation = trainer.vllm_generation
+        trainer = rollout_func_trainer(tiny_llama, tmp_path, own, recorder, rollout, max_steps=8)
         armed = kill_under_a_request(trainer, own[0])
 
         class Arm(TrainerCallback):
@@ -166,32 +168,16 @@ def test_an_ordered_rollout_func_trains_the_same_numbers_however_timed(tiny_llam
     try:
         for delayed in (False, True):
             rollout, recorder = TwoTurns(hold=set()), Checked()
-            args = trl_scale.GRPOConfig(
-                **cpu_args(
-                    tmp_path / str(delayed),
-                    num_generations=GROUP,
-                    max_completion_length=4,
-                    max_steps=4,
-                    use_vllm=True,
-                    vllm_mode="server",
-                    vllm_server_base_urls=[s.url for s in own],
-                    async_rollout_staleness=1,
-                    async_rollout_mode="ordered",
-                    generation_kwargs={"seed": 0},  # each request sampled reproducibly (trl-scale serve seeds it)
-                    rollout_request_timeout=30,
-                    weight_sync_timeout=60,
-                    shuffle_dataset=False,
-                )
+            trainer = rollout_func_trainer(
+                tiny_llama,
+                tmp_path / str(delayed),
+                own,
+                recorder,
+                rollout,
+                max_steps=4,
+                async_rollout_mode="ordered",
+                generation_kwargs={"seed": 0},  # each request sampled reproducibly (trl-scale serve seeds it)
             )
-            trainer = trl_scale.GRPOTrainer(
-                model=tiny_llama,
-                reward_funcs=recorder,
-                args=args,
-                train_dataset=hashed_dataset(),
-                processing_class=AutoTokenizer.from_pretrained(tiny_llama),
-                rollout_func=rollout,
-            )
-            recorder.generation = trainer.vllm_generation
             if delayed:
                 slowed_unevenly(trainer)
             trainer.train()
