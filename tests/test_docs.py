@@ -24,15 +24,22 @@ def documented() -> list[pathlib.Path]:
     return [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 
 
-def test_the_site_builds_strictly(tmp_path):
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> pathlib.Path:
+    """The site as `mkdocs build --strict` builds it (a warning, such as a broken link, fails the build)."""
     pytest.importorskip("mkdocs")
-    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")]
+    out = tmp_path_factory.mktemp("docs") / "site"
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)]
     result = subprocess.run(
         command, cwd=ROOT, env=subprocess_env(NO_MKDOCS_2_WARNING="1"), capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert (tmp_path / "site" / "reference" / "index.html").read_text().count("GRPOConfig") > 1
-    assert (tmp_path / "site" / "search" / "search_index.json").exists()
+    return out
+
+
+def test_the_site_builds_strictly(site):
+    assert (site / "reference" / "index.html").read_text().count("GRPOConfig") > 1
+    assert (site / "search" / "search_index.json").exists()
 
 
 def test_the_readme_is_short_and_links_every_page():
@@ -125,7 +132,7 @@ class _Page:
         raise AssertionError(f"never true in the page: {expression}")
 
 
-def test_the_built_site_renders_and_its_search_finds_staleness_in_a_real_browser(tmp_path):
+def test_the_built_site_renders_and_its_search_finds_staleness_in_a_real_browser(site, tmp_path):
     """The built site served over HTTP and opened in headless Chromium: the index renders (its title and the pages
     table), the search box finds "staleness" (Material's client-side search over the built index), and nothing is
     logged as an error on the way."""
@@ -137,21 +144,10 @@ def test_the_built_site_renders_and_its_search_finds_staleness_in_a_real_browser
 
     import requests
 
-    pytest.importorskip("mkdocs")
     websockets = pytest.importorskip("websockets")
     chromium = _chromium()
     if chromium is None:
         pytest.skip(f"needs {CHROMIUM_HINT}")
-    site = tmp_path / "site"
-    built = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-        cwd=ROOT,
-        env=subprocess_env(NO_MKDOCS_2_WARNING="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert built.returncode == 0, built.stderr[-3000:]
 
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args):
@@ -214,3 +210,27 @@ def test_the_built_site_renders_and_its_search_finds_staleness_in_a_real_browser
     assert title.startswith("trl-scale") and pages >= len(list(DOCS.glob("*.md"))) - 1, (title, pages)
     assert found, "the search found nothing for 'staleness'"
     assert not errors, errors
+
+
+def test_the_reference_documents_every_field_trl_scale_adds(site):
+    """The API reference renders each config's docstring as Python gives it (TRL's fields, then trl-scale's): every
+    field of every trl-scale arguments class a config inherits is on the page, with its type and default."""
+    import dataclasses
+    import html
+
+    import trl_scale
+
+    page = html.unescape(re.sub(r"<[^>]+>", " ", (site / "reference" / "index.html").read_text()))
+    text = " ".join(page.split())
+    arguments = {
+        base
+        for config in (trl_scale.GRPOConfig, trl_scale.RLOOConfig, trl_scale.DPOConfig, trl_scale.PPOConfig)
+        for base in config.__mro__
+        if base.__module__.startswith("trl_scale") and base.__name__.endswith("Arguments")
+    }
+    assert len(arguments) >= 4, arguments
+    for cls in arguments:
+        own = [f.name for f in dataclasses.fields(cls) if f.name in vars(cls).get("__annotations__", {})]
+        # "name (`type` ...)", or a group "a, b, c (`type`)"
+        missing = [name for name in own if not re.search(rf"\b{name}(?:, \w+)* \( ?\S", text)]
+        assert own and not missing, (cls.__name__, missing)

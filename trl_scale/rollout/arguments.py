@@ -77,6 +77,9 @@ class RolloutArguments:
         Seconds a request may wait for a server to take it (a free slot, failovers); seconds one server may take to
         generate it, `None` meaning `120 + 0.25 × max_completion_length` (1144 s for 4096 tokens).
     rollout_api_key (`str` or `None`): bearer token for the servers.
+    rollout_max_inflight_per_server (`int`, defaults to `8`):
+        Requests in flight per server (one request: one prompt group's completions); more wait in the client for the
+        first server to free up (load-aware routing). Raise it for vLLM servers that batch many requests.
     async_rollout_staleness (`int`, defaults to `0`):
         0: generate each batch when it is needed (synchronous, TRL's behaviour). k ≥ 1: the servers generate the
         next k generation batches while the trainer trains; no completion is trained on more than k weight syncs
