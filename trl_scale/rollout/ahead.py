@@ -59,7 +59,7 @@ def _ordered(
     """Up to `staleness` generation batches prefetched, each generated whole at the weights of its request. With
     episodes (environments) or a `rollout_func`, which only the stream's engine runs: that engine, ordered
     (`ordered_stream`). Later turns of plain tools are generated in the step (see `ServerRollout.tool_call_loop`)."""
-    if open_episode is not None or rollout is not None:
+    if generation.settings.asynchronous.streams_groups(open_episode is not None, rollout is not None):
         from .ordered_stream import OrderedStream
 
         return _stream(

@@ -31,6 +31,11 @@ class AsyncRollout:
     def streams(self) -> bool:
         return self.staleness > 0 and self.mode == "streaming"
 
+    def streams_groups(self, episodes: bool, rollout: bool) -> bool:
+        """Whether the read-ahead engine is the stream's, whose finished groups the step takes whole: streaming, and
+        ordered with environments' episodes or a `rollout_func`, which only that engine runs (`ahead._ordered`)."""
+        return self.streams or (self.staleness > 0 and (episodes or rollout))
+
     @classmethod
     def from_config(cls, args) -> AsyncRollout:
         staleness = getattr(args, "async_rollout_staleness", 0)

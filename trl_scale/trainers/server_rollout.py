@@ -147,8 +147,7 @@ class ServerRollout(Feature):
         asynchronous = generation.settings.asynchronous
         environments = getattr(trainer, "environment_factories", None) is not None
         rollout_func = getattr(trainer, "rollout_func", None) is not None
-        # the stream's engine runs them, ordered too (`rollout.ahead._ordered`): whole groups, later turns in it
-        streaming = generation.settings.streaming or environments or rollout_func
+        streaming = asynchronous.streams_groups(environments, rollout_func)  # whole groups, later turns in them
         rewards_in_stream = asynchronous.rewards_in_stream or environments
         lock = threading.Lock()  # the tokenizer's and the tool loops' (see streamed_tools)
         timeout = trainer.args.environment_timeout
