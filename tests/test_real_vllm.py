@@ -813,6 +813,39 @@ def _tokens_within_their_spans(sampler, checkpoints: dict, batches: list):
             yield batch, row, drawn
 
 
+def _requests_from_the_step(monkeypatch) -> list:
+    """One entry per request TRL's generate call makes in the step (`ServerRolloutGeneration._request`): a streamed
+    run's turns all come from the stream, so it stays empty."""
+    from trl_scale.rollout import ServerRolloutGeneration
+
+    made = []
+    request = ServerRolloutGeneration._request
+    monkeypatch.setattr(
+        ServerRolloutGeneration, "_request", lambda self, prompts: made.append(1) or request(self, prompts)
+    )
+    return made
+
+
+def _streamed_config(out, url: str, **overrides):
+    """GRPO streamed at staleness 1 from one real vLLM server, 4 steps of groups of 4, shared-directory syncs, a
+    policy that moves visibly between them."""
+    import trl_scale
+
+    settings = dict(
+        max_steps=4,
+        num_generations=4,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_urls=[url],
+        weight_sync="shared_dir",
+        weight_sync_timeout=60,
+        rollout_request_timeout=60,
+        learning_rate=3e-3,
+        async_rollout_staleness=1,
+    )
+    return trl_scale.GRPOConfig(**cpu_args(out, **{**settings, **overrides}))
+
+
 def test_a_tool_using_rollout_streams_each_turn_with_its_weights(fleet, rl_urls, tmp_path, monkeypatch):
     """Multi-turn, tool-using GRPO streamed (staleness 1) against real vLLM: a conversation's turns are all generated
     in the stream (the tool called and the next turn sent as soon as the first is back; the step itself requests
@@ -822,32 +855,16 @@ def test_a_tool_using_rollout_streams_each_turn_with_its_weights(fleet, rl_urls,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import trl_scale
-    from trl_scale.rollout import ServerRolloutGeneration
     from trl_scale.toy.tools import build_tool_calling_model, tick, tool_prompts
 
-    in_step = []
-    request = ServerRolloutGeneration._request
-    monkeypatch.setattr(
-        ServerRolloutGeneration, "_request", lambda self, prompts: in_step.append(1) or request(self, prompts)
-    )
+    in_step = _requests_from_the_step(monkeypatch)
     model_path = build_tool_calling_model(fleet.model_path, str(tmp_path / "tool-model"))
-    config = trl_scale.GRPOConfig(
-        **cpu_args(
-            tmp_path / "run",
-            max_steps=4,
-            num_generations=4,
-            max_completion_length=80,
-            max_tool_calling_iterations=1,
-            use_vllm=True,
-            vllm_mode="server",
-            vllm_server_base_urls=[fleet.a.url],
-            weight_sync="shared_dir",
-            weight_sync_timeout=60,
-            rollout_request_timeout=60,
-            learning_rate=3e-3,
-            async_rollout_staleness=1,
-            async_rollout_mode="streaming",
-        )
+    config = _streamed_config(
+        tmp_path / "run",
+        fleet.a.url,
+        max_completion_length=80,
+        max_tool_calling_iterations=1,
+        async_rollout_mode="streaming",
     )
     trainer = trl_scale.GRPOTrainer(
         model=model_path,
@@ -885,17 +902,12 @@ def test_an_environment_episode_streams_against_real_vllm_and_a_real_openenv_ser
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import trl_scale
-    from trl_scale.rollout import ServerRolloutGeneration
     from trl_scale.toy.tools import build_tool_calling_model
 
     from .openenv_counter import CountingClientEnvironment
     from .test_stream_environments import LEDGER, OpenEnvServer, env_prompts, recorded_openenv
 
-    in_step = []
-    request = ServerRolloutGeneration._request
-    monkeypatch.setattr(
-        ServerRolloutGeneration, "_request", lambda self, prompts: in_step.append(1) or request(self, prompts)
-    )
+    in_step = _requests_from_the_step(monkeypatch)
     trained = []
 
     def recorded(completion_ids, id, **kwargs):
@@ -906,23 +918,8 @@ def test_an_environment_episode_streams_against_real_vllm_and_a_real_openenv_ser
     server = OpenEnvServer()
     CountingClientEnvironment.url = server.url
     LEDGER.__init__()
-    config = trl_scale.GRPOConfig(
-        **cpu_args(
-            tmp_path / "run",
-            max_steps=4,
-            num_generations=4,
-            max_completion_length=80,
-            max_tool_calling_iterations=1,
-            use_vllm=True,
-            vllm_mode="server",
-            vllm_server_base_urls=[fleet.a.url],
-            weight_sync="shared_dir",
-            weight_sync_timeout=60,
-            rollout_request_timeout=60,
-            learning_rate=3e-3,
-            async_rollout_staleness=1,
-            shuffle_dataset=False,
-        )
+    config = _streamed_config(
+        tmp_path / "run", fleet.a.url, max_completion_length=80, max_tool_calling_iterations=1, shuffle_dataset=False
     )
     trainer = trl_scale.GRPOTrainer(
         model=model_path,
@@ -958,15 +955,10 @@ def test_a_streamed_rollout_func_draws_each_token_with_weights_in_its_span(fleet
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import trl_scale
-    from trl_scale.rollout import ServerRolloutGeneration
 
     from .test_stream_rollout_func import TwoTurns, hashed_dataset
 
-    in_step = []
-    request = ServerRolloutGeneration._request
-    monkeypatch.setattr(
-        ServerRolloutGeneration, "_request", lambda self, prompts: in_step.append(1) or request(self, prompts)
-    )
+    in_step = _requests_from_the_step(monkeypatch)
     trained = []
 
     def recorded(completion_ids, id, **kwargs):
@@ -974,23 +966,7 @@ def test_a_streamed_rollout_func_draws_each_token_with_weights_in_its_span(fleet
         return token_parity_reward(completion_ids)
 
     rollout = TwoTurns(hold=set())
-    config = trl_scale.GRPOConfig(
-        **cpu_args(
-            tmp_path / "run",
-            max_steps=4,
-            num_generations=4,
-            max_completion_length=8,
-            use_vllm=True,
-            vllm_mode="server",
-            vllm_server_base_urls=[fleet.a.url],
-            weight_sync="shared_dir",
-            weight_sync_timeout=60,
-            rollout_request_timeout=60,
-            learning_rate=3e-3,
-            async_rollout_staleness=1,
-            shuffle_dataset=False,
-        )
-    )
+    config = _streamed_config(tmp_path / "run", fleet.a.url, max_completion_length=8, shuffle_dataset=False)
     trainer = trl_scale.GRPOTrainer(
         model=fleet.model_path,
         reward_funcs=recorded,
