@@ -1,6 +1,8 @@
 """Run in `.venv-vllm` (vLLM's CPU build beside trl-scale) by tests/test_colocate.py: GRPO, RLOO and PPO in TRL's
 default vLLM mode (`use_vllm=True`, `vllm_mode="colocate"`), packing on, 3 steps each, fp32 policy. After every
 weight sync the engine's prompt log-probs on a probe are compared with the policy's own; one JSON line per method.
+GRPO also evaluates after steps 2 and 3 (TRL's `eval_strategy`, and the last step's): its logs and the rewards
+its evaluation batches got.
 
     python -m tests.colocate_worker OUT_DIR MODEL_DIR METHOD [METHOD ...]
 """
@@ -95,12 +97,25 @@ def run(method: str, out: str, model: str) -> dict:
         settings.update(num_ppo_epochs=1, num_mini_batches=1)
     else:
         settings["num_generations"] = 4
+    evaluated = []  # GRPO: the rewards of each evaluation batch (TRL's eval_strategy: after steps 2 and 3)
+    if method == "grpo":
+        settings.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8, num_generations_eval=4)
+        settings.update(eval_pass_at_k=[1, 4], eval_success_threshold=0.5)
+
+    def reward(completion_ids, **kwargs) -> list[float]:
+        values = parity_reward(completion_ids)
+        if not trainer.model.training:
+            evaluated.append(values)
+        return values
+
+    reward.__name__ = "parity_reward"
     began = time.monotonic()
     trainer = trainer_cls(
         model=model,
-        reward_funcs=parity_reward,
+        reward_funcs=reward,
         args=config_cls(**settings),
         train_dataset=counting_prompts(64),
+        eval_dataset=counting_prompts(2, seed=1) if method == "grpo" else None,
         processing_class=AutoTokenizer.from_pretrained(model),
     )
     generation = trainer.vllm_generation
@@ -134,6 +149,8 @@ def run(method: str, out: str, model: str) -> dict:
         "packed": packed and all("padding_free/row_fill" in e for e in logs),
         "syncs": syncs,
         "sampler_logp_difference_max": [e.get("sampling/sampling_logp_difference/max") for e in logs],
+        "evaluations": [e for e in trainer.state.log_history if "eval_reward" in e],
+        "evaluated_rewards": evaluated,
     }
 
 

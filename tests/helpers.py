@@ -252,7 +252,7 @@ def start_servers(model_path, count, *extra_per_server):
 
 def server_grpo(model_path, out, urls, **overrides):
     """A small GRPO run generating on `urls` (server rollout): 3 steps of 8 completions, 4 per prompt. Fields in
-    `overrides` go to GRPOConfig, except `peft_config`, which goes to the trainer."""
+    `overrides` go to GRPOConfig, except `peft_config`, `eval_dataset` and `reward_funcs`, which go to the trainer."""
     from transformers import AutoTokenizer
 
     import trl_scale
@@ -270,11 +270,13 @@ def server_grpo(model_path, out, urls, **overrides):
     )
     config = cpu_args(out, **{**settings, **overrides})
     peft_config = config.pop("peft_config", None)
+    eval_dataset = config.pop("eval_dataset", None)
     return trl_scale.GRPOTrainer(
         model=model_path,
-        reward_funcs=token_parity_reward,
+        reward_funcs=config.pop("reward_funcs", token_parity_reward),
         args=trl_scale.GRPOConfig(**config),
         train_dataset=counting_prompts(64),
+        eval_dataset=eval_dataset,
         processing_class=AutoTokenizer.from_pretrained(model_path),
         peft_config=peft_config,
     )

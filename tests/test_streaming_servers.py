@@ -66,11 +66,13 @@ def streaming_run(method, model_path, out, urls, recorder, **overrides):
     else:
         settings.update(num_ppo_epochs=1, num_mini_batches=1)
     peft_config = overrides.pop("peft_config", None)
+    eval_dataset = overrides.pop("eval_dataset", None)
     return trainer_cls(
         model=model_path,
         reward_funcs=recorder,
         args=config_cls(**cpu_args(out, **{**settings, **overrides})),
         train_dataset=id_dataset(),
+        eval_dataset=eval_dataset,
         processing_class=AutoTokenizer.from_pretrained(model_path),
         peft_config=peft_config,
     )
@@ -316,3 +318,69 @@ def test_an_ordered_resume_inside_a_generation_window_neither_repeats_nor_skips(
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
     assert resumed_ids.by_step == [uninterrupted.by_step[2]]
     assert resumed.state.global_step == 6
+
+
+class TrainedAndEvaluated(TrainedIds):
+    """`TrainedIds` for the training step's rows; an evaluation's rows and rewards kept apart (`evaluated`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trainer, self.evaluated = None, []
+
+    def __call__(self, completion_ids, id, **kwargs):
+        rewards = token_parity_reward(completion_ids)
+        if self.trainer.model.training:
+            self.by_step.append(list(id))
+        else:
+            self.evaluated.append((list(id), rewards))
+        return rewards
+
+
+EVAL_IDS = range(400, 404)  # prompts of their own (id_dataset's first 96 never make them)
+
+
+@pytest.mark.parametrize("mode", ["synchronous", "ordered", "streaming"])
+def test_evaluation_during_training_generates_at_the_current_weights_apart_from_training(
+    servers, tiny_llama, tmp_path, mode
+):
+    """TRL's `eval_strategy` with server rollout: each evaluation's completions are generated then, through the
+    router, by the weights just trained (the sampler's log-probs equal the policy's), its pass@k per reward function
+    is the plain computation over the rewards it got, and no evaluation prompt is trained nor taken from what was
+    read ahead for training (ordered: the prefetch served training batches only; streaming: every group once)."""
+    from .test_evaluation import plain_pass_rates
+
+    recorder = TrainedAndEvaluated()
+    modes = {"synchronous": {"async_rollout_staleness": 0}, "ordered": {"async_rollout_mode": "ordered"}}
+    trainer = streaming_run(
+        "grpo",
+        tiny_llama,
+        tmp_path,
+        [s.url for s in servers],
+        recorder,
+        eval_strategy="steps",
+        eval_steps=3,
+        num_generations_eval=GROUP,
+        per_device_eval_batch_size=GROUP * len(EVAL_IDS),
+        eval_pass_at_k=[1, GROUP],
+        eval_success_threshold=0.5,
+        eval_dataset=id_dataset(max(EVAL_IDS) + 1).select(EVAL_IDS),
+        **modes.get(mode, {}),
+    )
+    recorder.trainer = trainer
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "eval_reward" in log]
+    assert len(logs) == len(recorder.evaluated) == 2  # after steps 3 and 6, one batch each
+    for log, (ids, rewards) in zip(logs, recorder.evaluated):
+        assert sorted(ids) == sorted(i for i in EVAL_IDS for _ in range(GROUP))
+        assert log["eval_sampling/sampling_logp_difference/max"] <= 1e-4, log  # the weights just trained
+        for k in (1, GROUP):
+            expected = plain_pass_rates(rewards, GROUP, k, 0.5)
+            assert log[f"eval_rewards/recorded_reward/pass@{k}"] == pytest.approx(expected, abs=1e-6), (k, log)
+    trained = set(recorder.counts())
+    assert len(trained) == 6 * 2 and not trained & set(EVAL_IDS)
+    if mode == "streaming":
+        check_once_each(trainer, recorder, GROUP)
+    if mode == "ordered":  # the prefetch was asked for the 6 training batches only, and served them
+        prefetch = trainer.vllm_generation.prefetcher
+        assert prefetch.served_from_prefetch + prefetch.generated_now == 6, vars(prefetch)
+        assert prefetch.served_from_prefetch >= 5

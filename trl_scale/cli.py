@@ -77,10 +77,17 @@ def _load_dataset(script_args):
     name = script_args.dataset_name
     if name is None:
         raise ValueError("dataset_name is required: a dataset id or local path, or toy:counting / toy:preferences")
+    held_out = max(16, script_args.num_toy_examples // 16)  # the test split: other rows of the same task
     if name == "toy:counting":
-        return {script_args.dataset_train_split: counting_prompts(script_args.num_toy_examples)}
+        return {
+            script_args.dataset_train_split: counting_prompts(script_args.num_toy_examples),
+            script_args.dataset_test_split: counting_prompts(held_out, seed=1),
+        }
     if name == "toy:preferences":
-        return {script_args.dataset_train_split: preference_pairs(script_args.num_toy_examples)}
+        return {
+            script_args.dataset_train_split: preference_pairs(script_args.num_toy_examples),
+            script_args.dataset_test_split: preference_pairs(held_out, seed=1),
+        }
     from datasets import load_dataset
 
     _check_local_dataset_has_rows(name)
@@ -178,6 +185,20 @@ def _parse(parser, method: str, argv: list[str]):
         parser.error(f"--config is not valid YAML{line}: {problem}. Fix: correct the YAML (e.g. its indentation)")
 
 
+def _eval_split(parser, dataset, script_args, training_args):
+    """The split evaluated during training (`dataset_test_split`), where `eval_strategy` asks for evaluation."""
+    if training_args.eval_strategy == "no":
+        return None
+    split = script_args.dataset_test_split
+    if split not in dataset:
+        parser.error(
+            f"eval_strategy={training_args.eval_strategy.value!r} evaluates on dataset_test_split={split!r}, which "
+            f"{script_args.dataset_name} does not have (its splits: {sorted(dataset)}). Fix: name one of those "
+            "splits as dataset_test_split, or eval_strategy=no"
+        )
+    return dataset[split]
+
+
 def _say_processes(trainer, method: str) -> None:
     sp_size = getattr(trainer.args, "sequence_parallel_size", 1)
     processes = trainer.accelerator.state.num_processes
@@ -212,7 +233,7 @@ def train(method: str, argv: list[str]) -> int:
         model=model_path,
         args=training_args,
         train_dataset=dataset[script_args.dataset_train_split],
-        eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
+        eval_dataset=_eval_split(parser, dataset, script_args, training_args),
         peft_config=get_peft_config(model_args),
     )
     if method != "dpo":

@@ -122,6 +122,7 @@ class GenerationAhead:
     converses = False  # streaming generates a group's later turns too (`enable_async(converse=...)`)
     _serving = None  # a streamed batch TRL's next generate() call is answered from
     _serving_rewards = None  # ... and its groups' rewards (computed in the stream), for the next reward call
+    _evaluating = False  # generate calls are an evaluation's (`evaluating`)
     _version_lock = threading.Lock()  # the sync count and the syncing flag change together (`_newest_reachable`)
 
     def enable_async(
@@ -209,6 +210,17 @@ class GenerationAhead:
             return self.streamer.take(num_rows)
 
         return decide_on_leader(take, self.shared_with)
+
+    @contextmanager
+    def evaluating(self):
+        """Within the block, generate calls are an evaluation's: sent now, at the weights served, and never
+        answered from a batch read ahead for training (an evaluation batch with a prefetched batch's prompts would
+        take it, and the step that needed it would generate again)."""
+        self._evaluating = True
+        try:
+            yield
+        finally:
+            self._evaluating = False
 
     @contextmanager
     def serving(self, streamed):

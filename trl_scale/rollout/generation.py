@@ -249,7 +249,8 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
     def _generated_choices(self, prompts) -> tuple[list[dict], list[tuple[int, int]]]:
         """Generated now, or taken from a prefetched request ("ordered")."""
         self._check_fleet()
-        taken = self.prefetcher.take(prompts, self.sync_count) if self.prefetcher is not None else None
+        reads_ahead = self.prefetcher is not None and not self._evaluating
+        taken = self.prefetcher.take(prompts, self.sync_count) if reads_ahead else None
         if taken is not None:
             (choices, newest), version = taken
         else:

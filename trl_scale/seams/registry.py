@@ -239,7 +239,7 @@ TRAINER_SEAMS: tuple[Seam, ...] = (
     Seam(
         G,
         ATTRIBUTE,
-        "trainers/ppo_trainer.py",
+        "trainers/ppo_trainer.py, trainers/evaluation.py (pass@k into 'eval')",
         "a dict mode -> defaultdict(list) of metric lists, averaged and logged by TRL's log()",
         attribute="_metrics",
     ),

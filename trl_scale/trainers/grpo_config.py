@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from trl import GRPOConfig as _TRLGRPOConfig
 
 from ..distributed.arguments import DistributedArguments
+from ..evaluation import EvaluationArguments
 from ..rollout.arguments import RolloutArguments
 from ..rollout.dynamic_sampling import DynamicSamplingArguments
 from ..scoring.arguments import ScoringArguments
@@ -14,7 +15,14 @@ from .construction import config_docstring
 
 
 @dataclass
-class GRPOConfig(DistributedArguments, RolloutArguments, DynamicSamplingArguments, ScoringArguments, _TRLGRPOConfig):
+class GRPOConfig(
+    EvaluationArguments,
+    DistributedArguments,
+    RolloutArguments,
+    DynamicSamplingArguments,
+    ScoringArguments,
+    _TRLGRPOConfig,
+):
     __doc__ = config_docstring(
-        "GRPO", ScoringArguments, RolloutArguments, DynamicSamplingArguments, DistributedArguments
+        "GRPO", ScoringArguments, RolloutArguments, DynamicSamplingArguments, DistributedArguments, EvaluationArguments
     )

@@ -20,6 +20,7 @@ from .construction import (
 )
 from .correction import RatioMetrics
 from .dynamic_sampling import DynamicSampling
+from .evaluation import Evaluation
 from .hub import ModelCard
 from .packing import PackedScoring
 from .remote_reference import RemoteReference
@@ -39,6 +40,7 @@ ONLINE_FEATURES = (
     RatioMetrics,  # reads the finished batch: outside whatever builds it
     ContextLength,  # checks the prompts TRL tokenizes (those of a streamed or topped-up batch too)
     EmptyRewardsWarning,  # on the rewards TRL's step gets (dynamic sampling's chosen rows')
+    Evaluation,  # pass@k from an evaluation batch's rewards (gathered)
     SafeCheckpoint,
     RolloutResume,
     ModelCard,

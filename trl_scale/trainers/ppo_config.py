@@ -141,6 +141,8 @@ class PPOConfig(GRPOConfig):
                 "the default) or 'bnpo' (per micro-batch, TRL <= 1.12's PPO). Fix: loss_type='dapo' or 'bnpo'"
             )
         num_generations = self.num_generations
+        # An evaluation samples as training does (TRL's default), not the batch-sized group GRPO's checks get below.
+        self.num_generations_eval = self.num_generations_eval or num_generations
         if num_generations == 1:
             # GRPOConfig insists on >= 2 generations (it normalises within groups); PPO does not use groups. Check
             # GRPO's batch rules with the local generation batch, which divides the global one.

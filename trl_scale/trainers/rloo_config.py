@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from trl import RLOOConfig as _TRLRLOOConfig
 
 from ..distributed.arguments import DistributedArguments
+from ..evaluation import EvaluationArguments
 from ..rollout.arguments import RLOOCorrectionArguments, RolloutArguments
 from ..rollout.dynamic_sampling import DynamicSamplingArguments
 from ..scoring.arguments import ScoringArguments
@@ -15,6 +16,7 @@ from .construction import config_docstring
 
 @dataclass
 class RLOOConfig(
+    EvaluationArguments,
     RLOOCorrectionArguments,
     DistributedArguments,
     RolloutArguments,
@@ -29,4 +31,5 @@ class RLOOConfig(
         DynamicSamplingArguments,
         RLOOCorrectionArguments,
         DistributedArguments,
+        EvaluationArguments,
     )

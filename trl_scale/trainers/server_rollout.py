@@ -166,8 +166,12 @@ class ServerRollout(Feature):
 
     def generate_and_score(self, trainer, proceed, inputs):
         """Streaming: the rows trained are the finished prompt groups, taken at the weights just synced, in place of
-        the rows TRL read (those were read ahead and streamed already)."""
+        the rows TRL read (those were read ahead and streamed already). An evaluation batch (TRL's `evaluate`) is
+        generated now, at the current weights, through the router, never from or into what is read ahead."""
         generation = _generation(trainer)
+        if not trainer.model.training and _read_ahead(trainer) is not None:  # an evaluation: generated now
+            with generation.evaluating():
+                return proceed(inputs)
         if not getattr(generation, "streams", False) or not trainer.model.training:
             return proceed(inputs)
         if trainer.state.global_step != trainer._last_loaded_step:  # TRL's sync, done first: the batch is after it

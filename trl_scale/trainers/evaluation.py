@@ -1,0 +1,33 @@
+"""Evaluation during training as a trainer feature: TRL evaluates (`eval_strategy`, `eval_steps`,
+`num_generations_eval`) by generating and scoring each evaluation batch as a training one, and logs the mean reward
+per function as `eval_rewards/<name>/mean`. This adds each function's pass@k (`EvaluationArguments`) from the same
+rewards, gathered over every process, under `eval_rewards/<name>/pass@<k>`. Where the evaluation's completions come
+from in each rollout mode is the rollout's concern (`ServerRollout.generate_and_score`: generated now, at the
+current weights, never from or into the stream)."""
+
+from __future__ import annotations
+
+from ..evaluation import pass_rates
+from .feature import Feature
+
+
+class Evaluation(Feature):
+    name = "evaluation"
+
+    def rewards(self, trainer, proceed, *args):
+        rewards_per_func = proceed(*args)
+        if not trainer.model.training:
+            log_pass_rates(trainer, rewards_per_func)
+        return rewards_per_func
+
+
+def log_pass_rates(trainer, rewards_per_func) -> None:
+    """Each reward function's pass@k over this evaluation batch (every process's rows: TRL's reward call gathers
+    them, each prompt's `num_generations_eval` completions consecutive), into TRL's eval metrics."""
+    args = trainer.args
+    group_size = trainer.num_generations_eval
+    ks = args.pass_at_ks()
+    columns = rewards_per_func.detach().float().cpu().T.tolist()
+    for name, rewards in zip(trainer.reward_func_names, columns, strict=True):
+        for k, rate in pass_rates(rewards, group_size, ks, args.eval_success_threshold).items():
+            trainer._metrics["eval"][f"rewards/{name}/pass@{k}"].append(rate)
