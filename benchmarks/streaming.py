@@ -12,8 +12,11 @@ Saturating (dynamic sampling): even lengths, and half the prompts' groups get th
 signal): sync and streaming with `dynamic_sampling` off and on; "useful samples/s" counts the trained rows of
 groups whose rewards differ (non-zero advantage) per second.
 
-Usage: python benchmarks/streaming.py [--quick] [--regimes long-tail,even,saturating]. The last line printed is one
-JSON object.
+Timeline cost (`--timeline`): streaming in the even regime with `rollout_timeline` off and on, runs alternated
+(off, on, on, off, ...): the step time with the timeline recorded over the step time without.
+
+Usage: python benchmarks/streaming.py [--quick] [--regimes long-tail,even,saturating] [--timeline]. The last line
+printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -66,7 +69,9 @@ def saturating_reward(prompts, completion_ids, **kwargs) -> list[float]:
     ]
 
 
-def run(model_path: str, urls: list[str], mode: str, regime: str, steps: int, warmup: int, out: str) -> dict:
+def run(
+    model_path: str, urls: list[str], mode: str, regime: str, steps: int, warmup: int, out: str, timeline: bool = False
+) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
 
     import trl_scale
@@ -107,6 +112,7 @@ def run(model_path: str, urls: list[str], mode: str, regime: str, steps: int, wa
             generation_kwargs={"ignore_eos": True},
             dynamic_sampling=dynamic,
             dynamic_sampling_max_oversampling=4.0,
+            rollout_timeline=timeline,
         ),
         train_dataset=counting_prompts(4096, seed=0),
         processing_class=AutoTokenizer.from_pretrained(model_path),
@@ -149,12 +155,62 @@ def run(model_path: str, urls: list[str], mode: str, regime: str, steps: int, wa
     }
 
 
+def timeline_cost(quick: bool) -> None:
+    """Streaming (even regime) with the timeline off and on, alternated; one JSON line."""
+    from pinned_vllm import pinned_vllm_servers
+
+    steps, warmup, pairs = (8, 2, 2) if quick else (14, 3, 3)
+    runs: dict[bool, list[float]] = {False: [], True: []}
+    work_dir: list[str] = []  # the last traced run's output
+    with pinned_vllm_servers("timeline-bench-") as (model_path, urls, work):
+        for pair in range(pairs):
+            for traced in (False, True) if pair % 2 == 0 else (True, False):
+                out = os.path.join(work, f"{'traced' if traced else 'plain'}-{pair}")
+                result = run(model_path, urls, "streaming", "even", steps, warmup, out, timeline=traced)
+                runs[traced].append(result["step_s"])
+                print("timeline" if traced else "plain", pair, result, flush=True)
+                if traced:
+                    assert os.path.exists(os.path.join(out, "timeline", "trace.json"))
+                    work_dir[:] = [out]
+    plain, traced = statistics.mean(runs[False]), statistics.mean(runs[True])
+    print(f"streaming step time: {plain:.3f} s without the timeline, {traced:.3f} s with it ({traced / plain:.3f}x)")
+    # Below the runs' spread, a bound: the events one step records, times what recording one costs here.
+    with open(os.path.join(work_dir[0], "timeline", "trace.json")) as handle:
+        events = sum(1 for e in json.load(handle)["traceEvents"] if e["ph"] in ("X", "b", "i"))
+    per_event = recording_cost()
+    summary = {
+        "step_s": {"plain": plain, "timeline": traced},
+        "runs": {str(k): v for k, v in runs.items()},
+        "events_per_step": events / steps,
+        "recording_s_per_step": events / steps * per_event,
+        "recording_share_of_step": events / steps * per_event / plain,
+    }
+    print(json.dumps({"benchmark": "streaming_timeline", "quick": quick, "cost": traced / plain - 1, **summary}))
+
+
+def recording_cost() -> float:
+    """Seconds to record one event (a request's span and a phase segment, alternately), best of 5."""
+    from trl_scale.timeline import Timeline
+
+    timeline, count, best = Timeline(), 20000, float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(count // 2):
+            timeline.overlapping("http://server", "request", 1.0, 2.0, status=200)
+            timeline.span("trainer", "scoring", "scoring", 1.0, 2.0)
+        best = min(best, (time.perf_counter() - start) / count)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--regimes", default="long-tail,even")
     parser.add_argument("--modes", default=None, help="comma-separated subset of the regime's modes (sync always)")
+    parser.add_argument("--timeline", action="store_true", help="measure the rollout timeline's cost instead")
     args = parser.parse_args()
+    if args.timeline:
+        return timeline_cost(args.quick)
     from pinned_vllm import pinned_vllm_servers
 
     steps, warmup, repeats = (8, 2, 1) if args.quick else (14, 3, 2)

@@ -60,6 +60,8 @@ def test_the_fleet_restarts_a_killed_server_at_its_address_and_stops_everything(
         # relaunched within seconds of the crash (the first backoff is 1 s; 30 s is the cap for later attempts)
         assert fleet.handles[0].started_at - killed_at < 10
         assert requests.get(f"{urls[0]}/health", timeout=5).ok
+        ((url, down, up),) = fleet.outages  # the rollout timeline's restart: exit seen, then answering again
+        assert url == urls[0] and down < up
         fleet.check()  # both can serve
         # Out of restarts: a server killed once more than it may restart is given up; with none left, check() says so.
         deadline = time.monotonic() + 180
@@ -69,6 +71,10 @@ def test_the_fleet_restarts_a_killed_server_at_its_address_and_stops_everything(
                     os.killpg(handle.group, signal.SIGKILL)
             time.sleep(0.5)
         assert fleet.failed.keys() == {0, 1} and fleet.deaths == 4 and fleet.restarts == 2
+        deadline = time.monotonic() + 30  # the last outage is noted as its restart thread ends
+        while len(fleet.outages) < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sorted(up is None for _, _, up in fleet.outages) == [False, False, True, True], fleet.outages
         with pytest.raises(RolloutError, match="no rollout server can serve.*managed_server_max_restarts"):
             fleet.check()
     finally:

@@ -20,6 +20,7 @@ LAYERS = {
     "trl_scale.scoring": 0,
     "trl_scale.sharding": 0,
     "trl_scale.evaluation": 0,
+    "trl_scale.timeline": 0,
     "trl_scale.critic": 2,
     "trl_scale.rollout": 2,
     "trl_scale.distributed": 2,

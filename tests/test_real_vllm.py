@@ -984,3 +984,46 @@ def test_a_streamed_rollout_func_draws_each_token_with_weights_in_its_span(fleet
     assert set(counts.values()) == {4} and len(counts) == 4 * 8 // 4  # each group trained once, whole
     sampler = AutoModelForCausalLM.from_pretrained(fleet.model_path, dtype=torch.float32)
     assert len(list(_tokens_within_their_spans(sampler, checkpoints, batches))) == 4 * 8
+
+
+def test_a_streaming_runs_timeline_shows_syncs_landing_inside_running_requests(fleet, rl_urls, tmp_path):
+    """`rollout_timeline` on GRPO streamed over both real vLLM servers (staleness 1, answers that outlast a step):
+    the trace accounts for each step (its trainer lanes sum to the step's wall time, measured apart, within 5 %),
+    each server's lane holds its requests and each sync's calls (pause, weight load, resume), and syncs land inside
+    requests still running on that server (begun before the pause, ended after the resume); the PNG is drawn."""
+    import json
+
+    from .test_timeline import StepEnds, check_trace_accounts_for_steps
+
+    trainer = _trainer(
+        "grpo",
+        fleet.model_path,
+        tmp_path,
+        rl_urls,
+        "shared_dir",
+        **_streamed_long_answers(),
+        async_rollout_mode="streaming",
+        rollout_timeline=True,
+    )
+    ends = StepEnds()
+    trainer.add_callback(ends)
+    trainer.train()
+    recorded = check_trace_accounts_for_steps(tmp_path, ends.ends, 4)
+    assert all(step["lanes"].get("weight sync", 0) > 0 for step in recorded)
+    events = json.loads((tmp_path / "timeline" / "trace.json").read_text())["traceEvents"]
+    servers = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    begun = {e["id"]: e for e in events if e["ph"] == "b"}
+    calls: dict[str, dict[str, list[tuple[float, float]]]] = {url: {} for url in rl_urls}
+    for end in (e for e in events if e["ph"] == "e"):
+        begin = begun[end["id"]]
+        calls[servers[begin["pid"]]].setdefault(begin["cat"], []).append((begin["ts"], end["ts"]))
+    inside = 0
+    for url, by_name in calls.items():
+        assert by_name.get("request") and by_name.get("pause") and by_name.get("resume"), (url, list(by_name))
+        assert by_name.get("collective_rpc"), (url, list(by_name))  # shared_dir: the reload of the new weights
+        pauses, resumes = sorted(by_name["pause"]), sorted(by_name["resume"])
+        assert len(pauses) == len(resumes) == 4  # one sync per step
+        for (pause, _), (_, resumed) in zip(pauses, resumes):
+            assert pause < resumed
+            inside += any(start < pause and end > resumed for start, end in by_name["request"])
+    assert inside >= 1, calls  # a sync landed inside a running request

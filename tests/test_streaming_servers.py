@@ -3,6 +3,7 @@ trained once or still out at the end, none twice; no trained completion is older
 delayed, not starved; a server killed mid-stream loses and duplicates nothing; a resume neither repeats nor skips.
 Each prompt carries an `id` column, which TRL hands to the reward function with the row it trained on."""
 
+import json
 import threading
 import time
 from collections import Counter
@@ -384,3 +385,46 @@ def test_evaluation_during_training_generates_at_the_current_weights_apart_from_
         prefetch = trainer.vllm_generation.prefetcher
         assert prefetch.served_from_prefetch + prefetch.generated_now == 6, vars(prefetch)
         assert prefetch.served_from_prefetch >= 5
+
+
+def test_a_streaming_runs_timeline_accounts_for_its_steps_with_token_ages_and_busy_servers(
+    servers, tiny_llama, tmp_path
+):
+    """`rollout_timeline` on a streaming run: the trace accounts for every step (its trainer lanes sum to the step's
+    wall time, measured apart), waiting for groups and weight syncs among them, each server's requests on its lane;
+    the PNG is drawn; each step logs its tokens' ages (within the bound, summing to 1) and each server's busy
+    fraction. A group-aged token recorded as fresh, or a phase counted twice, turns it red."""
+    from .test_timeline import StepEnds, check_trace_accounts_for_steps
+
+    recorder = TrainedIds()
+    urls = [s.url for s in servers]
+    trainer = streaming_run("grpo", tiny_llama, tmp_path, urls, recorder, rollout_timeline=True)
+    ends = StepEnds()
+    trainer.add_callback(ends)
+    seen = record_generations(
+        trainer,
+        lambda generation: [
+            (span, len(lp)) for span, lp in zip(generation.last_version_spans, generation.last_sampler_logprobs)
+        ],
+    )
+    trainer.train()
+    recorded = check_trace_accounts_for_steps(tmp_path, ends.ends, 6)
+    assert any(s["lanes"].get("wait for groups", 0) > 0 for s in recorded)
+    assert all(s["lanes"].get("weight sync", 0) > 0 for s in recorded)
+    trace = json.loads((tmp_path / "timeline" / "trace.json").read_text())
+    groups = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    requests_by_server = Counter(
+        groups[e["pid"]] for e in trace["traceEvents"] if e["ph"] == "b" and e["cat"] == "request"
+    )
+    assert set(requests_by_server) == set(urls), requests_by_server
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logs) == len(seen) == 6
+    for log, (now, completions) in zip(logs, seen):
+        ages = [log[f"rollout/token_age/{age}"] for age in (0, 1)]
+        assert sum(ages) == pytest.approx(1.0) and "rollout/token_age/over_bound" not in log
+        old_tokens = sum(tokens for (first, _), tokens in completions if now - first == 1)
+        assert ages[1] == pytest.approx(old_tokens / sum(tokens for _, tokens in completions)), (log, completions)
+        busy = [log["rollout/busy_fraction/server0"], log["rollout/busy_fraction/server1"]]
+        assert all(0.0 <= b <= 1.0 for b in busy), busy
+    assert any(log["rollout/token_age/1"] > 0 for log in logs)  # streamed groups were trained a sync later
+    assert max(log["rollout/busy_fraction/server0"] + log["rollout/busy_fraction/server1"] for log in logs) > 0.2

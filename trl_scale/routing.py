@@ -31,6 +31,12 @@ class ServerState:
     latency: float = 0.0  # moving average of seconds per request (0 until measured: tried first)
     measured_at: float = 0.0  # time.monotonic() of its last measurement (an old estimate is forgotten)
     world_size: int = 0  # ranks it brings to the weight-transfer group (0: not read yet)
+    busy_seconds: float = 0.0  # time with at least one request in flight, up to `busy_since` where one is
+    busy_since: float = 0.0  # time.monotonic() its in-flight requests went from none to one
+
+    def busy_until(self, now: float) -> float:
+        """Its busy seconds so far, the current stretch counted up to `now`."""
+        return self.busy_seconds + (now - self.busy_since if self.outstanding > 0 else 0.0)
 
 
 class RoutingPolicy(Protocol):
@@ -129,6 +135,8 @@ class Rotation:
                     return None
                 server = self.policy.pick(candidates, self.cap, self.backlog, now)
                 if server is not None:
+                    if server.outstanding == 0:
+                        server.busy_since = now
                     server.outstanding += 1
                     self.backlog = max(0, self.backlog - 1)
                     return server
@@ -140,6 +148,8 @@ class Rotation:
         with self.lock:
             self.lock.notify_all()
             server.outstanding -= 1
+            if server.outstanding == 0:
+                server.busy_seconds += time.monotonic() - server.busy_since
             if seconds is not None:
                 self.policy.observe(server, seconds, time.monotonic())
             if ok:

@@ -34,6 +34,10 @@ class ServerFleet:
         self._watcher: threading.Thread | None = None
         self.on_moved = None  # called (old URL, new URL) when a restarted server comes back at another address
         self.on_restarted = None  # called (URL) once a restarted server answers: bring it to the current weights
+        # Each server outage seen: (URL it came back at, time.perf_counter() its exit was seen, time it answered
+        # again or None if it never did): the rollout timeline's restarts.
+        self.outages: list[tuple[str, float, float | None]] = []
+        self._down_since: dict[int, float] = {}
 
     # ---- start ------------------------------------------------------------------------------------------
 
@@ -121,6 +125,7 @@ class ServerFleet:
                     self.deaths += 1
                     self.keep_logs = True
                     self.restarting.add(index)
+                    self._down_since[index] = time.perf_counter()
                 logger.warning(
                     "rollout server %s exited (%s); restarting it. Log tail:\n%s",
                     handle.url,
@@ -151,6 +156,7 @@ class ServerFleet:
                             self.on_restarted(handle.url)
                         with self._lock:
                             self.restarts += 1
+                            self.outages.append((handle.url, self._down_since.pop(index, 0.0), time.perf_counter()))
                         return
                     time.sleep(1.0)
             with self._lock:
@@ -163,6 +169,8 @@ class ServerFleet:
         finally:
             with self._lock:
                 self.restarting.discard(index)
+                if index in self._down_since:  # it never answered again
+                    self.outages.append((self.handles[index].url, self._down_since.pop(index), None))
 
     def check(self) -> None:
         """Raise when no server can serve any more (every one dead and out of restarts)."""

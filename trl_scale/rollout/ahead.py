@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Protocol
 
@@ -123,6 +123,9 @@ class GenerationAhead:
     _serving = None  # a streamed batch TRL's next generate() call is answered from
     _serving_rewards = None  # ... and its groups' rewards (computed in the stream), for the next reward call
     _evaluating = False  # generate calls are an evaluation's (`evaluating`)
+    # The trainer's phase clock (`trl_scale.timeline.PhaseClock.phase`), where the timeline or phase timing is kept:
+    # a weight sync and a wait for streamed groups are phases of the trainer's time.
+    phase = staticmethod(lambda name: nullcontext())
     _version_lock = threading.Lock()  # the sync count and the syncing flag change together (`_newest_reachable`)
 
     def enable_async(
@@ -209,7 +212,8 @@ class GenerationAhead:
                 self.streamer.add(new_rows)
             return self.streamer.take(num_rows)
 
-        return decide_on_leader(take, self.shared_with)
+        with self.phase("wait for groups"):
+            return decide_on_leader(take, self.shared_with)
 
     @contextmanager
     def evaluating(self):

@@ -120,10 +120,22 @@ class RolloutClient:
         # that talk to running servers (`trl-scale rollout`) set this to fail at once.
         self.refused_is_definite = False
         self.answers_continued = 0  # cut answers continued (partial rollout): `complete(continue_cut=True)`
+        self._busy_read = ([0.0] * len(self.servers), time.monotonic())  # `busy_fractions`' last reading
 
     @property
     def routing(self) -> RoutingPolicy:
         return self.rotation.policy
+
+    def busy_fractions(self) -> list[float]:
+        """Each server's share of the time since the last call (or since the client was made) in which at least one
+        of this process's requests was in flight on it, in server order."""
+        with self._lock:
+            now = time.monotonic()
+            totals = [server.busy_until(now) for server in self.servers]
+        before, read_at = self._busy_read
+        self._busy_read = (totals, now)
+        wall = now - read_at
+        return [min(1.0, (total - old) / wall) if wall > 0 else 0.0 for total, old in zip(totals, before)]
 
     # ---- server selection -----------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from trl.generation.vllm_generation import VLLMGeneration
@@ -50,7 +50,13 @@ class ColocatedVLLMGeneration(VLLMGeneration):
         finally:
             module.LLM = build
 
+    phase = staticmethod(lambda name: nullcontext())  # the trainer's phase clock, where one is recorded
+
     def sync_weights(self) -> None:
+        with self.phase("weight sync"):
+            self._sync_weights()
+
+    def _sync_weights(self) -> None:
         if self.mode != "colocate" or self._direct_load():
             return super().sync_weights()
         if self.enable_sleep_mode:  # as TRL: the weights' memory mapped again before they are written

@@ -292,24 +292,26 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
         rank, instead of leaving the others waiting or going on. With managed servers a failed sync is tried once
         more, by every rank, after the fleet has a server serving again: one can pass the fleet's check and die
         before the weights reach it (its restart is then waited for, not taken for the end of the run)."""
-        version = f"{VERSION_PREFIX}{self._run_id}-{self.sync_count + 1}"
-        if self.read_ahead is not None:
-            self.read_ahead.before_sync()
-        with self._version_lock:
-            self._syncing = True
-        try:
-            self._sync_with_retry(version)
-        except BaseException:
+        with self.phase("weight sync"):
+            version = f"{VERSION_PREFIX}{self._run_id}-{self.sync_count + 1}"
+            if self.read_ahead is not None:
+                self.read_ahead.before_sync()
             with self._version_lock:
+                self._syncing = True
+            try:
+                self._sync_with_retry(version)
+            except BaseException:
+                with self._version_lock:
+                    self._syncing = False
+                raise
+            # one step: an answer finishing now reads the new count, not the old without the flag
+            with self._version_lock:
+                self.sync_count += 1
                 self._syncing = False
-            raise
-        with self._version_lock:  # one step: an answer finishing now reads the new count, not the old without the flag
-            self.sync_count += 1
-            self._syncing = False
-        self.version = version
-        if self.weight_sync == "lora":
-            self._lora_served = (version, self.sync_count)
-        self.client.versions.version = version  # every rank routes only to servers on this version
+            self.version = version
+            if self.weight_sync == "lora":
+                self._lora_served = (version, self.sync_count)
+            self.client.versions.version = version  # every rank routes only to servers on this version
 
     def _sync_with_retry(self, version: str) -> None:
         try:

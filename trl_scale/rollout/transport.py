@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import requests
 
 from ..errors import RolloutError
@@ -17,6 +19,9 @@ class Transport:
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
         self._model_names: dict[str, str] = {}
+        # The rollout timeline (`trl_scale.timeline.Timeline`), when one is recorded: each completion request and
+        # each control call (a sync's pause, weight load, resume) as a span on its server's lane.
+        self.timeline = None
 
     def get(self, server: ServerState, path: str, timeout: float = 10.0) -> requests.Response:
         return self.session.get(f"{server.url}{path}", headers=self.headers, timeout=timeout)
@@ -24,18 +29,32 @@ class Transport:
     def post(self, server: ServerState, path: str, timeout: float, json=None) -> requests.Response:
         """A control call (weight sync): JSON or nothing (no weight-sync route of vLLM's takes a binary body); an
         HTTP error raises `RolloutError` naming the route."""
-        response = self.session.post(f"{server.url}{path}", json=json, headers=self.headers, timeout=timeout)
+        start = time.perf_counter()
+        try:
+            response = self.session.post(f"{server.url}{path}", json=json, headers=self.headers, timeout=timeout)
+        finally:
+            if self.timeline is not None:
+                self.timeline.overlapping(
+                    server.url, path.split("?")[0].strip("/"), start, time.perf_counter(), path=path
+                )
         if response.status_code >= 400:
             raise RolloutError(f"{server.url}{path} answered {response.status_code}: {response.text[:500]}")
         return response
 
     def completions(self, server: ServerState, payload: dict, generation_timeout: float | None) -> requests.Response:
-        return self.session.post(
-            f"{server.url}/v1/completions",
-            json=payload,
-            headers=self.headers,
-            timeout=(min(10.0, self.request_timeout), generation_timeout),
-        )
+        start, status = time.perf_counter(), "failed"
+        try:
+            response = self.session.post(
+                f"{server.url}/v1/completions",
+                json=payload,
+                headers=self.headers,
+                timeout=(min(10.0, self.request_timeout), generation_timeout),
+            )
+            status = response.status_code
+            return response
+        finally:
+            if self.timeline is not None:
+                self.timeline.overlapping(server.url, "request", start, time.perf_counter(), status=status)
 
     def model_name(self, server: ServerState) -> str:
         """The model a server serves (`/v1/models`), read once per URL."""

@@ -15,7 +15,8 @@ from .feature import Feature
 
 class RatioMetrics(Feature):
     """The correction's ratios before TRL clips them (`sampling/importance_sampling_ratio_raw/*`), the share clipped,
-    and the share of completions generated across a weight sync (streaming: tokens of two versions)."""
+    the share of completions generated across a weight sync (streaming: tokens of two versions), and the tokens'
+    ages (`record_token_ages`)."""
 
     name = "ratio_metrics"
 
@@ -23,6 +24,8 @@ class RatioMetrics(Feature):
         batch = proceed(inputs)
         if "importance_sampling_ratio" in batch and "sampling_per_token_logps" in batch:
             self._record(trainer, batch)
+        if trainer.model.training and "completion_mask" in batch:
+            record_token_ages(trainer, batch["completion_mask"])
         return batch
 
     def _record(self, trainer, batch: dict) -> None:
@@ -43,6 +46,28 @@ class RatioMetrics(Feature):
             metrics["rollout/completions_overlapping_a_sync"].append(
                 trainer.accelerator.gather(spanning).mean().item()
             )
+
+
+def record_token_ages(trainer, completion_mask: torch.Tensor) -> None:
+    """The share of the batch's completion tokens (every process's) by age: the syncs between the weights that drew
+    a completion's first token and the weights it is trained at, 0 to `async_rollout_staleness`, as
+    `rollout/token_age/<age>` (a completion's later tokens may be younger: this is their oldest). Any older than the
+    bound would show as `rollout/token_age/over_bound`. Server rollout only (it tags each completion's weights)."""
+    generation = getattr(trainer, "vllm_generation", None)
+    spans = getattr(generation, "last_version_spans", None)
+    if not spans or len(spans) != completion_mask.size(0):
+        return
+    bound = getattr(trainer.args, "async_rollout_staleness", 0)
+    counts = torch.zeros(bound + 2, dtype=torch.float64)
+    for (first, _), tokens in zip(spans, completion_mask.sum(1).tolist()):
+        counts[min(max(0, generation.sync_count - first), bound + 1)] += tokens
+    totals = trainer.accelerator.gather(counts.to(completion_mask.device)).view(-1, bound + 2).sum(0).tolist()
+    total = max(1.0, sum(totals))
+    metrics = trainer._metrics["train"]
+    for age in range(bound + 1):
+        metrics[f"rollout/token_age/{age}"].append(totals[age] / total)
+    if totals[-1]:
+        metrics["rollout/token_age/over_bound"].append(totals[-1] / total)
 
 
 class SequenceCorrection(Feature):

@@ -11,11 +11,13 @@ from ..evaluation import EvaluationArguments
 from ..rollout.arguments import RolloutArguments
 from ..rollout.dynamic_sampling import DynamicSamplingArguments
 from ..scoring.arguments import ScoringArguments
+from ..timeline import TimelineArguments
 from .construction import config_docstring
 
 
 @dataclass
 class GRPOConfig(
+    TimelineArguments,
     EvaluationArguments,
     DistributedArguments,
     RolloutArguments,
@@ -24,5 +26,11 @@ class GRPOConfig(
     _TRLGRPOConfig,
 ):
     __doc__ = config_docstring(
-        "GRPO", ScoringArguments, RolloutArguments, DynamicSamplingArguments, DistributedArguments, EvaluationArguments
+        "GRPO",
+        ScoringArguments,
+        RolloutArguments,
+        DynamicSamplingArguments,
+        DistributedArguments,
+        EvaluationArguments,
+        TimelineArguments,
     )

@@ -11,11 +11,13 @@ from ..evaluation import EvaluationArguments
 from ..rollout.arguments import RLOOCorrectionArguments, RolloutArguments
 from ..rollout.dynamic_sampling import DynamicSamplingArguments
 from ..scoring.arguments import ScoringArguments
+from ..timeline import TimelineArguments
 from .construction import config_docstring
 
 
 @dataclass
 class RLOOConfig(
+    TimelineArguments,
     EvaluationArguments,
     RLOOCorrectionArguments,
     DistributedArguments,

@@ -242,8 +242,12 @@ class ServerRollout(Feature):
                 release()
 
     def log(self, trainer, logs: dict[str, float]) -> None:
+        generation = _generation(trainer)
+        if self.wanted and generation is not None:  # trl-scale's client: this process's requests, by server
+            busy = generation.client.busy_fractions()
+            logs.update({f"rollout/busy_fraction/server{i}": fraction for i, fraction in enumerate(busy)})
         if _read_ahead(trainer) is not None:
-            logs.update(_generation(trainer).read_ahead_metrics())
+            logs.update(generation.read_ahead_metrics())
         if getattr(trainer, "rollout_fleet", None) is not None:
             logs.update(trainer.rollout_fleet.metrics())
         if self.episodes is not None:

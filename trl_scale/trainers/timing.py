@@ -1,13 +1,27 @@
 """Phase timing as a trainer feature: wall time per phase of an online step (generation, reward scoring, log-prob
-scoring), accumulated between logs and read by `trl_scale.callbacks.StepTimeCallback`."""
+scoring), accumulated between logs and read by `trl_scale.callbacks.StepTimeCallback`; the trainer thread's phases
+clocked step by step (`trl_scale.timeline.PhaseClock`: also a weight sync, a wait for streamed groups, the backward
+and the optimizer step), which gives `time/to_first_step_s`; and with `rollout_timeline` the run's timeline, written
+to `<output_dir>/timeline/` (`trl_scale.timeline`)."""
 
 from __future__ import annotations
 
+import functools
+import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 
+from transformers import TrainerCallback
+
+from ..logs import get_logger
+from ..timeline import PhaseClock, Timeline
 from .feature import Feature
+
+logger = get_logger(__name__)
+
+# PhaseTiming's phase -> the timeline's lane
+LANES = {"generate": "generate", "reward": "rewards", "score": "scoring"}
 
 
 class PhaseTiming(Feature):
@@ -16,14 +30,54 @@ class PhaseTiming(Feature):
 
     name = "phase_timing"
 
-    def __init__(self):
+    def __init__(self, timeline: bool = False):
         self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.timeline = Timeline() if timeline else None
+        self.clock = PhaseClock(self.timeline)
+        self.train_began: float | None = None
+        self.first_step_seconds: float | None = None  # from train() to the end of the first step
+        self._first_step_logged = False
+        self._outages_drawn = 0
+
+    @classmethod
+    def from_arguments(cls, arguments: dict) -> PhaseTiming:
+        return cls(bool(getattr(arguments.get("args"), "rollout_timeline", False)))
+
+    def check(self, trainer) -> None:
+        if self.timeline is None:
+            return
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as error:
+            raise ValueError(
+                "rollout_timeline=True draws timeline.png with matplotlib, which is not installed. Fix: pip install "
+                "'trl-scale[timeline]' (or matplotlib), or rollout_timeline=False"
+            ) from error
+
+    def setup(self, trainer) -> None:
+        trainer.add_callback(StepClock(self))
+        generation = getattr(trainer, "vllm_generation", None)
+        if hasattr(generation, "phase"):
+            generation.phase = self.clock.phase
+        transport = getattr(getattr(generation, "client", None), "transport", None)
+        if self.timeline is not None and hasattr(transport, "timeline"):
+            transport.timeline = self.timeline
+        # The backward has no hook of TRL's or the Trainer's: the accelerator's, on this trainer's accelerator only.
+        backward = trainer.accelerator.backward
+
+        @functools.wraps(backward)
+        def timed_backward(*args, **kwargs):
+            with self.clock.phase("backward"):
+                return backward(*args, **kwargs)
+
+        trainer.accelerator.backward = timed_backward
 
     @contextmanager
     def timed(self, phase: str):
         start = time.perf_counter()
         try:
-            yield
+            with self.clock.phase(LANES[phase]):
+                yield
         finally:
             self.seconds[phase] += time.perf_counter() - start
 
@@ -38,3 +92,68 @@ class PhaseTiming(Feature):
     def scoring(self, trainer, proceed, *args, **kwargs):
         with self.timed("score"):
             return proceed(*args, **kwargs)
+
+    def train(self, trainer, proceed, *args, **kwargs):
+        self.train_began = time.perf_counter()
+        self.clock.start()
+        try:
+            return proceed(*args, **kwargs)
+        finally:
+            self.clock.stop()
+            if self.timeline is not None:
+                self.write(trainer, draw=True)
+
+    def log(self, trainer, logs: dict[str, float]) -> None:
+        if self.first_step_seconds is not None and not self._first_step_logged:
+            logs["time/to_first_step_s"] = self.first_step_seconds
+            self._first_step_logged = True
+
+    def save_state(self, trainer, output_dir: str) -> None:
+        if self.timeline is not None:
+            self.write(trainer, draw=False)
+
+    def step_ended(self, step: int) -> None:
+        record = self.clock.step_end(step)
+        if record is not None and self.first_step_seconds is None and self.train_began is not None:
+            self.first_step_seconds = record.end - self.train_began
+
+    def write(self, trainer, draw: bool) -> None:
+        """The trace (each rank its own file) and, on the main process when `draw`, the PNG. A failure to write is
+        logged, never raised: the run's own outcome stands."""
+        directory = os.path.join(trainer.args.output_dir, "timeline")
+        rank = trainer.accelerator.process_index
+        try:
+            self._draw_outages(getattr(trainer, "rollout_fleet", None))
+            self.timeline.write(os.path.join(directory, "trace.json" if rank == 0 else f"trace-rank{rank}.json"))
+            if draw and rank == 0:
+                from ..timeline.render import render_png
+
+                history = trainer.state.log_history
+                rewards = [(e["step"], e["reward"]) for e in history if "reward" in e and "step" in e]
+                render_png(self.timeline, self.clock.steps, rewards, os.path.join(directory, "timeline.png"))
+        except Exception as error:  # a full disk must not turn a finished run into a failed one
+            logger.warning("rollout timeline: could not write %s: %r", directory, error)
+
+    def _draw_outages(self, fleet) -> None:
+        """A managed server's restarts (exit seen to answering again) as spans on its lane."""
+        outages = list(getattr(fleet, "outages", None) or [])
+        for url, down, up in outages[self._outages_drawn :]:
+            name = "restart" if up is not None else "down"
+            self.timeline.span(url, "restarts", name, down, up or time.perf_counter())
+        self._outages_drawn = len(outages)
+
+
+class StepClock(TrainerCallback):
+    """The Trainer's step boundaries and optimizer step, told to the phase clock."""
+
+    def __init__(self, timing: PhaseTiming):
+        self.timing = timing
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.timing.clock.enter("optimizer")
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.timing.clock.exit()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.timing.step_ended(state.global_step)

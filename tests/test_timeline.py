@@ -1,0 +1,175 @@
+"""The rollout timeline (`rollout_timeline`): the trainer thread's nested phases tile each step (a clock driven by
+the test), the trace is Chrome's trace-event JSON (metadata, complete events, paired async events), the switch from
+Python, YAML and the command line and its refusal without matplotlib, and a local GRPO run whose trace accounts for
+each step's wall time and whose PNG is drawn. Server rollout: tests/test_streaming_servers.py (streaming over
+`trl-scale serve`) and tests/test_real_vllm.py (streaming over real vLLM: syncs inside running requests)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+import pytest
+from transformers import AutoTokenizer, TrainerCallback
+
+import trl_scale
+from trl_scale.timeline import TRAINER, PhaseClock, Timeline
+
+from .helpers import cpu_args, token_parity_reward
+
+STEP_TOLERANCE = 0.05  # the trainer lanes' sum against each step's wall time
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_nested_phases_tile_each_step_and_other_threads_are_not_clocked():
+    timeline, clock = Timeline(), FakeClock()
+    timeline.began = 0.0
+    phases = PhaseClock(timeline, clock)
+    phases.start()
+    clock.now = 1.0
+    with phases.phase("generate"):
+        clock.now = 2.0
+        with phases.phase("weight sync"):
+            clock.now = 3.0
+            elsewhere = threading.Thread(target=lambda: phases.enter("rewards"))  # a stream thread: not clocked
+            elsewhere.start()
+            elsewhere.join()
+        clock.now = 5.0
+    clock.now = 6.0
+    first = phases.step_end(1)
+    assert (first.start, first.end) == (0.0, 6.0)
+    assert first.phases == {"other": 2.0, "generate": 3.0, "weight sync": 1.0}  # exclusive: sums to the step
+    phases.enter("optimizer")
+    clock.now = 6.5
+    phases.exit()
+    clock.now = 7.0
+    second = phases.step_end(2)
+    assert (second.start, second.end, second.phases) == (6.0, 7.0, {"optimizer": 0.5, "other": 0.5})
+    lanes = [(lane, start, end) for group, lane, _, start, end, _ in timeline.spans() if group == TRAINER]
+    assert ("generate", 1.0, 2.0) in lanes and ("generate", 3.0, 5.0) in lanes and ("weight sync", 2.0, 3.0) in lanes
+    assert ("step", 0.0, 6.0) in lanes and ("step", 6.0, 7.0) in lanes
+    phases.stop()
+    assert phases.step_end(3) is None  # after training: nothing
+
+
+def test_the_trace_is_chromes_trace_event_json(tmp_path):
+    timeline = Timeline()
+    t = timeline.began
+    timeline.span(TRAINER, "generate", "generate", t + 0.001, t + 0.003)
+    for start, end in ((0.001, 0.005), (0.002, 0.004)):  # overlapping requests on one server
+        timeline.overlapping("http://127.0.0.1:8000", "request", t + start, t + end, status=200)
+    timeline.overlapping("http://127.0.0.1:8000", "pause", t + 0.0025, t + 0.0026)
+    path = timeline.write(str(tmp_path / "timeline" / "trace.json"))
+    trace = json.loads(open(path).read())
+    events = trace["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {TRAINER, "http://127.0.0.1:8000"}
+    (complete,) = [e for e in events if e["ph"] == "X"]
+    assert complete["ts"] == pytest.approx(1000, abs=0.2) and complete["dur"] == pytest.approx(2000, abs=0.2)
+    begins = {e["id"]: e for e in events if e["ph"] == "b"}
+    ends = {e["id"]: e for e in events if e["ph"] == "e"}
+    assert len(begins) == 3 and begins.keys() == ends.keys()  # each request its own id, begun and ended
+    assert all(ends[i]["ts"] > begins[i]["ts"] and ends[i]["cat"] == begins[i]["cat"] for i in begins)
+    assert not (tmp_path / "timeline" / "trace.json.partial").exists()
+
+
+def test_the_switch_is_checked_and_read_from_yaml_and_the_command_line(tmp_path, monkeypatch, tiny_llama):
+    from trl import ModelConfig, TrlParser
+
+    from trl_scale.cli import _import_trl_script_types
+
+    with pytest.raises(ValueError, match="rollout_timeline='false': use True or False"):
+        trl_scale.GRPOConfig(**cpu_args(tmp_path, rollout_timeline="false"))
+    script_type, _ = _import_trl_script_types()
+    config = tmp_path / "run.yaml"
+    config.write_text(f"output_dir: {tmp_path}\nrollout_timeline: true\nuse_cpu: true\nbf16: false\n")
+    for config_cls in (trl_scale.GRPOConfig, trl_scale.RLOOConfig, trl_scale.PPOConfig):
+        _, args, _ = TrlParser((script_type, config_cls, ModelConfig)).parse_args_and_config(["--config", str(config)])
+        assert args.rollout_timeline is True
+    parser = TrlParser((script_type, trl_scale.GRPOConfig, ModelConfig))
+    _, args, _ = parser.parse_args_and_config(["--config", str(config), "--rollout_timeline", "false"])
+    assert args.rollout_timeline is False
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed
+    with pytest.raises(
+        ValueError, match=r"rollout_timeline=True draws timeline.png with matplotlib.*trl-scale\[timeline\]"
+    ):
+        local_run(tiny_llama, tmp_path / "out")
+
+
+class StepEnds(TrainerCallback):
+    """perf_counter at each step's end, measured apart from the timeline."""
+
+    def __init__(self):
+        self.ends: list[float] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append(time.perf_counter())
+
+
+def local_run(model_path: str, out, **overrides):
+    from trl_scale.toy import counting_prompts
+
+    settings = dict(num_generations=4, max_completion_length=4, max_steps=4, rollout_timeline=True)
+    return trl_scale.GRPOTrainer(
+        model=model_path,
+        reward_funcs=token_parity_reward,
+        args=trl_scale.GRPOConfig(**cpu_args(out, **{**settings, **overrides})),
+        train_dataset=counting_prompts(64),
+        processing_class=AutoTokenizer.from_pretrained(model_path),
+    )
+
+
+def trace_steps(trace: dict) -> list[dict]:
+    """Per step in the trace: its duration and the trainer lanes' seconds within it, by lane (microseconds)."""
+    events = trace["traceEvents"]
+    trainer_pid = next(e["pid"] for e in events if e["ph"] == "M" and e.get("args", {}).get("name") == TRAINER)
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    spans = [e for e in events if e["ph"] == "X" and e["pid"] == trainer_pid]
+    steps = []
+    for step in sorted((e for e in spans if lanes[e["tid"]] == "step"), key=lambda e: e["ts"]):
+        begin, end = step["ts"], step["ts"] + step["dur"]
+        inside: dict[str, float] = {}
+        for e in spans:
+            if lanes[e["tid"]] != "step" and e["ts"] >= begin - 1 and e["ts"] + e["dur"] <= end + 1:
+                inside[lanes[e["tid"]]] = inside.get(lanes[e["tid"]], 0.0) + e["dur"]
+        steps.append({"name": step["name"], "dur": step["dur"], "lanes": inside})
+    return steps
+
+
+def check_trace_accounts_for_steps(out, ends: list[float], steps: int) -> list[dict]:
+    """The trace in `out/timeline`: one span per step, whose durations are the wall time between step ends measured
+    apart (`ends`), and within each the trainer lanes sum to the step within STEP_TOLERANCE; the PNG drawn."""
+    trace = json.loads((out / "timeline" / "trace.json").read_text())
+    recorded = trace_steps(trace)
+    assert [s["name"] for s in recorded] == [f"step {i}" for i in range(1, steps + 1)]
+    walls = [b - a for a, b in zip(ends, ends[1:])]  # steps 2..: between the ends measured by the test
+    for step, wall in zip(recorded[1:], walls):
+        assert step["dur"] / 1e6 == pytest.approx(wall, rel=STEP_TOLERANCE, abs=0.002), (step, wall)
+    for step in recorded:
+        assert sum(step["lanes"].values()) == pytest.approx(step["dur"], rel=STEP_TOLERANCE), step
+        assert step["lanes"].get("backward", 0) > 0 and step["lanes"].get("scoring", 0) > 0, step
+    png = (out / "timeline" / "timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    return recorded
+
+
+def test_a_local_run_writes_a_trace_that_accounts_for_each_step_and_its_png(tiny_llama, tmp_path):
+    trainer = local_run(tiny_llama, tmp_path)
+    ends = StepEnds()
+    trainer.add_callback(ends)
+    trainer.train()
+    recorded = check_trace_accounts_for_steps(tmp_path, ends.ends, 4)
+    assert all(s["lanes"].get("generate", 0) > 0 and s["lanes"].get("rewards", 0) > 0 for s in recorded)
+    first = next(log for log in trainer.state.log_history if "time/to_first_step_s" in log)
+    # from train() to the first step's end: the first step's span, which starts when training does
+    assert first["time/to_first_step_s"] == pytest.approx(recorded[0]["dur"] / 1e6, abs=0.01)
+    assert sum("time/to_first_step_s" in log for log in trainer.state.log_history) == 1

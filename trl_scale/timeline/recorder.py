@@ -1,0 +1,101 @@
+"""One process's timeline as Chrome trace events (the JSON format chrome://tracing and Perfetto read).
+
+A group is a trace process (the trainer, each rollout server), a lane a thread in it. Spans that nest or follow
+each other on one lane are "complete" events; a server's requests overlap one another, so each is an async event
+pair of its own id, which the viewers lay out on as many rows as are in flight at once. Times are
+`time.perf_counter()` seconds, written as microseconds since the timeline began. Appending an event is all the
+recording costs; the JSON is built when written."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+import time
+
+
+class Timeline:
+    def __init__(self, process_label: str = "trl-scale"):
+        self.began = time.perf_counter()
+        self.process_label = process_label
+        self._lock = threading.Lock()
+        self._groups: dict[str, int] = {}
+        self._lanes: dict[tuple[str, str], int] = {}
+        self._events: list[tuple] = []  # (kind, group, lane, name, start, end, args)
+        self._ids = itertools.count(1)
+
+    def span(self, group: str, lane: str, name: str, start: float, end: float, **args) -> None:
+        """`name` on `lane` of `group` from `start` to `end`, not overlapping another span of that lane."""
+        self._events.append(("X", group, lane, name, start, end, args))
+
+    def overlapping(self, group: str, name: str, start: float, end: float, **args) -> None:
+        """`name` in `group` from `start` to `end`, alongside others of the group (a server's requests)."""
+        self._events.append(("async", group, "", name, start, end, args))
+
+    def instant(self, group: str, lane: str, name: str, at: float | None = None, **args) -> None:
+        at = time.perf_counter() if at is None else at
+        self._events.append(("i", group, lane, name, at, at, args))
+
+    def spans(self, group: str | None = None) -> list[tuple[str, str, str, float, float, dict]]:
+        """The events recorded so far as (group, lane, name, start, end, args), in seconds since `began`."""
+        return [
+            (g, lane, name, start - self.began, end - self.began, args)
+            for _, g, lane, name, start, end, args in list(self._events)
+            if group is None or g == group
+        ]
+
+    def trace(self) -> dict:
+        """The trace-event JSON object: metadata naming each group and lane, then the events."""
+        body = []
+        for kind, group, lane, name, start, end, args in list(self._events):
+            pid, ts = self._pid(group), round((start - self.began) * 1e6, 1)
+            if kind == "async":
+                event_id = next(self._ids)
+                common = {"cat": name, "name": name, "id": event_id, "pid": pid, "tid": 0}
+                body.append({**common, "ph": "b", "ts": ts, "args": args})
+                body.append({**common, "ph": "e", "ts": round((end - self.began) * 1e6, 1)})
+            elif kind == "X":
+                dur = round(max(0.0, end - start) * 1e6, 1)
+                body.append({"ph": "X", "name": name, "pid": pid, "tid": self._tid(group, lane), "ts": ts, "dur": dur})
+                body[-1]["args"] = args
+            else:
+                body.append({"ph": "i", "s": "t", "name": name, "pid": pid, "tid": self._tid(group, lane), "ts": ts})
+        return {"traceEvents": self._metadata() + body, "displayTimeUnit": "ms"}
+
+    def write(self, path: str) -> str:
+        """Write the trace JSON to `path` (whole, then renamed: a reader never sees half a file)."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        partial = f"{path}.partial"
+        with open(partial, "w") as handle:
+            json.dump(self.trace(), handle)
+        os.replace(partial, path)
+        return path
+
+    def _pid(self, group: str) -> int:
+        with self._lock:
+            return self._groups.setdefault(group, len(self._groups) + 1)
+
+    def _tid(self, group: str, lane: str) -> int:
+        with self._lock:
+            return self._lanes.setdefault((group, lane), len(self._lanes) + 1)
+
+    def _metadata(self) -> list[dict]:
+        meta = []
+        for group, pid in self._groups.items():
+            meta.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": group}})
+            meta.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
+        for (group, lane), tid in self._lanes.items():
+            meta.append(
+                {"ph": "M", "name": "thread_name", "pid": self._groups[group], "tid": tid, "args": {"name": lane}}
+            )
+            meta.append(
+                {
+                    "ph": "M",
+                    "name": "thread_sort_index",
+                    "pid": self._groups[group],
+                    "tid": tid,
+                    "args": {"sort_index": tid},
+                }
+            )
+        return meta
