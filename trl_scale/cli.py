@@ -77,17 +77,13 @@ def _load_dataset(script_args):
     name = script_args.dataset_name
     if name is None:
         raise ValueError("dataset_name is required: a dataset id or local path, or toy:counting / toy:preferences")
-    held_out = max(16, script_args.num_toy_examples // 16)  # the test split: other rows of the same task
-    if name == "toy:counting":
-        return {
-            script_args.dataset_train_split: counting_prompts(script_args.num_toy_examples),
-            script_args.dataset_test_split: counting_prompts(held_out, seed=1),
-        }
-    if name == "toy:preferences":
-        return {
-            script_args.dataset_train_split: preference_pairs(script_args.num_toy_examples),
-            script_args.dataset_test_split: preference_pairs(held_out, seed=1),
-        }
+    if name in ("toy:counting", "toy:preferences"):
+        make = counting_prompts if name == "toy:counting" else preference_pairs
+        splits = {script_args.dataset_train_split: make(script_args.num_toy_examples)}
+        # the test split: other rows of the same task (`trl-scale rollout` names one split only: the one it reads)
+        held_out = max(16, script_args.num_toy_examples // 16)
+        splits.setdefault(getattr(script_args, "dataset_test_split", "test"), make(held_out, seed=1))
+        return splits
     from datasets import load_dataset
 
     _check_local_dataset_has_rows(name)
