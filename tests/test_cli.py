@@ -27,6 +27,9 @@ def test_each_trainer_runs_with_two_processes(method, tmp_path):
     overrides += ["--per_device_train_batch_size", "8", "--token_budget", "24"]
     if method != "dpo":  # a reward with variance on a random model, so there are gradients to all-reduce
         overrides += ["--reward_funcs", "tests.helpers.token_parity_reward", "--max_completion_length", "6"]
+    if method == "grpo":  # evaluation over both processes: pass@k from the rewards gathered from both
+        overrides += ["--eval_strategy", "steps", "--eval_steps", "2", "--per_device_eval_batch_size", "8"]
+        overrides += ["--num_generations_eval", "4", "--num_toy_examples", "64", "--eval_success_threshold", "0.5"]
     command = accelerate_launch(2) + ["-m", "trl_scale.cli"]
     command += [method, "--config", str(EXAMPLES / f"{method}_tiny_cpu.yaml"), *overrides]
     result = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
@@ -34,6 +37,8 @@ def test_each_trainer_runs_with_two_processes(method, tmp_path):
     assert result.returncode == 0, launcher_failure(output)
     assert f"trl-scale {method}: training on 2 process(es)" in output
     assert "'grad_norm'" in output and "padding_free/tokens_per_micro_batch" in output
+    if method == "grpo":
+        assert "'eval_rewards/token_parity_reward/pass@4'" in output and "'eval_reward'" in output, output[-3000:]
     assert (tmp_path / "model.safetensors").exists()
     if method == "ppo":
         assert (tmp_path / "value_model" / "model.safetensors").exists()
