@@ -16,6 +16,17 @@ if [[ ",${EXTRAS}," == *",test,"* || ",${EXTRAS}," == *",deepspeed,"* ]]; then
     # build isolation keeps pip from resolving a torch of its own.
     .venv/bin/python -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 .venv/bin/python -m pip install -q \
         --no-build-isolation "deepspeed==0.19.8" "torch==${TORCH_VERSION}"
+    # Its CPU op (shared-memory collectives), which every DeepSpeed process on a CPU machine loads, built now, once:
+    # otherwise the first DeepSpeed run compiles it (1-3 min on 2 cores) inside whatever it is running. Cached in
+    # ~/.cache/torch_extensions per interpreter and paths; a second setup finds it built.
+    .venv/bin/python - <<'PY' 2>/dev/null || echo "could not prebuild DeepSpeed's CPU op: its first use builds it" >&2
+import sys
+from deepspeed.accelerator import get_accelerator
+if sys.platform == "linux" and get_accelerator().device_name() == "cpu":
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        builder.load(verbose=False)
+PY
 fi
 if [[ ",${EXTRAS}," == *",test,"* ]] && ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] \
     && command -v apt-get >/dev/null; then
