@@ -44,8 +44,12 @@ class EvaluationArguments:
         if self.eval_pass_at_k is not None:
             self.eval_pass_at_k = self._checked_ks(self.eval_pass_at_k)
 
+    def _eval_generations(self) -> int:
+        """The completions per evaluation prompt, as TRL takes them: `num_generations_eval`, else `num_generations`."""
+        return getattr(self, "num_generations_eval", None) or getattr(self, "num_generations", None) or 1
+
     def _checked_ks(self, ks) -> list[int]:
-        n = getattr(self, "num_generations_eval", None) or getattr(self, "num_generations", None) or 1
+        n = self._eval_generations()
         fix = f"each k of pass@k is a whole number from 1 to num_generations_eval={n} (the completions per prompt)"
         if isinstance(ks, (int, str)) or not hasattr(ks, "__iter__") or not list(ks):
             raise ValueError(f"eval_pass_at_k={ks!r}: use a non-empty list of whole numbers, e.g. [1, {n}]")
@@ -59,5 +63,4 @@ class EvaluationArguments:
         """The k to log: those asked for, else 1 and `num_generations_eval`."""
         if self.eval_pass_at_k is not None:
             return list(self.eval_pass_at_k)
-        n = getattr(self, "num_generations_eval", None) or getattr(self, "num_generations", None) or 1
-        return sorted({1, n})
+        return sorted({1, self._eval_generations()})

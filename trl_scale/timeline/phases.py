@@ -53,7 +53,7 @@ class PhaseClock:
         self._current: defaultdict[str, float] = defaultdict(float)
         if timeline is not None:
             for lane in PHASES:  # the lanes in their order, before any event
-                timeline._tid(TRAINER, lane)
+                timeline.lane_id(TRAINER, lane)
 
     def start(self) -> None:
         """Training starts on this thread: the first step's time runs from now."""

@@ -16,9 +16,8 @@ import time
 
 
 class Timeline:
-    def __init__(self, process_label: str = "trl-scale"):
+    def __init__(self):
         self.began = time.perf_counter()
-        self.process_label = process_label
         self._lock = threading.Lock()
         self._groups: dict[str, int] = {}
         self._lanes: dict[tuple[str, str], int] = {}
@@ -32,10 +31,6 @@ class Timeline:
     def overlapping(self, group: str, name: str, start: float, end: float, **args) -> None:
         """`name` in `group` from `start` to `end`, alongside others of the group (a server's requests)."""
         self._events.append(("async", group, "", name, start, end, args))
-
-    def instant(self, group: str, lane: str, name: str, at: float | None = None, **args) -> None:
-        at = time.perf_counter() if at is None else at
-        self._events.append(("i", group, lane, name, at, at, args))
 
     def spans(self, group: str | None = None) -> list[tuple[str, str, str, float, float, dict]]:
         """The events recorded so far as (group, lane, name, start, end, args), in seconds since `began`."""
@@ -55,12 +50,10 @@ class Timeline:
                 common = {"cat": name, "name": name, "id": event_id, "pid": pid, "tid": 0}
                 body.append({**common, "ph": "b", "ts": ts, "args": args})
                 body.append({**common, "ph": "e", "ts": round((end - self.began) * 1e6, 1)})
-            elif kind == "X":
-                dur = round(max(0.0, end - start) * 1e6, 1)
-                body.append({"ph": "X", "name": name, "pid": pid, "tid": self._tid(group, lane), "ts": ts, "dur": dur})
-                body[-1]["args"] = args
             else:
-                body.append({"ph": "i", "s": "t", "name": name, "pid": pid, "tid": self._tid(group, lane), "ts": ts})
+                dur = round(max(0.0, end - start) * 1e6, 1)
+                tid = self.lane_id(group, lane)
+                body.append({"ph": "X", "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": args})
         return {"traceEvents": self._metadata() + body, "displayTimeUnit": "ms"}
 
     def write(self, path: str) -> str:
@@ -76,7 +69,8 @@ class Timeline:
         with self._lock:
             return self._groups.setdefault(group, len(self._groups) + 1)
 
-    def _tid(self, group: str, lane: str) -> int:
+    def lane_id(self, group: str, lane: str) -> int:
+        """The trace thread id of `lane` in `group` (given in the order lanes are first named: the order drawn)."""
         with self._lock:
             return self._lanes.setdefault((group, lane), len(self._lanes) + 1)
 
