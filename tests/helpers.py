@@ -14,6 +14,8 @@ from pathlib import Path
 import requests
 import torch
 
+from .server_zygote import Zygote, forking_enabled
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -213,7 +215,10 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
         command = [*self.command, "--port", str(self.port)]
-        self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if forking_enabled():  # the same command, forked from a process that has imported it (tests/server_zygote.py)
+            self.process = Zygote.shared().spawn(["trl-scale", *command[3:]], env)
+        else:
+            self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def wait_ready(self, timeout=90):
         deadline = time.monotonic() + timeout
