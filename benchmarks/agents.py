@@ -11,13 +11,23 @@ verifier in another process or machine does, so calls on several threads overlap
 take about as long as a group takes to generate here. Two vLLM CPU servers (`.venv-vllm`, `bash
 scripts/setup_vllm.sh`) share one core, the trainer has the other (on 2 cores).
 
+`--layers`, `--generations` and `--prompt-words` (the toy model's depth, completions per prompt, words per prompt;
+defaults 2, 8, 1-3) set how long the trainer's own work (scoring, backward, optimizer, weight sync) takes against
+generating a batch. The verifier's latency is matched to a group's share of generating a step's batch (its prompts,
+spread over both servers as a step asks for them), measured first. `step_parts_s` in the JSON line gives each
+mode's parts: the rewards in the step, TRL's generate call (the generation and weight sync when synchronous) and the
+rest (the trainer's work, weight sync and, streamed, the wait for finished groups). With the rewards in the step a
+streaming step takes about rewards + rest, with them in the stream about the rest alone, which the weight sync to
+the CPU servers (about 1 s a step at 6 layers) and the wait for generation hold up here. Read the steady state from
+full runs: the first steps of a streamed run take groups generated ahead during the warm-up (quick runs read lower).
+
 `--verifier sandbox`: the reward is the sandboxed code verifier instead (`CodeExecutionReward`, each completion run
 as a program in its own bubblewrap sandbox against the row's tests: the counting task with its answer as code,
 `trl_scale.toy.code_task`); its time is what a sandbox takes here, not a chosen latency, and it spends CPU the
 servers and the trainer also need (2 cores here).
 
-Usage: python benchmarks/agents.py [--quick] [--latency S] [--verifier sleep|sandbox]. The last line printed is one
-JSON object.
+Usage: python benchmarks/agents.py [--quick] [--latency S] [--verifier sleep|sandbox] [--layers N]
+[--generations N] [--prompt-words N]. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -38,9 +48,10 @@ MODES = {  # mode -> (async_rollout_staleness, stream_rewards)
     "streaming_rewards_in_step": (1, False),
     "streaming_rewards_in_stream": (1, True),
 }
-GROUP = 8  # completions per prompt
+GROUP = 8  # completions per prompt (--generations)
 PROMPTS_PER_STEP = 8
 ANSWER_TOKENS = 24
+PROMPT_WORDS = 3  # words per prompt, at most (--prompt-words; from 2 fewer)
 
 
 def slow_verifier(latency: float):
@@ -54,19 +65,30 @@ def slow_verifier(latency: float):
     return verifier
 
 
-def verifier_and_data(verifier: str, latency: float):
+def verifier_and_data(verifier: str, latency: float, prompt_words: int = PROMPT_WORDS):
     """The reward function and the prompts of a regime."""
     from trl_scale.toy import counting_code_prompts, counting_prompts, number_words_as_code
 
     if verifier == "sleep":
-        return slow_verifier(latency), counting_prompts(4096, seed=0)
+        return slow_verifier(latency), counting_prompts(
+            4096, seed=0, min_len=max(1, prompt_words - 2), max_len=prompt_words
+        )
     from trl_scale.rewards import CodeExecutionReward
 
     return CodeExecutionReward(extract=number_words_as_code), counting_code_prompts(4096, seed=0)
 
 
 def run(
-    model_path: str, urls: list[str], mode: str, latency: float, steps: int, warmup: int, out: str, verifier: str
+    model_path: str,
+    urls: list[str],
+    mode: str,
+    latency: float,
+    steps: int,
+    warmup: int,
+    out: str,
+    verifier: str,
+    group: int = GROUP,
+    prompt_words: int = PROMPT_WORDS,
 ) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
 
@@ -80,14 +102,14 @@ def run(
         def on_step_end(self, args, state, control, **kwargs):
             ends.append(time.perf_counter())
 
-    reward, dataset = verifier_and_data(verifier, latency)
+    reward, dataset = verifier_and_data(verifier, latency, prompt_words)
     trainer = trl_scale.GRPOTrainer(
         model=model_path,
         reward_funcs=reward,
         args=trl_scale.GRPOConfig(
             output_dir=out,
-            per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
-            num_generations=GROUP,
+            per_device_train_batch_size=PROMPTS_PER_STEP * group,
+            num_generations=group,
             max_completion_length=ANSWER_TOKENS,
             max_steps=steps,
             learning_rate=1e-4,
@@ -116,11 +138,21 @@ def run(
     trainer.vllm_generation.client.close()
     intervals = [b - a for a, b in zip(ends, ends[1:])][warmup:]
     logs = [h for h in trainer.state.log_history if "loss" in h][warmup + 1 :]
+    step_s = statistics.mean(intervals)
+    reward_s, generate_s = _mean(logs, "time/reward_s"), _mean(logs, "time/generate_s")
     return {
-        "step_s": statistics.mean(intervals),
-        "reward_s_in_step": statistics.mean(h.get("time/reward_s", float("nan")) for h in logs) if logs else None,
+        "step_s": step_s,
+        "reward_s_in_step": reward_s,
         "reward_s_in_stream": _growth_per_step(logs, "rewards/stream_seconds"),  # a running total
+        "generate_call_s": generate_s,  # TRL's _generate: the generation itself in the synchronous run
+        # the rest: scoring, forward, backward, optimizer, weight sync and, streamed, the wait for finished groups
+        "rest_s": step_s - reward_s - generate_s,
     }
+
+
+def _mean(logs: list[dict], key: str) -> float:
+    values = [h[key] for h in logs if key in h]
+    return statistics.mean(values) if values else 0.0
 
 
 def _growth_per_step(logs: list[dict], key: str) -> float:
@@ -129,19 +161,28 @@ def _growth_per_step(logs: list[dict], key: str) -> float:
     return (logs[-1].get(key, 0.0) - logs[0].get(key, 0.0)) / (len(logs) - 1)
 
 
-def group_generation_seconds(urls: list[str], model_path: str, repeats: int = 4) -> float:
-    """Seconds one server takes to generate one group (GROUP answers of ANSWER_TOKENS) here: what the verifier's
-    default latency matches."""
+def group_generation_seconds(
+    urls: list[str], model_path: str, prompts: list[str], group: int, repeats: int = 3
+) -> float:
+    """A group's share of the time the servers take to generate a step's batch here (`PROMPTS_PER_STEP` prompts of
+    the run's data, `group` answers of ANSWER_TOKENS each, spread over both servers as a step asks for them): what
+    the verifier's default latency matches."""
+    from transformers import AutoTokenizer
+
     from trl_scale.rollout import RolloutClient
 
-    client = RolloutClient(urls[:1], request_timeout=300)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    client = RolloutClient(urls, request_timeout=300)
     times = []
-    for i in range(repeats):
+    for i in range(repeats + 1):  # the first one warms up; each its own prompts (no prefix-cache hits)
+        batch = [
+            tokenizer(prompt)["input_ids"] for prompt in prompts[i * PROMPTS_PER_STEP : (i + 1) * PROMPTS_PER_STEP]
+        ]
         start = time.perf_counter()
-        client.generate([[5 + i, 6, 7]], n=GROUP, max_tokens=ANSWER_TOKENS, ignore_eos=True)
+        client.generate(batch, n=group, max_tokens=ANSWER_TOKENS, ignore_eos=True)
         times.append(time.perf_counter() - start)
     client.close()
-    return statistics.median(times[1:])
+    return statistics.median(times[1:]) / PROMPTS_PER_STEP
 
 
 def main() -> None:
@@ -149,30 +190,53 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--latency", type=float, default=None, help="seconds per completion (default: measured)")
     parser.add_argument("--verifier", choices=["sleep", "sandbox"], default="sleep")
+    parser.add_argument("--prompt-words", type=int, default=PROMPT_WORDS, help="words per prompt (sleep verifier)")
+    parser.add_argument("--generations", type=int, default=GROUP, help="completions per prompt")
+    parser.add_argument("--layers", type=int, default=2, help="model depth: training time against generation")
     args = parser.parse_args()
     from pinned_vllm import pinned_vllm_servers
 
     steps, warmup, repeats = (6, 2, 1) if args.quick else (10, 3, 2)
     results = {mode: [] for mode in MODES}
-    with pinned_vllm_servers("agents-bench-") as (model_path, urls, work):
-        group_s = group_generation_seconds(urls, model_path)
-        latency = args.latency if args.latency is not None else group_s / GROUP
+    with pinned_vllm_servers("agents-bench-", num_layers=args.layers) as (model_path, urls, work):
+        _, dataset = verifier_and_data(args.verifier, 0.0, args.prompt_words)
+        group_s = group_generation_seconds(urls, model_path, dataset["prompt"], args.generations)
+        latency = args.latency if args.latency is not None else group_s / args.generations
         what = f"{latency:.4f} s per completion" if args.verifier == "sleep" else "a sandboxed run per completion"
         print(f"a group generates in {group_s:.3f} s; the verifier takes {what}", flush=True)
         for repeat in range(repeats):
             order = list(MODES) if repeat % 2 == 0 else list(reversed(MODES))
             for mode in order:
                 out = os.path.join(work, f"{mode}-{repeat}")
-                results[mode].append(run(model_path, urls, mode, latency, steps, warmup, out, args.verifier))
+                results[mode].append(
+                    run(
+                        model_path,
+                        urls,
+                        mode,
+                        latency,
+                        steps,
+                        warmup,
+                        out,
+                        args.verifier,
+                        args.generations,
+                        args.prompt_words,
+                    )
+                )
                 print(mode, repeat, results[mode][-1], flush=True)
     step = {mode: statistics.mean(r["step_s"] for r in runs) for mode, runs in results.items()}
+    names = ("reward_s_in_step", "generate_call_s", "rest_s")
+    parts = {mode: {part: statistics.mean(r[part] for r in runs) for part in names} for mode, runs in results.items()}
     summary = {
         "benchmark": "agents",
         "regime": "slow_verifier" if args.verifier == "sleep" else "sandboxed_verifier",
         "quick": args.quick,
         "group_generation_s": group_s,
         "verifier_s_per_completion": latency if args.verifier == "sleep" else None,
-        "verifier_s_per_group": latency * GROUP if args.verifier == "sleep" else None,
+        "verifier_s_per_group": latency * args.generations if args.verifier == "sleep" else None,
+        "layers": args.layers,
+        "generations": args.generations,
+        "prompt_words": args.prompt_words if args.verifier == "sleep" else None,
+        "step_parts_s": parts,
         "step_s": step,
         "vs_sync": {mode: step[mode] / step["sync"] for mode in step},
         "in_stream_vs_in_step": step["streaming_rewards_in_stream"] / step["streaming_rewards_in_step"],

@@ -13,7 +13,8 @@ sys.path.insert(0, ROOT)  # tests/real_vllm.py: the harness that starts real vLL
 
 
 @contextmanager
-def pinned_vllm_servers(prefix: str, count: int = 2):
+def pinned_vllm_servers(prefix: str, count: int = 2, **shape):
+    """`shape`: the toy model's config beyond vLLM's CPU shape (e.g. `num_layers`)."""
     import torch
     import transformers
 
@@ -27,7 +28,7 @@ def pinned_vllm_servers(prefix: str, count: int = 2):
     cores = sorted(os.sched_getaffinity(0))
     trainer_cores, server_cores = set(cores[: len(cores) // 2]), set(cores[len(cores) // 2 :])
     work = tempfile.mkdtemp(prefix=prefix)
-    model_path = build_tiny_model(os.path.join(work, "model"), **VLLM_CPU_SHAPE)
+    model_path = build_tiny_model(os.path.join(work, "model"), **{**VLLM_CPU_SHAPE, **shape})
     flags = ("--logprobs-mode", "processed_logprobs", "--weight-transfer-config", '{"backend":"trl_scale_gloo"}')
     servers = start_vllm_servers([(model_path, flags, {"max_model_len": 256}) for _ in range(count)])
     try:
