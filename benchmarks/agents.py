@@ -218,8 +218,8 @@ def main() -> None:
                         warmup,
                         out,
                         args.verifier,
-                        args.generations,
-                        args.prompt_words,
+                        group=args.generations,
+                        prompt_words=args.prompt_words,
                     )
                 )
                 print(mode, repeat, results[mode][-1], flush=True)

@@ -101,10 +101,6 @@ def main() -> None:
             pass
 
 
-if __name__ == "__main__":
-    main()
-
-
 class ForkedProcess:
     """The test process's handle on a forked server: what `tests.helpers.Server` and the tests use of `Popen`
     (pid, poll, wait, kill, terminate, send_signal, returncode, stderr)."""
@@ -112,7 +108,7 @@ class ForkedProcess:
     def __init__(self, pid: int, stderr_path: str, returncode_path: str):
         self.pid = pid
         self.returncode: int | None = None
-        self._stderr_path, self._returncode_path = stderr_path, returncode_path
+        self._returncode_path = returncode_path
         self.stderr = _StderrFile(stderr_path)
 
     def poll(self) -> int | None:
@@ -166,16 +162,15 @@ class Zygote:
         import subprocess
         import tempfile
 
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        self.env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-        self.env["PYTHONPATH"] = root + os.pathsep + self.env.get("PYTHONPATH", "")
+        from .helpers import ROOT, subprocess_env  # here: tests.helpers imports this module
+
         self.directory = tempfile.mkdtemp(prefix="server-zygote-")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.server_zygote"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=self.env,
-            cwd=root,
+            env=subprocess_env(),
+            cwd=ROOT,
             text=True,
         )
         if "ready" not in json.loads(self.process.stdout.readline() or "{}"):
@@ -202,3 +197,7 @@ class Zygote:
 
 def forking_enabled() -> bool:
     return os.environ.get("TRL_SCALE_TEST_FORK_SERVERS", "1") != "0"
+
+
+if __name__ == "__main__":
+    main()
