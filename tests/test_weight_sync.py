@@ -126,11 +126,12 @@ def test_grpo_over_servers_of_world_sizes_1_2_1_gets_exact_weights_at_every_sync
             assert requests.get(f"{url}/weight_info", timeout=10).json() == {"weight_version": seen[-1]}
         infos = [requests.get(f"{u}/server_info?config_format=json", timeout=10).json()["vllm_config"] for u in urls]
         assert all(i["trl_scale"]["prefix_cache_resets"] == 3 for i in infos)
-        if weight_sync == "nccl":  # W = 1 + 1 + 2 + 1, offsets 1, 2, 4; the group formed once
+        if weight_sync == "nccl":  # W = 1 + 1 + 2 + 1, offsets 1, 2, 4; the group formed once; packed, vLLM's buckets
+            wire = {"world_size": 5, "packed": True, "packed_buffer_size_bytes": 1024**3}
             assert [i["trl_scale"]["engine"] for i in infos] == [
-                {"rank_offset": 1, "world_size": 5},
-                {"rank_offset": 2, "world_size": 5},
-                {"rank_offset": 4, "world_size": 5},
+                {"rank_offset": 1, **wire},
+                {"rank_offset": 2, **wire},
+                {"rank_offset": 4, **wire},
             ]
             assert recorder.routes().count("/init_weight_transfer_engine") == 3
         # Contract: every request went out as vLLM parses it, nothing was POSTed as bytes, and the order of one

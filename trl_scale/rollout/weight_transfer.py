@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from trl_scale_vllm_plugin.gloo import BACKEND as GLOO_BACKEND
-from trl_scale_vllm_plugin.gloo import open_gloo_group, send
+from trl_scale_vllm_plugin.gloo import BUFFER_BYTES, open_gloo_group, send
 
 
 def group_layout(world_sizes: list[int]) -> tuple[int, list[int]]:
@@ -32,17 +32,20 @@ class GlooSender:
     """Rank 0 of a `trl_scale_gloo` weight-transfer group (CPU trainers; vLLM with the plugin, `trl-scale serve`)."""
 
     backend = GLOO_BACKEND
-    packed = False
 
-    def __init__(self, timeout: float):
-        self.timeout = timeout
+    def __init__(self, timeout: float, packed: bool = True, buffer_bytes: int = BUFFER_BYTES):
+        self.timeout, self.packed, self.buffer_bytes = timeout, packed, buffer_bytes
         self.group = self._store = None
+
+    def wire(self) -> dict:
+        """The wire fields of `/init_weight_transfer_engine`'s init_info: both sides cut the same buckets."""
+        return {"packed": self.packed, "packed_buffer_size_bytes": self.buffer_bytes}
 
     def join(self, address: str, port: int, world_size: int) -> None:
         self.group, self._store = open_gloo_group(address, port, 0, world_size, self.timeout)
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        send(self.group, (tensor for _, tensor in named_tensors), self.timeout)
+        send(self.group, (tensor for _, tensor in named_tensors), self.timeout, self.packed, self.buffer_bytes)
 
     def close(self) -> None:
         self.group = self._store = None
@@ -62,6 +65,9 @@ class NcclSender:
         self.timeout = timeout
         self.packed = Version(vllm_version) >= Version("0.28")
         self.group = None
+
+    def wire(self) -> dict:
+        return {"packed": self.packed}  # vLLM's default bucket size on both sides
 
     def join(self, address: str, port: int, world_size: int) -> None:
         from vllm.distributed.weight_transfer.nccl_common import trainer_init

@@ -68,19 +68,25 @@ def open_engine(served: ServedModel, info: GlooInitInfo) -> dict:
     with ThreadPoolExecutor(ranks) as pool:
         opened = list(pool.map(lambda r: open_gloo_group(address, port, offset + r, total, timeout), range(ranks)))
     served.engine = [group for group, _ in opened]
-    served.engine_layout = {"rank_offset": offset, "world_size": total}
+    served.engine_layout = {"rank_offset": offset, "world_size": total, "packed": info.packed}
+    served.engine_layout["packed_buffer_size_bytes"] = info.packed_buffer_size_bytes
     return {"message": "Weight transfer initialized"}
 
 
 def receive_weights(served: ServedModel, update: GlooUpdateInfo) -> dict[str, torch.Tensor]:
     """Every rank receives the broadcast; rank 0's tensors go into this (unsharded) model."""
     engine, timeout = served.engine, served.settings.weight_transfer_timeout
+    wire = served.engine_layout["packed"], served.engine_layout["packed_buffer_size_bytes"]
     try:
         with ThreadPoolExecutor(len(engine)) as pool:
-            per_rank = list(pool.map(lambda group: dict(receive(group, update, timeout)), engine))
+            per_rank = list(pool.map(lambda group: _received(group, update, timeout, *wire), engine))
     except Exception as error:  # a member left mid-broadcast: this group is over
         # Only this group: the trainer may have abandoned it and opened a new one before this receive failed.
         if served.engine is engine:
             served.engine = None
         raise HTTPException(500, f"weight broadcast failed: {error}") from error
     return per_rank[0]
+
+
+def _received(group, update: GlooUpdateInfo, timeout: float, packed: bool, limit: int) -> dict[str, torch.Tensor]:
+    return {name: tensor for bucket in receive(group, update, timeout, packed, limit) for name, tensor in bucket}

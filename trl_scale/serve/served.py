@@ -94,7 +94,7 @@ class ServedModel:
     weight_version: str | None = None
     lora: dict[str, str] = field(default_factory=dict)  # adapter name -> its path
     engine: list | None = None  # the weight-transfer engine: this server's gloo ranks
-    engine_layout: dict | None = None  # {"rank_offset", "world_size"} of the group it joined
+    engine_layout: dict | None = None  # the group it joined: rank_offset, world_size, packed, bucket bytes
     updating: bool = False  # between /start_weight_update and /finish_weight_update
     prefix_cache_resets: int = 0
     completions_generated: int = 0  # prompts x n, over every /v1/completions request answered

@@ -9,6 +9,7 @@ import queue
 import socket
 import time
 from collections.abc import Iterable
+from concurrent.futures import FIRST_EXCEPTION, wait
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -23,7 +24,7 @@ logger = get_logger(__name__)
 
 @dataclass
 class TransferGroup:
-    sender: object  # weight_transfer's sender: join(), send(), close(), packed
+    sender: object  # weight_transfer's sender: join(), send(), close(), wire()
     members: list[str]  # member URLs, in rank order
 
 
@@ -112,17 +113,30 @@ class GroupSync(WeightSyncMode):
         joining = {}
         for server, offset in zip(members, offsets):
             init_info = {"master_address": address, "master_port": port, "rank_offset": offset}
-            init_info.update(world_size=world_size, packed=sender.packed)
+            init_info.update(world_size=world_size, **sender.wire())
             # It blocks in the rendezvous until the trainer joins: sent from a thread.
             joining[server.url] = self.client.submit(
                 self.client.transport.post, server, "/init_weight_transfer_engine", timeout, {"init_info": init_info}
             )
+        # A member that refuses the init (an older plugin, a bad layout) answers at once: fail then, naming it,
+        # instead of waiting out the rendezvous (the abandoned join ends at its own timeout).
+        joined = self.client.submit(sender.join, address, port, world_size)
+        wait([joined, *joining.values()], timeout=timeout, return_when=FIRST_EXCEPTION)
+        refused = {url: f.exception() for url, f in joining.items() if f.done() and f.exception() is not None}
+        if refused:
+            hint = ""
+            if any("unpacked" in str(error) for error in refused.values()):
+                hint = (
+                    ": its trl-scale-vllm-plugin predates packed broadcasts. Fix: reinstall the plugin into vLLM's "
+                    "environment (pip install ./vllm_plugin, or bash scripts/setup_vllm.sh)"
+                )
+            raise RolloutError(f"/init_weight_transfer_engine refused by {refused}{hint}")
         try:
-            sender.join(address, port, world_size)
+            joined.result(timeout=0)
         except Exception as error:
             raise RolloutError(
                 f"weight-transfer group of {world_size} ranks did not form within weight_sync_timeout={timeout}s "
-                f"({error}); servers: {[s.url for s in members]}"
+                f"({error!r}); servers: {[s.url for s in members]}"
             ) from error
         for future in joining.values():
             future.result(timeout=timeout)
