@@ -11,15 +11,16 @@ verifier in another process or machine does, so calls on several threads overlap
 take about as long as a group takes to generate here. Two vLLM CPU servers (`.venv-vllm`, `bash
 scripts/setup_vllm.sh`) share one core, the trainer has the other (on 2 cores).
 
-`--layers`, `--generations` and `--prompt-words` (the toy model's depth, completions per prompt, words per prompt;
-defaults 2, 8, 1-3) set how long the trainer's own work (scoring, backward, optimizer, weight sync) takes against
-generating a batch. The verifier's latency is matched to a group's share of generating a step's batch (its prompts,
-spread over both servers as a step asks for them), measured first. `step_parts_s` in the JSON line gives each
-mode's parts: the rewards in the step, TRL's generate call (the generation and weight sync when synchronous) and the
-rest (the trainer's work, weight sync and, streamed, the wait for finished groups). With the rewards in the step a
-streaming step takes about rewards + rest, with them in the stream about the rest alone, which the weight sync to
-the CPU servers (about 1 s a step at 6 layers) and the wait for generation hold up here. Read the steady state from
-full runs: the first steps of a streamed run take groups generated ahead during the warm-up (quick runs read lower).
+`--layers`, `--generations`, `--prompt-words` and `--answer-tokens` (the toy model's depth, completions per prompt,
+words per prompt, tokens per completion; defaults 2, 8, 1-3, 24) set how long the trainer's own work (scoring,
+backward, optimizer, weight sync) takes against generating a batch. The verifier's latency is matched to a group's
+share of generating a step's batch (its prompts, spread over both servers as a step asks for them), measured first.
+`step_parts_s` in the JSON line gives each mode's parts: the rewards in the step, TRL's generate call (the generation
+and weight sync when synchronous) and the rest (the trainer's work, weight sync and, streamed, the wait for finished
+groups). With the rewards in the step a streaming step takes about rewards + rest, with them in the stream about the
+rest alone, which the weight sync to the CPU servers (about 0.4 s a step at 6 layers) and the wait for generation hold
+up here. Read the steady state from full runs: the first steps of a streamed run take groups generated ahead during the
+warm-up (quick runs read lower).
 
 `--verifier sandbox`: the reward is the sandboxed code verifier instead (`CodeExecutionReward`, each completion run
 as a program in its own bubblewrap sandbox against the row's tests: the counting task with its answer as code,
@@ -27,7 +28,7 @@ as a program in its own bubblewrap sandbox against the row's tests: the counting
 servers and the trainer also need (2 cores here).
 
 Usage: python benchmarks/agents.py [--quick] [--latency S] [--verifier sleep|sandbox] [--layers N]
-[--generations N] [--prompt-words N]. The last line printed is one JSON object.
+[--generations N] [--prompt-words N] [--answer-tokens N]. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def run(
     verifier: str,
     group: int = GROUP,
     prompt_words: int = PROMPT_WORDS,
+    answer_tokens: int = ANSWER_TOKENS,
 ) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
 
@@ -110,7 +112,7 @@ def run(
             output_dir=out,
             per_device_train_batch_size=PROMPTS_PER_STEP * group,
             num_generations=group,
-            max_completion_length=ANSWER_TOKENS,
+            max_completion_length=answer_tokens,
             max_steps=steps,
             learning_rate=1e-4,
             logging_steps=1,
@@ -162,10 +164,10 @@ def _growth_per_step(logs: list[dict], key: str) -> float:
 
 
 def group_generation_seconds(
-    urls: list[str], model_path: str, prompts: list[str], group: int, repeats: int = 3
+    urls: list[str], model_path: str, prompts: list[str], group: int, answer_tokens: int, repeats: int = 3
 ) -> float:
     """A group's share of the time the servers take to generate a step's batch here (`PROMPTS_PER_STEP` prompts of
-    the run's data, `group` answers of ANSWER_TOKENS each, spread over both servers as a step asks for them): what
+    the run's data, `group` answers of `answer_tokens` each, spread over both servers as a step asks for them): what
     the verifier's default latency matches."""
     from transformers import AutoTokenizer
 
@@ -179,7 +181,7 @@ def group_generation_seconds(
             tokenizer(prompt)["input_ids"] for prompt in prompts[i * PROMPTS_PER_STEP : (i + 1) * PROMPTS_PER_STEP]
         ]
         start = time.perf_counter()
-        client.generate(batch, n=group, max_tokens=ANSWER_TOKENS, ignore_eos=True)
+        client.generate(batch, n=group, max_tokens=answer_tokens, ignore_eos=True)
         times.append(time.perf_counter() - start)
     client.close()
     return statistics.median(times[1:]) / PROMPTS_PER_STEP
@@ -193,6 +195,7 @@ def main() -> None:
     parser.add_argument("--prompt-words", type=int, default=PROMPT_WORDS, help="words per prompt (sleep verifier)")
     parser.add_argument("--generations", type=int, default=GROUP, help="completions per prompt")
     parser.add_argument("--layers", type=int, default=2, help="model depth: training time against generation")
+    parser.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS, help="tokens per completion")
     args = parser.parse_args()
     from pinned_vllm import pinned_vllm_servers
 
@@ -200,7 +203,7 @@ def main() -> None:
     results = {mode: [] for mode in MODES}
     with pinned_vllm_servers("agents-bench-", num_layers=args.layers) as (model_path, urls, work):
         _, dataset = verifier_and_data(args.verifier, 0.0, args.prompt_words)
-        group_s = group_generation_seconds(urls, model_path, dataset["prompt"], args.generations)
+        group_s = group_generation_seconds(urls, model_path, dataset["prompt"], args.generations, args.answer_tokens)
         latency = args.latency if args.latency is not None else group_s / args.generations
         what = f"{latency:.4f} s per completion" if args.verifier == "sleep" else "a sandboxed run per completion"
         print(f"a group generates in {group_s:.3f} s; the verifier takes {what}", flush=True)
@@ -220,6 +223,7 @@ def main() -> None:
                         args.verifier,
                         group=args.generations,
                         prompt_words=args.prompt_words,
+                        answer_tokens=args.answer_tokens,
                     )
                 )
                 print(mode, repeat, results[mode][-1], flush=True)
@@ -235,6 +239,7 @@ def main() -> None:
         "verifier_s_per_group": latency * args.generations if args.verifier == "sleep" else None,
         "layers": args.layers,
         "generations": args.generations,
+        "answer_tokens": args.answer_tokens,
         "prompt_words": args.prompt_words if args.verifier == "sleep" else None,
         "step_parts_s": parts,
         "step_s": step,
