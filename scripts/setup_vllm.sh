@@ -4,14 +4,20 @@
 # transformers. torch is installed first, pinned, so pip never resolves a CUDA torch. Then the trl-scale vLLM
 # plugin (a CPU weight-transfer engine for weight_sync="nccl"-style syncs) is installed into it, without
 # trl-scale's own dependencies, and trl-scale itself beside vLLM (TRL's colocate mode), vLLM's packages pinned.
-# Usage: bash scripts/setup_vllm.sh        (idempotent: a complete .venv-vllm is left as it is)
+# Usage: bash scripts/setup_vllm.sh        (idempotent: a complete .venv-vllm is left as it is, its plugin updated)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 PYTHON="${PYTHON:-python3}"
 VENV=.venv-vllm
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, trl_scale_vllm_plugin, trl, trl_scale" 2>/dev/null; then
+plugin_current() {  # the installed plugin is this checkout's: an older one speaks an older wire (packed buckets)
+    local installed
+    installed=$("$VENV/bin/python" -c "import os, trl_scale_vllm_plugin as p; print(os.path.dirname(p.__file__))" \
+        2>/dev/null) || return 1
+    diff -rq -x __pycache__ "$installed" vllm_plugin/trl_scale_vllm_plugin >/dev/null
+}
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, trl, trl_scale" 2>/dev/null && plugin_current; then
     exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
@@ -31,7 +37,7 @@ if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
     rm -rf "$d"
 fi
 # The plugin: no dependencies of its own beyond vLLM and torch.
-"$VENV/bin/python" -m pip install -q --no-deps ./vllm_plugin
+plugin_current || "$VENV/bin/python" -m pip install -q --no-deps --force-reinstall ./vllm_plugin
 # trl-scale itself, for TRL's default vllm_mode="colocate" (vLLM inside the trainer): every package vLLM installed is
 # pinned as it is (its transformers satisfies TRL 1.16's), so only what trl-scale adds is installed.
 if ! "$VENV/bin/python" -c "import trl, trl_scale" 2>/dev/null; then
