@@ -41,7 +41,8 @@ class Counting:
         return self.group.broadcast(*args)
 
 
-def _groups(world_size: int = 3) -> list:
+def _groups(world_size: int = 3) -> tuple[list, list]:
+    """Counting groups of every rank, and their stores (kept alive as long as the groups)."""
     port, opened = free_port(), [None] * world_size
 
     def join(rank: int) -> None:
@@ -78,7 +79,7 @@ def test_buckets_close_once_they_hold_more_than_the_limit():
 def test_every_tensor_arrives_bit_for_bit_in_the_announced_buckets(packed, limit):
     """Two receivers and the sender: each receiver gets every tensor with its name, dtype, shape and bits, in buckets
     cut as `buckets` cuts them; packed, one broadcast per bucket, unpacked one per tensor."""
-    tensors, groups = _tensors(), None
+    tensors = _tensors()
     update = _update(tensors)
     groups, stores = _groups()
     got: dict[int, list] = {}

@@ -68,8 +68,12 @@ def open_engine(served: ServedModel, info: GlooInitInfo) -> dict:
     with ThreadPoolExecutor(ranks) as pool:
         opened = list(pool.map(lambda r: open_gloo_group(address, port, offset + r, total, timeout), range(ranks)))
     served.engine = [group for group, _ in opened]
-    served.engine_layout = {"rank_offset": offset, "world_size": total, "packed": info.packed}
-    served.engine_layout["packed_buffer_size_bytes"] = info.packed_buffer_size_bytes
+    served.engine_layout = {
+        "rank_offset": offset,
+        "world_size": total,
+        "packed": info.packed,
+        "packed_buffer_size_bytes": info.packed_buffer_size_bytes,
+    }
     return {"message": "Weight transfer initialized"}
 
 
