@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -452,3 +453,91 @@ def test_a_managed_run_that_ends_normally_leaves_no_process_and_no_log(tiny_llam
     assert log_dir.name.startswith("trl-scale-servers-")
     assert not wait_gone(marker, 30), "server processes outlived a run that ended normally"
     assert not log_dir.exists(), sorted(p.name for p in log_dir.iterdir())
+
+
+class _Handle:
+    """A server handle with no process: it answers `/health` at once and dies when told."""
+
+    def __init__(self, index: int, answers: bool = True):
+        self.url, self.code, self.stopped, self.answers = f"http://127.0.0.1:{9000 + index}", None, False, answers
+
+    def returncode(self):
+        return self.code
+
+    def ready(self) -> bool:
+        return self.answers
+
+    def log_tail(self, chars: int = 2000) -> str:
+        return ""
+
+    def describe(self) -> str:
+        return self.url
+
+    def stop(self, grace: float = 20.0, remove_log: bool = False) -> None:
+        self.stopped = True
+
+
+class _HeldLauncher:
+    """Launches `_Handle`s; a relaunch (the second launch of a server) is held inside `launch` until released."""
+
+    def __init__(self, relaunch_answers: bool = True):
+        self.launched: list[_Handle] = []
+        self.relaunching, self.release = threading.Event(), threading.Event()
+        self.relaunch_answers = relaunch_answers
+
+    def launch(self, index: int) -> _Handle:
+        again = any(h.url.endswith(str(9000 + index)) for h in self.launched)
+        if again and self.relaunch_answers:
+            self.relaunching.set()
+            assert self.release.wait(10), "the test never released the relaunch"
+        handle = _Handle(index, answers=not again or self.relaunch_answers)
+        if again:
+            self.relaunching.set()
+        self.launched.append(handle)
+        return handle
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_server_relaunched_while_the_fleet_closes_is_stopped(monkeypatch):
+    """close() while a dead server's restart is inside its launch (the order forced): the relaunched server is
+    stopped too, not left running past the fleet (before the fix it was, and the restart thread failed on the
+    emptied handles)."""
+    monkeypatch.setattr("trl_scale.fleet.supervisor.restart_delay", lambda attempt: 0.0)
+    launcher = _HeldLauncher()
+    fleet = ServerFleet(FleetSpec(num_servers=2, model="m"), launcher, poll_interval=0.05)
+    fleet.start()
+    launcher.launched[0].code = -9  # server 0 dies: the watcher restarts it
+    assert launcher.relaunching.wait(10)
+    closing = threading.Thread(target=fleet.close)
+    closing.start()
+    deadline = time.monotonic() + 10
+    while not all(h.stopped for h in launcher.launched[:2]) and time.monotonic() < deadline:
+        time.sleep(0.01)  # close() has stopped what it found: the relaunch is still held
+    launcher.release.set()
+    closing.join(10)
+    deadline = time.monotonic() + 10
+    while 0 in fleet.restarting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(launcher.launched) == 3
+    assert [h.stopped for h in launcher.launched] == [True, True, True]
+    assert fleet.restarts == 0 and 0 not in fleet.failed  # closed, not a failed restart
+
+
+def test_a_restart_still_starting_when_the_fleet_closes_is_stopped_not_failed(monkeypatch):
+    """close() while a restarted server has not answered yet: it is stopped, and the restart ends without counting
+    as out of restarts (no error logged for a fleet that was only closing)."""
+    monkeypatch.setattr("trl_scale.fleet.supervisor.restart_delay", lambda attempt: 0.0)
+    launcher = _HeldLauncher(relaunch_answers=False)
+    fleet = ServerFleet(FleetSpec(num_servers=1, model="m"), launcher, poll_interval=0.05)
+    fleet.start()
+    launcher.launched[0].code = -9
+    assert launcher.relaunching.wait(10)
+    fleet.close()
+    deadline = time.monotonic() + 10
+    while 0 in fleet.restarting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert 0 not in fleet.restarting
+    assert [h.stopped for h in launcher.launched] == [True, True]
+    assert fleet.failed == {} and fleet.restarts == 0

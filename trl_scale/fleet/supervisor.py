@@ -137,17 +137,17 @@ class ServerFleet:
     def _restart(self, index: int) -> None:
         """Relaunch server `index` on its address, with backoff, until it answers `/health` or runs out of attempts.
         It rejoins the rotation once a weight sync brings it to the current version (the router checks)."""
+        url = self.handles[index].url
         try:
             while self.attempts[index] < self.spec.max_restarts and not self._closed.is_set():
                 self.attempts[index] += 1
                 self._closed.wait(restart_delay(self.attempts[index]))
-                if self._closed.is_set():
+                handle = self._relaunch(index)
+                if handle is None:  # the fleet closed meanwhile
                     return
-                old = self.handles[index]
-                old.stop(grace=5)
-                handle = self.handles[index] = self.launcher.launch(index)
-                if handle.url != old.url and self.on_moved is not None:
-                    self.on_moved(old.url, handle.url)
+                if handle.url != url and self.on_moved is not None:
+                    self.on_moved(url, handle.url)
+                url = handle.url
                 deadline = time.monotonic() + self.spec.ready_timeout
                 while handle.returncode() is None and time.monotonic() < deadline and not self._closed.is_set():
                     if handle.ready():
@@ -159,9 +159,11 @@ class ServerFleet:
                             self.outages.append((handle.url, self._down_since.pop(index, 0.0), time.perf_counter()))
                         return
                     time.sleep(1.0)
+            if self._closed.is_set():  # stopped with the fleet, not out of restarts
+                return
             with self._lock:
                 self.failed[index] = f"out of restarts (managed_server_max_restarts={self.spec.max_restarts})"
-            logger.error("rollout server %s: %s", self.handles[index].url, self.failed[index])
+            logger.error("rollout server %s: %s", url, self.failed[index])
         except Exception as error:
             with self._lock:
                 self.failed[index] = f"restart failed: {error!r}"
@@ -170,7 +172,24 @@ class ServerFleet:
             with self._lock:
                 self.restarting.discard(index)
                 if index in self._down_since:  # it never answered again
-                    self.outages.append((self.handles[index].url, self._down_since.pop(index), None))
+                    self.outages.append((url, self._down_since.pop(index), None))
+
+    def _relaunch(self, index: int):
+        """Server `index` stopped and launched again: its new handle, or None once the fleet is closed. A launch that
+        close() ran during is stopped here: close() stopped the handles it found, and this one was not yet among
+        them (before, it was left running, its process outliving the fleet)."""
+        with self._lock:
+            if self._closed.is_set():
+                return None
+            old = self.handles[index]
+        old.stop(grace=5)
+        handle = self.launcher.launch(index)
+        with self._lock:
+            if not self._closed.is_set():
+                self.handles[index] = handle
+                return handle
+        handle.stop(grace=5)
+        return None
 
     def check(self) -> None:
         """Raise when no server can serve any more (every one dead and out of restarts)."""
@@ -223,8 +242,9 @@ class ServerFleet:
         logs are removed unless a server failed or exited during the run; then they are kept and named."""
         if self._closed.is_set() and not self.handles:
             return
-        self._closed.set()
-        handles, self.handles = list(self.handles), []
+        with self._lock:  # a restart's launch either lands in the handles stopped here or sees the fleet closed
+            self._closed.set()
+            handles, self.handles = list(self.handles), []
         if self.keep_logs and handles:
             logger.info("rollout servers stopped; their logs are kept: %s", ", ".join(h.describe() for h in handles))
         threads = [threading.Thread(target=h.stop, kwargs={"remove_log": not self.keep_logs}) for h in handles]
