@@ -83,9 +83,11 @@ def test_managed_vllm_example_learns_through_a_killed_server(tmp_path, steps):
     parsed as the CLI parses it, streaming at staleness 1, with server 0 killed (`kill -9` of its process group: API
     server, engine core) after step 3, its requests mid-stream: every step trains on the other server meanwhile,
     nothing is lost or trained twice (each prompt group read is trained once, whole, or is still out at the end), the
-    reward rises (30 steps), and the killed server is restarted and takes the policy's weights. Then a run whose
-    reward function raises leaves no vLLM process. That a restart catches up before any sync is tested on CPU
-    (test_fleet.py) and on Ray (test_fleet_ray.py)."""
+    killed server's restart is launched, and a run whose reward function raises then leaves no vLLM process, the
+    restarting one's included. With 30 steps (outside CI) the reward rises and the restarted server is waited for
+    and serves the policy's weights; in CI that is tested on trl-scale serve (test_fleet.py, a restart catching up
+    before any sync) and on real vLLM under Ray (test_fleet_ray.py): waiting for a third vLLM start here cost CI
+    about 2 minutes."""
     from trl import ModelConfig, TrlParser
 
     import trl_scale
@@ -127,17 +129,20 @@ def test_managed_vllm_example_learns_through_a_killed_server(tmp_path, steps):
         if steps >= 30:
             assert sum(rewards[-5:]) / 5 >= sum(rewards[:5]) / 5 + 0.1, rewards
         fleet, generation = trainer.rollout_fleet, trainer.vllm_generation
-        deadline = time.monotonic() + 600  # on a busy machine the restart may end after the last step
-        while fleet.restarts < 1 and time.monotonic() < deadline:
-            time.sleep(1)
-        assert fleet.deaths == 1 and fleet.restarts == 1 and fleet.metrics()["rollout/servers_up"] == 2.0
-        # both load the policy's final weights (the last step's update came after the last sync)
-        generation.sync_weights()
-        for url in urls:
-            assert weight_version(url) == generation.version
-            assert (diff := served_vs_policy(trainer, url)) <= SYNC_TOLERANCE, (url, diff)
-        # a later run whose reward function raises: train() stops both servers before the error propagates
-        assert len(processes_with(marker)) >= 4  # API servers and engine cores of both
+        assert fleet.deaths == 1 and fleet.attempts[0] >= 1  # its restart launched
+        if steps >= 30:  # outside CI: the restarted real vLLM serving the policy's weights (a start: 1-2 minutes)
+            deadline = time.monotonic() + 600  # on a busy machine the restart may end after the last step
+            while fleet.restarts < 1 and time.monotonic() < deadline:
+                time.sleep(1)
+            assert fleet.restarts == 1 and fleet.metrics()["rollout/servers_up"] == 2.0
+            # both load the policy's final weights (the last step's update came after the last sync)
+            generation.sync_weights()
+            for url in urls:
+                assert weight_version(url) == generation.version
+                assert (diff := served_vs_policy(trainer, url)) <= SYNC_TOLERANCE, (url, diff)
+        # a later run whose reward function raises: train() stops both servers before the error propagates (in CI,
+        # server 0 still starting again: its restart stopped with it)
+        assert len(processes_with(marker)) >= 3  # API servers and engine cores (server 0's may still be coming)
         assert_a_raising_train_stops_the_servers(trainer, marker, timeout=60)
     finally:
         trainer.close_rollout_servers()
