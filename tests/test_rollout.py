@@ -5,6 +5,7 @@ import json
 import os
 import re
 import tempfile
+import threading
 import time
 
 import pytest
@@ -662,3 +663,52 @@ def test_the_routing_policy_is_chosen_by_name_or_given_as_an_object():
     assert isinstance(RolloutClient(urls, routing="least_outstanding").routing, LeastOutstandingRouting)
     with pytest.raises(ValueError, match="unknown routing policy 'fastest'"):
         RolloutClient(urls, routing="fastest")
+
+
+def test_a_request_whose_connection_closes_unanswered_is_sent_once_more():
+    """The order a loaded suite once hit against real vLLM, forced: a request goes out on a pooled keep-alive
+    connection the server is closing (uvicorn closes idle ones after 5 s), so the connection ends with no answer
+    (`RemoteDisconnected`) though the server is up. With one server that failed the request at once ("no rollout
+    server answered"); the client now sends it once more on a fresh connection, calling `on_dispatch` again (the
+    weight version it is tagged with is read for the send that answers). A server that closes every connection
+    unanswered is tried twice, no more, and named."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    answer = json.dumps({"choices": [{"index": 0, "text": "a", "token_ids": [7, 8], "finish_reason": "length"}]})
+    drops = {"left": 1, "seen": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            drops["seen"] += 1
+            if drops["left"]:
+                drops["left"] -= 1
+                self.close_connection = True  # closed with no status line: the client sees RemoteDisconnected
+                return
+            body = answer.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        client = RolloutClient([url], request_timeout=30)
+        dispatched = []
+        choices = client.complete([1, 2], 1, "m", on_dispatch=lambda: dispatched.append(1), max_tokens=2)
+        assert choices[0]["token_ids"] == [7, 8] and drops["seen"] == 2 and len(dispatched) == 2
+        drops.update(left=10**6, seen=0)  # now it drops every request: failed, after two sends
+        with pytest.raises(RolloutError, match="RemoteDisconnected"):
+            client.complete([1, 2], 1, "m", max_tokens=2)
+        assert drops["seen"] == 2
+        client.close()
+    finally:
+        server.shutdown()
