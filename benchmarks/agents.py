@@ -13,8 +13,13 @@ scripts/setup_vllm.sh`) share one core, the trainer has the other (on 2 cores).
 
 `--layers`, `--generations`, `--prompt-words` and `--answer-tokens` (the toy model's depth, completions per prompt,
 words per prompt, tokens per completion; defaults 2, 8, 1-3, 24) set how long the trainer's own work (scoring,
-backward, optimizer, weight sync) takes against generating a batch. The verifier's latency is matched to a group's
-share of generating a step's batch (its prompts, spread over both servers as a step asks for them), measured first.
+backward, optimizer, weight sync) takes against generating a batch. The verifier's latency per group is matched,
+measured first, to a group generated alone on the idle servers (`--match alone`, the default: a group's rewards take
+as long as generating a group) or to a group's share of generating a step's batch (`--match share`: its prompts sent
+at once, spread over both servers as a step asks for them; about a third of the former here, the servers batching a
+step's groups). In the step TRL calls a reward function once for the whole batch, so a verifier that scores one
+completion after another takes the batch's completions times its latency there; in the stream each group's call runs
+on its own thread as the group finishes (`stream_reward_workers` at once).
 `step_parts_s` in the JSON line gives each mode's parts: the rewards in the step, TRL's generate call (the generation
 and weight sync when synchronous) and the rest (the trainer's work, weight sync and, streamed, the wait for finished
 groups). With the rewards in the step a streaming step takes about rewards + rest, with them in the stream about the
@@ -27,8 +32,8 @@ as a program in its own bubblewrap sandbox against the row's tests: the counting
 `trl_scale.toy.code_task`); its time is what a sandbox takes here, not a chosen latency, and it spends CPU the
 servers and the trainer also need (2 cores here).
 
-Usage: python benchmarks/agents.py [--quick] [--latency S] [--verifier sleep|sandbox] [--layers N]
-[--generations N] [--prompt-words N] [--answer-tokens N]. The last line printed is one JSON object.
+Usage: python benchmarks/agents.py [--quick] [--latency S | --match alone|share] [--verifier sleep|sandbox]
+[--layers N] [--generations N] [--prompt-words N] [--answer-tokens N]. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -165,32 +170,44 @@ def _growth_per_step(logs: list[dict], key: str) -> float:
 
 def group_generation_seconds(
     urls: list[str], model_path: str, prompts: list[str], group: int, answer_tokens: int, repeats: int = 3
-) -> float:
-    """A group's share of the time the servers take to generate a step's batch here (`PROMPTS_PER_STEP` prompts of
-    the run's data, `group` answers of `answer_tokens` each, spread over both servers as a step asks for them): what
-    the verifier's default latency matches."""
+) -> dict[str, float]:
+    """How long generating a group takes here, two ways (medians, each request its own prompts: no prefix-cache
+    hits; the first of each kind warms up):
+
+    - `alone`: one prompt's `group` answers of `answer_tokens` each, the only request on the idle servers (a group's
+      generation time, as a verifier's latency is read against it);
+    - `share`: a group's share of a step's batch (`PROMPTS_PER_STEP` prompts sent at once, spread over both servers as
+      a step asks for them): shorter, the servers batch a step's groups."""
     from transformers import AutoTokenizer
 
     from trl_scale.rollout import RolloutClient
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     client = RolloutClient(urls, request_timeout=300)
-    times = []
-    for i in range(repeats + 1):  # the first one warms up; each its own prompts (no prefix-cache hits)
-        batch = [
-            tokenizer(prompt)["input_ids"] for prompt in prompts[i * PROMPTS_PER_STEP : (i + 1) * PROMPTS_PER_STEP]
-        ]
+    fresh = iter(prompts)
+
+    def timed(count: int) -> float:
+        batch = [tokenizer(next(fresh))["input_ids"] for _ in range(count)]
         start = time.perf_counter()
         client.generate(batch, n=group, max_tokens=answer_tokens, ignore_eos=True)
-        times.append(time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    alone = [timed(1) for _ in range(repeats + 1)][1:]
+    share = [timed(PROMPTS_PER_STEP) / PROMPTS_PER_STEP for _ in range(repeats + 1)][1:]
     client.close()
-    return statistics.median(times[1:]) / PROMPTS_PER_STEP
+    return {"alone": statistics.median(alone), "share": statistics.median(share)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--latency", type=float, default=None, help="seconds per completion (default: measured)")
+    parser.add_argument(
+        "--match",
+        choices=["alone", "share"],
+        default="alone",
+        help="the verifier's default latency per group: a group generated alone, or its share of a step's batch",
+    )
     parser.add_argument("--verifier", choices=["sleep", "sandbox"], default="sleep")
     parser.add_argument("--prompt-words", type=int, default=PROMPT_WORDS, help="words per prompt (sleep verifier)")
     parser.add_argument("--generations", type=int, default=GROUP, help="completions per prompt")
@@ -203,10 +220,12 @@ def main() -> None:
     results = {mode: [] for mode in MODES}
     with pinned_vllm_servers("agents-bench-", num_layers=args.layers) as (model_path, urls, work):
         _, dataset = verifier_and_data(args.verifier, 0.0, args.prompt_words)
-        group_s = group_generation_seconds(urls, model_path, dataset["prompt"], args.generations, args.answer_tokens)
-        latency = args.latency if args.latency is not None else group_s / args.generations
+        prompts = dataset["prompt"]
+        generation = group_generation_seconds(urls, model_path, prompts, args.generations, args.answer_tokens)
+        matched = None if args.latency is not None or args.verifier != "sleep" else args.match
+        latency = args.latency if matched is None else generation[matched] / args.generations
         what = f"{latency:.4f} s per completion" if args.verifier == "sleep" else "a sandboxed run per completion"
-        print(f"a group generates in {group_s:.3f} s; the verifier takes {what}", flush=True)
+        print(f"a group generates in {generation}; the verifier takes {what}", flush=True)
         for repeat in range(repeats):
             order = list(MODES) if repeat % 2 == 0 else list(reversed(MODES))
             for mode in order:
@@ -234,7 +253,8 @@ def main() -> None:
         "benchmark": "agents",
         "regime": "slow_verifier" if args.verifier == "sleep" else "sandboxed_verifier",
         "quick": args.quick,
-        "group_generation_s": group_s,
+        "group_generation_s": generation,  # alone, and a group's share of a step's batch
+        "verifier_matched_to": matched,  # which of them set the verifier's latency (None: --latency, or a sandbox)
         "verifier_s_per_completion": latency if args.verifier == "sleep" else None,
         "verifier_s_per_group": latency * args.generations if args.verifier == "sleep" else None,
         "layers": args.layers,
