@@ -487,12 +487,11 @@ class _HeldLauncher:
 
     def launch(self, index: int) -> _Handle:
         again = any(h.url.endswith(str(9000 + index)) for h in self.launched)
-        if again and self.relaunch_answers:
-            self.relaunching.set()
-            assert self.release.wait(10), "the test never released the relaunch"
-        handle = _Handle(index, answers=not again or self.relaunch_answers)
         if again:
             self.relaunching.set()
+            if self.relaunch_answers:
+                assert self.release.wait(10), "the test never released the relaunch"
+        handle = _Handle(index, answers=not again or self.relaunch_answers)
         self.launched.append(handle)
         return handle
 

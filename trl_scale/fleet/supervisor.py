@@ -132,12 +132,15 @@ class ServerFleet:
                     code,
                     handle.log_tail(800),
                 )
-                threading.Thread(target=self._restart, args=(index,), name=f"restart-{index}", daemon=True).start()
+                restart = threading.Thread(
+                    target=self._restart, args=(index, handle.url), name=f"restart-{index}", daemon=True
+                )
+                restart.start()
 
-    def _restart(self, index: int) -> None:
-        """Relaunch server `index` on its address, with backoff, until it answers `/health` or runs out of attempts.
-        It rejoins the rotation once a weight sync brings it to the current version (the router checks)."""
-        url = self.handles[index].url
+    def _restart(self, index: int, url: str) -> None:
+        """Relaunch server `index` (last at `url`) on its address, with backoff, until it answers `/health` or runs
+        out of attempts. It rejoins the rotation once a weight sync brings it to the current version (the router
+        checks). The URL comes from the watcher: close() may empty the handles before this thread runs."""
         try:
             while self.attempts[index] < self.spec.max_restarts and not self._closed.is_set():
                 self.attempts[index] += 1
