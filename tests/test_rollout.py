@@ -671,7 +671,8 @@ def test_a_request_whose_connection_closes_unanswered_is_sent_once_more():
     (`RemoteDisconnected`) though the server is up. With one server that failed the request at once ("no rollout
     server answered"); the client now sends it once more on a fresh connection, calling `on_dispatch` again (the
     weight version it is tagged with is read for the send that answers). A server that closes every connection
-    unanswered is tried twice, no more, and named."""
+    unanswered is tried twice, no more, and named. Every call over the pooled session is (a sync's control calls
+    too)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     answer = json.dumps({"choices": [{"index": 0, "text": "a", "token_ids": [7, 8], "finish_reason": "length"}]})
@@ -708,6 +709,9 @@ def test_a_request_whose_connection_closes_unanswered_is_sent_once_more():
         drops.update(left=10**6, seen=0)  # now it drops every request: failed, after two sends
         with pytest.raises(RolloutError, match="RemoteDisconnected"):
             client.complete([1, 2], 1, "m", max_tokens=2)
+        assert drops["seen"] == 2
+        drops.update(left=1, seen=0)  # a control call (a sync's pause) over the same pooled session: sent again too
+        assert client.transport.post(client.servers[0], "/pause?mode=keep", timeout=10).status_code == 200
         assert drops["seen"] == 2
         client.close()
     finally:

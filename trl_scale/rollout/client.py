@@ -21,7 +21,6 @@ Only `requests` is needed.
 
 from __future__ import annotations
 
-import http.client
 import threading
 import time
 from collections.abc import Callable
@@ -47,22 +46,6 @@ SERVER_KEY = "_trl_scale_server"  # set on each returned choice: the server that
 # 4xx answers that mean "not now" rather than "not this request": failed over like a 5xx (every other 4xx is final:
 # another server would refuse the same request).
 RETRYABLE = (408, 429)
-
-
-def dropped_unanswered(error: BaseException) -> bool:
-    """Whether a request failed because its connection closed before any answer (`RemoteDisconnected`, wrapped by
-    urllib3 and requests), not because the server refused it or timed out."""
-    pending, seen = [error], set()
-    while pending:
-        current = pending.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, http.client.RemoteDisconnected):
-            return True
-        pending += [arg for arg in getattr(current, "args", ()) if isinstance(arg, BaseException)]
-        pending += [e for e in (current.__cause__, current.__context__) if e is not None]
-    return False
 
 
 def _check_choices(choices, n: int, cut_allowed: bool = False) -> None:
@@ -218,17 +201,7 @@ class RolloutClient:
         if on_dispatch is not None:
             on_dispatch()
         sent = time.monotonic()
-        try:
-            response = self.transport.completions(server, payload, self.generation_timeout)
-        except requests.ConnectionError as error:
-            if not dropped_unanswered(error):
-                raise
-            # Sent on a pooled keep-alive connection the server closed as the request went out (vLLM's uvicorn
-            # closes idle ones after 5 s): the server never read it. Once more, on a fresh connection; a server
-            # that is gone refuses that one and the request fails over as before.
-            if on_dispatch is not None:
-                on_dispatch()
-            response = self.transport.completions(server, payload, self.generation_timeout)
+        response = self.transport.completions(server, payload, self.generation_timeout, on_dispatch)
         if 400 <= response.status_code < 500 and response.status_code not in RETRYABLE:
             self._release(server, ok=True)
             raise RolloutError(f"{server.url} rejected the request ({response.status_code}): {response.text}")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import http.client
 import time
+from collections.abc import Callable
 
 import requests
 
@@ -23,15 +25,30 @@ class Transport:
         # each control call (a sync's pause, weight load, resume) as a span on its server's lane.
         self.timeline = None
 
+    def _request(self, method: str, url: str, before_resend: Callable[[], None] | None = None, **kwargs):
+        """Every call to a server goes through here. One whose connection closed before any answer is sent once
+        more, on a fresh connection: it went out on a pooled keep-alive connection the server was closing (vLLM's
+        uvicorn closes idle ones after 5 s), so the server never read it. A server that is gone refuses the fresh
+        connection, and that error is the caller's as before. `before_resend` runs first (a completion re-reads
+        the weight version it is tagged with)."""
+        try:
+            return self.session.request(method, url, headers=self.headers, **kwargs)
+        except requests.ConnectionError as error:
+            if not dropped_unanswered(error):
+                raise
+            if before_resend is not None:
+                before_resend()
+            return self.session.request(method, url, headers=self.headers, **kwargs)
+
     def get(self, server: ServerState, path: str, timeout: float = 10.0) -> requests.Response:
-        return self.session.get(f"{server.url}{path}", headers=self.headers, timeout=timeout)
+        return self._request("GET", f"{server.url}{path}", timeout=timeout)
 
     def post(self, server: ServerState, path: str, timeout: float, json=None) -> requests.Response:
         """A control call (weight sync): JSON or nothing (no weight-sync route of vLLM's takes a binary body); an
         HTTP error raises `RolloutError` naming the route."""
         start = time.perf_counter()
         try:
-            response = self.session.post(f"{server.url}{path}", json=json, headers=self.headers, timeout=timeout)
+            response = self._request("POST", f"{server.url}{path}", json=json, timeout=timeout)
         finally:
             if self.timeline is not None:
                 self.timeline.overlapping(
@@ -41,13 +58,20 @@ class Transport:
             raise RolloutError(f"{server.url}{path} answered {response.status_code}: {response.text[:500]}")
         return response
 
-    def completions(self, server: ServerState, payload: dict, generation_timeout: float | None) -> requests.Response:
+    def completions(
+        self,
+        server: ServerState,
+        payload: dict,
+        generation_timeout: float | None,
+        before_resend: Callable[[], None] | None = None,
+    ) -> requests.Response:
         start, status = time.perf_counter(), "failed"
         try:
-            response = self.session.post(
+            response = self._request(
+                "POST",
                 f"{server.url}/v1/completions",
+                before_resend,
                 json=payload,
-                headers=self.headers,
                 timeout=(min(10.0, self.request_timeout), generation_timeout),
             )
             status = response.status_code
@@ -60,7 +84,7 @@ class Transport:
         """The model a server serves (`/v1/models`), read once per URL."""
         if server.url not in self._model_names:
             timeout = min(10.0, self.request_timeout)
-            response = self.session.get(f"{server.url}/v1/models", headers=self.headers, timeout=timeout)
+            response = self._request("GET", f"{server.url}/v1/models", timeout=timeout)
             response.raise_for_status()
             self._model_names[server.url] = response.json()["data"][0]["id"]
         return self._model_names[server.url]
@@ -71,11 +95,11 @@ class Transport:
     # ---- plain calls by URL (preflight, `trl-scale check-servers`) --------------------------------------------
 
     def get_url(self, url: str, path: str) -> requests.Response:
-        return self.session.get(f"{url}{path}", headers=self.headers, timeout=min(30.0, self.request_timeout))
+        return self._request("GET", f"{url}{path}", timeout=min(30.0, self.request_timeout))
 
     def post_url(self, url: str, path: str, json=None) -> requests.Response:
         timeout = min(30.0, self.request_timeout)
-        return self.session.post(f"{url}{path}", json=json, headers=self.headers, timeout=timeout)
+        return self._request("POST", f"{url}{path}", json=json, timeout=timeout)
 
     def complete_url(self, url: str, model: str, prompt: list[int]) -> dict:
         """One greedy token for `prompt` from this server alone (no routing); raises for an HTTP error."""
@@ -95,3 +119,19 @@ class Transport:
 
     def close(self) -> None:
         self.session.close()
+
+
+def dropped_unanswered(error: BaseException) -> bool:
+    """Whether a request failed because its connection closed before any answer (`RemoteDisconnected`, wrapped by
+    urllib3 and requests), not because the server refused it or timed out."""
+    pending, seen = [error], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, http.client.RemoteDisconnected):
+            return True
+        pending += [arg for arg in getattr(current, "args", ()) if isinstance(arg, BaseException)]
+        pending += [e for e in (current.__cause__, current.__context__) if e is not None]
+    return False
