@@ -86,13 +86,13 @@ def kill_under_a_request(trainer, server) -> tuple[threading.Event, list[str]]:
     transport, armed, lock = trainer.vllm_generation.client.transport, threading.Event(), threading.Lock()
     completions, failed = transport.completions, []
 
-    def completions_or_kill(target, payload, timeout):
+    def completions_or_kill(target, payload, timeout, before_resend=None):
         with lock:
             if armed.is_set() and target.url == server.url and server.process.poll() is None:
                 server.process.kill()
                 server.process.wait(timeout=10)
         try:
-            return completions(target, payload, timeout)
+            return completions(target, payload, timeout, before_resend)
         except Exception as error:
             if target.url == server.url:
                 failed.append(repr(error))
