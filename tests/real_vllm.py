@@ -73,6 +73,17 @@ class VLLMServer:
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
 
+    def why_dead(self) -> str | None:
+        """None while the server runs; else its exit code and the last error its log names, then the log's tail
+        (the one line first: a CI run's summary shows a failure's first line only)."""
+        if self.alive():
+            return None
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        # the engine's own error, not the API server's "EngineDeadError" that follows it
+        errors = [line for line in lines if "Error:" in line and "EngineDead" not in line]
+        last = errors[-1].strip() if errors else "no error in its log"
+        return f"vLLM server {self.url} exited ({self.process.returncode}): {last}\n{self.log_tail()}"
+
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> VLLMServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

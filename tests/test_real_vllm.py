@@ -71,6 +71,9 @@ def fleet(tiny_llama_hd64, tmp_path_factory):
 @pytest.fixture
 def rl_urls(fleet) -> list[str]:
     """A and B serving the base weights again, with no adapter loaded (an earlier test synced its policy)."""
+    dead = [why for why in (fleet.a.why_dead(), fleet.b.why_dead()) if why]
+    if dead:  # an earlier test killed one: say why, once per later test, not as a refused connection
+        pytest.fail("\n".join(dead))
     client = RolloutClient(fleet.rl_urls)
     try:
         SharedDirSync(client).reload(fleet.model_path, "base")
@@ -1027,3 +1030,46 @@ def test_a_streaming_runs_timeline_shows_syncs_landing_inside_running_requests(f
             assert pause < resumed
             inside += any(start < pause and end > resumed for start, end in by_name["request"])
     assert inside >= 1, calls  # a sync landed inside a running request
+
+
+@pytest.mark.slow
+def test_a_held_adapter_is_read_again_from_its_directory(fleet, rl_urls, tmp_path):
+    """What lost server A in a CI run, forced: vLLM holds one adapter in memory (`--max-cpu-loras` defaults to
+    `--max-loras`, 1), so loading the next evicts it, and a request naming it reads it again from its directory. A
+    streaming LoRA sync keeps the previous adapter loaded for the generations still on it (`keep_adapters`), and
+    deleted its directory: the next request naming it killed the engine ("No adapter found"), the server exited.
+    Now the directory stays while the adapter is loaded: the request is answered with that adapter's numbers (the
+    prompt log-probs read right after its load), and the directory goes with the unload one sync later."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from trl_scale.rollout.client import VERSION_PREFIX
+    from trl_scale.rollout.generation import adapter_state_dict
+    from trl_scale.rollout.weight_dir import WeightDirectory
+    from trl_scale.rollout.weight_sync.base import PolicyWeights, SyncSettings
+    from trl_scale.rollout.weight_sync.lora import LoraSync
+
+    url = fleet.a.url
+    client = RolloutClient([url], request_timeout=60)
+    weight_dir = WeightDirectory(str(tmp_path / "adapters"), "held")
+    sync = LoraSync(client, SyncSettings(timeout=60, weight_dir=weight_dir, keep_adapters=1))
+    names, right_after_load = [f"{VERSION_PREFIX}held-{i}" for i in (1, 2, 3)], {}
+    try:
+        for seed, name in enumerate(names):
+            torch.manual_seed(seed)
+            lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+            model = get_peft_model(AutoModelForCausalLM.from_pretrained(fleet.model_path), lora)
+            adapter = (adapter_state_dict(model), model.peft_config["default"])
+            sync.sync(PolicyWeights(named_tensors=lambda: iter(()), metadata=list, adapter=lambda a=adapter: a), name)
+            right_after_load[name] = prompt_logprobs(url, PROBE, name)
+            if name == names[1]:  # names[0] still loaded, evicted from vLLM's memory by names[1]
+                assert served_models(url)[1:] == names[:2]
+                again = prompt_logprobs(url, PROBE, names[0])  # read again from its directory
+                assert max(abs(a - b) for a, b in zip(again, right_after_load[names[0]])) < 1e-4
+                assert max(abs(a - b) for a, b in zip(again, right_after_load[names[1]])) > 1e-3
+        assert served_models(url)[1:] == names[1:]
+        assert sorted(p.name for p in (tmp_path / "adapters").glob("*/*")) == names[1:]  # names[0]'s went with it
+        assert requests.get(f"{url}/health", timeout=10).ok
+    finally:
+        sync.close()
+        client.close()

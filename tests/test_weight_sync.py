@@ -11,6 +11,8 @@ The fixtures below are written from vLLM 0.31.0's source (`pip download --no-dep
 - `entrypoints/serve/dev/rpc/api_router.py` (collective_rpc), `dev/cache/api_router.py` (reset_prefix_cache),
 - `entrypoints/serve/lora/protocol.py` and `entrypoints/openai/models/serving.py:167-300` (LoRA load/unload)."""
 
+import json
+import os
 import re
 import threading
 import time
@@ -758,3 +760,144 @@ def test_a_group_broadcast_is_done_only_when_every_receiver_has_returned():
     broadcast.join(timeout=10)
     assert outcome == {"failure": None}
     pool.shutdown()
+
+
+class _OneSlotLoraServer:
+    """vLLM's rules for runtime LoRA adapters, as `vllm/lora/worker_manager.py` (0.32) has them, over HTTP: one
+    adapter held in memory (`--max-cpu-loras` defaults to `--max-loras`, 1); loading another evicts it, and a request
+    naming an evicted adapter reads it again from its directory, a missing one failing the engine (every later
+    request answered 500). Unload only forgets the name. A completion naming an adapter in `hold` waits for
+    `release`; `arrived` is set once it is in."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.paths: dict[str, str] = {}  # registered name -> directory
+        self.cached, self.dead = None, None
+        self.hold, self.arrived, self.release = set(), threading.Event(), threading.Event()
+        lock, outer = threading.Lock(), self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _answer(self, status: int, body) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                names = ["base", *outer.paths]
+                self._answer(200, {"data": [{"id": n} for n in names]} if self.path == "/v1/models" else {})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                with lock:
+                    status, answer = outer.handle(self.path, body)
+                if status == "hold":
+                    outer.arrived.set()
+                    outer.release.wait(60)
+                    status, answer = 200, {"choices": [{"index": 0, "token_ids": [7], "finish_reason": "length"}]}
+                self._answer(status, answer)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def _read(self, name: str) -> bool:
+        if not os.path.exists(os.path.join(self.paths[name], "adapter_config.json")):
+            self.dead = f"Loading lora {name} failed: No adapter found for {self.paths[name]}"
+            return False
+        self.cached = name
+        return True
+
+    def handle(self, path: str, body: dict):
+        if self.dead:
+            return 500, {"error": self.dead}
+        if path == "/v1/load_lora_adapter":
+            self.paths[body["lora_name"]] = body["lora_path"]
+            return (200, "ok") if self._read(body["lora_name"]) else (500, {"error": self.dead})
+        if path == "/v1/unload_lora_adapter":
+            self.paths.pop(body["lora_name"], None)
+            return 200, "ok"
+        name = body.get("model")
+        if name not in self.paths:
+            return 404, {"error": f"model {name} does not exist"}
+        if self.cached != name and not self._read(name):
+            return 500, {"error": self.dead}
+        if name in self.hold:
+            return "hold", None
+        return 200, {"choices": [{"index": 0, "token_ids": [7], "finish_reason": "length"}]}
+
+    def stop(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+
+
+def test_a_lora_adapters_directory_stays_while_a_server_may_read_it_again(tmp_path):
+    """vLLM reads an adapter it evicted again from its directory, and a missing one kills its engine (a CI run lost
+    a real vLLM server so: test_real_vllm.py's held-adapter test). So a sync deletes an adapter's directory only once
+    the adapter is unloaded (not among the newest `keep_adapters` and the current one) and no request out names it;
+    the end of the run waits for requests still out. Red with the directories deleted at each sync as before (the
+    held adapter's request answered 500), or with requests out not counted (the out request's adapter deleted)."""
+    from peft import LoraConfig
+
+    from trl_scale.rollout.client import VERSION_PREFIX
+    from trl_scale.rollout.weight_dir import WeightDirectory
+    from trl_scale.rollout.weight_sync.base import PolicyWeights
+    from trl_scale.rollout.weight_sync.lora import LoraSync
+
+    server = _OneSlotLoraServer()
+    client = RolloutClient([server.url], request_timeout=10)
+    config = LoraConfig(r=4, target_modules=["q_proj"])
+    weights = PolicyWeights(
+        named_tensors=lambda: iter(()), metadata=list, adapter=lambda: ({"w": torch.zeros(2)}, config)
+    )
+    weight_dir = WeightDirectory(str(tmp_path / "adapters"), "run")
+    sync = LoraSync(client, SyncSettings(timeout=30, weight_dir=weight_dir, keep_adapters=1))
+    names = [f"{VERSION_PREFIX}run-{i}" for i in range(1, 6)]
+
+    def ask(name: str) -> list[dict]:
+        return client.complete([1, 2], 1, name, max_tokens=1)
+
+    def has_directory(name: str) -> bool:
+        return os.path.exists(os.path.join(weight_dir.root, name))
+
+    try:
+        for name in names[:3]:
+            sync.sync(weights, name)
+        # names[1] is still held (keep_adapters=1), evicted by names[2]'s load: read again from its directory
+        assert [has_directory(n) for n in names[:3]] == [False, True, True]
+        assert ask(names[1])[0]["token_ids"] == [7], server.dead
+        server.hold.add(names[1])
+        out = threading.Thread(target=ask, args=(names[1],))
+        out.start()
+        assert server.arrived.wait(30)
+        sync.sync(weights, names[3])  # unloads names[1]; a request out still names it
+        assert names[1] not in server.paths and has_directory(names[1])
+        server.release.set()
+        out.join(30)
+        sync.sync(weights, names[4])  # nothing names it now
+        assert [has_directory(n) for n in names] == [False, False, False, True, True]
+        # the end of the run waits for a request still out naming one of its adapters
+        server.hold.add(names[4])
+        server.arrived.clear(), server.release.clear()
+        out = threading.Thread(target=ask, args=(names[4],))
+        out.start()
+        assert server.arrived.wait(30)
+        closing = threading.Thread(target=sync.close)
+        closing.start()
+        closing.join(2)
+        assert closing.is_alive() and has_directory(names[4])
+        server.release.set()
+        out.join(30)
+        closing.join(30)
+        assert not closing.is_alive() and weight_dir.root is None and server.dead is None
+    finally:
+        server.stop()
+        client.close()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import http.client
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import requests
@@ -24,6 +26,22 @@ class Transport:
         # The rollout timeline (`trl_scale.timeline.Timeline`), when one is recorded: each completion request and
         # each control call (a sync's pause, weight load, resume) as a span on its server's lane.
         self.timeline = None
+        # Completion requests out now, by the model they name: a LoRA adapter's directory stays while one names it
+        # (vLLM reads an adapter it evicted again from its directory, and a missing one kills its engine).
+        self._out_by_model: Counter[str] = Counter()
+        self._out_changed = threading.Condition()
+
+    def models_in_use(self) -> set[str]:
+        """The models (adapters) completion requests out now name."""
+        with self._out_changed:
+            return set(self._out_by_model)
+
+    def wait_unused(self, models: set[str], timeout: float) -> set[str]:
+        """Wait until no completion request out names any of `models`, at most `timeout` seconds; returns those
+        still named."""
+        with self._out_changed:
+            self._out_changed.wait_for(lambda: not models & set(self._out_by_model), timeout)
+            return models & set(self._out_by_model)
 
     def _request(self, method: str, url: str, before_resend: Callable[[], None] | None = None, **kwargs):
         """Every call to a server goes through here. One whose connection closed before any answer is sent once
@@ -65,7 +83,9 @@ class Transport:
         generation_timeout: float | None,
         before_resend: Callable[[], None] | None = None,
     ) -> requests.Response:
-        start, status = time.perf_counter(), "failed"
+        start, status, model = time.perf_counter(), "failed", payload.get("model")
+        with self._out_changed:
+            self._out_by_model[model] += 1
         try:
             response = self._request(
                 "POST",
@@ -77,6 +97,11 @@ class Transport:
             status = response.status_code
             return response
         finally:
+            with self._out_changed:
+                self._out_by_model[model] -= 1
+                if self._out_by_model[model] <= 0:
+                    del self._out_by_model[model]
+                self._out_changed.notify_all()
             if self.timeline is not None:
                 self.timeline.overlapping(server.url, "request", start, time.perf_counter(), status=status)
 

@@ -146,11 +146,11 @@ class WeightDirectory:
         self._written.append(path)
         return path
 
-    def keep_only(self, path: str) -> None:
-        """Delete this run's earlier copies (the servers have loaded `path`); nothing it did not write."""
-        for old in [p for p in self._written if p != path]:
+    def keep_only(self, *paths: str) -> None:
+        """Delete this run's copies but `paths` (what the servers may still read); nothing it did not write."""
+        for old in [p for p in self._written if p not in paths]:
             shutil.rmtree(old, ignore_errors=True)
-        self._written = [path]
+        self._written = [p for p in self._written if p in paths]
 
     @property
     def temporary(self) -> bool:

@@ -9,8 +9,8 @@ import os
 
 from ...logs import get_logger
 from ...routing import ServerState
-from ..client import VERSION_PREFIX, RolloutError
-from .base import PolicyWeights, WeightSyncMode
+from ..client import VERSION_PREFIX, RolloutClient, RolloutError
+from .base import PolicyWeights, SyncSettings, WeightSyncMode
 
 logger = get_logger(__name__)
 
@@ -31,8 +31,17 @@ def superseded(listed: list[str], current: str, keep: int) -> list[str]:
 
 
 class LoraSync(WeightSyncMode):
+    """An adapter's directory outlives its sync: vLLM evicts an adapter from its cache when it loads another
+    (`--max-cpu-loras`, by default `--max-loras`: 1) and reads it again from its directory for the next request
+    naming it, and a directory gone then kills the server's engine. So a directory is deleted only once its adapter
+    is unloaded and no request out names it (a streaming generation abandoned by the stream may still run on it)."""
+
     name = "lora"
     current: str | None = None  # the directory of the adapter the servers hold (a restarted server loads it)
+
+    def __init__(self, client: RolloutClient, settings: SyncSettings | None = None):
+        super().__init__(client, settings)
+        self.written: dict[str, str] = {}  # this run's adapters whose directories are still there: name -> path
 
     def sync(self, weights: PolicyWeights, version: str) -> None:
         """Every rank gathers the adapter (a ZeRO-3 or FSDP2 policy holds only shards of it); the main process
@@ -47,7 +56,16 @@ class LoraSync(WeightSyncMode):
         save_file(state, os.path.join(path, "adapter_model.safetensors"))
         self.load(version, path)
         self.current = path
-        self.settings.weight_dir.keep_only(path)
+        self.written[version] = path
+        self._delete_unread()
+
+    def _delete_unread(self) -> None:
+        """Delete the directories of this run's adapters the servers no longer hold (`superseded`) and no request
+        out names; the others wait for a later sync, or the end of the run."""
+        held = sorted(self.written, key=adapter_version)[-(self.settings.keep_adapters + 1) :]
+        named = self.client.transport.models_in_use()
+        self.written = {name: path for name, path in self.written.items() if name in held or name in named}
+        self.settings.weight_dir.keep_only(*self.written.values())
 
     def load(self, name: str, path: str) -> None:
         """Every live server loads the adapter at `path` as `name` (its version)."""
@@ -83,5 +101,16 @@ class LoraSync(WeightSyncMode):
         return next((i for i in reversed(ids) if i == self.client.versions.version), ids[-1] if ids else None)
 
     def close(self) -> None:
+        """The end of the run: its directories go once no request out names their adapters (generations the stream
+        abandoned end within one answer's time; vLLM drops a request whose connection closes, as at exit)."""
+        named = self.client.transport.wait_unused(set(self.written), self.settings.timeout)
+        if named:
+            logger.warning(
+                "weight sync (LoRA adapter): requests naming %s still out after weight_sync_timeout=%gs; deleting "
+                "their directories anyway (a server that evicted one of these adapters cannot read it again)",
+                sorted(named),
+                self.settings.timeout,
+            )
         self.current = None
+        self.written = {}
         super().close()
