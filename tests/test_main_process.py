@@ -62,6 +62,7 @@ def _ranks(rank: int, world: int, port: int, results) -> None:
             seen["agree_error"] = str(error)
         seen["agreed"] = ranks.agree(lambda: rank * 7)  # no failure: each rank keeps its own result
         seen["decided"] = ranks.decide_on_main(lambda: f"decided by rank {dist.get_rank()}")
+        seen["gathered"] = ranks.gathered({f"adapter-of-rank-{rank}"})
         dist.barrier()  # both ranks got here: nothing is left waiting
     finally:
         results[rank] = seen
@@ -81,6 +82,7 @@ def test_main_process_collectives_route_answers_and_errors_to_every_rank():
         assert results[rank]["start_error"] == "on rank 0 of 2: critic group could not start"
         assert results[rank]["agree_error"] == "on rank 1 of 2: disk full on this node"
         assert results[rank]["agreed"] == 7 * rank and results[rank]["decided"] == "decided by rank 0"
+        assert results[rank]["gathered"] == [{"adapter-of-rank-0"}, {"adapter-of-rank-1"}]
 
 
 def test_with_one_process_the_calls_run_in_place():
@@ -95,3 +97,4 @@ def test_with_one_process_the_calls_run_in_place():
     with pytest.raises(ZeroDivisionError, match="division by zero"):  # the original, unchanged
         ranks.agree(lambda: 1 / 0)
     assert ranks.decide_on_main(lambda: "here") == "here" and ranks.run_on_main(lambda: 5) == 5
+    assert ranks.gathered({"a"}) == [{"a"}]

@@ -844,7 +844,8 @@ def test_a_lora_adapters_directory_stays_while_a_server_may_read_it_again(tmp_pa
     a real vLLM server so: test_real_vllm.py's held-adapter test). So a sync deletes an adapter's directory only once
     the adapter is unloaded (not among the newest `keep_adapters` and the current one) and no request out names it;
     the end of the run waits for requests still out. Red with the directories deleted at each sync as before (the
-    held adapter's request answered 500), or with requests out not counted (the out request's adapter deleted)."""
+    held adapter's request answered 500), or with requests out not counted, here or on another rank (the adapter
+    they name deleted)."""
     from peft import LoraConfig
 
     from trl_scale.rollout.client import VERSION_PREFIX
@@ -855,12 +856,16 @@ def test_a_lora_adapters_directory_stays_while_a_server_may_read_it_again(tmp_pa
     server = _OneSlotLoraServer()
     client = RolloutClient([server.url], request_timeout=10)
     config = LoraConfig(r=4, target_modules=["q_proj"])
+    elsewhere: set[str] = set()  # what another data-parallel rank's requests out name
     weights = PolicyWeights(
-        named_tensors=lambda: iter(()), metadata=list, adapter=lambda: ({"w": torch.zeros(2)}, config)
+        named_tensors=lambda: iter(()),
+        metadata=list,
+        adapter=lambda: ({"w": torch.zeros(2)}, config),
+        models_in_use=lambda: set(elsewhere),
     )
     weight_dir = WeightDirectory(str(tmp_path / "adapters"), "run")
     sync = LoraSync(client, SyncSettings(timeout=30, weight_dir=weight_dir, keep_adapters=1))
-    names = [f"{VERSION_PREFIX}run-{i}" for i in range(1, 6)]
+    names = [f"{VERSION_PREFIX}run-{i}" for i in range(1, 8)]
 
     def ask(name: str) -> list[dict]:
         return client.complete([1, 2], 1, name, max_tokens=1)
@@ -882,18 +887,22 @@ def test_a_lora_adapters_directory_stays_while_a_server_may_read_it_again(tmp_pa
         assert names[1] not in server.paths and has_directory(names[1])
         server.release.set()
         out.join(30)
-        sync.sync(weights, names[4])  # nothing names it now
-        assert [has_directory(n) for n in names] == [False, False, False, True, True]
+        elsewhere.add(names[2])  # another rank's request out names names[2], which this sync unloads
+        sync.sync(weights, names[4])
+        assert [has_directory(n) for n in names[:5]] == [False, False, True, True, True]
+        elsewhere.clear()
+        sync.sync(weights, names[5])  # nothing names them now
+        assert [has_directory(n) for n in names[:6]] == [False, False, False, False, True, True]
         # the end of the run waits for a request still out naming one of its adapters
-        server.hold.add(names[4])
+        server.hold.add(names[5])
         server.arrived.clear(), server.release.clear()
-        out = threading.Thread(target=ask, args=(names[4],))
+        out = threading.Thread(target=ask, args=(names[5],))
         out.start()
         assert server.arrived.wait(30)
         closing = threading.Thread(target=sync.close)
         closing.start()
         closing.join(2)
-        assert closing.is_alive() and has_directory(names[4])
+        assert closing.is_alive() and has_directory(names[5])
         server.release.set()
         out.join(30)
         closing.join(30)

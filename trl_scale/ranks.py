@@ -49,6 +49,16 @@ def world_size() -> int:
     return 1 if dist is None else dist.get_world_size()
 
 
+def gathered(value: T) -> list[T]:
+    """Every rank's `value`, in rank order (a collective: every rank calls it; `[value]` with one process)."""
+    dist = _group()
+    if dist is None:
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def broadcast_from_main(value: Any) -> Any:
     """The main process's `value` on every rank (a collective: every rank calls it; in place with one process)."""
     dist = _group()

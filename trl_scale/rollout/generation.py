@@ -24,7 +24,7 @@ from typing import TypeVar
 from trl.generation.vllm_generation import VLLMGeneration
 
 from ..logs import get_logger
-from ..ranks import agree, broadcast_from_main, decide_on_leader, decide_on_main
+from ..ranks import agree, broadcast_from_main, decide_on_leader, decide_on_main, gathered
 from .ahead import CONVERSATION_KEY, GenerationAhead
 from .client import SERVER_KEY, VERSION_PREFIX, RolloutClient, RolloutError
 from .settings import RolloutSettings
@@ -348,6 +348,7 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
             metadata=self._metadata,
             adapter=self._adapter,
             is_main=self.accelerator.is_main_process,
+            models_in_use=lambda: set().union(*gathered(self.client.transport.models_in_use())),
         )
 
     def _metadata(self) -> list[tuple[str, str, list[int]]]:

@@ -36,6 +36,9 @@ class PolicyWeights:
     metadata: Callable[[], list[tuple[str, str, list[int]]]]  # (name, dtype, shape) of every tensor, in walk order
     adapter: Callable[[], tuple[dict, object]] | None = None  # LoRA: (adapter tensors by PEFT name, its config)
     is_main: bool = True  # the process that talks to the servers
+    # The models (LoRA adapters) completion requests out name, on every rank: each data-parallel rank sends its own.
+    # A collective, as `adapter` is: every rank calls it, in the same order.
+    models_in_use: Callable[[], set[str]] = set
 
     @classmethod
     def of_state_dict(cls, state: dict) -> PolicyWeights:

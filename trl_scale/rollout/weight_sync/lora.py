@@ -49,6 +49,7 @@ class LoraSync(WeightSyncMode):
         from safetensors.torch import save_file
 
         state, config = weights.adapter()
+        named_elsewhere = weights.models_in_use()
         if not weights.is_main:
             return
         path = self.settings.weight_dir.new_version(version)
@@ -57,13 +58,14 @@ class LoraSync(WeightSyncMode):
         self.load(version, path)
         self.current = path
         self.written[version] = path
-        self._delete_unread()
+        self._delete_unread(named_elsewhere)
 
-    def _delete_unread(self) -> None:
+    def _delete_unread(self, named_elsewhere: set[str]) -> None:
         """Delete the directories of this run's adapters the servers no longer hold (`superseded`) and no request
-        out names; the others wait for a later sync, or the end of the run."""
+        out names, here or on another rank (`named_elsewhere`, read as the sync began); the others wait for a later
+        sync, or the end of the run."""
         held = sorted(self.written, key=adapter_version)[-(self.settings.keep_adapters + 1) :]
-        named = self.client.transport.models_in_use()
+        named = named_elsewhere | self.client.transport.models_in_use()
         self.written = {name: path for name, path in self.written.items() if name in held or name in named}
         self.settings.weight_dir.keep_only(*self.written.values())
 
