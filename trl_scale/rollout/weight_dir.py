@@ -146,6 +146,11 @@ class WeightDirectory:
         self._written.append(path)
         return path
 
+    @property
+    def written(self) -> list[str]:
+        """This run's copies still on disk, oldest first."""
+        return list(self._written)
+
     def keep_only(self, *paths: str) -> None:
         """Delete this run's copies but `paths` (what the servers may still read); nothing it did not write."""
         for old in [p for p in self._written if p not in paths]:

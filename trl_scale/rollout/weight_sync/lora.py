@@ -9,8 +9,8 @@ import os
 
 from ...logs import get_logger
 from ...routing import ServerState
-from ..client import VERSION_PREFIX, RolloutClient, RolloutError
-from .base import PolicyWeights, SyncSettings, WeightSyncMode
+from ..client import VERSION_PREFIX, RolloutError
+from .base import PolicyWeights, WeightSyncMode
 
 logger = get_logger(__name__)
 
@@ -39,10 +39,6 @@ class LoraSync(WeightSyncMode):
     name = "lora"
     current: str | None = None  # the directory of the adapter the servers hold (a restarted server loads it)
 
-    def __init__(self, client: RolloutClient, settings: SyncSettings | None = None):
-        super().__init__(client, settings)
-        self.written: dict[str, str] = {}  # this run's adapters whose directories are still there: name -> path
-
     def sync(self, weights: PolicyWeights, version: str) -> None:
         """Every rank gathers the adapter (a ZeRO-3 or FSDP2 policy holds only shards of it); the main process
         writes it as PEFT saves adapters and has the servers load it under `version`."""
@@ -57,17 +53,16 @@ class LoraSync(WeightSyncMode):
         save_file(state, os.path.join(path, "adapter_model.safetensors"))
         self.load(version, path)
         self.current = path
-        self.written[version] = path
-        self._delete_unread(named_elsewhere)
+        self._delete_unread(version, named_elsewhere)
 
-    def _delete_unread(self, named_elsewhere: set[str]) -> None:
-        """Delete the directories of this run's adapters the servers no longer hold (`superseded`) and no request
-        out names, here or on another rank (`named_elsewhere`, read as the sync began); the others wait for a later
-        sync, or the end of the run."""
-        held = sorted(self.written, key=adapter_version)[-(self.settings.keep_adapters + 1) :]
+    def _delete_unread(self, version: str, named_elsewhere: set[str]) -> None:
+        """Delete the directories of this run's adapters the sync to `version` unloaded (`superseded`, the rule
+        `_load` unloads by) that no request out names, here or on another rank (`named_elsewhere`, read as the sync
+        began); the others wait for a later sync, or the end of the run. A directory is named as its adapter."""
+        on_disk = {os.path.basename(path): path for path in self.settings.weight_dir.written}
+        unloaded = set(superseded(list(on_disk), version, self.settings.keep_adapters))
         named = named_elsewhere | self.client.transport.models_in_use()
-        self.written = {name: path for name, path in self.written.items() if name in held or name in named}
-        self.settings.weight_dir.keep_only(*self.written.values())
+        self.settings.weight_dir.keep_only(*(p for n, p in on_disk.items() if n not in unloaded or n in named))
 
     def load(self, name: str, path: str) -> None:
         """Every live server loads the adapter at `path` as `name` (its version)."""
@@ -105,7 +100,8 @@ class LoraSync(WeightSyncMode):
     def close(self) -> None:
         """The end of the run: its directories go once no request out names their adapters (generations the stream
         abandoned end within one answer's time; vLLM drops a request whose connection closes, as at exit)."""
-        named = self.client.transport.wait_unused(set(self.written), self.settings.timeout)
+        on_disk = {os.path.basename(path) for path in self.settings.weight_dir.written}
+        named = self.client.transport.wait_unused(on_disk, self.settings.timeout)
         if named:
             logger.warning(
                 "weight sync (LoRA adapter): requests naming %s still out after weight_sync_timeout=%gs; deleting "
@@ -114,5 +110,4 @@ class LoraSync(WeightSyncMode):
                 self.settings.timeout,
             )
         self.current = None
-        self.written = {}
         super().close()
