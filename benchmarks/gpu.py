@@ -13,9 +13,10 @@
    after a warm-up step, and ``ThroughputCallback``'s MFU (6 x parameters x tokens/s over the peak).
 
 4. ``train``: one whole training step (forward + backward + AdamW) of the long-tailed batch on Qwen2-0.5B- and
-   1.5B-shaped models: TRL's padded path vs trl-scale's packing before and after its GPU layouts (torch's flash
-   varlen kernel for sdpa, one row for flex), compiled decoder layers, and a profile before and after
-   (``benchmarks/gpu_train.py``).
+   1.5B-shaped models: TRL's padded path vs trl-scale's packed step as it was (every layer checkpointed, plain
+   layers) and with its defaults (checkpointed layers planned by memory, layers compiled where the rule says it
+   pays), the compile's break-even in steps, and a profile before and after (``benchmarks/gpu_train.py``;
+   ``--train-every-layout`` adds the earlier layouts: rows, flex).
 
 MFU in (2) counts the useful FLOPs of the real tokens only: ``6 x body parameters x real tokens + 6 x vocab x hidden
 x scored tokens + 6 x layers x attention width x sum of squared sequence lengths`` (causal attention; the
@@ -623,10 +624,10 @@ def table(rows: list[dict]) -> str:
 PARTS = ("head", "scoring", "e2e", "train")
 
 
-def train_part(report: Report, sizes: Sizes, device, dtype) -> None:
+def train_part(report: Report, sizes: Sizes, device, dtype, every_layout: bool = False) -> None:
     from gpu_train import GPU_SHAPES, train_figures
 
-    train_figures(report, sizes, device, dtype, None if device.type != "cuda" else GPU_SHAPES)
+    train_figures(report, sizes, device, dtype, None if device.type != "cuda" else GPU_SHAPES, every_layout)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -635,6 +636,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--parts", default="head,scoring,e2e,train", help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--out", default=None, help="folder for gpu.jsonl and gpu.md")
     parser.add_argument("--budget-s", type=float, default=510.0, help="parts past this many seconds are skipped")
+    parser.add_argument(
+        "--train-every-layout", action="store_true", help="train part: also the layouts measured before (rows, flex)"
+    )
     args = parser.parse_args(argv)
     parts = [part.strip() for part in args.parts.split(",") if part.strip()]
     unknown = [part for part in parts if part not in PARTS]
@@ -668,7 +672,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parts=parts,
         smoke=args.smoke,
     )
-    functions = {"head": head_figures, "scoring": scoring_figures, "e2e": e2e_figures, "train": train_part}
+    functions = {
+        "head": head_figures,
+        "scoring": scoring_figures,
+        "e2e": e2e_figures,
+        "train": lambda *a: train_part(*a, every_layout=args.train_every_layout),
+    }
     for part in parts:
         start = time.monotonic()
         functions[part](report, sizes, device, dtype)

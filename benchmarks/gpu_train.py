@@ -6,12 +6,16 @@ Variants (every one starts from the same weights; its log-probs before the first
 weights scored in fp32):
 
 - ``trl_padded``: stock TRL's forward (sdpa on the padded batch), the baseline;
-- ``sdpa_rows``, ``flex_rows``: trl-scale's packing as it was before this figure (rows as wide as the longest
-  sequence; sdpa with a block-diagonal mask);
-- ``sdpa_varlen``: trl-scale's default for an sdpa model on CUDA now: one packed row on torch's flash varlen kernel;
-- ``flex_one_row``: flex attention on one packed row (its block mask skips other sequences);
-- ``<best>+compile``: the faster of the two with its decoder layers compiled (``compile_decoder_layers``);
-- ``<best>+compile-no_ckpt``: the same without activation checkpointing (memory for speed; largest shape only).
+- ``sdpa_varlen`` (``sdpa_rows`` off CUDA): trl-scale's packed step before its defaults changed: one packed row on
+  torch's flash varlen kernel, every layer checkpointed (TRL's ``gradient_checkpointing=True``), plain layers;
+- ``<that>+auto_ckpt``: the same with the checkpointed layers planned by memory (``gradient_checkpointing_layers=
+  "auto"``), plain layers: what the compile saves is the difference to the next;
+- ``default``: trl-scale's defaults as its trainers apply them (``DecoderLayers``): the plan by memory, and the
+  layers compiled where ``why_not_compile`` finds it pays for a run of ``PLANNED_STEPS``;
+- with ``every_layout``: ``sdpa_rows``, ``flex_rows`` (packing before the GPU layouts) and ``flex_one_row``.
+
+A ``compile_break_even`` line gives the compile's cost (the first step's extra time and a new length's) over its
+saving per step.
 
 MFU counts useful FLOPs (gpu.model_flops: real tokens, causal attention per sequence, no recompute) over the
 dense bf16 peak (989 TFLOP/s, H100 and H200 alike).
@@ -23,6 +27,7 @@ import contextlib
 import copy
 import re
 import time
+from dataclasses import dataclass
 
 from gpu import H100_BF16_PEAK, QWEN2_05B, Report, Sizes, measure, model_flops, qwen2_config
 
@@ -59,16 +64,41 @@ def _packing_as_before():
         engine.install_varlen_attention, support.uses_one_row = saved
 
 
-def _variant_model(config, state, variant: str, checkpointing: bool, compiled: bool):
-    """A model with the shared weights ``state``, set up as ``variant`` says."""
+@dataclass(frozen=True)
+class Variant:
+    """One way of running the step: the attention layout (``trl_padded``, ``sdpa_rows``, ``flex_rows``,
+    ``sdpa_varlen``, ``flex_one_row``), which layers activation checkpointing recomputes (``"all"`` as TRL,
+    ``"auto"`` trl-scale's plan by memory, ``"none"``), and compiled layers (``None``: trl-scale's rule,
+    ``why_not_compile``, for a run of ``PLANNED_STEPS``)."""
+
+    layout: str
+    checkpointing: str = "all"
+    compiled: bool | None = False
+
+    @property
+    def name(self) -> str:
+        if self.compiled is None and self.checkpointing == "auto":
+            return "default"
+        extras = {"all": "", "auto": "+auto_ckpt", "none": "-no_ckpt"}[self.checkpointing]
+        return self.layout + ("+compile" if self.compiled else "") + extras
+
+
+# The run the default's compile rule is asked about (a GRPO run is hundreds of steps).
+PLANNED_STEPS = 1000
+
+
+def _variant_model(config, state, variant: Variant):
+    """A model with the shared weights ``state``, set up as ``variant`` says; with the planner (or None) and
+    whether its layers were compiled."""
     import torch
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
     from trl_scale.scoring import install_packed_scoring
-    from trl_scale.scoring.compiled import compile_decoder_layers
+    from trl_scale.scoring.checkpointing import SelectiveCheckpointing, device_memory
+    from trl_scale.scoring.compiled import compile_decoder_layers, why_not_compile
 
-    attention = "flex_attention" if "flex" in variant else "sdpa"
+    attention = "flex_attention" if "flex" in variant.layout else "sdpa"
     first = next(iter(state.values()))
     with torch.device(first.device):
         model = AutoModelForCausalLM.from_config(
@@ -78,17 +108,24 @@ def _variant_model(config, state, variant: str, checkpointing: bool, compiled: b
     model.train()
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     packed = None
-    if variant != "trl_padded":
-        before = variant.endswith("_rows")
+    if variant.layout != "trl_padded":
+        before = variant.layout.endswith("_rows")
         with _packing_as_before() if before else contextlib.nullcontext():
             packed = install_packed_scoring(model, outputs=("entropy",))
         if packed is None:
-            raise RuntimeError(f"{variant}: packing stepped aside on this model")
-    if checkpointing:
+            raise RuntimeError(f"{variant.name}: packing stepped aside on this model")
+    planner = None
+    if variant.checkpointing != "none":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    memory = device_memory(first.device)
+    if variant.checkpointing == "auto" and memory is not None:  # as trl-scale's trainers plan it (DecoderLayers)
+        planner = SelectiveCheckpointing(model, memory)
+    compiled = variant.compiled
+    if compiled is None:
+        compiled = why_not_compile(model, PLANNED_STEPS) is None
     if compiled:
         compile_decoder_layers(model)
-    return model, packed
+    return model, packed, planner, compiled
 
 
 def _train_step(model, optimizer, batch):
@@ -198,18 +235,38 @@ def _errors_vs_fp32(logp, valid, reference) -> dict:
     return {"vs_fp32_max": error.max().item(), "vs_fp32_mean": error.mean().item()}
 
 
-def train_figures(report: Report, sizes: Sizes, device, dtype, shapes: dict | None = None) -> None:
+def train_figures(
+    report: Report, sizes: Sizes, device, dtype, shapes: dict | None = None, every_layout: bool = False
+) -> None:
     """Each shape: every variant's step time, MFU and exactness; a profile before and after; one JSON line per
-    variant and one summary line per shape."""
+    variant and one summary line per shape. ``every_layout`` adds the layouts measured before (rows, flex)."""
     from packing import long_tailed_batch
 
     shapes = shapes or {"smoke": sizes.model}
     cpu_batch = long_tailed_batch(sizes.batch_size, sizes.max_prompt, sizes.max_completion, sizes.vocab)
     for shape_name, shape in shapes.items():
-        shape_figures(report, sizes, device, dtype, shape_name, shape, cpu_batch, last=shape_name == list(shapes)[-1])
+        shape_figures(report, sizes, device, dtype, shape_name, shape, cpu_batch, every_layout)
 
 
-def shape_figures(report: Report, sizes: Sizes, device, dtype, shape_name: str, shape: dict, cpu_batch, last: bool):
+def _first_steps(step, device, count: int = 2) -> list[float]:
+    """The first steps' times: a compiled variant compiles in the first (and, with the checkpointed layers planned,
+    once more in the second, the first with no layer checkpointed: the flag is part of the compiled graph's
+    guards); the planner measures in the first."""
+    from gpu import _sync
+
+    times = []
+    for _ in range(count):
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def shape_figures(
+    report: Report, sizes: Sizes, device, dtype, shape_name: str, shape: dict, cpu_batch, every_layout: bool
+):
     """One model shape: every variant on the same weights and batch, then the summary line."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -231,44 +288,53 @@ def shape_figures(report: Report, sizes: Sizes, device, dtype, shape_name: str, 
     reference, _ = _logprobs(reference_model, batch)
     del reference_model
     results: dict[str, dict] = {}
+    cuda = device.type == "cuda"
 
-    def run(
-        variant: str,
-        compiled: bool = False,
-        checkpointing: bool = True,
-        profile: str | None = None,
-        varied: bool = False,
-    ):
-        name = variant + ("+compile" if compiled else "") + ("" if checkpointing else "-no_ckpt")
-        if report.seconds_left() < (150 if compiled else 45):
+    def run(variant: Variant, profile: str | None = None, varied: bool = False):
+        name = variant.name
+        if report.seconds_left() < (150 if variant.compiled is not False else 45):
             report.add("train_step", shape=shape_name, variant=name, skipped="out of time")
             return None
-        if "flex" in variant and device.type != "cuda":
+        if "flex" in variant.layout and not cuda:
             report.add("train_step", shape=shape_name, variant=name, skipped="flex has no CPU backward")
             return None
         row = {"shape": shape_name, "variant": name, "real_tokens": real_tokens, "padded_tokens": batch[0].numel()}
-        model = optimizer = None
+        model = optimizer = planner = None
         torch._dynamo.reset()  # each variant compiles afresh: no recompile limit reached by the ones before it
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         try:
             start = time.monotonic()
-            model, packed = _variant_model(config, state, variant, checkpointing, compiled)
+            model, packed, planner, compiled = _variant_model(config, state, variant)
             logp, valid = _logprobs(model, batch)
             row.update(_errors_vs_fp32(logp, valid, reference))
             row["attention"] = model.config._attn_implementation
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
+            row["compiled"] = compiled
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=cuda)
 
             def step(model=model, optimizer=optimizer):
                 _train_step(model, optimizer, batch)
 
+            first = _first_steps(step, device)
             seconds, peak = measure(step, device, sizes.repeats)
             row.update(
                 step_s=seconds,
+                first_steps_s=first,
                 peak_mib=peak,
+                peak_total_mib=torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+                device_mib=torch.cuda.get_device_properties(device).total_memory / 2**20 if cuda else None,
                 setup_and_warmup_s=time.monotonic() - start - seconds * sizes.repeats,
                 tokens_per_s=real_tokens / seconds,
-                mfu=flops / seconds / H100_BF16_PEAK if device.type == "cuda" else None,
+                mfu=flops / seconds / H100_BF16_PEAK if cuda else None,
                 row_fill=packed.stats.pop().get("padding_free/row_fill") if packed else None,
             )
+            if planner is not None:
+                row.update(
+                    checkpointed_layers=planner.last_checkpointed,
+                    layers=len(planner.layers),
+                    activation_kib_per_token_layer=(planner.activation_bytes or 0) / 1024,
+                )
             if profile:
                 row["profile"] = profile_step(step, device, f"{shape_name}_{profile}", out_dir)
             if varied:
@@ -276,31 +342,27 @@ def shape_figures(report: Report, sizes: Sizes, device, dtype, shape_name: str, 
         except Exception as error:  # an OOM or a kernel that fails here is a figure too
             row["error"] = f"{type(error).__name__}: {error}"[:400]
         finally:
-            del model, optimizer
-            if device.type == "cuda":
+            if planner is not None:
+                planner.remove()
+            del model, optimizer, planner
+            if cuda:
                 torch.cuda.empty_cache()
         results[name] = report.add("train_step", **row)
         return results[name]
 
-    baseline = run("trl_padded", profile="trl_padded")
-    run("sdpa_rows")
-    run("flex_rows", profile="before")
+    baseline = run(Variant("trl_padded"), profile="trl_padded")
     varlen_why_not = varlen_unsupported_config(config, device)
-    if varlen_why_not is None:
-        run("sdpa_varlen")
-    else:
-        report.add("train_step", shape=shape_name, variant="sdpa_varlen", skipped=varlen_why_not)
-    run("flex_one_row")
-    timed = {k: v for k, v in results.items() if "step_s" in v and k != "trl_padded"}
-    if not timed:
-        return
-    best = min(timed, key=lambda k: timed[k]["step_s"])
-    run(best, varied=True)  # as a run meets it: a new batch (new lengths) every step
-    after = run(best, compiled=device.type == "cuda", profile="after", varied=True)
-    final = after if after is not None and "step_s" in after else timed[best]
-    if last and device.type == "cuda":
-        run(best, compiled=True, checkpointing=False)
-    if baseline is None or "step_s" not in baseline:
+    today = "sdpa_varlen" if varlen_why_not is None else "sdpa_rows"  # trl-scale's packed layout before this figure
+    if every_layout:
+        for layout in ("sdpa_rows", "flex_rows", "sdpa_varlen", "flex_one_row"):
+            if layout != today:
+                run(Variant(layout))
+    before = run(Variant(today), profile="before")
+    planned = run(Variant(today, checkpointing="auto"), varied=True)
+    after = run(Variant(today, checkpointing="auto", compiled=None), profile="after", varied=True)
+    compile_figures(report, shape_name, planned, after)
+    final = after if after is not None and "step_s" in after else before
+    if baseline is None or "step_s" not in baseline or final is None or "step_s" not in final:
         return
     report.add(
         "train_step_summary",
@@ -310,6 +372,8 @@ def shape_figures(report: Report, sizes: Sizes, device, dtype, shape_name: str, 
         trl_scale_variant=final["variant"],
         trl_scale_step_s=final["step_s"],
         trl_scale_mfu=final.get("mfu"),
+        before_step_s=before["step_s"] if before and "step_s" in before else None,
+        before_mfu=before.get("mfu") if before else None,
         speedup_vs_trl_padded=baseline["step_s"] / final["step_s"],
         trl_padded_vs_fp32_max=baseline["vs_fp32_max"],
         trl_padded_vs_fp32_mean=baseline["vs_fp32_mean"],
@@ -318,3 +382,38 @@ def shape_figures(report: Report, sizes: Sizes, device, dtype, shape_name: str, 
         exact_as_padded=final["vs_fp32_mean"] <= 1.1 * baseline["vs_fp32_mean"]
         and final["vs_fp32_max"] <= 1.5 * baseline["vs_fp32_max"],
     )
+
+
+def compile_figures(report: Report, shape_name: str, plain: dict | None, compiled: dict | None) -> None:
+    """What compiling the layers cost and saved: the first steps' extra time (and new lengths', from the varied
+    batches' first round), each beyond the plain variant's own, over the steady saving per step: the steps to break
+    even. Both rows plan their checkpointed layers the same way; only the compile differs."""
+    rows = (plain, compiled)
+    if any(r is None or "step_s" not in r for r in rows) or not compiled.get("compiled"):
+        return
+
+    def extra(row, firsts: str, steady) -> float:
+        return sum(a - b for a, b in zip(row[firsts], steady if isinstance(steady, list) else [steady] * 9))
+
+    extra_first = extra(compiled, "first_steps_s", compiled["step_s"]) - extra(plain, "first_steps_s", plain["step_s"])
+    new_lengths = extra(compiled, "varied_first_round_s", compiled["varied_steady_s"]) - extra(
+        plain, "varied_first_round_s", plain["varied_steady_s"]
+    )
+    saving = plain["step_s"] - compiled["step_s"]
+    cost = extra_first + max(0.0, new_lengths)
+    report.add(
+        "compile_break_even",
+        shape=shape_name,
+        compile_s=cost,
+        first_step_extra_s=extra_first,
+        new_lengths_extra_s=new_lengths,
+        saving_per_step_s=saving,
+        break_even_steps=cost / saving if saving > 0 else None,
+        rule_min_steps=_rule_min_steps(),
+    )
+
+
+def _rule_min_steps() -> int:
+    from trl_scale.scoring.compiled import COMPILE_MIN_STEPS
+
+    return COMPILE_MIN_STEPS

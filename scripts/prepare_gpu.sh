@@ -22,7 +22,9 @@ if [ "$size_kib" -ge $((64 * 1024)) ]; then
 fi
 ls -1 "$DEST"
 echo "$DEST: ${size_kib} KiB"
+# The GPU tests (tests/test_gpu.py: the head on TRL's kernel, packed scoring, the checkpointed layers planned by real
+# CUDA memory), then the training-step figures (benchmarks/gpu.py --parts train; --parts head,scoring,e2e,train for all).
 cat <<CMD
-Run on the GPU machine (device tool: carry ["$DEST"], timeout 600):
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $DEST/*.whl && export PYTHONPATH=/tmp/site:\$PWD:\$PWD/vllm_plugin PYTHONUNBUFFERED=1 && python3 benchmarks/gpu.py --out \$OUT
+Run on the GPU machine (device tool: carry ["$DEST"], timeout 480):
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $DEST/*.whl && export PYTHONPATH=/tmp/site:\$PWD:\$PWD/vllm_plugin PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 && nvidia-smi --query-gpu=name,memory.total --format=csv; timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -25 | tee \$OUT/gpu_tests.txt; python3 benchmarks/gpu.py --parts train --out \$OUT --budget-s 330
 CMD

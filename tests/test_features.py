@@ -103,6 +103,7 @@ def test_the_features_of_each_trainer_in_their_order():
         "model_card",
         "server_rollout",
         "packed_scoring",
+        "decoder_layers",
         "dynamic_sampling",
         "phase_timing",
         "stream_rewards",
@@ -111,7 +112,12 @@ def test_the_features_of_each_trainer_in_their_order():
     assert [kind.name for kind in trl_scale.GRPOTrainer.FEATURES] == online
     assert [kind.name for kind in trl_scale.PPOTrainer.FEATURES] == online
     assert [kind.name for kind in trl_scale.RLOOTrainer.FEATURES] == ["sequence_correction", *online]
-    assert [kind.name for kind in trl_scale.DPOTrainer.FEATURES] == ["safe_checkpoint", "model_card", "packed_scoring"]
+    assert [kind.name for kind in trl_scale.DPOTrainer.FEATURES] == [
+        "safe_checkpoint",
+        "model_card",
+        "packed_scoring",
+        "decoder_layers",
+    ]
 
 
 # ---- where the order matters -------------------------------------------------------------------------------------

@@ -114,3 +114,83 @@ def test_sdpa_model_on_cuda_packs_on_torchs_varlen_kernel(tiny_llama):
     assert error["packed"].mean() <= 1.1 * error["padded"].mean() + 1e-3
     assert error["packed"].max() <= 1.5 * error["padded"].max() + 1e-3
     assert models["packed"].model.embed_tokens.weight.grad is not None
+
+
+class _CappedMemory:
+    """The device's memory with `available` capped at `cap` bytes above what is allocated when the cap is set."""
+
+    def __init__(self, memory, cap: float | None = None):
+        self.memory, self.cap, self.floor = memory, cap, memory.allocated()
+
+    def allocated(self) -> int:
+        return self.memory.allocated()
+
+    def available(self) -> int:
+        free = self.memory.available()
+        return free if self.cap is None else int(min(free, self.floor + self.cap - self.memory.allocated()))
+
+    def total(self) -> int:
+        return self.memory.total()
+
+
+def test_checkpointed_layers_planned_by_real_cuda_memory_fit_what_they_planned():
+    """The plan against the CUDA allocator: the first forward measures what an unchecked layer keeps, a roomy device
+    then checkpoints no layer, a capped one some; each step's peak stays within what its plan counted, and the
+    gradients are those of every layer checkpointed."""
+    from transformers import Qwen2Config
+    from trl.trainer.utils import add_fused_lm_head
+
+    from trl_scale.scoring.checkpointing import DeviceMemory, SelectiveCheckpointing
+
+    config = Qwen2Config(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+        vocab_size=1000, max_position_embeddings=8192, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    models = [AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    for model in models:
+        model.train()
+        add_fused_lm_head(model, outputs=("log_probs",))
+        install_packed_scoring(model)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    everything, planned = models
+    memory = _CappedMemory(DeviceMemory(torch.device("cuda")))
+    planner = SelectiveCheckpointing(planned, memory, margin_fraction=0.0)
+    ids = torch.randint(0, 1000, (1, 4096), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def step(model):
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        model(input_ids=ids, labels=ids, fused_lm_head=True).log_probs.float().sum().backward()
+        return torch.cuda.max_memory_allocated() - before
+
+    def grads(model):
+        return [p.grad.float().clone() for p in model.parameters()]
+
+    step(everything)
+    floor_grads = grads(everything)  # two runs of one model: the kernels' own run-to-run spread in bf16
+    everything.zero_grad(set_to_none=False)
+    step(everything)
+    step(planned)
+    layers = len(planner.layers)
+    assert planner.last_checkpointed == layers - 1 and planner.activation_bytes > 0
+    for cap_layers in (None, layers // 2):
+        planned.zero_grad(set_to_none=False)  # the gradients exist: the plan counts none to come
+        if cap_layers is not None:
+            kept = (layers - cap_layers + 1) * planner.activation_bytes + (layers + 1) * planner.hidden_bytes
+            memory.cap, memory.floor = 4096 * kept, memory.allocated()
+        per_token = planner.activation_bytes
+        peak = step(planned)
+        checkpointed = planner.last_checkpointed
+        assert (checkpointed == 0) if cap_layers is None else (0 < checkpointed <= cap_layers + 1), checkpointed
+        counted = 4096 * ((layers - checkpointed + (1 if checkpointed else 0)) * per_token
+                          + (layers + 1) * planner.hidden_bytes)  # fmt: skip
+        print(f"cap {cap_layers}: {checkpointed} of {layers} checkpointed, peak {peak / 2**20:.0f} MiB, counted "
+              f"{counted / 2**20:.0f} MiB, {per_token / 1024:.1f} KiB a token and layer")  # fmt: skip
+        # the backward's transient tensors come on top of what is kept (a trainer's plan leaves 10 % of the device)
+        assert 0.5 * counted <= peak <= 1.1 * counted + 256 * 2**20, (peak, counted)
+    # one step's gradients, the same weights: planned as far from every layer checkpointed as two runs of that are
+    for (name, a), b, floor in zip(everything.named_parameters(), grads(planned), floor_grads):
+        spread = (a.grad.float() - floor).norm().item()
+        assert (a.grad.float() - b).norm().item() <= 2 * spread + 1e-3 * a.grad.float().norm().item(), name

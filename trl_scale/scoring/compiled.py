@@ -25,6 +25,35 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     raise ValueError(f"{type(model).__name__} has no decoder layers this can find (model.layers)")
 
 
+# `compile_decoder_layers=None` compiles where the compile is repaid well within the run. Measured on an H200
+# (benchmarks/results/gpu_h200_train_run3.jsonl, 23k packed tokens a step, the checkpointed layers planned by memory):
+# compiling cost 14.1 s at the 0.5B shape and 13.2 s at 1.5B (the first steps' 8-9 s, and 5.3 s once more at the
+# first new length: dynamic shapes from then on) and saved 0.065 s and 0.130 s a step: 218 and 101 steps to break
+# even. The rule asks over twice the slower, and a model large enough that its layers' work, not the host, is what
+# a step spends.
+COMPILE_MIN_STEPS = 500
+COMPILE_MIN_PARAMETERS = 100_000_000
+
+
+def why_not_compile(model: torch.nn.Module, planned_steps: int, device: torch.device | None = None) -> str | None:
+    """Why `compile_decoder_layers=None` leaves `model`'s layers uncompiled for a run of `planned_steps` optimizer
+    steps on `device` (its parameters' by default); None where compiling pays."""
+    parameter = next(model.parameters(), None)
+    device = device or (parameter.device if parameter is not None else None)
+    if device is None or device.type != "cuda":
+        return "the model is not on a CUDA device (compiling pays back on GPUs)"
+    try:
+        decoder_layers(model)
+    except ValueError as error:
+        return str(error)
+    parameters = sum(p.numel() for p in model.parameters())
+    if parameters < COMPILE_MIN_PARAMETERS:
+        return f"{parameters / 1e6:.0f}M parameters: below {COMPILE_MIN_PARAMETERS // 10**6}M a step is the host's"
+    if planned_steps < COMPILE_MIN_STEPS:
+        return f"{planned_steps} steps planned: the compile pays back over about {COMPILE_MIN_STEPS}"
+    return None
+
+
 def compile_decoder_layers(model: torch.nn.Module, dynamic: bool | None = None) -> int:
     """Compile every decoder layer of ``model`` in place for the forwards that score (no KV cache); returns how
     many. A call with a cache (``generate`` on the trainer's own model) runs the layer as it was: decoding changes

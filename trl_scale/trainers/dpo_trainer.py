@@ -14,6 +14,7 @@ from .construction import (
     trl_arguments,
     with_signature_of,
 )
+from .decoder_layers import DecoderLayers
 from .feature import Feature
 from .hub import TRL_SCALE_TAG, ModelCard
 from .packing import PackedScoring, PackingRequest
@@ -59,7 +60,7 @@ class DPOTrainer(PreferenceHooks, _TRLDPOTrainer):
     same constructor, and TRL's numbers when those are off."""
 
     _tag_names = ["trl", TRL_SCALE_TAG, "dpo"]
-    FEATURES = (SafeCheckpoint, ModelCard, PreferencePackedScoring)  # outermost first
+    FEATURES = (SafeCheckpoint, ModelCard, PreferencePackedScoring, DecoderLayers)  # outermost first
 
     @with_signature_of(_TRLDPOTrainer.__init__)
     def __init__(self, *args, **kwargs):

@@ -19,6 +19,7 @@ from .construction import (
     trl_base_class,
 )
 from .correction import RatioMetrics
+from .decoder_layers import DecoderLayers
 from .dynamic_sampling import DynamicSampling
 from .evaluation import Evaluation
 from .hub import ModelCard
@@ -46,6 +47,7 @@ ONLINE_FEATURES = (
     ModelCard,
     ServerRollout,  # streaming swaps the batch's rows first; set up before packing (sequence parallelism shares it)
     PackedScoring,  # its sequence-parallel gathers cover dynamic sampling's rounds, which call TRL's reward gathers
+    DecoderLayers,  # compiled after packing's probe; checkpointed layers planned by memory
     DynamicSampling,  # rounds of generation and rewards under it; TRL's step answered from the chosen rows
     PhaseTiming,  # inside dynamic sampling: times the rounds' real work, not the answers served from them
     StreamRewards,  # under dynamic sampling: its rounds read the rewards computed in the stream too

@@ -25,7 +25,7 @@ class PackingRequest(NamedTuple):
 
 class PackedScoring(Feature):
     """The packed scoring engine on the policy's and a local reference's forwards (TRL's forwards where packing is
-    off or not exact for the model), then `compile_decoder_layers`; Ulysses sequence parallelism
+    off or not exact for the model); Ulysses sequence parallelism
     (`sequence_parallel_size` > 1) on the same forwards; `padding_free/*` figures in the logs."""
 
     name = "packed_scoring"
@@ -45,17 +45,11 @@ class PackedScoring(Feature):
         self.install(trainer)
 
     def install(self, trainer) -> None:
-        """Pack once (TRL's forwards where `padding_free=False`); then compile the layers where
-        `compile_decoder_layers` asks (after packing's probe, which would otherwise compile its own small shapes)."""
+        """Pack once (TRL's forwards where `padding_free=False`). The layers are compiled after this, by
+        `DecoderLayers` (packing's probe would otherwise compile its own small shapes)."""
         request = self.request(trainer)
         if not (self.installed or request.padding_free is False):
             self._install_engine(trainer, request)
-        if getattr(trainer.args, "compile_decoder_layers", False):
-            from ..scoring.compiled import compile_decoder_layers
-
-            for model in (trainer.model, getattr(trainer, "ref_model", None)):
-                if model is not None and not isinstance(model, RayReference):
-                    compile_decoder_layers(trainer.accelerator.unwrap_model(model))
 
     def _install_engine(self, trainer, request: PackingRequest) -> None:
         self.installed = True
