@@ -17,7 +17,8 @@ plugin_current() {  # the installed plugin is this checkout's: an older one spea
         2>/dev/null) || return 1
     diff -rq -x __pycache__ "$installed" vllm_plugin/trl_scale_vllm_plugin >/dev/null
 }
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, trl, trl_scale" 2>/dev/null && plugin_current; then
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, trl, trl_scale, matplotlib" 2>/dev/null \
+    && plugin_current; then
     exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
@@ -38,11 +39,12 @@ if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
 fi
 # The plugin: no dependencies of its own beyond vLLM and torch.
 plugin_current || "$VENV/bin/python" -m pip install -q --no-deps --force-reinstall ./vllm_plugin
-# trl-scale itself, for TRL's default vllm_mode="colocate" (vLLM inside the trainer): every package vLLM installed is
-# pinned as it is (its transformers satisfies TRL 1.16's), so only what trl-scale adds is installed.
-if ! "$VENV/bin/python" -c "import trl, trl_scale" 2>/dev/null; then
+# trl-scale itself, for TRL's default vllm_mode="colocate" (vLLM inside the trainer) and for a trainer with vLLM
+# importable (tests/test_real_vllm.py), with its `timeline` extra: every package vLLM installed is pinned as it is
+# (its transformers satisfies TRL 1.16's), so only what trl-scale adds is installed.
+if ! "$VENV/bin/python" -c "import trl, trl_scale, matplotlib" 2>/dev/null; then
     pins=$(mktemp)
     "$VENV/bin/python" -m pip freeze | grep -v -e '^-e ' -e ' @ ' > "$pins"
-    "$VENV/bin/python" -m pip install -q -c "$pins" -e .
+    "$VENV/bin/python" -m pip install -q -c "$pins" -e ".[timeline]"
     rm -f "$pins"
 fi

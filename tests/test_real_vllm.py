@@ -1073,3 +1073,46 @@ def test_a_held_adapter_is_read_again_from_its_directory(fleet, rl_urls, tmp_pat
     finally:
         sync.close()
         client.close()
+
+
+VLLM_ENVIRONMENT_RUN = """
+import json, sys
+from trl.import_utils import is_vllm_available
+import trl_scale
+from trl_scale.toy import counting_prompts
+from tests.helpers import cpu_args, token_parity_reward
+
+model, url, out = sys.argv[1:4]
+assert is_vllm_available()
+config = trl_scale.GRPOConfig(**cpu_args(
+    out, max_steps=2, num_generations=4, max_completion_length=6, use_vllm=True, vllm_mode="server",
+    vllm_server_base_url=url, weight_sync="shared_dir", async_rollout_staleness=1, stream_rewards=True,
+    rollout_timeline=True, weight_sync_timeout=60, rollout_request_timeout=60))
+trainer = trl_scale.GRPOTrainer(
+    model=model, reward_funcs=token_parity_reward, args=config, train_dataset=counting_prompts(32))
+trainer.train()
+logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+print(json.dumps({"client": type(trainer.vllm_generation).__module__, "keys": sorted(logs[-1]), "steps": len(logs)}))
+"""
+
+
+def test_trls_single_url_in_a_trainer_with_vllm_installed_streams_through_trl_scales_client(fleet, rl_urls, tmp_path):
+    """The configuration a GPU user runs: the trainer's environment has vLLM (`.venv-vllm`), one server by TRL's own
+    `vllm_server_base_url`, and trl-scale's settings (staleness 1, rewards in the stream, the timeline). trl-scale's
+    client serves it, a fleet of one (before, TRL's client took it and those settings did nothing)."""
+    from .helpers import ROOT
+    from .real_vllm import VLLM_PYTHON
+
+    run = subprocess.run(
+        [str(VLLM_PYTHON), "-c", VLLM_ENVIRONMENT_RUN, fleet.model_path, rl_urls[0], str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=subprocess_env(),
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["client"].startswith("trl_scale.") and result["steps"] == 2, result
+    assert "rollout/stream_groups_generating" in result["keys"], " ".join(result["keys"])
+    assert (tmp_path / "timeline" / "timeline.png").stat().st_size > 0

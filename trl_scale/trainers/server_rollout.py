@@ -12,7 +12,7 @@ from ..logs import get_logger
 from ..ranks import broadcast_from_main, run_on_main
 from ..rollout.weight_dir import WeightDirectory
 from .checkpoints import STREAM_STATE_NAME, check_stream_group_size
-from .construction import uses_server_rollout
+from .construction import image_columns, uses_server_rollout
 from .feature import Feature
 from .stream_environments import EpisodeOpener, finished_environments
 from .stream_rewards import StreamScorer
@@ -41,7 +41,8 @@ def _read_ahead(trainer):
 
 
 class ServerRollout(Feature):
-    """`use_vllm=True, vllm_mode="server"` served by trl-scale's client (several servers, managed or given)."""
+    """`use_vllm=True, vllm_mode="server"` served by trl-scale's client (one server or several, managed or given;
+    `uses_server_rollout` says when TRL's own client serves instead)."""
 
     name = "server_rollout"
 
@@ -53,7 +54,8 @@ class ServerRollout(Feature):
     @classmethod
     def from_arguments(cls, arguments: dict) -> ServerRollout:
         config = arguments.get("args")
-        return cls(config is not None and uses_server_rollout(config))
+        images = image_columns(arguments.get("train_dataset"), arguments.get("eval_dataset"))
+        return cls(config is not None and uses_server_rollout(config, images))
 
     def check(self, trainer) -> None:
         """Environments (TRL's `environment_factory`) and a `rollout_func` with asynchronous rollout run in the
