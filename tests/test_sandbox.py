@@ -325,3 +325,49 @@ def test_a_run_deletes_only_its_own_scratch_directory():
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "trl-scale-sandbox-mine"]
     assert (tmp_path / "notes.txt").read_text() == "mine"
     shutil.rmtree(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "```Python\ndef add(a, b):\n    return a + b\n```",
+        "``` python\ndef add(a, b):\n    return a + b\n```",
+        "```PY\ndef add(a, b):\n    return a + b\n```",
+        "```python3\ndef add(a, b):\n    return a + b\n```",
+        "```\ndef add(a, b):\n    return a + b\n```",
+    ],
+)
+def test_a_fenced_solution_is_found_whatever_case_and_spacing_its_tag_has(verifier, completion):
+    """A correct solution scored 0 when its fence said ```Python or ``` python (the whole text ran, fence included)."""
+    assert verifier(completions=[completion], tests=[TESTS]) == [1.0]
+
+
+def test_what_counts_as_a_pass(verifier):
+    """The rules a verifier must hold, each against the bug it stops: an expected tuple (divmod's) is JSON's list,
+    True is not 1, a prefix of the expected list is not it, a program that prints the right answer then fails did
+    not pass, and a column mixing both kinds of test (datasets gives each test every key, the other kind's None)."""
+    divmod_tests = [{"call": "split(7, 2)", "expected": (3, 1)}]
+    assert verifier(completions=["def split(a, b):\n    return divmod(a, b)"], tests=[divmod_tests]) == [1.0]
+    ones = [{"call": "one()", "expected": 1}]
+    assert verifier(completions=["def one():\n    return True", "def one():\n    return 1"], tests=[ones] * 2) == [
+        0.0,
+        1.0,
+    ]
+    lists = [{"call": "f()", "expected": [1, 2, 3]}]
+    assert verifier(
+        completions=["def f():\n    return [1, 2]", "def f():\n    return [1, 2, 3]"], tests=[lists] * 2
+    ) == [
+        0.0,
+        1.0,
+    ]
+    io = [{"stdin": "", "stdout": "3\n"}]
+    failing = "print(3)\nraise SystemExit(1)"
+    assert verifier(completions=[failing, "print(3)"], tests=[io, io]) == [0.0, 1.0]
+    mixed = [
+        {"call": "add(1, 2)", "expected": 3, "stdin": None, "stdout": None},
+        {"call": None, "expected": None, "stdin": "1 2\n", "stdout": "3\n"},
+    ]
+    program = (
+        "def add(a, b):\n    return a + b\nif __name__ == '__main__':\n    print(add(*map(int, input().split())))"
+    )
+    assert verifier(completions=[program], tests=[mixed]) == [1.0]

@@ -274,3 +274,41 @@ def test_every_preference_shape_trl_accepts_trains_dpo_with_trls_numbers(shape, 
         )
 
     _assert_trains_with_trls_numbers(make_trainer, ("loss", "grad_norm", "rewards/margins"), abs=1e-6)
+
+
+class InfiniteRewardEnvironment(CountingEnvironment):
+    def get_reward(self) -> float:
+        return float("inf")
+
+
+class TextRewardEnvironment(CountingEnvironment):
+    def get_reward(self):
+        return "1.0"
+
+
+@pytest.mark.parametrize(
+    "environment, message",
+    [
+        (InfiniteRewardEnvironment, r"'InfiniteRewardEnvironment.get_reward' returned inf for completion 0"),
+        (TextRewardEnvironment, r"'TextRewardEnvironment.get_reward' returned '1.0' \(str\)"),
+    ],
+)
+def test_an_environments_get_reward_is_checked_as_reward_functions_are(environment, message, tiny_llama, tmp_path):
+    """TRL adds `get_reward` as a reward function inside its constructor, after trl-scale checked the user's: an
+    infinite reward trained (logged inf, the group's advantages zeroed), a string failed deep in TRL."""
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.response_template = qwen3_template
+    dataset = counting_prompts(8, seed=0).map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})
+    trainer = trl_scale.GRPOTrainer(
+        model=tiny_llama,
+        args=trl_scale.GRPOConfig(**cpu_args(tmp_path, num_generations=4, max_completion_length=4)),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        environment_factory=environment,
+    )
+    instance = environment()
+    instance.reset()
+    with pytest.raises(ValueError, match=message):
+        trainer.reward_funcs[0](prompts=["p"], completions=["c"], environments=[instance])

@@ -45,7 +45,8 @@ for index, call in enumerate(calls):
     out.flush()
 """
 
-FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
+# A fenced block, its language tag optional and in any case (```python, ```Python, ``` py, ```python3).
+FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 
 def extract_code(completion) -> str:
@@ -68,7 +69,10 @@ class TestOutcome:
 
 
 def _same(got, expected) -> bool:
-    """Equal as JSON values, strictly: `True` is not 1, though Python says so; 1 and 1.0 are equal numbers."""
+    """Equal as JSON values, strictly: `True` is not 1, though Python says so; 1 and 1.0 are equal numbers; an
+    expected tuple (`divmod`'s) is the list JSON makes of it."""
+    if isinstance(expected, tuple):
+        expected = list(expected)
     if isinstance(expected, bool) or isinstance(got, bool):
         return type(got) is type(expected) and got == expected
     if isinstance(expected, (int, float)) and isinstance(got, (int, float)):
@@ -85,7 +89,8 @@ def _normalised(text: str) -> str:
 
 
 def parse_tests(tests, row: int, column: str) -> list[dict]:
-    """A row's tests, checked: a list (or its JSON) of call tests and stdin/stdout tests."""
+    """A row's tests, checked and each reduced to its kind's keys: `{"call", "expected"}` or `{"stdin", "stdout"}`
+    (a `datasets` column that mixes both kinds gives every test all four keys, the other kind's as None)."""
     if isinstance(tests, str):
         try:
             tests = json.loads(tests)
@@ -93,21 +98,19 @@ def parse_tests(tests, row: int, column: str) -> list[dict]:
             raise ValueError(f"row {row}: column {column!r} is not JSON ({error})") from None
     if not isinstance(tests, list) or not tests:
         raise ValueError(f"row {row}: column {column!r} must be a non-empty list of tests, got {type(tests).__name__}")
+    parsed = []
     for test in tests:
-        if not (
-            isinstance(test, dict)
-            and (
-                (isinstance(test.get("call"), str) and "expected" in test)
-                or (isinstance(test.get("stdin"), str) and isinstance(test.get("stdout"), str))
-            )
-        ):
+        if isinstance(test, dict) and isinstance(test.get("call"), str) and "expected" in test:
+            json.dumps(test["expected"])  # raises for a value the sandbox could not answer with
+            parsed.append({"call": test["call"], "expected": test["expected"]})
+        elif isinstance(test, dict) and isinstance(test.get("stdin"), str) and isinstance(test.get("stdout"), str):
+            parsed.append({"stdin": test["stdin"], "stdout": test["stdout"]})
+        else:
             raise ValueError(
                 f"row {row}: each test in {column!r} is {{'call': str, 'expected': value}} or "
                 f"{{'stdin': str, 'stdout': str}}; got {test!r}"
             )
-        if "expected" in test:
-            json.dumps(test["expected"])  # raises for a value the sandbox could not answer with
-    return tests
+    return parsed
 
 
 @dataclass

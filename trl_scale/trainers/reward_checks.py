@@ -102,3 +102,17 @@ def checked_reward_funcs(reward_funcs):
         else checked_reward_func(f, get_callable_name(f))
         for f in funcs
     ]
+
+
+def check_added_reward_funcs(trainer) -> None:
+    """The reward functions TRL adds inside its constructor (an environment's `get_reward`, one per class), checked
+    as the user's are: an environment returning `inf` or `"1.0"` stops the step naming it, instead of training on
+    zeroed advantages or failing deep in TRL."""
+    from torch import nn
+
+    trainer.reward_funcs = [
+        f
+        if isinstance(f, (str, nn.Module)) or not callable(f) or hasattr(f, "__trl_scale_checked__")
+        else checked_reward_func(f, f"{name}.get_reward" if getattr(f, "__name__", "") == "get_reward" else name)
+        for f, name in zip(trainer.reward_funcs, trainer.reward_func_names)
+    ]
