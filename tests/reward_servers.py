@@ -26,9 +26,10 @@ def one_too_many(queries: list[str], prompts: list[str], labels: list) -> list[f
 class RewardServerProcess:
     """`python -m trl_scale.cli reward-server ...` as a real process; ready when `/health` answers."""
 
-    def __init__(self, *args: str, api_key: str | None = None):
+    def __init__(self, *args: str, api_key: str | None = None, tls: bool = False):
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/get_reward"
+        self.scheme = "https" if tls else "http"
+        self.url = f"{self.scheme}://127.0.0.1:{self.port}/get_reward"
         command = [sys.executable, "-m", "trl_scale.cli", "reward-server", "--port", str(self.port), *args]
         if api_key:
             command += ["--api-key", api_key]
@@ -37,15 +38,23 @@ class RewardServerProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(self.process.stderr.read().decode()[-2000:])
-            if answers_health(f"http://127.0.0.1:{self.port}"):
+            if self._healthy():
                 return
             time.sleep(0.1)
         self.kill()
         raise TimeoutError(f"reward server {self.url} not ready in 60 s")
 
+    def _healthy(self) -> bool:
+        if self.scheme == "http":
+            return answers_health(f"http://127.0.0.1:{self.port}")
+        try:  # the certificate is the test's own: reachability is the question here
+            return requests.get(f"{self.health_url}", timeout=2, verify=False).status_code == 200
+        except requests.RequestException:
+            return False
+
     @property
     def health_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/health"
+        return f"{self.scheme}://127.0.0.1:{self.port}/health"
 
     def requests_served(self) -> int:
         return requests.get(self.health_url, timeout=5).json()["requests"]

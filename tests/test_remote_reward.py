@@ -378,3 +378,138 @@ def test_a_scoring_function_answering_non_numbers_is_a_500_naming_it():
             reward(prompts=["p"], completions=["a"])
     finally:
         server.kill()
+
+
+@pytest.fixture
+def counted():
+    """A stand-in server answering every POST with `status` and `body`, counting what it was sent."""
+    started = []
+
+    def start(body, status: int = 200):
+        class Handler(BaseHTTPRequestHandler):
+            hits = 0
+
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                type(self).hits += 1
+                self.rfile.read(int(self.headers["Content-Length"]))
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        started.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}/get_reward", Handler
+
+    yield start
+    for server in started:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_429_is_failed_over_and_retries_zero_sends_once(counted, two_servers):
+    busy, busy_hits = counted({"error": "slow down"}, status=429)
+    reward = RemoteReward([busy, two_servers[0].url], routing="least_outstanding", retry_after=30.0)
+    prompts, completions = groups(count=2, size=2)
+    assert reward(prompts=prompts, completions=completions) == local_scores(prompts, completions)
+    assert busy_hits.hits >= 1 and reward.servers[0].last_error == "HTTP 429"
+    failing, failing_hits = counted({"error": "boom"}, status=503)
+    with pytest.raises(RewardServiceError, match="after 0 retries"):
+        RemoteReward([failing], retries=0)(prompts=["p"], completions=["a"])
+    assert failing_hits.hits == 1  # one send, none again
+
+
+@pytest.mark.parametrize("answer", [[True, 1.0], [1.0, False]])
+def test_true_and_false_are_not_rewards(answering, answer):
+    url = answering({"rewards": answer})
+    with pytest.raises(RewardServiceError, match=r"rewards\[\d\] is (True|False), not a number"):
+        RemoteReward([url])(prompts=["p", "p"], completions=["a", "b"])
+
+
+def test_a_nan_answer_means_does_not_apply_and_says_so_once(answering, caplog):
+    url = answering({"rewards": [float("nan"), 1.0]})
+    reward = RemoteReward([url])
+    with caplog.at_level("WARNING", logger="trl_scale"):
+        for _ in range(2):
+            got = reward(prompts=["p", "p"], completions=["a", "b"])
+            assert got[1] == 1.0 and got[0] != got[0]  # NaN: TRL's "does not apply"
+    warnings = [r for r in caplog.records if "answered NaN for 1 of 2 rows" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_a_token_over_plain_http_off_this_machine_is_warned(caplog):
+    with caplog.at_level("WARNING", logger="trl_scale"):
+        RemoteReward(["http://127.0.0.1:1/get_reward", "https://10.1.2.3/get_reward"], api_key="k")
+        assert not caplog.records
+        RemoteReward(["http://10.1.2.3:8100/get_reward"], api_key="k")
+    assert "api_key in clear over plain HTTP to http://10.1.2.3:8100/get_reward" in caplog.text
+
+
+def test_https_to_a_plain_server_says_so(two_servers):
+    url = two_servers[0].url.replace("http://", "https://")
+    with pytest.raises(RewardServiceError, match=r"SSLError: .*an https:// URL to a plain-HTTP server: use http://"):
+        RemoteReward([url], retries=0)(prompts=["p"], completions=["a"])
+
+
+def test_tests_not_sent_as_labels_are_refused_not_failed_over():
+    """`--reward code` got empty labels (`label_column` not set): a 400 naming the fix, not a 500 the client retried
+    on every server as if they were broken."""
+    server = RewardServerProcess("--reward", "code", "--slots", "1")
+    try:
+        with pytest.raises(RewardServiceError, match=r"refused the request \(400\): .*label_column='tests'"):
+            RemoteReward([server.url])(prompts=["p"], completions=["a"])
+        with pytest.raises(RewardServiceError, match=r"refused the request \(400\): .*row 0: column 'labels' is not"):
+            RemoteReward([server.url], label_column="tests")(prompts=["p"], completions=["a"], tests=["[{"])
+    finally:
+        server.kill()
+
+
+def test_a_tls_reward_server_serves_https(tmp_path, monkeypatch):
+    import subprocess
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    server = RewardServerProcess("--reward", FUNCTION, "--tls-cert", str(cert), "--tls-key", str(key), tls=True)
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))
+    try:
+        assert RemoteReward([server.url])(prompts=["p"], completions=["abc"]) == [3.0]
+    finally:
+        server.kill()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--port", "70000"], "argument --port: 70000 is not a TCP port"),
+        (["--route", "get_reward"], "argument --route: 'get_reward' is not a path: routes start with '/'"),
+        (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+    ],
+)
+def test_the_reward_servers_port_route_and_tls_options_are_checked(argv, message, capsys):
+    from trl_scale.cli import main
+
+    try:
+        code = main(["reward-server", *argv])
+    except SystemExit as exit:
+        code = exit.code
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def test_a_reward_module_in_the_current_directory_is_found(tmp_path, monkeypatch):
+    from trl_scale.rewards.server import load_function
+
+    (tmp_path / "my_local_reward.py").write_text(
+        "def score(queries, prompts, labels):\n    return [1.0] * len(queries)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", str(tmp_path))])
+    assert load_function("my_local_reward:score", "--reward")(["q"], ["p"], [""]) == [1.0]

@@ -15,17 +15,35 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 import requests
 
+from ..logs import get_logger
+from ..net import is_loopback
 from ..numbers import check_positive, check_whole
 from ..routing import ROUTING_POLICIES, Rotation, ServerState, routing_policy
 from .contract import OpenRLHFContract, RewardContract, RewardServiceError
 
 RETRYABLE = (408, 429)  # "not now": failed over like a 5xx
+logger = get_logger(__name__)
+
+
+def _in_clear(urls: list[str]) -> list[str]:
+    """The plain-HTTP URLs off this machine: a bearer token sent there crosses the network readable."""
+    return [url for url in urls if urlparse(url).scheme == "http" and not is_loopback(urlparse(url).hostname)]
+
+
+def _error_text(error: requests.RequestException) -> str:
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, requests.exceptions.SSLError) and "WRONG_VERSION_NUMBER" in str(error):
+        text += " (an https:// URL to a plain-HTTP server: use http://, or serve with --tls-cert/--tls-key)"
+    return text
 
 
 @dataclass
@@ -93,7 +111,14 @@ class RemoteReward:
         self._session.mount("http://", adapter_)
         self._session.mount("https://", adapter_)
         self._headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
+        if s.api_key and _in_clear(urls):
+            logger.warning(
+                "RemoteReward sends its api_key in clear over plain HTTP to %s (off this machine): anyone on the path "
+                "can read it. Use https:// (trl-scale reward-server --tls-cert/--tls-key, or a TLS proxy)",
+                ", ".join(_in_clear(urls)),
+            )
         self.failovers = 0  # requests re-sent after a failure, since the reward was made
+        self._warned_nan = threading.Event()
         self.__name__ = "remote_reward"  # TRL names the reward's metrics after it
 
     def __call__(self, prompts: list, completions: list, log_metric=None, **kwargs) -> list[float | None]:
@@ -110,12 +135,24 @@ class RemoteReward:
             rewards.extend(values)
             for name, value in extra.items():
                 logs.setdefault(name, []).append(value)
+        self._warn_nan_once(rewards)
         if log_metric is not None:
             log_metric("remote_reward/seconds", time.monotonic() - started)
             log_metric("remote_reward/failovers", float(self.failovers - failovers))
             for name, values in logs.items():
                 log_metric(f"remote_reward/{name}", sum(values) / len(values))
         return rewards
+
+    def _warn_nan_once(self, rewards: list) -> None:
+        nans = sum(1 for r in rewards if r is not None and math.isnan(r))
+        if nans and not self._warned_nan.is_set():
+            self._warned_nan.set()
+            logger.warning(
+                "a reward server answered NaN for %d of %d rows: taken as 'this reward does not apply' (None), as TRL "
+                "reads NaN. If the server meant a failure, have it answer an error (once; later NaNs are not warned)",
+                nans,
+                len(rewards),
+            )
 
     # ---- the rows' texts and the requests --------------------------------------------------------------------
 
@@ -175,7 +212,7 @@ class RemoteReward:
                 )
             except requests.RequestException as error:
                 self.rotation.release(server, ok=False, error=repr(error))
-                errors[server.url] = f"{type(error).__name__}: {error}"
+                errors[server.url] = _error_text(error)
                 continue
             if response.status_code >= 500 or response.status_code in RETRYABLE:
                 self.rotation.release(server, ok=False, error=f"HTTP {response.status_code}")

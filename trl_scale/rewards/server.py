@@ -2,7 +2,8 @@
 so verifiers can live on other machines and `RemoteReward` (or OpenRLHF's `--reward.remote_url`) reaches them.
 
 It serves `POST /get_reward` (OpenRLHF's reference route) and `GET /health`, on 127.0.0.1 by default; bound beyond
-loopback it needs a bearer token (`--api-key`), as `trl-scale serve` does. What scores:
+loopback it needs a bearer token (`--api-key`), as `trl-scale serve` does, and should serve HTTPS (`--tls-cert`,
+`--tls-key`) so the token does not cross the network in clear. What scores:
 - `--reward code` (default): the sandboxed code verifier (`CodeExecutionReward`); each row's `labels` entry holds its
   tests (JSON), the response is the query after its prompt, its code the last fenced block (or `--extract`'s);
 - `--reward module:function` (or `module.function`): a function with OpenRLHF's signature,
@@ -29,11 +30,19 @@ from .contract import read_request
 MAX_REQUEST_BYTES = 64 << 20
 
 
+class BadRows(ValueError):
+    """The request's rows cannot be scored as sent (labels that are not tests): a 400 naming the row, which the
+    client does not retry elsewhere (any server would refuse it the same)."""
+
+
 def load_function(spec: str, option: str) -> Callable:
-    """`module:function` (or `module.function`), imported."""
+    """`module:function` (or `module.function`), imported; a module in the current directory is found, as TRL's CLI
+    finds a reward function's."""
     module, _, name = spec.partition(":") if ":" in spec else spec.rpartition(".")
     if not module or not name:
         raise ValueError(f"{option} {spec!r}: use module:function")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     function = getattr(importlib.import_module(module), name, None)
     if not callable(function):
         raise ValueError(f"{option} {spec!r}: {module} has no function {name!r}")
@@ -51,7 +60,15 @@ def load_reward(spec: str, sandbox_fields: dict, extract: str | None = None) -> 
 
         def code(queries: list, prompts: list, labels: list) -> list[float]:
             responses = [q[len(p) :] if q.startswith(p) else q for q, p in zip(queries, prompts)]
-            tests = [parse_tests(label, i, "labels") for i, label in enumerate(labels)]
+            if any(label in ("", None) for label in labels):
+                raise BadRows(
+                    "--reward code reads each row's tests from its label, and this request's labels are empty. Fix: "
+                    "send the tests column as labels (RemoteReward(..., label_column='tests'))"
+                )
+            try:
+                tests = [parse_tests(label, i, "labels") for i, label in enumerate(labels)]
+            except ValueError as error:
+                raise BadRows(str(error)) from None
             outcomes = verifier.verify([verifier.extract(r) for r in responses], tests)
             return [sum(o.passed for o in row) / len(row) for row in outcomes]
 
@@ -91,6 +108,8 @@ class RewardHandler(BaseHTTPRequestHandler):
             if isinstance(rewards, dict):
                 rewards = rewards.get("rewards")
             rewards = [None if r is None else float(r) for r in rewards]  # its length is the client's to check
+        except BadRows as error:  # the request's fault: any server would refuse it
+            return self._send(400, {"error": str(error)})
         except Exception as error:  # the scoring function's fault: a 500 the client fails over
             return self._send(500, {"error": f"{type(error).__name__}: {error}"})
         with self.server.lock:
@@ -115,13 +134,28 @@ class RewardServer(ThreadingHTTPServer):
         self.expected_authorization = f"Bearer {api_key}".encode() if api_key else None
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port: use 1-65535 (0: any free one)")
+    return port
+
+
+def _route(text: str) -> str:
+    if not text.startswith("/"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a path: routes start with '/' (e.g. /{text})")
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trl-scale reward-server", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--port", type=_port, default=8100)
     parser.add_argument("--api-key", default=os.environ.get("TRL_SCALE_API_KEY"), help="require this bearer token")
     parser.add_argument("--allow-unauthenticated", action="store_true", help="no token beyond loopback")
-    parser.add_argument("--route", default="/get_reward", help="the path rewards are posted to")
+    parser.add_argument("--route", type=_route, default="/get_reward", help="the path rewards are posted to")
+    parser.add_argument("--tls-cert", default=None, help="serve HTTPS with this certificate (PEM); needs --tls-key")
+    parser.add_argument("--tls-key", default=None, help="the certificate's private key (PEM)")
     parser.add_argument("--reward", default="code", help="'code' (the sandboxed verifier) or module:function")
     parser.add_argument(
         "--extract",
@@ -148,10 +182,11 @@ def reward_server(argv: list[str]) -> int:
         fields.update(max_processes=args.max_processes, slots=args.slots, isolation=args.isolation)
         reward = load_reward(args.reward, fields, args.extract)
         server = RewardServer((args.host, args.port), reward, args.route, args.api_key)
+        scheme = _serve_tls(server, args.tls_cert, args.tls_key)
     except (ValueError, RuntimeError, OSError, ImportError) as error:
         print(f"trl-scale reward-server: {error}", file=sys.stderr)
         return 2
-    print(f"trl-scale reward-server: {args.reward} on http://{args.host}:{args.port}{args.route}", flush=True)
+    print(f"trl-scale reward-server: {args.reward} on {scheme}://{args.host}:{args.port}{args.route}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -159,6 +194,20 @@ def reward_server(argv: list[str]) -> int:
     finally:
         server.server_close()
     return 0
+
+
+def _serve_tls(server: RewardServer, cert: str | None, key: str | None) -> str:
+    """HTTPS on `server` with `cert` and `key` (both or neither); the scheme served."""
+    if (cert is None) != (key is None):
+        raise ValueError("--tls-cert and --tls-key go together: give both (or neither, for plain HTTP)")
+    if cert is None:
+        return "http"
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    return "https"
 
 
 if __name__ == "__main__":
