@@ -239,11 +239,24 @@ def test_no_sandbox_refuses_naming_the_fix_unless_the_unsafe_mode_is_named(caplo
         ({"max_processes": 0}, r"max_processes=0"),
         ({"sandbox_uid": 0}, r"sandbox_uid=0: use a uid no user or file has"),
         ({"python": "/opt/python3"}, r"python='/opt/python3': the sandbox mounts only /usr"),
+        ({"wall_seconds": float("inf")}, r"wall_seconds=inf: use a finite number of seconds"),
     ],
 )
 def test_bad_limits_name_the_field(fields, match):
     with pytest.raises(ValueError, match=match):
         SandboxSettings(**fields)
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"bwrap": "/usr/local/bin/bwrapp"}, r"bwrap='/usr/local/bin/bwrapp': no executable there. Fix: "),
+        ({"python": "/usr/bin/python9"}, r"python='/usr/bin/python9': no interpreter there.*Fix: "),
+    ],
+)
+def test_a_mistyped_path_is_named_not_blamed_on_user_namespaces(fields, match):
+    with pytest.raises(SandboxUnavailable, match=match):
+        Sandbox(SandboxSettings(**fields))
 
 
 def test_the_readmes_table_and_limits_are_the_codes():
@@ -371,3 +384,17 @@ def test_what_counts_as_a_pass(verifier):
         "def add(a, b):\n    return a + b\nif __name__ == '__main__':\n    print(add(*map(int, input().split())))"
     )
     assert verifier(completions=[program], tests=[mixed]) == [1.0]
+
+
+def test_the_cpu_limit_stops_code_at_its_cpu_seconds():
+    """RLIMIT_CPU's soft limit is `cpu_seconds` (SIGXCPU there; SIGKILL one second later): the code's own CPU clock,
+    printed as it spins, stops within a fraction of a second of it (a limit one second late ran it to 2 s)."""
+    sandbox = Sandbox(SandboxSettings(**{**LIMITS, "cpu_seconds": 1, "wall_seconds": 20.0}, sandbox_uid=FIRST_UID))
+    spin = (
+        "import time\nnext_print = 0.0\nwhile True:\n    used = time.process_time()\n"
+        "    if used >= next_print:\n        print(round(used, 3), flush=True)\n        next_print = used + 0.05\n"
+    )
+    result = sandbox.run(spin)
+    printed = [float(line) for line in result.stdout.split()]
+    assert result.status == "cpu", result
+    assert 0.8 <= max(printed) < 1.3, max(printed)

