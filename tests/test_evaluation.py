@@ -70,9 +70,9 @@ def test_eval_fields_checked_and_defaults(tmp_path):
         trl_scale.GRPOConfig(**cpu_args(tmp_path, eval_success_threshold=float("nan")))
     config = trl_scale.GRPOConfig(**cpu_args(tmp_path, num_generations=4, num_generations_eval=2))
     assert config.pass_at_ks() == [1, 2]  # num_generations_eval, not num_generations
-    rloo = trl_scale.RLOOConfig(**cpu_args(tmp_path, num_generations=4, eval_pass_at_k=[4, 2, 2]))
+    rloo = trl_scale.RLOOConfig(**cpu_args(tmp_path, num_generations=4, eval_pass_at_k=[4, 2, 2], do_eval=True))
     assert rloo.pass_at_ks() == [2, 4]
-    ppo = trl_scale.PPOConfig(**cpu_args(tmp_path, eval_pass_at_k=[1]))
+    ppo = trl_scale.PPOConfig(**cpu_args(tmp_path, eval_pass_at_k=[1], do_eval=True))
     assert ppo.pass_at_ks() == [1]
 
 
@@ -186,3 +186,10 @@ def test_local_generation_evaluates_with_pass_at_k_per_reward_function(tiny_llam
         reward.trainer = trainer
     trainer.train()
     check_pass_at_k(trainer, rewards, n=n, ks=ks, evaluations=2)
+
+
+def test_pass_at_k_without_any_evaluation_is_refused(tmp_path):
+    """eval_pass_at_k is logged by evaluation: with eval_strategy='no' (TRL's default) nothing reads it."""
+    with pytest.raises(ValueError, match=r"eval_pass_at_k=\[1\] is logged by evaluation, and eval_strategy='no'"):
+        trl_scale.GRPOConfig(**cpu_args(tmp_path, num_generations=4, eval_pass_at_k=[1]))
+    trl_scale.GRPOConfig(**cpu_args(tmp_path, num_generations=4, eval_pass_at_k=[1], do_eval=True))  # evaluate()

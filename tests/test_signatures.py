@@ -312,3 +312,31 @@ def test_an_environments_get_reward_is_checked_as_reward_functions_are(environme
     instance.reset()
     with pytest.raises(ValueError, match=message):
         trainer.reward_funcs[0](prompts=["p"], completions=["c"], environments=[instance])
+
+
+class DictResetEnvironment(CountingEnvironment):
+    def reset(self, **kwargs):
+        super().reset(**kwargs)
+        return {"prompt": "count"}
+
+
+def test_an_environments_reset_returning_a_dict_is_named(tiny_llama, tmp_path):
+    """TRL appends what reset() returns to the last message: a dict failed deep in TRL (`content + observation`).
+    Every instance TRL makes is checked (the probe it pooled, and each one made later); the tools are unchanged."""
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.response_template = qwen3_template
+    dataset = counting_prompts(8, seed=0).map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})
+    trainer = trl_scale.GRPOTrainer(
+        model=tiny_llama,
+        args=trl_scale.GRPOConfig(**cpu_args(tmp_path, num_generations=4, max_completion_length=4)),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        environment_factory=DictResetEnvironment,
+    )
+    instances = [*trainer._environment_pool[None], trainer.environment_factories[None]()]
+    for instance in instances:
+        with pytest.raises(TypeError, match=r"DictResetEnvironment.reset\(\) returned dict .*Fix: return the"):
+            instance.reset(prompt="p")
+    assert [tool.__name__ for tool in trainer._env_tools[None]] == ["increment"]

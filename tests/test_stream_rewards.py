@@ -238,3 +238,25 @@ def test_the_readmes_defaults_for_agents_are_the_configs():
     assert f"`environment_timeout` ({defaults['environment_timeout']:g} s)" in section
     assert re.search(rf"`stream_reward_workers` threads \({defaults['stream_reward_workers']};", section)
     assert defaults["stream_rewards"] is None and "on by default with environments" in section
+
+
+def test_reward_workers_are_accepted_where_an_environment_streams_its_rewards_by_default(tmp_path, tiny_llama):
+    """stream_rewards=None streams rewards where an environment streams: stream_reward_workers=2 there was refused by
+    the config, which cannot see environments. The config accepts it with streaming; the trainer, which knows, refuses
+    it without an environment and takes it with one."""
+    from trl_scale.rollout.settings import AsyncRollout
+
+    server = dict(use_vllm=True, vllm_mode="server", vllm_server_base_urls=["http://127.0.0.1:1"])
+    config = trl_scale.GRPOConfig(**cpu_args(tmp_path, **server, async_rollout_staleness=1, stream_reward_workers=2))
+    settings = AsyncRollout.from_config(config)
+    assert settings.unread_reward_workers(None, environments=True) is None
+    assert "Fix: stream_rewards=True" in settings.unread_reward_workers(None, environments=False)
+    assert "Fix: stream_rewards=True" in settings.unread_reward_workers(False, environments=True)
+    with pytest.raises(ValueError, match=r"stream_reward_workers=2 .*Fix: stream_rewards=True"):
+        trl_scale.GRPOTrainer(
+            model=tiny_llama, reward_funcs=token_parity_reward, args=config, train_dataset=counting_prompts(16)
+        )
+    with pytest.raises(ValueError, match=r"stream_reward_workers=2 .*Fix: stream_rewards=True"):
+        trl_scale.GRPOConfig(
+            **cpu_args(tmp_path, **server, async_rollout_staleness=1, stream_reward_workers=2, stream_rewards=False)
+        )

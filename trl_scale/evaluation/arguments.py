@@ -43,6 +43,12 @@ class EvaluationArguments:
         check_field_types(self, EvaluationArguments)
         if self.eval_pass_at_k is not None:
             self.eval_pass_at_k = self._checked_ks(self.eval_pass_at_k)
+            if str(getattr(self, "eval_strategy", "no")) in ("no", "IntervalStrategy.NO") and not self.do_eval:
+                raise ValueError(
+                    f"eval_pass_at_k={self.eval_pass_at_k} is logged by evaluation, and eval_strategy='no' runs none. "
+                    "Fix: eval_strategy='steps' (with eval_steps and an eval_dataset), do_eval=True if you call "
+                    "trainer.evaluate() yourself, or drop eval_pass_at_k"
+                )
 
     def _eval_generations(self) -> int:
         """The completions per evaluation prompt, as TRL takes them: `num_generations_eval`, else `num_generations`."""

@@ -59,6 +59,17 @@ class AsyncRollout:
         settings.check_with(args)
         return settings
 
+    def unread_reward_workers(self, stream_rewards: bool | None, environments: bool) -> str | None:
+        """Why `stream_reward_workers` would be read by nothing (rewards computed in the step); None where they
+        size the stream's reward threads: stream_rewards=True, or None where an environment streams."""
+        if self.reward_workers == 4 or self.rewards_in_stream or (stream_rewards is None and environments):
+            return None
+        return (
+            f"stream_reward_workers={self.reward_workers} sizes the threads that compute rewards in the stream, and "
+            "stream_rewards is not True (False computes them in the step; None too, unless an environment_factory "
+            "streams). Fix: stream_rewards=True, or leave stream_reward_workers at its default (4)"
+        )
+
     def check_with(self, args) -> None:
         """What the other fields must be for these settings to act."""
         if self.staleness and not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server"):
@@ -73,7 +84,7 @@ class AsyncRollout:
             )
         if self.interrupt == "partial":
             self._check_partial(getattr(args, "weight_sync", "auto"))
-        self._check_stream_rewards()
+        self._check_stream_rewards(args)
         if self.staleness and not getattr(args, "vllm_importance_sampling_correction", True):
             raise ValueError(
                 f"async_rollout_staleness={self.staleness} trains completions sampled from older weights; with "
@@ -81,7 +92,7 @@ class AsyncRollout:
                 "vllm_importance_sampling_correction=True (default), or async_rollout_staleness=0"
             )
 
-    def _check_stream_rewards(self) -> None:
+    def _check_stream_rewards(self, args) -> None:
         """Rewards are computed in the stream only where groups stream; the workers act only there."""
         if self.rewards_in_stream and not self.streams:
             raise ValueError(
@@ -90,13 +101,12 @@ class AsyncRollout:
                 "streams. Fix: async_rollout_staleness=1 (or more) with async_rollout_mode='streaming' (the "
                 "default), or stream_rewards=False"
             )
-        if self.reward_workers != 4 and not self.rewards_in_stream:
-            raise ValueError(
-                f"stream_reward_workers={self.reward_workers} sizes the threads that compute rewards in the "
-                "stream, and stream_rewards is not True (False computes them in the step; None too, unless an "
-                "environment_factory streams). Fix: stream_rewards=True, or leave stream_reward_workers at its "
-                "default (4)"
-            )
+        # stream_rewards=None with streaming: an environment (known to the trainer, which checks again) may stream
+        # its rewards; without streaming None is False
+        asked = getattr(args, "stream_rewards", None) if self.streams else False
+        why = self.unread_reward_workers(asked, environments=True)
+        if why is not None:
+            raise ValueError(why)
 
     def _check_partial(self, weight_sync: str) -> None:
         """`interrupt="partial"` acts only where a sync meets running answers it can cut: streaming (with staleness

@@ -25,7 +25,7 @@ from .evaluation import Evaluation
 from .hub import ModelCard
 from .packing import PackedScoring
 from .remote_reference import RemoteReference
-from .reward_checks import check_added_reward_funcs, checked_reward_funcs
+from .reward_checks import check_added_reward_funcs, check_environment_resets, checked_reward_funcs
 from .rollout_checks import checked_rollout_func
 from .server_rollout import ServerRollout, close_servers
 from .step_checks import ContextLength, EmptyRewardsWarning
@@ -113,6 +113,7 @@ class OnlineTrainerMixin(OnlineHooks):
         ):
             super().__init__(**arguments)
         check_added_reward_funcs(self)
+        check_environment_resets(self)
         if getattr(self, "rollout_func", None) is not None:
             self.rollout_func = checked_rollout_func(self.rollout_func)
         self._set_up_features()

@@ -116,3 +116,45 @@ def check_added_reward_funcs(trainer) -> None:
         else checked_reward_func(f, f"{name}.get_reward" if getattr(f, "__name__", "") == "get_reward" else name)
         for f, name in zip(trainer.reward_funcs, trainer.reward_func_names)
     ]
+
+
+def _checked_reset(instance) -> None:
+    """`instance.reset` replaced, on the instance, by one that checks what it returns: None, text, or a list of
+    content blocks (TRL appends it to the last message). TRL lists an environment's tools from its class, so the
+    tools are unchanged."""
+    reset = instance.reset
+    if getattr(reset, "__trl_scale_checked__", False):
+        return
+
+    def checked(*args, **kwargs):
+        observation = reset(*args, **kwargs)
+        if observation is not None and not isinstance(observation, (str, list)):
+            raise TypeError(
+                f"{type(instance).__name__}.reset() returned {type(observation).__name__} {str(observation)[:80]!r}: "
+                "TRL appends what reset() returns to the prompt's last message, so it must be None, a string, or a "
+                "list of content blocks. Fix: return the observation's text (e.g. its 'prompt' field)"
+            )
+        return observation
+
+    checked.__trl_scale_checked__ = True
+    instance.reset = checked
+
+
+def check_environment_resets(trainer) -> None:
+    """Every environment TRL makes (its probes, already pooled, and each made later) with `reset` checked."""
+    factories = getattr(trainer, "environment_factories", None)
+    if not factories:
+        return
+    for pool in getattr(trainer, "_environment_pool", {}).values():
+        for instance in pool:
+            _checked_reset(instance)
+
+    def checked_factory(factory):
+        def make():
+            instance = factory()
+            _checked_reset(instance)
+            return instance
+
+        return make
+
+    trainer.environment_factories = {name: checked_factory(f) for name, f in factories.items()}

@@ -67,6 +67,9 @@ class ServerRollout(Feature):
         asynchronous = AsyncRollout.from_config(args) if self.wanted else AsyncRollout()
         environments = getattr(trainer, "environment_factories", None) is not None
         rollout_func = getattr(trainer, "rollout_func", None) is not None
+        why = asynchronous.unread_reward_workers(getattr(args, "stream_rewards", None), environments)
+        if why is not None:
+            raise ValueError(why)
         if asynchronous.staleness and rollout_func:
             check_streamed_rollout_func(args, environments)
         if environments and asynchronous.staleness:
