@@ -159,3 +159,64 @@ def test_help_and_check_servers_import_no_trl():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "check-servers" in done.stdout and done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
+def _trainer_from_cli(monkeypatch, yaml, argv: list[str]):
+    import trl_scale
+
+    seen = {}
+
+    def fake_train(self, resume_from_checkpoint=None):
+        seen["trainer"] = self
+
+    monkeypatch.setattr(trl_scale.GRPOTrainer, "train", fake_train)
+    assert main(["grpo", "--config", str(yaml), *argv]) == 0
+    return seen["trainer"]
+
+
+def test_reward_classes_and_a_local_module_from_the_trainer_yaml_and_the_command_line(tmp_path, monkeypatch):
+    """`reward_funcs` entries as a user writes them: a module beside the YAML (found from the current directory, as
+    TRL's scripts find it), and reward classes made with `reward_funcs_kwargs` (a class was accepted, then failed at
+    step 1 called as a reward; CodeExecutionReward and RemoteReward had no way to get their settings)."""
+    from trl_scale import CodeExecutionReward, RemoteReward
+
+    (tmp_path / "my_rewards.py").write_text(
+        "def brevity(completions, **kwargs):\n    return [0.0] * len(completions)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    yaml = tmp_path / "rewards.yaml"
+    tiny = "".join(line for line in (EXAMPLES / "grpo_tiny_cpu.yaml").open() if not line.startswith("reward_funcs"))
+    yaml.write_text(
+        tiny + "\nreward_funcs: [my_rewards.brevity, trl_scale.CodeExecutionReward, trl_scale.RemoteReward]\n"
+        "reward_funcs_kwargs:\n"
+        "  trl_scale.CodeExecutionReward: {tests_column: checks}\n"
+        "  trl_scale.RemoteReward: {urls: ['http://127.0.0.1:1/get_reward'], label_column: tests}\n"
+    )
+    trainer = _trainer_from_cli(monkeypatch, yaml, ["--output_dir", str(tmp_path / "out")])
+    brevity, code, remote = (getattr(f, "__trl_scale_checked__", f) for f in trainer.reward_funcs)
+    assert brevity.__module__ == "my_rewards"
+    assert isinstance(code, CodeExecutionReward) and code.tests_column == "checks"
+    assert isinstance(remote, RemoteReward) and remote.settings.label_column == "tests"
+    assert remote.tokenizer is not None  # made with the model's tokenizer (conversational rows need it)
+    settings = '{"trl_scale.CodeExecutionReward": {"tests_column": "cases"}}'
+    argv = ["--output_dir", str(tmp_path / "out2"), "--reward_funcs", "trl_scale.CodeExecutionReward"]
+    trainer = _trainer_from_cli(
+        monkeypatch, EXAMPLES / "grpo_tiny_cpu.yaml", [*argv, "--reward_funcs_kwargs", settings]
+    )
+    assert trainer.reward_funcs[0].__trl_scale_checked__.tests_column == "cases"
+
+
+@pytest.mark.parametrize(
+    "entries, settings, message",
+    [
+        (["trl_scale.RemoteReward"], None, r"'trl_scale.RemoteReward' is a class, made with .*Fix: give its"),
+        (["trl_scale.toy.counting_reward"], {"trl_scale.toy.counting_reward": {"x": 1}}, r"is a function, called as"),
+        (["counting_reward"], {"trl_scale.RemoteReward": {}}, r"names \['trl_scale.RemoteReward'\], which"),
+        (["counting_reward"], "not json", r"reward_funcs_kwargs='not json': use a dict"),
+    ],
+)
+def test_reward_settings_nothing_would_read_are_refused(entries, settings, message):
+    from trl_scale.cli_rewards import resolve_reward_funcs
+
+    with pytest.raises(ValueError, match=message):
+        resolve_reward_funcs(entries, settings)

@@ -340,3 +340,18 @@ def test_an_environments_reset_returning_a_dict_is_named(tiny_llama, tmp_path):
         with pytest.raises(TypeError, match=r"DictResetEnvironment.reset\(\) returned dict .*Fix: return the"):
             instance.reset(prompt="p")
     assert [tool.__name__ for tool in trainer._env_tools[None]] == ["increment"]
+
+
+def test_tools_with_plain_text_prompts_are_refused_naming_the_fix(tiny_llama, tmp_path):
+    """TRL offers tools through the chat template: plain-text prompts failed at step 1 inside TRL ('str' object has
+    no attribute 'get')."""
+    from trl_scale.toy.tools import tick
+
+    with pytest.raises(ValueError, match=r"tools= needs conversational prompts .*Fix: dataset.map"):
+        trl_scale.GRPOTrainer(
+            model=tiny_llama,
+            reward_funcs=token_parity_reward,
+            args=trl_scale.GRPOConfig(**cpu_args(tmp_path, num_generations=4, max_completion_length=4)),
+            train_dataset=counting_prompts(8, seed=0),
+            tools=[tick],
+        )

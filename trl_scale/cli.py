@@ -16,7 +16,6 @@ built-in toy datasets; `reward_funcs` takes `counting_reward` or any dotted impo
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import re
 import sys
@@ -32,7 +31,18 @@ def _import_trl_script_types():
 
         reward_funcs: list[str] | None = field(
             default=None,
-            metadata={"help": "Reward functions: `counting_reward` or dotted import paths (online methods)."},
+            metadata={
+                "help": "Reward functions: `counting_reward` or dotted import paths (online methods); a class "
+                "(trl_scale.CodeExecutionReward, trl_scale.RemoteReward, yours) is made with reward_funcs_kwargs."
+            },
+        )
+        reward_funcs_kwargs: dict | str | None = field(
+            default=None,
+            metadata={
+                "help": "Settings of the reward classes in reward_funcs, by entry: {entry: {argument: value}} (YAML "
+                'mapping, or JSON on the command line), e.g. {"trl_scale.RemoteReward": {"urls": ["http://h:8100/'
+                'get_reward"], "label_column": "tests"}}.'
+            },
         )
         reward_model_name_or_path: str | None = field(
             default=None, metadata={"help": "Path of a sequence-classification reward model (online methods)."}
@@ -54,21 +64,6 @@ def _method_classes(method: str):
         "dpo": (trl_scale.DPOTrainer, trl_scale.DPOConfig),
         "ppo": (trl_scale.PPOTrainer, trl_scale.PPOConfig),
     }[method]
-
-
-def _resolve_reward_func(name: str):
-    from .toy import counting_reward
-
-    registry = {"counting_reward": counting_reward}
-    if name in registry:
-        return registry[name]
-    module_name, _, attribute = name.rpartition(".")
-    if not module_name:
-        raise ValueError(f"reward_funcs entry {name!r}: use one of {sorted(registry)} or a dotted import path")
-    try:
-        return getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"reward_funcs entry {name!r} could not be imported: {error}") from error
 
 
 def _load_dataset(script_args):
@@ -233,7 +228,11 @@ def train(method: str, argv: list[str]) -> int:
         peft_config=get_peft_config(model_args),
     )
     if method != "dpo":
-        reward_funcs = [_resolve_reward_func(name) for name in script_args.reward_funcs or []]
+        from .cli_rewards import resolve_reward_funcs
+
+        reward_funcs = resolve_reward_funcs(
+            script_args.reward_funcs or [], script_args.reward_funcs_kwargs, model_path
+        )
         if script_args.reward_model_name_or_path:
             reward_funcs.append(script_args.reward_model_name_or_path)
         if not reward_funcs:
@@ -340,7 +339,9 @@ def _rollout(argv: list[str]) -> int:
     )
     try:
         dataset = _load_dataset(script)[args.split]
-        rewards = [_resolve_reward_func(name) for name in args.reward_funcs]
+        from .cli_rewards import resolve_reward_funcs
+
+        rewards = resolve_reward_funcs(args.reward_funcs, None, args.tokenizer)
     except ValueError as error:
         parser.error(str(error))
     client = RolloutClient(urls, request_timeout=args.request_timeout, api_key=args.api_key)

@@ -110,6 +110,24 @@ def check_train_dataset(dataset, required: tuple[str, ...], trainer: str) -> Non
         )
 
 
+def check_tool_prompts(arguments: dict) -> None:
+    """Tools (TRL's `tools=`) are offered through the chat template, so TRL needs conversational prompts; plain text
+    failed at the first step in TRL (`'str' object has no attribute 'get'`)."""
+    if not arguments.get("tools"):
+        return
+    dataset = arguments.get("train_dataset")
+    columns = getattr(dataset, "column_names", None)
+    if not isinstance(columns, list) or "prompt" not in columns or not len(dataset):
+        return
+    prompt = dataset[0]["prompt"]
+    if isinstance(prompt, str):
+        raise ValueError(
+            f"tools= needs conversational prompts (lists of messages): TRL offers the tools through the chat "
+            f"template, and train_dataset's prompts are text (row 0: {prompt[:60]!r}). Fix: dataset.map(lambda row: "
+            "{'prompt': [{'role': 'user', 'content': row['prompt']}]})"
+        )
+
+
 def image_columns(*datasets) -> list[str]:
     """The image columns TRL reads ("image", "images") found in these datasets (or dicts of eval datasets)."""
     found = set()

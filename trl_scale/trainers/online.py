@@ -11,6 +11,7 @@ from .checkpoints import RolloutResume, SafeCheckpoint
 from .construction import (
     check_model_arguments,
     check_output_dir,
+    check_tool_prompts,
     check_train_dataset,
     image_columns,
     overridden,
@@ -90,6 +91,7 @@ class OnlineTrainerMixin(OnlineHooks):
         # TRL reads `prompt` unless an environment owns the data (its `reset()` then supplies the prompt).
         prompt_column = () if arguments.get("environment_factory") is not None else ("prompt",)
         check_train_dataset(arguments.get("train_dataset"), prompt_column, type(self).__name__)
+        check_tool_prompts(arguments)
         features = self._start_features(arguments)
         server = getattr(features.get(ServerRollout), "wanted", False)
         if server and getattr(config, "weight_sync", None) == "lora":
