@@ -126,7 +126,7 @@ class GenerationAhead:
     # The trainer's phase clock (`trl_scale.timeline.PhaseClock.phase`), where the timeline or phase timing is kept:
     # a weight sync and a wait for streamed groups are phases of the trainer's time.
     phase = staticmethod(lambda name: nullcontext())
-    _version_lock = threading.Lock()  # the sync count and the syncing flag change together (`_newest_reachable`)
+    _version_lock: threading.Lock  # the generation's own (`ServerRolloutGeneration.__init__`)
 
     def enable_async(
         self,

@@ -62,7 +62,8 @@ class RolloutArguments:
     > Server rollout (with `use_vllm=True, vllm_mode="server"`)
 
     vllm_server_base_urls (`list[str]` or `None`):
-        Completion servers (vLLM or `trl-scale serve`), routed by least outstanding work, with failover.
+        Completion servers (vLLM or `trl-scale serve`), routed by measured latency (the default; or least outstanding
+        work), with failover.
     weight_sync (`str`, defaults to `"auto"`), weight_sync_dir (`str` or `None`):
         `"nccl"` (one weight-transfer group over every server, vLLM's `/update_weights` route; NCCL needs vLLM and
         CUDA in the trainer, `trl-scale serve` offers gloo), `"shared_dir"` (safetensors in a directory the servers
@@ -72,7 +73,10 @@ class RolloutArguments:
         `trl-scale-run-<id>/` there and removes it at the end of `train()`; a lock file refuses a second live run.
     weight_sync_timeout (`float`, defaults to `120`), weight_load_timeout (`float`, defaults to `900`):
         Seconds for a weight sync's control calls and each broadcast collective; seconds a server may take to
-        receive or load the weights (`/update_weights`, `/collective_rpc reload_weights`, a LoRA load).
+        receive or load the weights (`/update_weights`, `/collective_rpc reload_weights`, a LoRA load). With
+        `weight_sync="lora"`, the end of the run also waits up to `weight_sync_timeout` for requests still out on
+        an adapter before deleting its directory (a vLLM server that reads a deleted adapter's directory again loses
+        its engine): raise it where answers outlast two minutes.
     rollout_request_timeout (`float`, defaults to `120`), rollout_generation_timeout (`float` or `None`):
         Seconds a request may wait for a server to take it (a free slot, failovers); seconds one server may take to
         generate it, `None` meaning `120 + 0.25 × max_completion_length` (1144 s for 4096 tokens).

@@ -72,6 +72,9 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
         self.server_max_model_len: int | None = None
         self._lora_served: tuple[str | None, int] = (None, 0)  # (lora_name, its sync count), swapped as one
         self.sync_count = 0
+        # the sync count and the syncing flag change together (`_newest_reachable`); this generation's own: a class
+        # lock made every trainer in a process wait on every other's syncs
+        self._version_lock = threading.Lock()
         self.version: str | None = None  # the weights the servers serve, as the last sync named them
         # versions and adapter names never collide across runs or resumes
         self._run_id = settings.run_id or uuid.uuid4().hex[:8]
