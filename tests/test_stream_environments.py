@@ -350,6 +350,13 @@ def test_ordered_mode_with_deterministic_environments_trains_the_same_numbers_ho
     assert len(logs) == 4 and len(ids) == 4 * 8 // GROUP and set(ids.values()) == {GROUP}  # each group once, whole
     assert all(log["loss"] != 0 for log in logs)  # numbers that could differ
     assert runs[True] == runs[False]
+    # each request drew its own numbers (a seed per request, `rollout/seeds.py`): with generation_kwargs' seed sent
+    # as it was, every row's request (one per episode row) drew the same, and a group's completions were one text
+    completions = {}
+    for i, ids, _ in trained:
+        completions.setdefault(i, set()).add(ids)
+    alike = sum(len(texts) == 1 for texts in completions.values())
+    assert alike <= len(completions) // 4, completions
 
 
 def test_dynamic_sampling_tops_up_with_episodes_run_in_the_stream(tool_model, urls, tmp_path):
@@ -361,7 +368,13 @@ def test_dynamic_sampling_tops_up_with_episodes_run_in_the_stream(tool_model, ur
 
     def parity(completion_ids, id, environments, **kwargs):
         scored.extend(id)
-        return [0.0 if i % 2 == 0 else env.ticks + len(c) / 100 for i, c, env in zip(id, completion_ids, environments)]
+        # an odd id's rows always differ (their place in the group counts): ticks and lengths alone were equal for a
+        # whole group now and then (the tiny model's answers all of one length), which the stream rightly dropped,
+        # and when no top-up within the oversampling had a signal either, a step trained a group without one
+        return [
+            0.0 if i % 2 == 0 else env.ticks + len(c) / 100 + place % GROUP / 1000
+            for place, (i, c, env) in enumerate(zip(id, completion_ids, environments))
+        ]
 
     LEDGER.__init__()
     factories = {"sync": SyncCounter, "async": AsyncCounter}

@@ -31,7 +31,7 @@ class Servers:
         for prompt in prompts:
             self.gate(prompt).set()
 
-    def send(self, prompt_ids, n, dispatched):
+    def send(self, prompt_ids, n, dispatched, identity=None):
         prompt = prompt_ids[0]
         dispatched()
         with self.lock:
@@ -145,7 +145,7 @@ def test_a_request_sent_with_older_weights_than_at_its_dispatch_takes_their_vers
     runs on that adapter, whose version the answer reports (newest < version at dispatch): that is its version."""
 
     class OlderAdapter(Servers):
-        def send(self, prompt_ids, n, dispatched):
+        def send(self, prompt_ids, n, dispatched, identity=None):
             named = self.version  # the adapter the request names
             self.version = named + 1  # a sync lands before the router dispatches it
             choices, _ = super().send(prompt_ids, n, dispatched)
@@ -226,7 +226,7 @@ def test_no_group_is_sent_that_would_be_too_old_by_its_turn():
 
 
 def test_a_failed_request_fails_the_batch_that_takes_it():
-    def send(prompt_ids, n, dispatched):
+    def send(prompt_ids, n, dispatched, identity=None):
         dispatched()
         raise RuntimeError("no rollout server answered")
 
@@ -281,7 +281,7 @@ class Calls:
         self.lock = threading.Lock()
         self.version = 1
 
-    def send(self, prompt_ids, n, dispatched):
+    def send(self, prompt_ids, n, dispatched, identity=None):
         call = {"prompt": prompt_ids[0], "dispatched": dispatched, "answer": threading.Event()}
         with self.lock:
             self.calls.append(call)

@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from ..ranks import decide_on_leader
+from .seeds import next_identity
 
 CONVERSATION_KEY = "trl_scale_conversation"  # a streamed choice's whole conversation, its later turns included
 
@@ -77,7 +78,8 @@ def _ordered(
 
 
 def _submit_spanned(pool, generation, prompt_ids):
-    return pool.submit(generation.request_spanned, [list(p) for p in prompt_ids])
+    batch = next(generation._batches)  # numbered when submitted (the trainer's thread), not when a thread runs it
+    return pool.submit(generation.request_spanned, [list(p) for p in prompt_ids], batch)
 
 
 def _streaming(
@@ -162,11 +164,14 @@ class GenerationAhead:
         """The ordered prefetch engine, or None."""
         return None if self.streams else self.read_ahead
 
-    def send_group(self, prompt_ids: list[int], n: int, dispatched=None) -> tuple[list[dict], int]:
+    def send_group(
+        self, prompt_ids: list[int], n: int, dispatched=None, identity: tuple | None = None
+    ) -> tuple[list[dict], int]:
         """One prompt group's request (streaming): its choices and the newest weights its tokens can come from.
         With LoRA, a generation keeps the adapter it was sent with (a sync loads the next under a new name and
-        leaves this one loaded): every token comes from that adapter's version."""
-        sampling = self.settings.sampling
+        leaves this one loaded): every token comes from that adapter's version. `identity`: which request of the
+        run it is (`seeds.py`), drawn by a sender in another thread; else this thread's next."""
+        sampling = self.seeds.sampling(self.settings.sampling, identity or next_identity())
         name, adapter_version = self._lora_served  # one read: the adapter named and its version agree
         # a sync cuts running answers: each continued after it
         continue_cut = self.settings.asynchronous.interrupt == "partial"
@@ -189,7 +194,8 @@ class GenerationAhead:
         newest = [-1]
 
         def send_turns(prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
-            futures = [self.client.submit(self.send_group, list(p), 1) for p in prompts]
+            identities = [next_identity() for _ in prompts]  # in the group's thread, in the conversations' order
+            futures = [self.client.submit(self.send_group, list(p), 1, None, i) for p, i in zip(prompts, identities)]
             sent = [future.result() for future in futures]
             newest.extend(version for _, version in sent)
             return self.turn_outputs([turn[0] for turn, _ in sent])
@@ -257,10 +263,10 @@ class GenerationAhead:
         if self.read_ahead is not None:
             self.read_ahead.close()
 
-    def request_spanned(self, prompts) -> tuple[list[dict], int]:
+    def request_spanned(self, prompts, batch: int) -> tuple[list[dict], int]:
         """`_request`, and the newest weight version its tokens can come from: the sync count when it finished (one
         more while a sync is under way, whose new weights a streaming sync lets it reach)."""
-        choices = self._request(prompts)
+        choices = self._request(prompts, batch)
         return choices, self._newest_reachable()
 
     def _newest_reachable(self) -> int:

@@ -32,6 +32,7 @@ import requests
 from ..errors import RolloutError
 from ..logs import get_logger
 from ..routing import Rotation, RoutingPolicy, ServerState, routing_policy
+from .seeds import continued_seed
 from .transport import Transport
 from .urls import definite_failure
 from .versions import VersionBook
@@ -246,6 +247,8 @@ class RolloutClient:
         if left is not None and left - len(done) <= 0:
             return {**choice, "finish_reason": "length"}
         rest_sampling = dict(sampling) if left is None else {**sampling, "max_tokens": left - len(done)}
+        if sampling.get("seed") is not None:  # its own draws, not the first part's again
+            rest_sampling["seed"] = continued_seed(sampling["seed"], len(done))
         with self._lock:
             self.answers_continued += 1
         (rest,) = self.complete(prompt + done, 1, model, continue_cut=True, **rest_sampling)
@@ -266,17 +269,27 @@ class RolloutClient:
             return any((self.versions.is_current(s) or s.unchecked) and s.down_until < deadline for s in self.servers)
 
     def generate(
-        self, prompts: list[list[int]], n: int | list[int] = 1, model: str | None = None, **sampling
+        self,
+        prompts: list[list[int]],
+        n: int | list[int] = 1,
+        model: str | None = None,
+        per_request: list[dict] | None = None,
+        **sampling,
     ) -> list[list[dict]]:
         """Completions for many prompts: one request per prompt with its `n` completions (an int, or one per
-        prompt), so the server batches them; requests spread over the servers by load. Choices per prompt."""
+        prompt), so the server batches them; requests spread over the servers by load. Choices per prompt. Each
+        request's sampling is `sampling` updated with its entry of `per_request` (each its own seed, say)."""
         counts = n if isinstance(n, list) else [n] * len(prompts)
         if len(counts) != len(prompts):
             raise ValueError(f"n has {len(counts)} entries for {len(prompts)} prompts")
         self.versions.refresh(self.submit)
         with self._lock:
             self.rotation.backlog += len(prompts)
-        futures = [self._pool.submit(self.complete, p, k, model, **sampling) for p, k in zip(prompts, counts)]
+        own = per_request or [{}] * len(prompts)
+        futures = [
+            self._pool.submit(self.complete, p, k, model, **{**sampling, **extra})
+            for p, k, extra in zip(prompts, counts, own, strict=True)
+        ]
         return [f.result() for f in futures]
 
     # ---- readiness and versions ------------------------------------------------------------------------

@@ -15,6 +15,7 @@ Weight sync modes (`weight_sync`):
 
 from __future__ import annotations
 
+import itertools
 import threading
 import uuid
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from ..logs import get_logger
 from ..ranks import agree, broadcast_from_main, decide_on_leader, decide_on_main, gathered
 from .ahead import CONVERSATION_KEY, GenerationAhead
 from .client import SERVER_KEY, VERSION_PREFIX, RolloutClient, RolloutError
+from .seeds import RequestSeeds
 from .settings import RolloutSettings
 from .weight_dir import WeightDirectory
 from .weight_sync import PolicyWeights, SyncSettings, WeightSyncMode, choose_mode, weight_sync_for
@@ -72,6 +74,11 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
         self.server_max_model_len: int | None = None
         self._lora_served: tuple[str | None, int] = (None, 0)  # (lora_name, its sync count), swapped as one
         self.sync_count = 0
+        # a seed per request where generation_kwargs has one (`seeds.py`); batches numbered in the trainer's thread
+        self.seeds = RequestSeeds.from_config(
+            settings.sampling.get("seed"), settings.run_seed, getattr(accelerator, "process_index", 0)
+        )
+        self._batches = itertools.count()
         # the sync count and the syncing flag change together (`_newest_reachable`); this generation's own: a class
         # lock made every trainer in a process wait on every other's syncs
         self._version_lock = threading.Lock()
@@ -159,9 +166,10 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
 
     # ---- generation -------------------------------------------------------------------------------------
 
-    def _request(self, prompts) -> list[list[dict]]:
+    def _request(self, prompts, batch: int) -> list[list[dict]]:
         """One batch's completions from the servers: consecutive copies of a prompt (TRL's sampler puts a prompt's
-        generations next to each other) go as one request with `n`, so the server batches them. Choices in order."""
+        generations next to each other) go as one request with `n`, so the server batches them. Choices in order.
+        `batch`: its number among the trainer's batches (each request's identity, with its place, for its seed)."""
         groups: list[list] = []
         for prompt in prompts:
             prompt = list(prompt)
@@ -169,13 +177,15 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
                 groups[-1][1] += 1
             else:
                 groups.append([prompt, 1])
+        seeded = [self.seeds.sampling(self.settings.sampling, ("batch", batch, i)) for i in range(len(groups))]
         results = self.client.generate(
-            [p for p, _ in groups], n=[n for _, n in groups], model=self.lora_name, **self.settings.sampling
+            [p for p, _ in groups], n=[n for _, n in groups], model=self.lora_name, per_request=seeded
         )
         return [choice for choices in results for choice in choices]
 
     def _request_from_fleet(self, prompts) -> list[dict]:
-        return self._retried_after_fleet(lambda: self._request(prompts))
+        batch = next(self._batches)  # numbered here, in the trainer's thread
+        return self._retried_after_fleet(lambda: self._request(prompts, batch))
 
     def _retried_after_fleet(self, request: Callable[[], T]) -> T:
         """`request()`; with managed servers, tried once more after the fleet has a server serving again: the only

@@ -144,6 +144,7 @@ class RolloutSettings:
     require_logprobs: bool = False  # they feed an importance-sampling correction: a server without them is an error
     managed: bool = False  # this run manages its servers: a failed sync is tried once more after a restart
     run_id: str = ""  # names the weight versions and adapters of this run (the same on every rank)
+    run_seed: int = 0  # the trainer's seed: with generation_kwargs' seed, the base of each request's (`seeds.py`)
     on_sampler_support: bool = False  # the trainer scores its log-probs on the sampler's truncated support
     asynchronous: AsyncRollout = field(default_factory=AsyncRollout)
 
@@ -181,6 +182,7 @@ class RolloutSettings:
             require_logprobs=require_logprobs,
             managed=bool(args.managed_servers),
             run_id=run_id,
+            run_seed=getattr(args, "seed", 0) or 0,
             on_sampler_support=SamplerSupport.from_config(args) is not None,
             asynchronous=asynchronous,
         )

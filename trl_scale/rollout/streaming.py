@@ -40,6 +40,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from .seeds import identified, next_identity
+
 
 @dataclass(eq=False)
 class PromptGroup:
@@ -82,7 +84,9 @@ class StreamedBatch:
 
 # send(prompt_ids, n, dispatched) -> (choices, newest version): blocking; calls dispatched() right before each
 # request goes on the wire (again on a failover), so the group's version is taken when it is sent, not queued.
-Send = Callable[[list[int], int, Callable[[], None]], tuple[list[dict], int]]
+# send(prompt_ids, n, dispatched, identity=None): one request, its identity for its seed (`seeds.py`) when it is
+# sent from a thread other than its group's
+Send = Callable[..., tuple[list[dict], int]]
 # rollout(rows, send, dispatched) -> (one choice per row, newest version or -1): a user's generation loop for one
 # group (TRL's `rollout_func`), sending through `send`; -1 when nothing it sent was seen (then: up to now).
 Rollout = Callable[[list, Send, Callable[[], None]], tuple[list[dict], int]]
@@ -190,7 +194,8 @@ class StreamingRollout:
         def run():
             try:
                 wanted = lambda: group.attempts == attempt and not self._closed  # noqa: E731 (read as the run goes)
-                outcome, error = self._attempt(group, dispatched, wanted), None
+                with identified("group", group.index, attempt):  # its requests' seeds (`seeds.py`)
+                    outcome, error = self._attempt(group, dispatched, wanted), None
             except BaseException as failure:  # handed to the trainer when it takes this group
                 outcome, error = _Outcome(), failure
             with self._changed:
@@ -414,8 +419,9 @@ def _send_each(send: Send, prompt_ids: list[list[int]], dispatched) -> tuple[lis
     runs = [(list(ids), len(rows)) for rows, ids in _groups(prompt_ids, prompt_ids)]
     if len(runs) == 1:
         return send(runs[0][0], runs[0][1], dispatched)
+    identities = [next_identity() for _ in runs]  # drawn here, in the group's thread, in row order
     with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="stream-episode") as pool:
-        sent = list(pool.map(lambda run: send(run[0], run[1], dispatched), runs))
+        sent = list(pool.map(lambda run, i: send(run[0], run[1], dispatched, i), runs, identities))
     return [choice for choices, _ in sent for choice in choices], max(newest for _, newest in sent)
 
 
