@@ -293,6 +293,9 @@ def test_a_streaming_run_calls_no_environment_from_the_step_and_shares_no_instan
     assert logs[-1]["rewards/stream_groups_scored"] >= 6 and logs[-1]["environments/seconds"] > 0
 
 
+SEEDS_SENT: dict[bool, list] = {}  # each run's request seeds, in the order sent
+
+
 def _ordered_env_run(tool_model, urls, out, delayed: bool):
     """Ordered GRPO (staleness 1, seeded sampling) with the sync and async environments; `delayed`: the same run
     with its timing changed throughout (some groups' requests and the tools slow, every step slow), so that groups
@@ -318,6 +321,14 @@ def _ordered_env_run(tool_model, urls, out, delayed: bool):
     )
     if delayed:
         slowed_unevenly(trainer)
+    client, complete = trainer.vllm_generation.client, trainer.vllm_generation.client.complete
+    SEEDS_SENT[delayed] = sent = []
+
+    def recorded_complete(prompt, n=1, model=None, **sampling):
+        sent.append(sampling.get("seed"))
+        return complete(prompt, n, model, **sampling)
+
+    client.complete = recorded_complete
     versions = record_generations(trainer, lambda generation: list(generation.last_version_spans))
     trainer.train()
     return trainer, trained, versions
@@ -350,13 +361,11 @@ def test_ordered_mode_with_deterministic_environments_trains_the_same_numbers_ho
     assert len(logs) == 4 and len(ids) == 4 * 8 // GROUP and set(ids.values()) == {GROUP}  # each group once, whole
     assert all(log["loss"] != 0 for log in logs)  # numbers that could differ
     assert runs[True] == runs[False]
-    # each request drew its own numbers (a seed per request, `rollout/seeds.py`): with generation_kwargs' seed sent
-    # as it was, every row's request (one per episode row) drew the same, and a group's completions were one text
-    completions = {}
-    for i, ids, _ in trained:
-        completions.setdefault(i, set()).add(ids)
-    alike = sum(len(texts) == 1 for texts in completions.values())
-    assert alike <= len(completions) // 4, completions
+    # each request drew its own numbers (a seed per request, `rollout/seeds.py`), the same ones in both runs: with
+    # generation_kwargs' seed sent as it was, every request (each later turn, each episode row) drew the same
+    seeds = {delayed: sent for delayed, sent in SEEDS_SENT.items()}
+    assert len(seeds[False]) >= 4 * 8 // GROUP and len(set(seeds[False])) == len(seeds[False]), seeds[False]
+    assert sorted(seeds[True]) == sorted(seeds[False])
 
 
 def test_dynamic_sampling_tops_up_with_episodes_run_in_the_stream(tool_model, urls, tmp_path):
