@@ -5,6 +5,7 @@ matters."""
 import time
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 import trl_scale
@@ -165,3 +166,18 @@ def test_phase_timing_inside_dynamic_sampling_times_the_rounds_not_the_served_an
     swapped[i], swapped[j] = swapped[j], swapped[i]
     seconds, calls = _timed_dynamic_sampling(tiny_llama, tmp_path / "swapped", tuple(swapped))
     assert seconds < SLEEP, "with timing outside dynamic sampling the rounds' reward calls would be timed"
+
+
+def test_a_trainer_built_without_the_constructor_runs_trls_methods():
+    """TRL's own tests build a trainer with `object.__new__` and set TRL's attributes by hand: with no feature chain,
+    each hook is TRL's method (the adapter failed with AttributeError: no attribute 'features'). Here TRL's
+    `_generate` with a rollout_func missing keys gives TRL's own error."""
+    from types import SimpleNamespace
+
+    trainer = object.__new__(trl_scale.GRPOTrainer)
+    trainer.model = SimpleNamespace(training=True)
+    trainer.accelerator = SimpleNamespace(device=torch.device("cpu"))
+    trainer.use_vllm = False
+    trainer.rollout_func = lambda prompts, trainer: {"prompt_ids": [[1]], "completion_ids": [[2]]}
+    with pytest.raises(ValueError, match=r"rollout_func must return keys \['logprobs'\]"):
+        trainer._generate(["a prompt"])

@@ -48,9 +48,14 @@ class FeatureHooks:
         self.features.event("check", self)
         self.features.event("setup", self)
 
+    def _chain(self) -> FeatureChain:
+        """The trainer's features; none on a trainer built without trl-scale's constructor (TRL's own tests build
+        one with `object.__new__` and set TRL's attributes by hand): its hooks are then TRL's methods."""
+        return self.__dict__.get("features") or FeatureChain(())
+
     def _around(self, hook: str, *args, **kwargs):
         trl_method = getattr(super(), TRL_METHODS[hook])
-        return self.features.around(hook, self, trl_method, *args, **kwargs)
+        return self._chain().around(hook, self, trl_method, *args, **kwargs)
 
     def hook_below(self, feature: Feature, hook: str):
         """`hook` as run under `feature`: the features inside it, then TRL's method."""
@@ -59,7 +64,7 @@ class FeatureHooks:
 
     def card_features(self) -> list[str]:
         """The trl-scale features this run uses, as model card tags."""
-        tags = self.features.card_tags(self)
+        tags = self._chain().card_tags(self)
         return tags + (["ray"] if getattr(self.args, "backend", "local") == "ray" else [])
 
     # ---- TRL's hooks -----------------------------------------------------------------------------------------
@@ -69,7 +74,7 @@ class FeatureHooks:
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # training logs (not the final summary)
-            self.features.event("log", self, logs)
+            self._chain().event("log", self, logs)
             # trl-scale callbacks add their figures here, before the Trainer hands `logs` to report_to integrations
             # (a callback's own on_log runs after those and could not reach them).
             for callback in self.callback_handler.callbacks:
@@ -82,12 +87,12 @@ class FeatureHooks:
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        self.features.event("save_state", self, output_dir)
+        self._chain().event("save_state", self, output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
-            self.features.event("load_state", self, checkpoint)
+            self._chain().event("load_state", self, checkpoint)
 
     def push_to_hub(self, *args, **kwargs):
         return self._around("push_to_hub", *args, **kwargs)
