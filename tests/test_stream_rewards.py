@@ -260,3 +260,34 @@ def test_reward_workers_are_accepted_where_an_environment_streams_its_rewards_by
         trl_scale.GRPOConfig(
             **cpu_args(tmp_path, **server, async_rollout_staleness=1, stream_reward_workers=2, stream_rewards=False)
         )
+
+
+def test_the_step_checks_its_rows_and_replays_the_streams_logs():
+    """`StreamRewards.rewards` in the step (a stand-in trainer): the streamed groups' rows must be the step's (the
+    check's call, not only the check, is what a planted bug dropped), and what the reward functions logged in the
+    stream (`log_extra`, `log_metric`) reaches TRL's logs, in the batch's order."""
+    from types import SimpleNamespace
+
+    from trl_scale.trainers.stream_rewards import StreamRewards
+
+    rows = [{"prompt": f"p{i}"} for i in range(4)]
+    groups = [
+        GroupRewards(rows[:2], [[1], [2]], ["a", "b"], (0,), [[1.0], [0.0]], [("judge", ["x", "y"])], [("m", 1.0)]),
+        GroupRewards(rows[2:], [[3], [4]], ["c", "d"], (0,), [[0.5], [0.25]], [("judge", ["z", "w"])], [("m", 3.0)]),
+    ]
+    logged = []
+    trainer = SimpleNamespace(
+        vllm_generation=SimpleNamespace(streams=True, streamed_rewards=lambda: groups),
+        reward_funcs=[token_parity_reward],
+        _log_completion_extra=lambda column, values: logged.append((column, values)),
+        _log_metric=lambda name, value: logged.append((name, value)),
+    )
+
+    def proceed(inputs, prompts, completions, completion_ids):
+        return [f(prompts=prompts, completions=completions) for f in trainer.reward_funcs]
+
+    (rewards,) = StreamRewards().rewards(trainer, proceed, rows, ["p"] * 4, ["a", "b", "c", "d"], [[1], [2], [3], [4]])
+    assert rewards == [1.0, 0.0, 0.5, 0.25]
+    assert logged == [("judge", ["x", "y"]), ("m", 1.0), ("judge", ["z", "w"]), ("m", 3.0)]
+    with pytest.raises(RuntimeError, match="not the ones whose rewards were computed in the stream"):
+        StreamRewards().rewards(trainer, proceed, rows, ["p"] * 4, ["a", "b", "c", "d"], [[1], [2], [4], [3]])
