@@ -108,3 +108,51 @@ def test_the_decoder_layers_of_a_peft_model_are_found(tiny_llama):
     peft = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
     layers = decoder_layers(peft)
     assert len(layers) == count and layers is peft.get_base_model().model.layers
+
+
+class _Recorded:
+    """An environment that records what reset() was given and whether it was closed."""
+
+    def __init__(self):
+        self.reset_with, self.closed = None, False
+
+    def reset(self, **kwargs):
+        self.reset_with = kwargs
+        return None
+
+    def close(self):
+        self.closed = True
+
+
+def test_with_several_environments_reset_gets_the_row_without_its_environment_column():
+    """TRL passes the row to reset() without `environment` (a control field in multi-environment mode); the
+    stream's episodes must too (an environment's reset(**row) may take no such argument)."""
+    import threading
+
+    from trl_scale.trainers.stream_environments import EnvironmentPool, EpisodeOpener
+
+    factories = {"a": _Recorded, "b": _Recorded}
+    trainer = SimpleNamespace(_multi_environment=True, environment_factories=factories)
+    opener = object.__new__(EpisodeOpener)
+    opener.trainer, opener.timeout, opener.lock = trainer, 5.0, threading.Lock()
+    opener.pool = EnvironmentPool(factories)
+    opener._tokenize = lambda view, prompts: ([[1] for _ in prompts],)
+    rows = [{"prompt": "p", "environment": "a", "id": 1}, {"prompt": "p", "environment": "b", "id": 1}]
+    episode = opener(rows)
+    assert [instance.reset_with for instance in episode.instances] == [{"prompt": "p", "id": 1}] * 2
+    episode.close()
+
+
+def test_an_instance_given_back_after_its_run_ended_is_closed_not_pooled():
+    """The end of a run closes the free instances; one still in an episode then is closed when it comes back, and
+    the next run makes its own (before: it went back to the pool unclosed, a session left open)."""
+    from trl_scale.trainers.stream_environments import EnvironmentPool
+
+    pool = EnvironmentPool({None: _Recorded})
+    in_episode, free = pool.acquire(None), pool.acquire(None)
+    pool.release(None, free)
+    pool.close()  # the run ends with `in_episode` still out
+    assert free.closed and not in_episode.closed
+    pool.release(None, in_episode)
+    assert in_episode.closed
+    assert pool.acquire(None) not in (in_episode, free)
