@@ -193,3 +193,14 @@ def test_pass_at_k_without_any_evaluation_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"eval_pass_at_k=\[1\] is logged by evaluation, and eval_strategy='no'"):
         trl_scale.GRPOConfig(**cpu_args(tmp_path, num_generations=4, eval_pass_at_k=[1]))
     trl_scale.GRPOConfig(**cpu_args(tmp_path, num_generations=4, eval_pass_at_k=[1], do_eval=True))  # evaluate()
+
+
+def test_a_prompt_scored_for_some_of_its_samples_counts_in_pass_at_k():
+    """NaN (the function does not score that sample) is no pass; a prompt with some samples scored counts, one with
+    none is left out (a planted bug dropped the partly scored ones)."""
+    from trl_scale.evaluation.pass_at_k import pass_rates
+
+    nan = float("nan")
+    rewards = [1.0, nan, nan, 0.0] + [nan] * 4 + [0.0] * 4
+    rates = pass_rates(rewards, group_size=4, ks=[1, 4], threshold=1.0)
+    assert rates == {1: pytest.approx((1 / 4 + 0.0) / 2), 4: pytest.approx((1.0 + 0.0) / 2)}
