@@ -264,6 +264,30 @@ def test_a_resume_trains_each_group_read_before_the_checkpoint_once(servers, tin
         regrouped.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
 
 
+def test_a_streaming_resume_inside_a_generation_window_trains_each_group_once(servers, tiny_llama, tmp_path):
+    """Streaming with a generation spanning 2 optimizer steps: checkpoint-3 lies inside a window (its step 4 from
+    the saved rollout buffer). Across the resume each group read is trained once, whole: none twice (the buffer's
+    groups are not taken from the stream again), none lost (the groups the stream held are restored)."""
+    urls = [s.url for s in servers]
+    window = dict(steps_per_generation=2, max_steps=6)
+    first = TrainedIds()
+    trainer = streaming_run("grpo", tiny_llama, tmp_path, urls, first, save_strategy="steps", save_steps=3, **window)
+    trainer.train()
+    assert (tmp_path / "checkpoint-3" / "rollout_stream_rank0.pt").is_file()
+    assert len(first.by_step) == 3  # one reward call per generation (2 steps each)
+    first.by_step = first.by_step[:2]  # the generations trained up to the checkpoint: steps 1-2 and 3-4
+    second = TrainedIds()
+    resumed = streaming_run("grpo", tiny_llama, tmp_path / "resumed", urls, second, **window)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    before, after = first.counts(), second.counts()
+    assert set(before.values()) == set(after.values()) == {GROUP}
+    assert not set(before) & set(after), (sorted(before), sorted(after))  # nothing trained twice
+    assert len(before) == 2 * len(after) == 2 * 2 * 8 // GROUP  # the third generation after the resume, whole
+    streamer = resumed.vllm_generation.streamer
+    left = Counter(row["id"] for g in [*streamer.out, *streamer.pending] for row in g.rows)
+    assert set(range(12)) <= set(before) | set(after) | set(left)  # nothing skipped
+
+
 def test_dynamic_sampling_tops_up_from_the_stream_within_the_bound(servers, tiny_llama, tmp_path):
     """Even ids get equal rewards (no signal): each trained group has one, the top-ups come from the stream (taken
     finished, within the staleness bound), and the trained groups are whole."""
