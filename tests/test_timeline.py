@@ -173,3 +173,41 @@ def test_a_local_run_writes_a_trace_that_accounts_for_each_step_and_its_png(tiny
     # from train() to the first step's end: the first step's span, which starts when training does
     assert first["time/to_first_step_s"] == pytest.approx(recorded[0]["dur"] / 1e6, abs=0.01)
     assert sum("time/to_first_step_s" in log for log in trainer.state.log_history) == 1
+
+
+def test_slow_rewards_in_a_streaming_step_hint_at_stream_rewards_once(monkeypatch, caplog):
+    """At the default (stream_rewards=None: rewards in the step without environments) a streaming run whose rewards
+    take a quarter of the step or more is told once that the switch exists; not for the first log (start-up), not
+    where rewards already stream, not when the user chose False."""
+    from types import SimpleNamespace
+
+    from trl_scale.trainers import timing
+    from trl_scale.trainers.timing import PhaseTiming
+
+    now = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+
+    def trainer(stream_rewards=None, in_stream=False):
+        settings = SimpleNamespace(asynchronous=SimpleNamespace(rewards_in_stream=in_stream))
+        return SimpleNamespace(
+            vllm_generation=SimpleNamespace(streams=True, settings=settings),
+            args=SimpleNamespace(stream_rewards=stream_rewards),
+            environment_factories=None,
+        )
+
+    def run(stamp: PhaseTiming, subject, reward_share: float, logs: int = 3):
+        for _ in range(logs):
+            with stamp.timed("reward"):
+                now[0] += 10 * reward_share
+            now[0] += 10 * (1 - reward_share)
+            stamp.log(subject, {"loss": 0.0})
+
+    with caplog.at_level("WARNING", logger="trl_scale"):
+        run(PhaseTiming(), trainer(), reward_share=0.1)
+        run(PhaseTiming(), trainer(stream_rewards=False), reward_share=0.5)
+        run(PhaseTiming(), trainer(in_stream=True), reward_share=0.5)
+        run(PhaseTiming(), trainer(), reward_share=0.5, logs=1)  # the first log only: start-up, not judged
+        assert "stream_rewards=True computes" not in caplog.text
+        run(PhaseTiming(), trainer(), reward_share=0.5)
+    hints = [r for r in caplog.records if "stream_rewards=True computes" in r.getMessage()]
+    assert len(hints) == 1 and "rewards took 50% of the last steps' time" in hints[0].getMessage()

@@ -20,6 +20,8 @@ from .feature import Feature
 
 logger = get_logger(__name__)
 
+# The share of the step's time rewards computed in the step may take before the hint about stream_rewards
+SLOW_REWARD_SHARE = 0.25
 # PhaseTiming's phase -> the timeline's lane
 LANES = {"generate": "generate", "reward": "rewards", "score": "scoring"}
 
@@ -38,6 +40,9 @@ class PhaseTiming(Feature):
         self.first_step_seconds: float | None = None  # from train() to the end of the first step
         self._first_step_logged = False
         self._outages_drawn = 0
+        self.reward_seconds = 0.0  # in the step's reward calls, since the run began
+        self._since: tuple[float, float] | None = None  # (time, reward_seconds) at the last log
+        self._hinted = False
 
     @classmethod
     def from_arguments(cls, arguments: dict) -> PhaseTiming:
@@ -79,7 +84,10 @@ class PhaseTiming(Feature):
             with self.clock.phase(LANES[phase]):
                 yield
         finally:
-            self.seconds[phase] += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.seconds[phase] += seconds
+            if phase == "reward":
+                self.reward_seconds += seconds
 
     def generate(self, trainer, proceed, prompts):
         with self.timed("generate"):
@@ -107,6 +115,35 @@ class PhaseTiming(Feature):
         if self.first_step_seconds is not None and not self._first_step_logged:
             logs["time/to_first_step_s"] = self.first_step_seconds
             self._first_step_logged = True
+        self._hint_slow_rewards(trainer)
+
+    def _hint_slow_rewards(self, trainer) -> None:
+        """Once: where rewards computed in the step (streaming, `stream_rewards=None`, no environment) take a large
+        share of the steps since the last log, say that the switch exists and what it changes. The default stays
+        (a reward function may look across the whole batch); the first log's interval (start-up) is not judged."""
+        now, since = time.perf_counter(), self._since
+        self._since = (now, self.reward_seconds)
+        if self._hinted or since is None or now <= since[0]:
+            return
+        share = (self.reward_seconds - since[1]) / (now - since[0])
+        generation = getattr(trainer, "vllm_generation", None)
+        asynchronous = getattr(getattr(generation, "settings", None), "asynchronous", None)
+        in_step = (
+            getattr(generation, "streams", False)
+            and not getattr(asynchronous, "rewards_in_stream", True)
+            and getattr(trainer.args, "stream_rewards", False) is None
+            and getattr(trainer, "environment_factories", None) is None
+        )
+        if in_step and share >= SLOW_REWARD_SHARE:
+            self._hinted = True
+            logger.warning(
+                "rewards took %.0f%% of the last steps' time, computed in the step once the stream's groups arrive "
+                "(stream_rewards=None: off without environments). stream_rewards=True computes each group's rewards "
+                "in the stream as it finishes, beside generation (with a verifier as slow as generating a group, "
+                "a streamed step took 0.40x as long: docs/agents.md). Reward functions then see one group at a "
+                "time, not the whole batch. (Said once.)",
+                100 * share,
+            )
 
     def save_state(self, trainer, output_dir: str) -> None:
         if self.timeline is not None:
