@@ -75,9 +75,16 @@ def test_the_numbers_the_docs_state_are_the_codes():
 
     architecture = (DOCS / "architecture.md").read_text()
     assert f"{len(SEAMS)} seams" in " ".join(architecture.split()), len(SEAMS)
+    import json
+
+    demo = json.loads((ROOT / "benchmarks" / "results" / "demo_cpu.json").read_text())
+    quickstart = " ".join((DOCS / "quickstart.md").read_text().split())
+    said = f"{demo['reward_before']:.3f} → {demo['reward_after']:.3f} in {len(demo['train_rewards'])} steps"
+    assert said in quickstart, said
 
 
 CHROMIUM_HINT = "Debian's chromium (apt-get install chromium)"
+PICTURED = ("gpu", "agents", "quickstart")  # the pages showing pictures drawn at the build (benchmarks/charts.py)
 
 
 def _chromium() -> str | None:
@@ -200,15 +207,26 @@ def test_the_built_site_renders_and_its_search_finds_staleness_in_a_real_browser
                     "Array.from(document.querySelectorAll('.md-search-result__item')).map(i => i.innerText)"
                     ".filter(t => /staleness/i.test(t))"
                 )
-                return title, pages, found, page.errors
+                pictures = {}
+                for name in PICTURED:  # the pictures drawn at the build, each loaded and decoded
+                    await page.call("Page.navigate", url=f"http://127.0.0.1:{server.server_address[1]}/{name}/")
+                    await page.until("document.readyState === 'complete'")
+                    pictures[name] = await page.until(
+                        "(() => { const images = Array.from(document.querySelectorAll('article img'));"
+                        " return images.length && images.every(i => i.complete) &&"
+                        " images.map(i => [i.getAttribute('src'), i.naturalWidth]); })()"
+                    )
+                return title, pages, found, pictures, page.errors
 
-        title, pages, found, errors = asyncio.run(visit())
+        title, pages, found, pictures, errors = asyncio.run(visit())
     finally:
         browser.kill()
         browser.wait(timeout=30)
         server.shutdown()
     assert title.startswith("trl-scale") and pages >= len(list(DOCS.glob("*.md"))) - 1, (title, pages)
     assert found, "the search found nothing for 'staleness'"
+    for name, images in pictures.items():
+        assert images and all(src.startswith("../figures/") and width > 300 for src, width in images), (name, images)
     assert not errors, errors
 
 

@@ -1,0 +1,93 @@
+"""The docs' pictures, drawn from what the code measured: `benchmarks/results/` (TRL beside trl-scale) and a demo
+run's rewards. Called by the docs build (`docs/hooks/figures.py`) into `docs/figures/`, which is not committed: a
+picture is never pasted, so it cannot drift from its numbers. `python benchmarks/charts.py DIR` draws them too."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def gpu_train_step(path: Path, out: str) -> str:
+    """Step time of TRL's padded step, trl-scale's packed step before its defaults, and the defaults, per shape."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    steps = [r for r in rows if r["figure"] == "train_step" and "step_s" in r]
+    shapes = sorted({r["shape"] for r in steps})
+    variants = [("trl_padded", "TRL, padded"), ("sdpa_varlen", "trl-scale before"), ("default", "trl-scale default")]
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(7, 3.2))
+    width = 0.26
+    for k, (variant, label) in enumerate(variants):
+        chosen = [next(r for r in steps if r["shape"] == s and r["variant"] == variant) for s in shapes]
+        values, mfu = [r["step_s"] * 1e3 for r in chosen], [r["mfu"] for r in chosen]
+        bars = axis.bar([i + (k - 1) * width for i in range(len(shapes))], values, width, label=label)
+        for bar, value in zip(bars, mfu):
+            axis.annotate(f"{value:.0%}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                          va="bottom", fontsize=8)  # fmt: skip
+    axis.set_xticks(range(len(shapes)), shapes)
+    axis.set_ylabel("training step, ms (useful MFU on top)")
+    axis.set_title(f"One training step on an {steps[0]['device']} (23k packed tokens)", fontsize=10)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
+
+
+def agents_streaming(path: Path, out: str) -> str:
+    """Step time, synchronous vs streaming with the rewards in the step vs in the stream, for the newest runs whose
+    verifier was matched to a group generated alone."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    runs = [r for r in rows if r.get("verifier_matched_to") == "alone"]
+    modes = [("sync", "synchronous"), ("streaming_rewards_in_step", "streaming, rewards in the step"),
+             ("streaming_rewards_in_stream", "streaming, rewards in the stream")]  # fmt: skip
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(7, 3.2))
+    width = 0.26
+    names = [f"{r['layers']} layers, {r['generations']} x {r['answer_tokens']} tokens" for r in runs]
+    for k, (mode, label) in enumerate(modes):
+        places = [i + (k - 1) * width for i in range(len(runs))]
+        axis.bar(places, [r["step_s"][mode] for r in runs], width, label=label)
+    axis.set_xticks(range(len(runs)), names)
+    axis.set_ylabel("seconds per step")
+    axis.set_title("GRPO with a verifier as slow as generating a group (2 vLLM CPU servers)", fontsize=10)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
+
+
+def demo_rewards(path: Path, out: str) -> str | None:
+    """The demo's reward per GRPO step, drawn by the demo's own plot (`trl_scale.toy.demo.plot_rewards`)."""
+    from trl_scale.toy.demo import plot_rewards
+
+    result = json.loads(path.read_text())
+    return plot_rewards(result["train_rewards"], out, result["reward_before"], result["reward_after"])
+
+
+def draw_all(directory: str) -> list[str]:
+    """Every picture the docs show, into `directory`."""
+    os.makedirs(directory, exist_ok=True)
+    return [
+        gpu_train_step(RESULTS / "gpu_h200_train_run3.jsonl", os.path.join(directory, "gpu-train-step.png")),
+        agents_streaming(RESULTS / "agents_cpu.jsonl", os.path.join(directory, "agents-streaming.png")),
+        demo_rewards(RESULTS / "demo_cpu.json", os.path.join(directory, "demo-rewards.png")),
+    ]
+
+
+if __name__ == "__main__":
+    print("\n".join(draw_all(sys.argv[1] if len(sys.argv) > 1 else "figures")))
