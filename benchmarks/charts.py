@@ -79,6 +79,17 @@ def demo_rewards(path: Path, out: str) -> str | None:
     return plot_rewards(result["train_rewards"], out, result["reward_before"], result["reward_after"])
 
 
+def streaming_timeline(directory: Path, out: str) -> str | None:
+    """A streaming run's rollout timeline, as the run drew it (`trl_scale.timeline.render.render_png`), from its
+    stored trace (`benchmarks/timeline_example.py`)."""
+    from trl_scale.timeline import Timeline, recorded_steps
+    from trl_scale.timeline.render import render_png
+
+    timeline = Timeline.read(str(directory / "trace.json"))
+    rewards = [tuple(pair) for pair in json.loads((directory / "rewards.json").read_text())["rewards"]]
+    return render_png(timeline, recorded_steps(timeline), rewards, out)
+
+
 def draw_all(directory: str) -> list[str]:
     """Every picture the docs show, into `directory`."""
     os.makedirs(directory, exist_ok=True)
@@ -86,6 +97,7 @@ def draw_all(directory: str) -> list[str]:
         gpu_train_step(RESULTS / "gpu_h200_train_run3.jsonl", os.path.join(directory, "gpu-train-step.png")),
         agents_streaming(RESULTS / "agents_cpu.jsonl", os.path.join(directory, "agents-streaming.png")),
         demo_rewards(RESULTS / "demo_cpu.json", os.path.join(directory, "demo-rewards.png")),
+        streaming_timeline(RESULTS / "timeline_streaming", os.path.join(directory, "timeline.png")),
     ]
 
 

@@ -84,7 +84,12 @@ def test_the_numbers_the_docs_state_are_the_codes():
 
 
 CHROMIUM_HINT = "Debian's chromium (apt-get install chromium)"
-PICTURED = ("gpu", "agents", "quickstart")  # the pages showing pictures drawn at the build (benchmarks/charts.py)
+PICTURED = (
+    "gpu",
+    "agents",
+    "quickstart",
+    "timeline",
+)  # the pages showing pictures drawn at the build (benchmarks/charts.py)
 
 
 def _chromium() -> str | None:

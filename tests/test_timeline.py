@@ -211,3 +211,34 @@ def test_slow_rewards_in_a_streaming_step_hint_at_stream_rewards_once(monkeypatc
         run(PhaseTiming(), trainer(), reward_share=0.5)
     hints = [r for r in caplog.records if "stream_rewards=True computes" in r.getMessage()]
     assert len(hints) == 1 and "rewards took 50% of the last steps' time" in hints[0].getMessage()
+
+
+def test_a_written_timeline_reads_back_with_its_steps(tmp_path):
+    """`Timeline.read` gives back what `write` wrote (every span and request, the lanes in order) and
+    `recorded_steps` the clock's steps with their phases: a stored run's timeline is drawn again (the docs do)."""
+    from trl_scale.timeline import PhaseClock, Timeline, recorded_steps
+
+    now = [100.0]
+    timeline = Timeline()
+    timeline.began = 100.0
+    clock = PhaseClock(timeline, clock=lambda: now[0])
+    clock.start()
+    for step in (1, 2):
+        with clock.phase("generate"):
+            now[0] += 0.5
+            timeline.overlapping("http://a", "request", now[0] - 0.4, now[0] + 0.3, tokens=8)
+        with clock.phase("backward"):
+            now[0] += 0.25
+        now[0] += 0.1  # other
+        clock.step_end(step)
+    clock.stop()
+    back = Timeline.read(timeline.write(str(tmp_path / "trace.json")))
+    for got, expected in zip(sorted(back.spans()), sorted(timeline.spans()), strict=True):
+        assert got[:3] == expected[:3] and got[5] == expected[5]
+        assert abs(got[3] - expected[3]) < 1e-6 and abs(got[4] - expected[4]) < 1e-6
+    steps = recorded_steps(back)
+    assert [s.step for s in steps] == [1, 2]
+    for got, expected in zip(steps, clock.steps, strict=True):
+        assert abs((got.end - got.start) - (expected.end - expected.start)) < 1e-6
+        assert got.phases.keys() == expected.phases.keys()
+        assert all(abs(got.phases[k] - expected.phases[k]) < 1e-6 for k in got.phases)

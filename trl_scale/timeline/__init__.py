@@ -4,7 +4,7 @@ calls, the trainer's phases); `PhaseClock` turns the trainer thread's nested pha
 time; `render_png` draws the last steps beside the reward curve. `TimelineArguments` holds the switch."""
 
 from .arguments import TimelineArguments
-from .phases import TRAINER, PhaseClock, StepRecord
+from .phases import TRAINER, PhaseClock, StepRecord, recorded_steps
 from .recorder import Timeline
 
-__all__ = ["TRAINER", "PhaseClock", "StepRecord", "Timeline", "TimelineArguments"]
+__all__ = ["TRAINER", "PhaseClock", "StepRecord", "Timeline", "TimelineArguments", "recorded_steps"]

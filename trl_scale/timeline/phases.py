@@ -119,3 +119,18 @@ class PhaseClock:
             self._current[name] += now - began
             if self.timeline is not None:
                 self.timeline.span(TRAINER, name, name, began, now)
+
+
+def recorded_steps(timeline: Timeline) -> list[StepRecord]:
+    """The trainer's steps as a timeline holds them (its step lane, and each phase's segments within each step): what
+    `PhaseClock.steps` was, for a timeline read back from its trace (`Timeline.read`)."""
+    spans = timeline.spans(TRAINER)
+    steps = [StepRecord(args["step"], start, end) for _, lane, _, start, end, args in spans if lane == STEP_LANE]
+    for _, lane, _, start, end, _ in spans:
+        if lane == STEP_LANE:
+            continue
+        for step in steps:
+            if step.start <= start < step.end:
+                step.phases[lane] = step.phases.get(lane, 0.0) + (end - start)
+                break
+    return sorted(steps, key=lambda step: step.step)

@@ -65,6 +65,36 @@ class Timeline:
         os.replace(partial, path)
         return path
 
+    @classmethod
+    def read(cls, path: str) -> Timeline:
+        """A timeline as `write` wrote it: its spans, overlapping events and lanes (in their order), times in seconds
+        from its start (`began` is 0). For drawing a run's timeline again (the docs draw a stored one)."""
+        with open(path) as handle:
+            events = json.load(handle)["traceEvents"]
+        timeline = cls()
+        timeline.began = 0.0
+        groups = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+        lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+        for pid, tid in sorted(lanes, key=lambda key: key[1]):  # the lanes in the order they were named
+            timeline.lane_id(groups[pid], lanes[(pid, tid)])
+        begun = {}
+        for event in events:
+            if event["ph"] == "X":
+                start = event["ts"] / 1e6
+                lane = lanes[(event["pid"], event["tid"])]
+                timeline.span(
+                    groups[event["pid"]], lane, event["name"], start, start + event["dur"] / 1e6, **event["args"]
+                )
+            elif event["ph"] == "b":
+                begun[event["id"]] = event
+            elif event["ph"] == "e":
+                first = begun.pop(event["id"])
+                group = groups[first["pid"]]
+                timeline.overlapping(
+                    group, first["name"], first["ts"] / 1e6, event["ts"] / 1e6, **first.get("args", {})
+                )
+        return timeline
+
     def _pid(self, group: str) -> int:
         with self._lock:
             return self._groups.setdefault(group, len(self._groups) + 1)
