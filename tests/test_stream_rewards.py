@@ -291,3 +291,16 @@ def test_the_step_checks_its_rows_and_replays_the_streams_logs():
     assert logged == [("judge", ["x", "y"]), ("m", 1.0), ("judge", ["z", "w"]), ("m", 3.0)]
     with pytest.raises(RuntimeError, match="not the ones whose rewards were computed in the stream"):
         StreamRewards().rewards(trainer, proceed, rows, ["p"] * 4, ["a", "b", "c", "d"], [[1], [2], [4], [3]])
+
+
+def test_reward_workers_with_ordered_environments_are_accepted_by_the_config(tmp_path):
+    """Ordered mode with environments streams each episode's rewards too (`ahead._ordered`): the config, which
+    cannot see environments, leaves the decision to the trainer (it refused stream_reward_workers there)."""
+    from trl_scale.rollout.settings import AsyncRollout
+
+    server = dict(use_vllm=True, vllm_mode="server", vllm_server_base_urls=["http://127.0.0.1:1"])
+    fields = dict(async_rollout_staleness=1, async_rollout_mode="ordered", stream_reward_workers=2)
+    config = trl_scale.GRPOConfig(**cpu_args(tmp_path, **server, **fields))
+    assert AsyncRollout.from_config(config).unread_reward_workers(None, environments=True) is None
+    with pytest.raises(ValueError, match=r"stream_reward_workers=2 .*Fix"):
+        trl_scale.GRPOConfig(**cpu_args(tmp_path, **server, stream_reward_workers=2))  # synchronous: nothing streams

@@ -101,9 +101,9 @@ class AsyncRollout:
                 "streams. Fix: async_rollout_staleness=1 (or more) with async_rollout_mode='streaming' (the "
                 "default), or stream_rewards=False"
             )
-        # stream_rewards=None with streaming: an environment (known to the trainer, which checks again) may stream
-        # its rewards; without streaming None is False
-        asked = getattr(args, "stream_rewards", None) if self.streams else False
+        # stream_rewards=None with asynchronous rollout: an environment (known to the trainer, which checks again)
+        # streams its rewards, ordered or streaming; synchronous, None is False
+        asked = getattr(args, "stream_rewards", None) if self.staleness else False
         why = self.unread_reward_workers(asked, environments=True)
         if why is not None:
             raise ValueError(why)
