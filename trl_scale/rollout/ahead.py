@@ -78,7 +78,7 @@ def _ordered(
 
 
 def _submit_spanned(pool, generation, prompt_ids):
-    batch = next(generation._batches)  # numbered when submitted (the trainer's thread), not when a thread runs it
+    batch = generation.seeds.next_batch()  # numbered when submitted (the trainer's thread), not when a thread runs it
     return pool.submit(generation.request_spanned, [list(p) for p in prompt_ids], batch)
 
 

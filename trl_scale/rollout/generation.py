@@ -15,7 +15,6 @@ Weight sync modes (`weight_sync`):
 
 from __future__ import annotations
 
-import itertools
 import threading
 import uuid
 from collections.abc import Callable
@@ -78,7 +77,6 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
         self.seeds = RequestSeeds.from_config(
             settings.sampling.get("seed"), settings.run_seed, getattr(accelerator, "process_index", 0)
         )
-        self._batches = itertools.count()
         # the sync count and the syncing flag change together (`_newest_reachable`); this generation's own: a class
         # lock made every trainer in a process wait on every other's syncs
         self._version_lock = threading.Lock()
@@ -184,7 +182,7 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
         return [choice for choices in results for choice in choices]
 
     def _request_from_fleet(self, prompts) -> list[dict]:
-        batch = next(self._batches)  # numbered here, in the trainer's thread
+        batch = self.seeds.next_batch()
         return self._retried_after_fleet(lambda: self._request(prompts, batch))
 
     def _retried_after_fleet(self, request: Callable[[], T]) -> T:

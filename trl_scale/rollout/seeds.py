@@ -17,7 +17,7 @@ import contextvars
 import hashlib
 import itertools
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _GROUP: contextvars.ContextVar[_Numbered | None] = contextvars.ContextVar("trl_scale_request_group", default=None)
 
@@ -49,13 +49,19 @@ def next_identity() -> tuple | None:
     return None if numbered is None else numbered.next()
 
 
-@dataclass(frozen=True)
+@dataclass
 class RequestSeeds:
     """Seeds per request from `base` (None: requests unseeded, as vLLM and TRL leave them) and this process's
-    `rank` (each data-parallel rank sends its own prompts)."""
+    `rank` (each data-parallel rank sends its own prompts); and the run's batches, numbered."""
 
     base: tuple | None
     rank: int = 0
+    _batches: itertools.count = field(default_factory=itertools.count, repr=False)
+
+    def next_batch(self) -> int:
+        """The next batch's number among the run's (its requests' identity): taken in the trainer's thread, in the
+        order batches are asked for, never as a pool thread happens to run them."""
+        return next(self._batches)
 
     @classmethod
     def from_config(cls, generation_seed, run_seed, rank: int) -> RequestSeeds:
