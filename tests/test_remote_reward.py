@@ -127,6 +127,7 @@ def test_every_server_down_names_every_url():
 def answering():
     """A stand-in server answering every POST with the given JSON (and status): what a broken server says."""
     started = []
+    hits: dict[str, int] = {}  # requests each stand-in got, by its URL
 
     def start(body, status: int = 200) -> str:
         class Handler(BaseHTTPRequestHandler):
@@ -134,6 +135,7 @@ def answering():
                 pass
 
             def do_POST(self):
+                hits[url] = hits.get(url, 0) + 1
                 self.rfile.read(int(self.headers["Content-Length"]))
                 data = json.dumps(body).encode()
                 self.send_response(status)
@@ -142,10 +144,12 @@ def answering():
                 self.wfile.write(data)
 
         server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        url = f"http://127.0.0.1:{server.server_address[1]}/get_reward"
         threading.Thread(target=server.serve_forever, daemon=True).start()
         started.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}/get_reward"
+        return url
 
+    start.hits = hits
     yield start
     for server in started:
         server.shutdown()
@@ -380,48 +384,16 @@ def test_a_scoring_function_answering_non_numbers_is_a_500_naming_it():
         server.kill()
 
 
-@pytest.fixture
-def counted():
-    """A stand-in server answering every POST with `status` and `body`, counting what it was sent."""
-    started = []
-
-    def start(body, status: int = 200):
-        class Handler(BaseHTTPRequestHandler):
-            hits = 0
-
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                type(self).hits += 1
-                self.rfile.read(int(self.headers["Content-Length"]))
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        started.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}/get_reward", Handler
-
-    yield start
-    for server in started:
-        server.shutdown()
-        server.server_close()
-
-
-def test_a_429_is_failed_over_and_retries_zero_sends_once(counted, two_servers):
-    busy, busy_hits = counted({"error": "slow down"}, status=429)
+def test_a_429_is_failed_over_and_retries_zero_sends_once(answering, two_servers):
+    busy = answering({"error": "slow down"}, status=429)
     reward = RemoteReward([busy, two_servers[0].url], routing="least_outstanding", retry_after=30.0)
     prompts, completions = groups(count=2, size=2)
     assert reward(prompts=prompts, completions=completions) == local_scores(prompts, completions)
-    assert busy_hits.hits >= 1 and reward.servers[0].last_error == "HTTP 429"
-    failing, failing_hits = counted({"error": "boom"}, status=503)
+    assert answering.hits[busy] >= 1 and reward.servers[0].last_error == "HTTP 429"
+    failing = answering({"error": "boom"}, status=503)
     with pytest.raises(RewardServiceError, match="after 0 retries"):
         RemoteReward([failing], retries=0)(prompts=["p"], completions=["a"])
-    assert failing_hits.hits == 1  # one send, none again
+    assert answering.hits[failing] == 1  # one send, none again
 
 
 @pytest.mark.parametrize("answer", [[True, 1.0], [1.0, False]])

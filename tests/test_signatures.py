@@ -276,6 +276,23 @@ def test_every_preference_shape_trl_accepts_trains_dpo_with_trls_numbers(shape, 
     _assert_trains_with_trls_numbers(make_trainer, ("loss", "grad_norm", "rewards/margins"), abs=1e-6)
 
 
+def _environment_trainer(tiny_llama, tmp_path, environment):
+    """trl-scale's GRPOTrainer with `environment` as its environment_factory (conversational prompts, a chat template
+    with tools), built but not trained."""
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.response_template = qwen3_template
+    dataset = counting_prompts(8, seed=0).map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})
+    return trl_scale.GRPOTrainer(
+        model=tiny_llama,
+        args=trl_scale.GRPOConfig(**cpu_args(tmp_path, num_generations=4, max_completion_length=4)),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        environment_factory=environment,
+    )
+
+
 class InfiniteRewardEnvironment(CountingEnvironment):
     def get_reward(self) -> float:
         return float("inf")
@@ -296,18 +313,7 @@ class TextRewardEnvironment(CountingEnvironment):
 def test_an_environments_get_reward_is_checked_as_reward_functions_are(environment, message, tiny_llama, tmp_path):
     """TRL adds `get_reward` as a reward function inside its constructor, after trl-scale checked the user's: an
     infinite reward trained (logged inf, the group's advantages zeroed), a string failed deep in TRL."""
-    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
-    tokenizer.chat_template = TOOL_TEMPLATE
-    tokenizer.response_template = qwen3_template
-    dataset = counting_prompts(8, seed=0).map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})
-    trainer = trl_scale.GRPOTrainer(
-        model=tiny_llama,
-        args=trl_scale.GRPOConfig(**cpu_args(tmp_path, num_generations=4, max_completion_length=4)),
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        environment_factory=environment,
-    )
+    trainer = _environment_trainer(tiny_llama, tmp_path, environment)
     instance = environment()
     instance.reset()
     with pytest.raises(ValueError, match=message):
@@ -323,18 +329,7 @@ class DictResetEnvironment(CountingEnvironment):
 def test_an_environments_reset_returning_a_dict_is_named(tiny_llama, tmp_path):
     """TRL appends what reset() returns to the last message: a dict failed deep in TRL (`content + observation`).
     Every instance TRL makes is checked (the probe it pooled, and each one made later); the tools are unchanged."""
-    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
-    tokenizer.chat_template = TOOL_TEMPLATE
-    tokenizer.response_template = qwen3_template
-    dataset = counting_prompts(8, seed=0).map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})
-    trainer = trl_scale.GRPOTrainer(
-        model=tiny_llama,
-        args=trl_scale.GRPOConfig(**cpu_args(tmp_path, num_generations=4, max_completion_length=4)),
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        environment_factory=DictResetEnvironment,
-    )
+    trainer = _environment_trainer(tiny_llama, tmp_path, DictResetEnvironment)
     instances = [*trainer._environment_pool[None], trainer.environment_factories[None]()]
     for instance in instances:
         with pytest.raises(TypeError, match=r"DictResetEnvironment.reset\(\) returned dict .*Fix: return the"):
