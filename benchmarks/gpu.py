@@ -149,6 +149,15 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def timed(fn: Callable[[], object], device) -> float:
+    """Seconds one call of `fn` takes, the device synchronised before and after."""
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
 def measure(fn: Callable[[], object], device, repeats: int) -> tuple[float, float | None]:
     """(median seconds, peak MiB allocated above the level before the call) of ``fn`` after one warm-up call."""
     import torch
@@ -160,13 +169,7 @@ def measure(fn: Callable[[], object], device, repeats: int) -> tuple[float, floa
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
+    times = [timed(fn, device) for _ in range(repeats)]
     if device.type == "cuda":
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     return statistics.median(times), peak

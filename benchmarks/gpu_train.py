@@ -141,7 +141,7 @@ def varied_batches(model, optimizer, sizes: Sizes, device, count: int = 4) -> di
     """Steps on ``count`` other long-tailed batches (new lengths each), twice round: the first round's steps
     include whatever a new length costs (a compiled layer recompiles once for dynamic lengths), the second is the
     steady state. MFU uses each batch's own useful FLOPs."""
-    from gpu import _sync
+    from gpu import timed
     from packing import long_tailed_batch
 
     batches = [
@@ -153,14 +153,7 @@ def varied_batches(model, optimizer, sizes: Sizes, device, count: int = 4) -> di
     on_device = [tuple(x.to(device) for x in b[:3]) for b in batches]
     rounds = []
     for _ in range(2):
-        times = []
-        for batch in on_device:
-            _sync(device)
-            start = time.perf_counter()
-            _train_step(model, optimizer, batch)
-            _sync(device)
-            times.append(time.perf_counter() - start)
-        rounds.append(times)
+        rounds.append([timed(lambda b=batch: _train_step(model, optimizer, b), device) for batch in on_device])
     steady = rounds[1]
     mfu = sum(useful) / sum(steady) / H100_BF16_PEAK if device.type == "cuda" else None
     return {
@@ -252,16 +245,9 @@ def _first_steps(step, device, count: int = 2) -> list[float]:
     """The first steps' times: a compiled variant compiles in the first (and, with the checkpointed layers planned,
     once more in the second, the first with no layer checkpointed: the flag is part of the compiled graph's
     guards); the planner measures in the first."""
-    from gpu import _sync
+    from gpu import timed
 
-    times = []
-    for _ in range(count):
-        _sync(device)
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return times
+    return [timed(step, device) for _ in range(count)]
 
 
 def shape_figures(

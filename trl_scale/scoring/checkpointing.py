@@ -9,7 +9,7 @@ to 0.59 s with no layer recomputed (0.55 s to 0.46 s compiled: 47.8 % useful MFU
 
 How a forward is planned (`layers_to_checkpoint`): every layer keeps its input hidden state either way (the
 checkpoint saves it; an unchecked layer's first norm does); an unchecked layer also keeps its inner activations, a
-number of bytes per token measured on the device (`activation_bytes_per_token`): the rise of allocated memory over
+number of bytes per token measured on the device (`activation_bytes`): the rise of allocated memory over
 the backbone's forward, less the hidden states, over the unchecked layers. Until a forward has measured it, a
 generous estimate from the config stands (`prior_bytes_per_token`), and the first forward leaves at most one layer
 unchecked. The plan keeps a margin of the device's memory free for what the count leaves out (the backward's
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .compiled import decoder_layers
+from .compiled import decoder_backbone
 
 # Kept free of the plan: the device's memory times this (fragmentation, the backward's transient tensors).
 MARGIN_FRACTION = 0.1
@@ -66,14 +66,14 @@ class DeviceMemory:
         return torch.cuda.get_device_properties(self.device).total_memory
 
 
-def prior_bytes_per_token(config) -> float:
+def prior_bytes_per_token(config, element_size: int = 2) -> float:
     """A generous estimate of what one unchecked decoder layer keeps per token before any forward measured it: 16
-    hidden-wide and 6 intermediate-wide tensors at the model's width (a Qwen2-1.5B layer measured 104 KiB a token in
-    bf16 on an H200, 74 KiB compiled; this gives 153 KiB)."""
+    hidden-wide and 6 intermediate-wide tensors of `element_size` bytes (a Qwen2-1.5B layer measured 104 KiB a token
+    in bf16 on an H200, 74 KiB compiled; this gives 153 KiB)."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = config.hidden_size
     intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
-    return 2.0 * (16 * hidden + 6 * intermediate)  # bf16 bytes; fp32 models measure their own on the first step
+    return float(element_size * (16 * hidden + 6 * intermediate))
 
 
 @dataclass
@@ -93,13 +93,13 @@ class SelectiveCheckpointing:
     def __init__(self, model: torch.nn.Module, memory, margin_fraction: float = MARGIN_FRACTION):
         self.model = model
         self.memory = memory
-        self.layers = decoder_layers(model)
-        self.backbone = _parent_of(model, self.layers)
+        self.backbone = decoder_backbone(model)
+        self.layers = self.backbone.layers
         embeddings = model.get_input_embeddings()
         self.hidden_bytes = float(embeddings.embedding_dim * embeddings.weight.element_size())
         self.activation_bytes: float | None = None  # measured, per token and unchecked layer
         self._measured_over = 0  # unchecked layers in the forward that measured it
-        self.prior = prior_bytes_per_token(model.config) * embeddings.weight.element_size() / 2
+        self.prior = prior_bytes_per_token(model.config, embeddings.weight.element_size())
         self.margin = margin_fraction * memory.total()
         self.last_checkpointed: int | None = None
         self._plan: ForwardPlan | None = None
@@ -174,14 +174,6 @@ def _tokens(args, kwargs) -> int | None:
     if args and isinstance(args[0], torch.Tensor):
         return math.prod(args[0].shape[:2])
     return None
-
-
-def _parent_of(model: torch.nn.Module, layers: torch.nn.ModuleList) -> torch.nn.Module:
-    """The module whose forward runs `layers` (the backbone: `model.model` in transformers' causal LMs)."""
-    for module in model.modules():
-        if getattr(module, "layers", None) is layers:
-            return module
-    raise ValueError(f"{type(model).__name__}: no module holds its decoder layers as `layers`")
 
 
 def device_memory(device: torch.device) -> DeviceMemory | None:

@@ -12,17 +12,23 @@ from __future__ import annotations
 import torch
 
 
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The model's decoder layers (``model.model.layers`` in transformers' causal LMs; through PEFT wrappers)."""
+def decoder_backbone(model: torch.nn.Module) -> torch.nn.Module:
+    """The module that holds and runs the model's decoder layers (``model.model`` in transformers' causal LMs;
+    through PEFT wrappers)."""
     backbone = model
     for _ in range(4):  # PeftModel -> LoraModel -> CausalLM -> backbone
         layers = getattr(backbone, "layers", None)
         if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0:
-            return layers
+            return backbone
         backbone = getattr(backbone, "base_model", None) or getattr(backbone, "model", None)
         if backbone is None:
             break
     raise ValueError(f"{type(model).__name__} has no decoder layers this can find (model.layers)")
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's decoder layers (``model.model.layers`` in transformers' causal LMs; through PEFT wrappers)."""
+    return decoder_backbone(model).layers
 
 
 # `compile_decoder_layers=None` compiles where the compile is repaid well within the run. Measured on an H200

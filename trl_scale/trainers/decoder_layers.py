@@ -78,11 +78,11 @@ class DecoderLayers(Feature):
             return None
         policy = trainer.accelerator.unwrap_model(trainer.model)
         memory = checkpointing.device_memory(next(policy.parameters()).device)
-        reason = None
+        reason, sharded = None, _sharded_by_layer(trainer.accelerator)
         if memory is None:
             reason = "not on CUDA"
-        elif _sharded_by_layer(trainer.accelerator) is not None:
-            reason = f"{_sharded_by_layer(trainer.accelerator)} gathers parameters layer by layer"
+        elif sharded is not None:
+            reason = f"{sharded} gathers parameters layer by layer"
         elif getattr(args, "sequence_parallel_size", 1) > 1:
             reason = "sequence parallelism"
         elif getattr(policy.config, "_attn_implementation", None) == "eager":

@@ -87,33 +87,33 @@ def checked_reward_func(func: Callable, name: str) -> Callable:
     return checked
 
 
+def _checked_here(func) -> bool:
+    """Whether trl-scale wraps `func` with its checks: a callable not yet checked (models and model paths TRL scores
+    itself)."""
+    from torch import nn
+
+    return not isinstance(func, (str, nn.Module)) and callable(func) and not hasattr(func, "__trl_scale_checked__")
+
+
 def checked_reward_funcs(reward_funcs):
     """Each callable in ``reward_funcs`` (one or a list) checked; models and model paths stay as they are (TRL
     scores them itself)."""
     if reward_funcs is None:
         return None
-    from torch import nn
     from trl.trainer.utils import get_callable_name
 
     funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
-    return [
-        f
-        if isinstance(f, (str, nn.Module)) or not callable(f) or hasattr(f, "__trl_scale_checked__")
-        else checked_reward_func(f, get_callable_name(f))
-        for f in funcs
-    ]
+    return [checked_reward_func(f, get_callable_name(f)) if _checked_here(f) else f for f in funcs]
 
 
 def check_added_reward_funcs(trainer) -> None:
     """The reward functions TRL adds inside its constructor (an environment's `get_reward`, one per class), checked
     as the user's are: an environment returning `inf` or `"1.0"` stops the step naming it, instead of training on
     zeroed advantages or failing deep in TRL."""
-    from torch import nn
-
     trainer.reward_funcs = [
-        f
-        if isinstance(f, (str, nn.Module)) or not callable(f) or hasattr(f, "__trl_scale_checked__")
-        else checked_reward_func(f, f"{name}.get_reward" if getattr(f, "__name__", "") == "get_reward" else name)
+        checked_reward_func(f, f"{name}.get_reward" if getattr(f, "__name__", "") == "get_reward" else name)
+        if _checked_here(f)
+        else f
         for f, name in zip(trainer.reward_funcs, trainer.reward_func_names)
     ]
 
