@@ -29,7 +29,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from gpu import H100_BF16_PEAK, QWEN2_05B, Report, Sizes, measure, model_flops, qwen2_config
+from gpu_common import H100_BF16_PEAK, QWEN2_05B, Report, Sizes, measure, model_flops, qwen2_config, timed
 
 # Qwen2-1.5B's shape (hidden 1536, 28 layers, 12 heads, 2 KV heads, tied embeddings).
 QWEN2_15B = dict(
@@ -141,7 +141,6 @@ def varied_batches(model, optimizer, sizes: Sizes, device, count: int = 4) -> di
     """Steps on ``count`` other long-tailed batches (new lengths each), twice round: the first round's steps
     include whatever a new length costs (a compiled layer recompiles once for dynamic lengths), the second is the
     steady state. MFU uses each batch's own useful FLOPs."""
-    from gpu import timed
     from packing import long_tailed_batch
 
     batches = [
@@ -245,8 +244,6 @@ def _first_steps(step, device, count: int = 2) -> list[float]:
     """The first steps' times: a compiled variant compiles in the first (and, with the checkpointed layers planned,
     once more in the second, the first with no layer checkpointed: the flag is part of the compiled graph's
     guards); the planner measures in the first."""
-    from gpu import timed
-
     return [timed(step, device) for _ in range(count)]
 
 
