@@ -654,12 +654,15 @@ def _own_fields(cls, kinds):
 
 def _config_fields(kinds):
     from trl_scale.distributed.arguments import DistributedArguments
-    from trl_scale.rollout.arguments import RLOOCorrectionArguments, RolloutArguments
+    from trl_scale.fleet.arguments import ManagedServerArguments
+    from trl_scale.rollout.arguments import RolloutArguments
     from trl_scale.rollout.dynamic_sampling import DynamicSamplingArguments
     from trl_scale.scoring.arguments import ScoringArguments
+    from trl_scale.trainers.rloo_config import RLOOCorrectionArguments
 
+    mixins = (ScoringArguments, RolloutArguments, ManagedServerArguments, DynamicSamplingArguments)
     owners = {
-        trl_scale.GRPOConfig: (ScoringArguments, RolloutArguments, DynamicSamplingArguments, DistributedArguments),
+        trl_scale.GRPOConfig: (*mixins, DistributedArguments),
         trl_scale.RLOOConfig: (RLOOCorrectionArguments,),
         trl_scale.PPOConfig: (trl_scale.PPOConfig,),
     }

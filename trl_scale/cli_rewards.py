@@ -9,7 +9,7 @@ import inspect
 import os
 import sys
 
-from .rollout.arguments import dict_field
+from .numbers import dict_field
 
 
 def _imported(name: str):

@@ -89,3 +89,23 @@ def check_number(name: str, value, minimum: float | None = None, fix: str = "") 
         return
     allowed = "use a finite number" + (f" >= {minimum}" if minimum is not None else "")
     raise ValueError(f"{name}={value!r}: {fix or allowed}")
+
+
+def dict_field(value, name: str) -> dict | None:
+    """A dict config field: a dict, or a JSON object as text (the command line gives text, as transformers reads its
+    own dict fields); anything else is a ValueError naming the field."""
+    if value is None or isinstance(value, dict):
+        return value
+    if isinstance(value, str):
+        import json
+
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            return parsed
+    raise ValueError(
+        f"{name}={value!r}: use a dict (in YAML, a mapping; on the command line, a JSON object such as "
+        '\'{"KEY": "value"}\')'
+    )

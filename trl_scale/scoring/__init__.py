@@ -1,15 +1,7 @@
 """The scoring engine: remove-padding packing, the chunked log-prob head, and the forward that joins them."""
 
-from .engine import (
-    DEFAULT_LOGPROB_CHUNK_SIZE,
-    PackedScoringConfig,
-    PackingStats,
-    ScoringSettings,
-    install_packed_scoring,
-    packed_fused_forward,
-    token_scores,
-)
-from .logprob_head import ChunkedLogProbHead, chunked_logprobs
+from .engine import install_packed_scoring, packed_fused_forward, token_scores
+from .logprob_head import DEFAULT_LOGPROB_CHUNK_SIZE, ChunkedLogProbHead, chunked_logprobs
 from .packing import (
     PackedBatch,
     PackedMicroBatch,
@@ -20,6 +12,7 @@ from .packing import (
     plan_rows,
     unpack,
 )
+from .settings import PackedScoringConfig, PackingStats, ScoringSettings
 from .support import PackingSupport, packing_support, probe_packing, use_packing
 
 __all__ = [

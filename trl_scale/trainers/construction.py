@@ -190,10 +190,11 @@ def rollout_settings_asked(args) -> list[str]:
     trl-scale's client acts on."""
     import dataclasses
 
+    from ..fleet.arguments import ManagedServerArguments
     from ..rollout.arguments import RolloutArguments
 
     asked = []
-    for field in dataclasses.fields(RolloutArguments):
+    for field in (*dataclasses.fields(RolloutArguments), *dataclasses.fields(ManagedServerArguments)):
         if field.name in _NOT_CLIENT_SETTINGS or not hasattr(args, field.name):
             continue
         default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default

@@ -8,6 +8,7 @@ from trl import GRPOConfig as _TRLGRPOConfig
 
 from ..distributed.arguments import DistributedArguments
 from ..evaluation import EvaluationArguments
+from ..fleet.arguments import ManagedServerArguments
 from ..rollout.arguments import RolloutArguments
 from ..rollout.dynamic_sampling import DynamicSamplingArguments
 from ..scoring.arguments import ScoringArguments
@@ -20,6 +21,7 @@ class GRPOConfig(
     TimelineArguments,
     EvaluationArguments,
     DistributedArguments,
+    ManagedServerArguments,
     RolloutArguments,
     DynamicSamplingArguments,
     ScoringArguments,
@@ -29,6 +31,7 @@ class GRPOConfig(
         "GRPO",
         ScoringArguments,
         RolloutArguments,
+        ManagedServerArguments,
         DynamicSamplingArguments,
         DistributedArguments,
         EvaluationArguments,
