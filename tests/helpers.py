@@ -514,8 +514,8 @@ def flat_on_rank_1_reward(completion_ids, **kwargs) -> list[float]:
 
 
 def rloo_correction_view(backend, clip_min, clip_max, mode: str, **attributes):
-    """The attributes RLOO's `importance_weights` reads, around a generation `backend` (with its
-    `last_sampler_logprobs`): to call the trainer's own method without a trainer (one process, training)."""
+    """The attributes RLOO's `importance_weights` reads, around a generation `backend` (with its `records`): to
+    call the trainer's own method without a trainer (one process, training)."""
     from collections import defaultdict
     from types import SimpleNamespace
 
@@ -531,3 +531,14 @@ def rloo_correction_view(backend, clip_min, clip_max, mode: str, **attributes):
         accelerator=SimpleNamespace(gather=lambda t: t),
         **attributes,
     )
+
+
+def saved_state(checkpoint, feature: str, rank: int = 0) -> dict | None:
+    """A feature's state as a checkpoint saved it (`trainers/feature_state.py`: one file per data-parallel rank,
+    keyed by feature name); None where that rank saved none for it."""
+    from trl_scale.trainers.feature_state import state_path
+
+    path = state_path(str(checkpoint), rank)
+    if not os.path.isfile(path):
+        return None
+    return torch.load(path, map_location="cpu", weights_only=False)["features"].get(feature)

@@ -32,7 +32,7 @@ def _grpo(model_path, out, urls, **overrides):
 
 def _record_versions(trainer):
     """Per generated batch: the sync count when it was trained on, and the versions its completions came from."""
-    return record_generations(trainer, lambda generation: list(generation.last_versions))
+    return record_generations(trainer, lambda generation: generation.records.newest().versions)
 
 
 def test_staleness_0_is_the_synchronous_run(servers, tiny_llama, tmp_path):
@@ -248,7 +248,7 @@ def test_rloo_async_weights_each_sequence_by_its_importance_ratio(servers, tiny_
 
     def recording(self, inputs):
         batch = score(self, inputs)  # TRL's batch, before trl-scale's correction
-        seen.append((batch["advantages"].clone(), list(self.vllm_generation.last_sampler_logprobs)))
+        seen.append((batch["advantages"].clone(), list(self.vllm_generation.records.newest().sampler_logprobs)))
         return batch
 
     monkeypatch.setattr(trl.RLOOTrainer, "_generate_and_score_completions", recording)
@@ -342,7 +342,7 @@ def test_the_prefetcher_never_serves_a_batch_older_than_the_bound():
     after; a batch is matched by its prompt ids only."""
     from concurrent.futures import Future
 
-    from trl_scale.rollout.async_rollout import RolloutPrefetcher
+    from trl_scale.rollout.prefetch import RolloutPrefetcher
 
     def done(value):
         future = Future()
@@ -369,7 +369,7 @@ def test_each_async_rollout_mode_has_its_read_ahead_engine_behind_one_interface(
     import typing
 
     from trl_scale.rollout.ahead import READ_AHEAD_ENGINES, ReadAhead
-    from trl_scale.rollout.async_rollout import RolloutPrefetcher
+    from trl_scale.rollout.prefetch import RolloutPrefetcher
     from trl_scale.rollout.settings import AsyncMode
     from trl_scale.rollout.streaming import StreamingRollout
 

@@ -37,6 +37,7 @@ def test_rloo_sequence_correction_honours_clip_min(mode, low_weight):
     `vllm_importance_sampling_clip_min` is masked or raised to it, as one above `clip_max` is; within, the ratio."""
     from types import SimpleNamespace
 
+    from trl_scale.rollout.record import RECORD_KEY, GeneratedBatch
     from trl_scale.trainers.correction import importance_weights
 
     from .helpers import rloo_correction_view
@@ -47,8 +48,9 @@ def test_rloo_sequence_correction_honours_clip_min(mode, low_weight):
         "completion_ids": torch.ones(3, 2, dtype=torch.long),
         "completion_mask": torch.ones(3, 2),
         "old_logps": torch.tensor([math.log(r) for r in ratios]),
+        RECORD_KEY: GeneratedBatch(((0, 0),) * 3, ([0.0, 0.0],) * 3),  # the batch's record, as the rollout hands it
     }
-    backend = SimpleNamespace(last_sampler_logprobs=[[0.0, 0.0]] * 3)
+    backend = SimpleNamespace()
     trainer = rloo_correction_view(backend, clip_min=0.5, clip_max=3.0, mode=mode)
     weights = importance_weights(trainer, batch)
     high_weight = 0.0 if mode == "sequence_mask" else 3.0

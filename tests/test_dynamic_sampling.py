@@ -16,7 +16,7 @@ from trl_scale.toy import counting_prompts
 from trl_scale.trainers.correction import importance_weights
 from trl_scale.trainers.dynamic_sampling import DynamicSampling
 
-from .helpers import cpu_args, paired, step_logs
+from .helpers import cpu_args, paired, saved_state, step_logs
 
 # ---- the parts -------------------------------------------------------------------------------------------------
 
@@ -178,10 +178,11 @@ def test_dynamic_sampling_refusals(tiny_llama, tmp_path):
         DynamicSampling().check(two_processes)
     two_processes.num_generations = 3
     two_processes.environment_factories = {"env": object}
+    with_environments = DynamicSampling(environments=True)  # as the run's plan builds it with environment_factory
     with pytest.raises(ValueError, match="environment_factory and synchronous rollout.*Fix: async_rollout_staleness"):
-        DynamicSampling().check(two_processes)
+        with_environments.check(two_processes)
     two_processes.args.async_rollout_staleness = 1  # the stream runs the top-ups' episodes
-    DynamicSampling().check(two_processes)
+    with_environments.check(two_processes)
 
 
 def test_a_resume_draws_top_ups_on_from_where_the_checkpoint_was(tiny_llama, tmp_path):
@@ -206,7 +207,7 @@ def test_a_resume_draws_top_ups_on_from_where_the_checkpoint_was(tiny_llama, tmp
     whole = _build("grpo", tiny_llama, tmp_path / "whole", dataset, save_strategy="steps", save_steps=1, **settings)
     whole_draws = drawing(whole)
     whole.train()
-    state = json.loads((tmp_path / "whole" / "checkpoint-1" / "dynamic_sampling_rank0.json").read_text())
+    state = saved_state(tmp_path / "whole" / "checkpoint-1", "dynamic_sampling")
     assert state["drawn"] == sum(len(rows) for step, rows in whole_draws if step == 0) // 4
     resumed = _build("grpo", tiny_llama, tmp_path / "resumed", dataset, **settings)
     resumed_draws = drawing(resumed)
@@ -247,19 +248,24 @@ def test_rloo_with_dynamic_sampling_corrects_the_chosen_rows_with_their_own_samp
     weighted with another row's ratio."""
     import math
 
+    from trl_scale.rollout.record import RECORD_KEY, BatchRecords, GeneratedBatch
+    from trl_scale.trainers.dynamic_sampling import RECORD_ROW
+
     from .helpers import rloo_correction_view
 
     def round_of(prompt: str, sampler: float, count: int = 2) -> CandidateRows:
         rows = [{"prompt": prompt} for _ in range(count)]
         generated = ([[1]] * count, [[5, 6]] * count, [f"{prompt}!"] * count)  # RLOO's three
-        per_row = {"generation:last_sampler_logprobs": [[sampler, sampler]] * count}
+        per_row = {RECORD_ROW: [GeneratedBatch(((0, 0),), ([sampler, sampler],))] * count}
         return CandidateRows(rows, generated, torch.zeros(count, 1), per_row)
 
     # the batch's own group (sampler log-probs -1 per token) had no signal; the top-up's (-2 per token) is chosen
     chosen = CandidateRows.joined([round_of("flat", -1.0), round_of("varied", -2.0)]).select([2, 3])
-    backend = SimpleNamespace(last_sampler_logprobs=[[-9.0, -9.0]] * 2)  # the last round's call left other values
+    records = BatchRecords()
+    records.add(GeneratedBatch(((0, 0),) * 2, ([-9.0, -9.0],) * 2))  # the last round's call left other values
+    backend = SimpleNamespace(records=records)
     trainer = rloo_correction_view(backend, clip_min=None, clip_max=100.0, mode="sequence_truncate")
-    feature = DynamicSampling()
+    feature = DynamicSampling(server=True)
     feature.generated.give(chosen)
 
     def not_generated(prompts):
@@ -270,6 +276,7 @@ def test_rloo_with_dynamic_sampling_corrects_the_chosen_rows_with_their_own_samp
         "completion_ids": torch.ones(2, 2, dtype=torch.long),
         "completion_mask": torch.ones(2, 2),
         "old_logps": torch.tensor([-3.0, -3.0]),  # each sequence's old log-prob, summed over its 2 tokens
+        RECORD_KEY: records.newest(),  # as the rollout feature hands the batch's record out
     }
     weights = importance_weights(trainer, batch)
     assert torch.allclose(weights, torch.full((2,), math.exp(-3.0 + 4.0)))  # the chosen rows' -2 + -2

@@ -214,8 +214,8 @@ def _record_run(trainer) -> tuple[dict, list]:
     def recording_score(inputs):
         batch = score(inputs)
         tensors = {k: v.clone() for k, v in batch.items() if torch.is_tensor(v)}
-        spans = list(generation.last_version_spans)
-        batches.append((tensors, list(generation.last_versions), spans, generation.sync_count))
+        spans = list(generation.records.newest().version_spans)
+        batches.append((tensors, generation.records.newest().versions, spans, generation.sync_count))
         return batch
 
     generation.sync_weights = recording_sync
@@ -756,7 +756,11 @@ def test_rloo_async_against_real_vllm_is_corrected_with_the_servers_log_probs(fl
         batch = score(self, inputs)
         generation = self.vllm_generation
         seen.append(
-            (batch["advantages"].clone(), list(generation.last_sampler_logprobs), generation.last_version_spans)
+            (
+                batch["advantages"].clone(),
+                list(generation.records.newest().sampler_logprobs),
+                list(generation.records.newest().version_spans),
+            )
         )
         return batch
 

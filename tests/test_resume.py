@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 import trl_scale
 from trl_scale.toy import counting_prompts, preference_pairs
 
-from .helpers import cpu_args, paired, step_logs, token_parity_reward
+from .helpers import cpu_args, paired, saved_state, step_logs, token_parity_reward
 
 KEYS = {
     "grpo": ("loss", "grad_norm", "reward", "entropy", "kl"),
@@ -132,7 +132,7 @@ def test_a_rank_that_reaches_the_checkpoint_before_its_folder_exists_still_saves
     monkeypatch.setattr(TrainingArguments, "should_save", property(lambda self: False))  # as on rank 1
     folder = tmp_path / "run" / "checkpoint-not-yet-created"
     trainer._save_optimizer_and_scheduler(str(folder))
-    assert (folder / "rollout_buffer_rank0.pt").exists()
+    assert saved_state(folder, "rollout_resume") is not None
 
 
 @pytest.mark.parametrize("method", ["grpo", "rloo"])
@@ -143,7 +143,7 @@ def test_resume_inside_a_rollout_window_continues_exactly(method, tiny_llama, tm
     full = _trainer(method, tiny_llama, tmp_path / "full", **window)
     full.train()
     checkpoint = tmp_path / "full" / "checkpoint-3"
-    assert (checkpoint / "rollout_buffer_rank0.pt").exists()
+    assert saved_state(checkpoint, "rollout_resume") is not None
     resumed = _trainer(method, tiny_llama, tmp_path / "resumed", **window)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     expected, got = step_logs(full, ("loss", "grad_norm")), step_logs(resumed, ("loss", "grad_norm"))
@@ -159,11 +159,11 @@ def test_resume_inside_a_rollout_window_on_another_number_of_processes_is_refuse
     run = _trainer("grpo", tiny_llama, tmp_path / "run", steps_per_generation=2, max_steps=1, save_steps=1)
     run.train()
     checkpoint = tmp_path / "run" / "checkpoint-1"
-    shutil.copy(checkpoint / "rollout_buffer_rank0.pt", checkpoint / "rollout_buffer_rank1.pt")  # as 2 ranks save
+    shutil.copy(checkpoint / "trl_scale_state_rank0.pt", checkpoint / "trl_scale_state_rank1.pt")  # as 2 ranks save
     resumed = _trainer("grpo", tiny_llama, tmp_path / "resumed", steps_per_generation=2, max_steps=2)
     with pytest.raises(ValueError, match=r"saved inside a rollout window by 2 process\(es\).*this run has 1.*Fix"):
         resumed.train(resume_from_checkpoint=str(checkpoint))
-    assert resumed.state.global_step == 1 and (checkpoint / "rollout_buffer_rank1.pt").exists()
+    assert resumed.state.global_step == 1 and (checkpoint / "trl_scale_state_rank1.pt").exists()
 
 
 @pytest.mark.parametrize("damage", ["value_model", "everything_of_the_critic"])

@@ -15,7 +15,7 @@ from transformers import AutoConfig
 from trl_scale.scoring.sequence_parallel import check_sequence_parallel, core_attention_for
 from trl_scale.toy import build_tiny_model, tiny_config
 
-from .helpers import ROOT, cpu_args, free_port, subprocess_env
+from .helpers import ROOT, cpu_args, free_port, saved_state, subprocess_env
 
 TOLERANCE = 1e-5
 
@@ -467,8 +467,8 @@ def test_a_run_under_sp_size_2_resumes_inside_a_rollout_window_exactly(family_mo
         return accelerate_launch(2) + base
 
     run_to_completion(command(full))
-    assert (full / "checkpoint-3" / "rollout_buffer_rank0.pt").exists()
-    assert not (full / "checkpoint-3" / "rollout_buffer_rank1.pt").exists()  # one data-parallel rank
+    assert saved_state(full / "checkpoint-3", "rollout_resume") is not None
+    assert not (full / "checkpoint-3" / "trl_scale_state_rank1.pt").exists()  # one data-parallel rank
     run_to_completion(command(resumed, "--resume_from_checkpoint", str(full / "checkpoint-3")))
 
     def logged(out):

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, TrainerCallback
 import trl_scale
 from trl_scale.toy import TOY_WORDS
 
-from .helpers import cpu_args, record_generations, start_servers, token_parity_reward
+from .helpers import cpu_args, record_generations, saved_state, start_servers, token_parity_reward
 
 pytest.importorskip("fastapi")
 
@@ -122,7 +122,7 @@ def slow_first_attempts(trainer, ids: set[int], seconds: float | None = None) ->
 
 def versions_recorder(trainer):
     """Per generated batch: the sync count when it was trained, and each completion's (first, newest) span."""
-    return record_generations(trainer, lambda generation: list(generation.last_version_spans))
+    return record_generations(trainer, lambda generation: list(generation.records.newest().version_spans))
 
 
 def check_once_each(trainer, recorder, group: int) -> set[int]:
@@ -241,7 +241,7 @@ def test_a_resume_trains_each_group_read_before_the_checkpoint_once(servers, tin
     )
     slow_first_attempts(trainer, {2}, seconds=1.5)  # one group is still out at the checkpoint
     trainer.train()
-    assert (tmp_path / "checkpoint-3" / "rollout_stream_rank0.pt").is_file()
+    assert saved_state(tmp_path / "checkpoint-3", "server_rollout") is not None
     first.by_step = first.by_step[:3]  # what was trained up to the checkpoint
     second = TrainedIds()
     resumed = streaming_run("grpo", tiny_llama, tmp_path / "resumed", urls, second, max_steps=6)
@@ -273,7 +273,7 @@ def test_a_streaming_resume_inside_a_generation_window_trains_each_group_once(se
     first = TrainedIds()
     trainer = streaming_run("grpo", tiny_llama, tmp_path, urls, first, save_strategy="steps", save_steps=3, **window)
     trainer.train()
-    assert (tmp_path / "checkpoint-3" / "rollout_stream_rank0.pt").is_file()
+    assert saved_state(tmp_path / "checkpoint-3", "server_rollout") is not None
     assert len(first.by_step) == 3  # one reward call per generation (2 steps each)
     first.by_step = first.by_step[:2]  # the generations trained up to the checkpoint: steps 1-2 and 3-4
     second = TrainedIds()
@@ -310,7 +310,9 @@ def test_dynamic_sampling_tops_up_from_the_stream_within_the_bound(servers, tiny
 
     def recording_rewards(inputs, prompts, completions, completion_ids_list):
         generation = trainer.vllm_generation
-        trained.append((generation.sync_count, [r["id"] for r in inputs], list(generation.last_version_spans)))
+        trained.append(
+            (generation.sync_count, [r["id"] for r in inputs], list(generation.records.newest().version_spans))
+        )
         return type(trainer)._calculate_rewards(trainer, inputs, prompts, completions, completion_ids_list)
 
     trainer._calculate_rewards = recording_rewards  # TRL's step calls it on the chosen rows only
@@ -428,7 +430,10 @@ def test_a_streaming_runs_timeline_accounts_for_its_steps_with_token_ages_and_bu
     seen = record_generations(
         trainer,
         lambda generation: [
-            (span, len(lp)) for span, lp in zip(generation.last_version_spans, generation.last_sampler_logprobs)
+            (span, len(lp))
+            for span, lp in zip(
+                generation.records.newest().version_spans, generation.records.newest().sampler_logprobs
+            )
         ],
     )
     trainer.train()

@@ -5,6 +5,7 @@
     trl-scale check-servers URL... [--weight-sync MODE] [--max-completion-length N] [--json]
     trl-scale rollout {rejection-sample,eval} --servers URL... --tokenizer PATH --dataset D --reward-funcs F
     trl-scale demo [--max-steps N] [--family llama|qwen2]
+    trl-scale step grpo|rloo|dpo|ppo --config file.yaml | --example demo   (the step a config runs, printed)
 
 Training commands parse TRL's `ScriptArguments`, the method's config and TRL's `ModelConfig` with `TrlParser`
 (YAML plus command-line overrides). Offline conveniences: `model_name_or_path: toy:llama` (or `toy:qwen2`)
@@ -17,53 +18,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
-from dataclasses import dataclass, field
 
-
-def _import_trl_script_types():
-    from trl import ModelConfig, ScriptArguments
-
-    @dataclass
-    class TrainScriptArguments(ScriptArguments):
-        """TRL's script arguments plus the reward and value models of online methods."""
-
-        reward_funcs: list[str] | None = field(
-            default=None,
-            metadata={
-                "help": "Reward functions: `counting_reward` or dotted import paths (online methods); a class "
-                "(trl_scale.CodeExecutionReward, trl_scale.RemoteReward, yours) is made with reward_funcs_kwargs."
-            },
-        )
-        reward_funcs_kwargs: dict | str | None = field(
-            default=None,
-            metadata={
-                "help": "Settings of the reward classes in reward_funcs, by entry: {entry: {argument: value}} (YAML "
-                'mapping, or JSON on the command line), e.g. {"trl_scale.RemoteReward": {"urls": ["http://h:8100/'
-                'get_reward"], "label_column": "tests"}}.'
-            },
-        )
-        reward_model_name_or_path: str | None = field(
-            default=None, metadata={"help": "Path of a sequence-classification reward model (online methods)."}
-        )
-        value_model_name_or_path: str | None = field(
-            default=None, metadata={"help": "PPO only: the critic; default: the reward model, else the policy."}
-        )
-        num_toy_examples: int = field(default=4096, metadata={"help": "Rows of a `toy:` dataset."})
-
-    return TrainScriptArguments, ModelConfig
-
-
-def _method_classes(method: str):
-    import trl_scale
-
-    return {
-        "grpo": (trl_scale.GRPOTrainer, trl_scale.GRPOConfig),
-        "rloo": (trl_scale.RLOOTrainer, trl_scale.RLOOConfig),
-        "dpo": (trl_scale.DPOTrainer, trl_scale.DPOConfig),
-        "ppo": (trl_scale.PPOTrainer, trl_scale.PPOConfig),
-    }[method]
+from .cli_parsing import import_trl_script_types as _import_trl_script_types
+from .cli_parsing import method_classes as _method_classes
+from .cli_parsing import parse as _parse
 
 
 def _load_dataset(script_args):
@@ -148,32 +107,6 @@ def _resolve_model(model_name: str | None, training_args) -> str:
                 build_counting_model(path, family=family, **shape)  # warmed up: RL on a random model learns nothing
         return path
     return model_name
-
-
-def _parse(parser, method: str, argv: list[str]):
-    """TrlParser's dataclasses from `--config` and the overrides; a bad field, value or YAML is a usage error naming
-    the fix, not a traceback."""
-    try:
-        return parser.parse_args_and_config(args=argv)
-    except ValueError as error:  # a usage error, not a traceback
-        unknown = re.search(r"Unknown arguments from config file: (\[.*?\])", str(error))  # TrlParser, a YAML key
-        if unknown:
-            parser.error(
-                f"--config has unknown fields {unknown.group(1)}. Fix: check the field names (`trl-scale {method} "
-                "--help` lists them)"
-            )
-        if "arguments are not used" in str(error):  # HfArgumentParser: an unknown field
-            parser.error(f"{error}. Fix: check the field names (`trl-scale {method} --help` lists them)")
-        parser.error(str(error))  # a config's own check (e.g. bf16 on a CPU machine): its message says the fix
-    except Exception as error:
-        import yaml
-
-        if not isinstance(error, yaml.YAMLError):
-            raise
-        where = getattr(error, "problem_mark", None)
-        line = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        parser.error(f"--config is not valid YAML{line}: {problem}. Fix: correct the YAML (e.g. its indentation)")
 
 
 def _eval_split(parser, dataset, script_args, training_args):
@@ -406,7 +339,8 @@ USAGE = (
     "       trl-scale reward-server [--reward code|module:function] [--host 127.0.0.1] [--port N] [--api-key KEY]\n"
     "       trl-scale check-servers URL... [--weight-sync MODE] [--max-completion-length N] [--json]\n"
     "       trl-scale rollout {rejection-sample,eval} --servers URL... --tokenizer PATH --dataset D --reward-funcs F\n"
-    "       trl-scale demo [options]"
+    "       trl-scale demo [options]\n"
+    "       trl-scale step {grpo,rloo,dpo,ppo} --config file.yaml | --example {demo,streaming-environments}"
 )
 
 
@@ -463,6 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "demo":
         return _demo(rest)
+    if command == "step":
+        from .cli_step import step
+
+        return step(rest)
     if command == "rollout":
         return _rollout(rest)
     if command == "serve":

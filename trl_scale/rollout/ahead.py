@@ -1,4 +1,4 @@
-"""Generation ahead of the trainer (asynchronous rollout): the prefetch (`async_rollout`, "ordered") and the stream
+"""Generation ahead of the trainer (asynchronous rollout): the prefetch (`prefetch.py`, "ordered") and the stream
 (`streaming`), on the servers' client. Mixed into `ServerRolloutGeneration`, which it uses for the requests (`client`,
 `settings`, the sync count and the LoRA adapter served); TRL's `generate` call for a batch is answered from a
 streamed batch within `serving`. Tool-using rollouts stream whole conversations: a group's later turns are sent right
@@ -31,7 +31,7 @@ class ReadAhead(Protocol):
 
     batches_ahead: int  # generation batches read ahead of the one being trained
     notes_first: bool  # the run's first generation batch is generated ahead too
-    streams: bool  # the trainer takes batches of whole finished groups from it (not TRL's generate call)
+    takes_groups: bool  # the trainer takes batches of whole finished groups from it (not TRL's generate call)
 
     def note_upcoming(self, batch: list) -> None: ...
 
@@ -60,7 +60,7 @@ def _ordered(
     """Up to `staleness` generation batches prefetched, each generated whole at the weights of its request. With
     episodes (environments) or a `rollout_func`, which only the stream's engine runs: that engine, ordered
     (`ordered_stream`). Later turns of plain tools are generated in the step (see `ServerRollout.tool_call_loop`)."""
-    if generation.settings.asynchronous.streams_groups(open_episode is not None, rollout is not None):
+    if generation.settings.asynchronous.takes_groups(open_episode is not None, rollout is not None):
         from .ordered_stream import OrderedStream
 
         return _stream(
@@ -68,7 +68,7 @@ def _ordered(
         )
     from concurrent.futures import ThreadPoolExecutor
 
-    from .async_rollout import RolloutPrefetcher
+    from .prefetch import RolloutPrefetcher
 
     # Its own threads: a prefetch waits on the client's request pool, which must never wait on itself.
     pool = ThreadPoolExecutor(max_workers=max(1, staleness), thread_name_prefix="prefetch")
@@ -120,7 +120,7 @@ class GenerationAhead:
 
     read_ahead: ReadAhead | None = None  # the engine, or None for a synchronous run
     shared_with = None  # the sequence-parallel group's process group: its rank 0 generates for it (`share_with`)
-    streams = False  # streaming rollout: this rank's batches come from the stream (its own, or its group's)
+    takes_groups = False  # streaming rollout: this rank's batches come from the stream (its own, or its group's)
     converses = False  # streaming generates a group's later turns too (`enable_async(converse=...)`)
     _serving = None  # a streamed batch TRL's next generate() call is answered from
     _serving_rewards = None  # ... and its groups' rewards (computed in the stream), for the next reward call
@@ -151,18 +151,18 @@ class GenerationAhead:
         build = READ_AHEAD_ENGINES[asynchronous.mode]
         staleness = asynchronous.staleness
         self.read_ahead = build(self, staleness, tokenize, groups_per_batch, converse, score, open_episode, rollout)
-        self.streams = self.read_ahead.streams  # ordered episodes stream too (`_ordered`)
-        self.converses = self.streams and converse is not None
+        self.takes_groups = self.read_ahead.takes_groups  # ordered episodes stream too (`_ordered`)
+        self.converses = self.takes_groups and converse is not None
 
     @property
     def streamer(self):
         """The streaming engine (streaming rollout), or None."""
-        return self.read_ahead if self.streams else None
+        return self.read_ahead if self.takes_groups else None
 
     @property
     def prefetcher(self):
         """The ordered prefetch engine, or None."""
-        return None if self.streams else self.read_ahead
+        return None if self.takes_groups else self.read_ahead
 
     def send_group(
         self, prompt_ids: list[int], n: int, dispatched=None, identity: tuple | None = None
@@ -250,7 +250,7 @@ class GenerationAhead:
     def read_ahead_metrics(self) -> dict[str, float]:
         """The engine's counts (see `StreamingRollout.metrics`) and, streaming, the cut answers continued."""
         metrics = self.read_ahead.metrics() if self.read_ahead is not None else {}
-        if self.streams:
+        if self.takes_groups:
             metrics["rollout/stream_answers_continued"] = float(self.client.answers_continued)
         return metrics
 

@@ -27,6 +27,7 @@ from ..logs import get_logger
 from ..ranks import agree, broadcast_from_main, decide_on_leader, decide_on_main, gathered
 from .ahead import CONVERSATION_KEY, GenerationAhead
 from .client import SERVER_KEY, VERSION_PREFIX, RolloutClient, RolloutError
+from .record import BatchRecords, GeneratedBatch
 from .seeds import RequestSeeds
 from .settings import RolloutSettings
 from .weight_dir import WeightDirectory
@@ -73,6 +74,7 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
         self.server_max_model_len: int | None = None
         self._lora_served: tuple[str | None, int] = (None, 0)  # (lora_name, its sync count), swapped as one
         self.sync_count = 0
+        self.records = BatchRecords()  # one per generated batch: its versions, sampler log-probs, conversations
         # a seed per request where generation_kwargs has one (`seeds.py`); batches numbered in the trainer's thread
         self.seeds = RequestSeeds.from_config(
             settings.sampling.get("seed"), settings.run_seed, getattr(accelerator, "process_index", 0)
@@ -219,10 +221,6 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
         return self._lora_served[0]
 
     _syncing = False  # a weight sync is under way (streaming: running generations may reach its weights)
-    last_versions: list[int] = []  # per completion of the last batch: the sync count its first token came from
-    last_version_spans: list[tuple[int, int]] = []  # per completion: (first, newest possible) sync counts
-    last_sampler_logprobs: list[list[float]] = []  # per completion of the last batch: its tokens' sampler log-probs
-    last_conversations: list | None = None  # per completion of the last streamed batch: its whole conversation
 
     def generate(self, prompts, images=None, num_generations=1, profiler=None):
         """Each rank sends its own prompts. With async rollout, a batch prefetched at most `staleness` syncs ago
@@ -233,13 +231,11 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
             choices, spans = self._streamed_choices(prompts)
         else:  # under sequence parallelism, one request per group: its ranks train on the same batch
             choices, spans = decide_on_leader(lambda: self._generated_choices(prompts), self.shared_with)
-        self.last_versions = [first for first, _ in spans]  # the weights of each completion's first token
-        self.last_version_spans = spans  # ... and of its last at the newest
-        # a streamed tool-using group's conversations (its later turns were generated with it): the tool loop's
-        self.last_conversations = [choice.get(CONVERSATION_KEY) for choice in choices] if self.converses else None
         completion_ids, logprobs = self.turn_outputs(choices)
-        # TRL's RLOO drops the log-probs `generate` returns: its trl-scale correction reads them here
-        self.last_sampler_logprobs = logprobs
+        # a streamed tool-using group's conversations (its later turns were generated with it): the tool loop's
+        conversations = tuple(choice.get(CONVERSATION_KEY) for choice in choices) if self.converses else None
+        # TRL's RLOO drops the log-probs `generate` returns: its trl-scale correction reads them from the record
+        self.records.add(GeneratedBatch(tuple(spans), tuple(logprobs), conversations))
         return generate_output(prompts, choices, completion_ids, logprobs)
 
     def turn_outputs(self, choices: list[dict]) -> tuple[list[list[int]], list[list[float]]]:

@@ -28,23 +28,25 @@ class AsyncRollout:
     reward_workers: int = 4  # ... its synchronous reward functions on this many threads
 
     @property
-    def streams(self) -> bool:
+    def streaming(self) -> bool:
+        """Streaming rollout: generations run across weight syncs (the mode, with staleness >= 1)."""
         return self.staleness > 0 and self.mode == "streaming"
 
-    def streams_groups(self, episodes: bool, rollout: bool) -> bool:
+    def takes_groups(self, episodes: bool, rollout: bool) -> bool:
         """Whether the read-ahead engine is the stream's, whose finished groups the step takes whole: streaming, and
         ordered with environments' episodes or a `rollout_func`, which only that engine runs (`ahead._ordered`)."""
-        return self.streams or (self.staleness > 0 and (episodes or rollout))
+        return self.streaming or (self.staleness > 0 and (episodes or rollout))
 
     @classmethod
     def from_config(cls, args) -> AsyncRollout:
-        staleness = getattr(args, "async_rollout_staleness", 0)
+        """From an online trainer's config (`RolloutArguments` and TRL's vLLM fields)."""
+        staleness = args.async_rollout_staleness
         check_whole(
             "async_rollout_staleness", staleness, fix="use a whole number of weight syncs: 0 (synchronous) or k >= 1"
         )
         # streaming by default with staleness >= 1
-        mode = getattr(args, "async_rollout_mode", None) or ("streaming" if staleness else "ordered")
-        interrupt = getattr(args, "async_rollout_interrupt", "keep")
+        mode = args.async_rollout_mode or ("streaming" if staleness else "ordered")
+        interrupt = args.async_rollout_interrupt
         if mode not in ("ordered", "streaming"):
             raise ValueError(f"async_rollout_mode={mode!r}: use 'ordered' or 'streaming'")
         if interrupt not in ("keep", "partial"):
@@ -52,8 +54,8 @@ class AsyncRollout:
                 f"async_rollout_interrupt={interrupt!r}: use 'keep' (running answers go on with the new weights) or "
                 "'partial' (they are cut at the sync and continued after it)"
             )
-        rewards_in_stream = getattr(args, "stream_rewards", None)  # None: decided by the trainer (environments)
-        reward_workers = getattr(args, "stream_reward_workers", 4)
+        rewards_in_stream = args.stream_rewards  # None: decided by the trainer (environments)
+        reward_workers = args.stream_reward_workers
         check_whole("stream_reward_workers", reward_workers, minimum=1, fix="use a positive whole number of threads")
         settings = cls(staleness, mode, interrupt, rewards_in_stream is True, reward_workers)
         settings.check_with(args)
@@ -72,7 +74,7 @@ class AsyncRollout:
 
     def check_with(self, args) -> None:
         """What the other fields must be for these settings to act."""
-        if self.staleness and not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server"):
+        if self.staleness and not (args.use_vllm and args.vllm_mode == "server"):
             raise ValueError(
                 "async_rollout_staleness > 0 overlaps server generation with training: it needs use_vllm=True, "
                 "vllm_mode='server' and vllm_server_base_urls. Fix: set those, or async_rollout_staleness=0"
@@ -83,9 +85,9 @@ class AsyncRollout:
                 "async_rollout_staleness=0 none does. Fix: async_rollout_staleness=1 (or more)"
             )
         if self.interrupt == "partial":
-            self._check_partial(getattr(args, "weight_sync", "auto"))
+            self._check_partial(args.weight_sync)
         self._check_stream_rewards(args)
-        if self.staleness and not getattr(args, "vllm_importance_sampling_correction", True):
+        if self.staleness and not args.vllm_importance_sampling_correction:
             raise ValueError(
                 f"async_rollout_staleness={self.staleness} trains completions sampled from older weights; with "
                 "vllm_importance_sampling_correction=False nothing corrects for it. Fix: "
@@ -94,7 +96,7 @@ class AsyncRollout:
 
     def _check_stream_rewards(self, args) -> None:
         """Rewards are computed in the stream only where groups stream; the workers act only there."""
-        if self.rewards_in_stream and not self.streams:
+        if self.rewards_in_stream and not self.streaming:
             raise ValueError(
                 "stream_rewards=True computes each prompt group's rewards as soon as it finishes streaming; "
                 f"with async_rollout_staleness={self.staleness} and async_rollout_mode={self.mode!r} no group "
@@ -103,7 +105,7 @@ class AsyncRollout:
             )
         # stream_rewards=None with asynchronous rollout: an environment (known to the trainer, which checks again)
         # streams its rewards, ordered or streaming; synchronous, None is False
-        asked = getattr(args, "stream_rewards", None) if self.staleness else False
+        asked = args.stream_rewards if self.staleness else False
         why = self.unread_reward_workers(asked, environments=True)
         if why is not None:
             raise ValueError(why)
@@ -151,10 +153,14 @@ class RolloutSettings:
     @property
     def streaming(self) -> bool:
         """Prompt groups stream through the servers: syncs do not drain them."""
-        return self.asynchronous.streams
+        return self.asynchronous.streaming
 
     @classmethod
-    def from_config(cls, args, *, logprobs: bool, require_logprobs: bool, run_id: str) -> RolloutSettings:
+    def from_config(
+        cls, args, asynchronous: AsyncRollout | None = None, *, logprobs: bool, require_logprobs: bool, run_id: str
+    ) -> RolloutSettings:
+        """The client's settings from the config's fields, with the asynchronous settings the run's plan read (None:
+        read here from the config)."""
         sampling = {
             "max_tokens": args.max_completion_length,
             "temperature": args.temperature,
@@ -166,10 +172,10 @@ class RolloutSettings:
             "logprobs": 0 if logprobs else None,
         }
         sampling.update(args.generation_kwargs or {})
-        asynchronous = AsyncRollout.from_config(args)
+        asynchronous = asynchronous if asynchronous is not None else AsyncRollout.from_config(args)
         if sampling.get("seed") is not None:
-            _warn_seeded_requests(sampling["seed"], asynchronous.streams)
-        regex = getattr(args, "vllm_structured_outputs_regex", None)
+            _warn_seeded_requests(sampling["seed"], asynchronous.streaming)
+        regex = args.vllm_structured_outputs_regex
         if regex is not None:  # as TRL's client sends it (vllm_client.py:441-442), taking precedence
             sampling["structured_outputs"] = {"regex": regex}
         return cls(
@@ -182,7 +188,7 @@ class RolloutSettings:
             require_logprobs=require_logprobs,
             managed=bool(args.managed_servers),
             run_id=run_id,
-            run_seed=getattr(args, "seed", 0) or 0,
+            run_seed=args.seed or 0,
             on_sampler_support=SamplerSupport.from_config(args) is not None,
             asynchronous=asynchronous,
         )

@@ -27,7 +27,7 @@ each of them once and reads on where the run had read, so no prompt is repeated 
 the groups still generating are abandoned (their answers were not needed).
 
 The order in which groups finish depends on timing, so streaming runs are not reproducible bit for bit;
-`async_rollout_mode="ordered"` (the prefetch in `async_rollout`) is.
+`async_rollout_mode="ordered"` (the prefetch in `prefetch.py`) is.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class StreamingRollout:
     """Keeps up to `window` prompt groups generating on the servers, and hands the trainer finished ones."""
 
     notes_first = True  # the first generation batch is streamed too (the prefetch generates it in turn)
-    streams = True  # the trainer takes its batches of finished groups from it (`take`)
+    takes_groups = True  # the trainer takes its batches of finished groups from it (`take`)
 
     def __init__(
         self,

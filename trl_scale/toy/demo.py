@@ -134,7 +134,7 @@ def plot_rewards(rewards: list[float], path: str, before: float, after: float) -
     return path
 
 
-def _demo_config(output_dir: str, max_steps, batch_size, num_generations, learning_rate, seed) -> dict:
+def demo_config(output_dir: str, max_steps=800, batch_size=64, num_generations=8, learning_rate=5e-4, seed=0) -> dict:
     """The demo's GRPO settings: a constant learning rate, no KL term, a log line per step, nothing saved."""
     return dict(
         output_dir=os.path.join(output_dir, "grpo"),
@@ -201,7 +201,7 @@ def run_demo(
     greedy_before = evaluate_counting(model, tokenizer, greedy=True)
 
     args = GRPOConfig(
-        **_demo_config(output_dir, max_steps, per_device_train_batch_size, num_generations, learning_rate, seed),
+        **demo_config(output_dir, max_steps, per_device_train_batch_size, num_generations, learning_rate, seed),
         disable_tqdm=not show_progress,
         **config_overrides,
     )

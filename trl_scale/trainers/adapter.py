@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from ..logs import get_logger
+from ..rollout.record import RECORD_KEY
 from .feature import Feature, FeatureChain
+from .feature_state import load_feature_states, save_feature_states
+from .plan import RunPlan
+
+logger = get_logger(__name__)
 
 # The around hooks' TRL methods (a feature's hook name -> the trainer method it wraps).
 TRL_METHODS = {
@@ -37,16 +43,22 @@ class FeatureHooks:
     FEATURES: ClassVar[tuple[type[Feature], ...]] = ()
     features: FeatureChain
 
-    def _start_features(self, arguments: dict) -> FeatureChain:
-        """The features of this trainer, made from its constructor arguments before TRL's constructor runs (DPO's
-        packed scoring is asked for inside it)."""
-        self.features = FeatureChain(kind.from_arguments(arguments) for kind in self.FEATURES)
-        return self.features
+    def _start_features(self, arguments: dict) -> RunPlan:
+        """The run's plan and the features that act in it, made from the constructor arguments before TRL's
+        constructor runs (DPO's packed scoring is asked for inside it)."""
+        self.plan = RunPlan.from_arguments(type(self).__name__, arguments)
+        built = (kind.build(self.plan, arguments) for kind in self.FEATURES)
+        self.features = FeatureChain(feature for feature in built if feature is not None)
+        return self.plan
 
     def _set_up_features(self) -> None:
         """After TRL's constructor: every feature checks, then every feature sets up, in order."""
         self.features.event("check", self)
         self.features.event("setup", self)
+        if self.accelerator.is_main_process:
+            logger.info(f"trl-scale plan: {self.plan.summary()}")
+            for hook, names in self.features.by_hook().items():
+                logger.info(f"trl-scale {hook}: {' > '.join(names)} > TRL")
 
     def _chain(self) -> FeatureChain:
         """The trainer's features; none on a trainer built without trl-scale's constructor (TRL's own tests build
@@ -88,11 +100,13 @@ class FeatureHooks:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
         self._chain().event("save_state", self, output_dir)
+        save_feature_states(self._chain(), self, output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
             self._chain().event("load_state", self, checkpoint)
+            load_feature_states(self._chain(), self, checkpoint)
 
     def push_to_hub(self, *args, **kwargs):
         return self._around("push_to_hub", *args, **kwargs)
@@ -108,7 +122,9 @@ class OnlineHooks(FeatureHooks):
     """GRPO, RLOO and PPO: an online step's hooks."""
 
     def _generate_and_score_completions(self, inputs):
-        return self._around("generate_and_score", inputs)
+        batch = self._around("generate_and_score", inputs)
+        batch.pop(RECORD_KEY, None)  # the rollout's record, for the features only: TRL's batch is TRL's
+        return batch
 
     def _generate(self, prompts):
         return self._around("generate", prompts)

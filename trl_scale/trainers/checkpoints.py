@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import glob
 import os
 
-from ..sharding.data_parallel import writes_group_files
 from .feature import Feature
+from .feature_state import STATE_NAME, saved_ranks
 
 ROLLOUT_BUFFER_NAME = "rollout_buffer_rank{rank}.pt"
 STREAM_STATE_NAME = "rollout_stream_rank{rank}.pt"
@@ -29,20 +30,17 @@ def check_stream_group_size(state: dict, num_generations: int, path: str) -> Non
     )
 
 
-def check_rollout_buffers(checkpoint: str, num_processes: int) -> None:
-    """A checkpoint saved inside a rollout window holds one rollout buffer per process. Resumed on another number of
-    processes, some ranks would have a buffer and others would generate, and TRL's cross-rank gathers would not
+def check_same_processes(checkpoint: str, saved: int, num_processes: int, name: str = STATE_NAME) -> None:
+    """A checkpoint saved inside a rollout window holds one rollout per process. Resumed on another number of
+    processes, some ranks would have a rollout and others would generate, and TRL's cross-rank gathers would not
     match (a hang or wrong numbers): refuse it on every rank (each reads the same folder), naming the fixes."""
-    import glob
-
-    saved = len(glob.glob(os.path.join(checkpoint, ROLLOUT_BUFFER_NAME.format(rank="*"))))
     if saved and saved != num_processes:
         raise ValueError(
             f"{checkpoint} was saved inside a rollout window by {saved} process(es), with each one's rollout "
-            f"({ROLLOUT_BUFFER_NAME.format(rank='N')}); this run has {num_processes}. Nothing was trained, and the "
-            f"checkpoint is intact. Fix: resume with {saved} process(es) for an exact continuation, or delete the "
-            f"{ROLLOUT_BUFFER_NAME.format(rank='*')} files in it to start a new rollout there (as TRL resumes; not "
-            "exact), or resume from a checkpoint saved at a window boundary"
+            f"({name.format(rank='N')}); this run has {num_processes}. Nothing was trained, and the checkpoint is "
+            f"intact. Fix: resume with {saved} process(es) for an exact continuation, or delete the "
+            f"{name.format(rank='*')} files in it to start a new rollout there (as TRL resumes; not exact), or resume "
+            "from a checkpoint saved at a window boundary"
         )
 
 
@@ -79,27 +77,32 @@ class RolloutResume(Feature):
 
     name = "rollout_resume"
 
-    def save_state(self, trainer, output_dir: str) -> None:
-        """The rollout being trained on (every rank its own): a checkpoint inside a generation window
+    def state_dict(self, trainer) -> dict | None:
+        """The rollout being trained on (every data-parallel rank its own): a checkpoint inside a generation window
         (`steps_per_generation` x `num_iterations` > 1, or PPO's epochs x mini-batches) then resumes on the same
         rollout, where TRL would sample a new one and diverge from the uninterrupted run."""
-        if trainer._buffered_inputs is None or not writes_group_files(trainer.accelerator):
-            return
-        import torch
+        if trainer._buffered_inputs is None:
+            return None
+        return {"step": trainer._step, "inputs": trainer._buffered_inputs}
 
-        # Ranks other than the main one get here while it may still be writing the model: the folder it creates
-        # may not exist yet (transformers' own per-rank RNG file makes it the same way).
-        os.makedirs(output_dir, exist_ok=True)
-        path = os.path.join(output_dir, ROLLOUT_BUFFER_NAME.format(rank=trainer.accelerator.process_index))
-        torch.save({"step": trainer._step, "inputs": trainer._buffered_inputs}, path)
+    def load_state_dict(self, trainer, state: dict, path: str) -> None:
+        from accelerate.utils import send_to_device
 
-    def load_state(self, trainer, checkpoint: str) -> None:
-        check_rollout_buffers(checkpoint, trainer.accelerator.num_processes)
+        checkpoint = os.path.dirname(path)
+        check_same_processes(checkpoint, saved_ranks(checkpoint), trainer.accelerator.num_processes)
+        trainer._step, trainer._buffered_inputs = (
+            state["step"],
+            send_to_device(state["inputs"], trainer.accelerator.device),
+        )
+
+    def load_legacy_state(self, trainer, checkpoint: str) -> None:
+        """`rollout_buffer_rank<N>.pt`, one per rank."""
+        saved = len(glob.glob(os.path.join(checkpoint, ROLLOUT_BUFFER_NAME.format(rank="*"))))
+        check_same_processes(checkpoint, saved, trainer.accelerator.num_processes, ROLLOUT_BUFFER_NAME)
         path = os.path.join(checkpoint, ROLLOUT_BUFFER_NAME.format(rank=trainer.accelerator.process_index))
         if os.path.isfile(path):
             import torch
 
-            # Our own file in our own checkpoint (tensors in lists and dicts), loaded as the Trainer loads RNG state.
             # Plain "cpu" for CPU runs: under DeepSpeed the device is "cpu:0", a location torch.load cannot restore.
             device = trainer.accelerator.device
             saved = torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=False)

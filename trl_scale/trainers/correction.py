@@ -10,6 +10,7 @@ from ..rollout.correction import (
     record_ratio_statistics,
     sequence_importance_weights,
 )
+from ..rollout.record import RECORD_KEY, GeneratedBatch
 from .feature import Feature
 
 
@@ -22,13 +23,14 @@ class RatioMetrics(Feature):
 
     def generate_and_score(self, trainer, proceed, inputs):
         batch = proceed(inputs)
+        record = batch.get(RECORD_KEY)  # trl-scale's client: the batch's versions
         if "importance_sampling_ratio" in batch and "sampling_per_token_logps" in batch:
-            self._record(trainer, batch)
-        if trainer.model.training and "completion_mask" in batch:
-            record_token_ages(trainer, batch["completion_mask"])
+            self._record(trainer, batch, record)
+        if trainer.model.training and "completion_mask" in batch and record is not None:
+            record_token_ages(trainer, batch["completion_mask"], record)
         return batch
 
-    def _record(self, trainer, batch: dict) -> None:
+    def _record(self, trainer, batch: dict, record) -> None:
         mask = batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
         stats = raw_ratio_statistics(
             batch["old_per_token_logps"],
@@ -40,7 +42,7 @@ class RatioMetrics(Feature):
         )
         metrics = trainer._metrics["train" if trainer.model.training else "eval"]
         record_ratio_statistics(metrics, trainer.accelerator.gather, stats)
-        spans = getattr(getattr(trainer, "vllm_generation", None), "last_version_spans", None)
+        spans = record.version_spans if record is not None else ()
         if spans:
             spanning = torch.tensor(sum(first != newest for first, newest in spans) / len(spans), device=mask.device)
             metrics["rollout/completions_overlapping_a_sync"].append(
@@ -48,16 +50,15 @@ class RatioMetrics(Feature):
             )
 
 
-def record_token_ages(trainer, completion_mask: torch.Tensor) -> None:
+def record_token_ages(trainer, completion_mask: torch.Tensor, record: GeneratedBatch) -> None:
     """The share of the batch's completion tokens (every process's) by age: the syncs between the weights that drew
     a completion's first token and the weights it is trained at, 0 to `async_rollout_staleness`, as
     `rollout/token_age/<age>` (a completion's later tokens may be younger: this is their oldest). Any older than the
     bound would show as `rollout/token_age/over_bound`. Server rollout only (it tags each completion's weights)."""
-    generation = getattr(trainer, "vllm_generation", None)
-    spans = getattr(generation, "last_version_spans", None)
+    generation, spans = trainer.vllm_generation, record.version_spans
     if not spans or len(spans) != completion_mask.size(0):
         return
-    bound = getattr(trainer.args, "async_rollout_staleness", 0)
+    bound = trainer.args.async_rollout_staleness
     counts = torch.zeros(bound + 2, dtype=torch.float64)
     for (first, _), tokens in zip(spans, completion_mask.sum(1).tolist()):
         counts[min(max(0, generation.sync_count - first), bound + 1)] += tokens
@@ -76,6 +77,10 @@ class SequenceCorrection(Feature):
 
     name = "sequence_correction"
 
+    @classmethod
+    def build(cls, plan, arguments: dict) -> SequenceCorrection | None:
+        return cls() if plan.corrects_sampler_logprobs else None
+
     def generate_and_score(self, trainer, proceed, inputs):
         batch = proceed(inputs)
         if trainer.args.corrects_sampler_logprobs:
@@ -90,7 +95,8 @@ def importance_weights(trainer, batch: dict) -> torch.Tensor:
     """Each sequence's weight from the servers' log-probs of its sampled tokens (`generate`'s, which TRL's RLOO drops)
     and the old log-probs TRL scored with the current weights."""
     completion_ids, mask = batch["completion_ids"], batch["completion_mask"]
-    rows = trainer.vllm_generation.last_sampler_logprobs
+    record = batch.get(RECORD_KEY)
+    rows = record.sampler_logprobs if record is not None else ()
     if len(rows) != completion_ids.size(0):
         raise RuntimeError(
             f"RLOO's off-policy correction: {len(rows)} completions' sampler log-probs for a batch of "

@@ -10,7 +10,7 @@ from ..distributed.roles import RayReference
 from ..logs import get_logger
 from ..scoring import checkpointing
 from ..scoring.compiled import compile_decoder_layers, decoder_layers, why_not_compile
-from .feature import Feature
+from .feature import Feature, Patch
 
 logger = get_logger(__name__)
 
@@ -33,6 +33,15 @@ class DecoderLayers(Feature):
     forward's checkpointed layers by memory (`gradient_checkpointing_layers="auto"` on CUDA)."""
 
     name = "decoder_layers"
+    PATCHES = (
+        Patch(
+            "each decoder layer's call (torch.compile)",
+            "train begin, where compiling pays (compile_decoder_layers)",
+            "never",
+            "scoring/compiled.py",
+            lambda plan, config: config.compile_decoder_layers is not False,
+        ),
+    )
 
     def __init__(self):
         self.checkpointing: checkpointing.SelectiveCheckpointing | None = None

@@ -15,7 +15,7 @@ from .construction import (
     with_signature_of,
 )
 from .decoder_layers import DecoderLayers
-from .feature import Feature
+from .feature import Feature, Patch
 from .hub import TRL_SCALE_TAG, ModelCard
 from .packing import PackedScoring, PackingRequest
 
@@ -41,12 +41,22 @@ class PreferencePackedScoring(PackedScoring):
     """DPO's packed scoring: its outputs, and its own `padding_free` (TRL 1.16 force-disables TRL's flag with a
     warning; ours is a different mechanism, a packed forward behind TRL's padded collator)."""
 
+    PATCHES = (
+        *PackedScoring.PATCHES,
+        Patch(
+            "config.padding_free (False)",
+            "while TRL's constructor runs (TRL's own padding-free collator stays off; the packed forward replaces it)",
+            "when it returns",
+            "trainers/dpo_trainer.py",
+        ),
+    )
+
     def __init__(self, padding_free: bool | None = None):
         super().__init__()
         self.padding_free = padding_free  # the user's value, read before TRL's constructor hides it
 
     @classmethod
-    def from_arguments(cls, arguments: dict) -> Feature:
+    def build(cls, plan, arguments: dict) -> Feature:
         config = arguments.get("args")
         return cls(getattr(config, "padding_free", None) if config is not None else None)
 

@@ -19,16 +19,16 @@ import torch
 
 from ..logs import get_logger
 from ..rollout.dynamic_sampling import CandidateRows, TopUpPrompts, choose_groups, groups_with_signal
-from ..sharding.data_parallel import writes_group_files
+from ..rollout.record import GeneratedBatch
 from .feature import Feature
 from .handoff import Handoff
 
 logger = get_logger(__name__)
 
 TOP_UP_STATE_NAME = "dynamic_sampling_rank{rank}.json"
-# What the generation backend records per completion of its last call and the step reads after it (version spans
-# for the streaming metrics; sampler log-probs for RLOO's correction): kept with each candidate row.
-GENERATION_PER_ROW = ("last_versions", "last_version_spans", "last_sampler_logprobs")
+# Each candidate row keeps its completion's part of the rollout's record (`rollout.record`: version spans for the
+# streaming metrics, sampler log-probs for RLOO's correction); the chosen rows' parts make the step's record.
+RECORD_ROW = "generation:record"
 
 
 class DynamicSampling(Feature):
@@ -36,7 +36,15 @@ class DynamicSampling(Feature):
 
     name = "dynamic_sampling"
 
-    def __init__(self):
+    @classmethod
+    def build(cls, plan, arguments: dict) -> DynamicSampling | None:
+        rollout = plan.rollout
+        return cls(rollout.server, rollout.takes_groups, rollout.environments) if plan.dynamic_sampling else None
+
+    def __init__(self, server: bool = False, streamed: bool = False, environments: bool = False):
+        self.server = server  # trl-scale's client generates: its records follow the rows
+        self.streamed = streamed  # the step's rows are finished prompt groups from the stream: top-ups join it
+        self.environments = environments  # TRL's environment_factory
         self.top_up: TopUpPrompts | None = None
         self.drawn_at_resume = 0
         self.warned_budget = False
@@ -46,16 +54,12 @@ class DynamicSampling(Feature):
 
     @staticmethod
     def active(trainer) -> bool:
-        return bool(getattr(trainer.args, "dynamic_sampling", False)) and trainer.model.training
+        return trainer.model.training  # built only with dynamic_sampling=True; evaluation batches stay TRL's
 
     def check(self, trainer) -> None:
         """Construction-time refusals (each names the fix)."""
         args = trainer.args
-        if not getattr(args, "dynamic_sampling", False):
-            return
-        if getattr(trainer, "environment_factories", None) is not None and not getattr(
-            args, "async_rollout_staleness", 0
-        ):
+        if self.environments and not getattr(args, "async_rollout_staleness", 0):
             raise ValueError(
                 "dynamic_sampling=True with environment_factory and synchronous rollout: the top-up rounds generate "
                 "outside TRL's step, which is where it resets the environments. Fix: async_rollout_staleness=1 (or "
@@ -115,9 +119,9 @@ class DynamicSampling(Feature):
     def top_up_round(self, trainer, num_rows: int) -> CandidateRows:
         """New prompt groups: generated now (a synchronous run), or, streaming, joining the stream, and the next
         finished groups (not necessarily those) taken, within the staleness bound as every streamed group."""
-        generation = getattr(trainer, "vllm_generation", None)
-        if not getattr(generation, "streams", False):
+        if not self.streamed:
             return self.candidate_round(trainer, self.top_up_rows(trainer, num_rows))
+        generation = trainer.vllm_generation
         streamed = generation.take_streamed(num_rows, new_rows=self.top_up_rows(trainer, num_rows))
         with generation.serving(streamed):
             return self.candidate_round(trainer, streamed.rows)
@@ -135,7 +139,7 @@ class DynamicSampling(Feature):
         TRL's `_calculate_rewards`; trl-scale's checks run on the served rewards of the chosen rows), kept row by
         row."""
         prompts = [row["prompt"] for row in rows]
-        if getattr(trainer, "environment_factories", None) is not None:  # streamed episodes: TRL renders and parses
+        if self.environments:  # streamed episodes: TRL renders and parses
             # each prompt with its environment's tools, named per row as its own step names them
             trainer._batch_environments = [
                 row.get("environment") if trainer._multi_environment else None for row in rows
@@ -156,11 +160,9 @@ class DynamicSampling(Feature):
         start = trainer.accelerator.process_index * len(rows)
         per_row = {f"extra:{column}": list(values) for column, values in trainer._pending_extra_logs.items()}
         trainer._pending_extra_logs.clear()  # the chosen rows' columns are handed to TRL's step again
-        backend = getattr(trainer, "vllm_generation", None)
-        for name in GENERATION_PER_ROW:
-            values = getattr(backend, name, None)
-            if isinstance(values, list) and len(values) == len(rows):
-                per_row[f"generation:{name}"] = list(values)
+        record = trainer.vllm_generation.records.newest() if self.server else None
+        if record is not None and len(record) == len(rows):
+            per_row[RECORD_ROW] = [record.rows(i, i + 1) for i in range(len(rows))]
         return CandidateRows(rows, tuple(generated), gathered[start : start + len(rows)], per_row)
 
     def _signal(self, trainer, candidates: CandidateRows) -> list[bool]:
@@ -197,10 +199,8 @@ class DynamicSampling(Feature):
                 "dynamic sampling: TRL asked for completions of other prompts than the chosen rows': TRL's hook order "
                 "is not the one trl-scale was built on (see trl_scale/seams)"
             )
-        backend = getattr(trainer, "vllm_generation", None)
-        for name in GENERATION_PER_ROW:
-            if f"generation:{name}" in served.per_row:
-                setattr(backend, name, served.per_row[f"generation:{name}"])
+        if RECORD_ROW in served.per_row:  # the step's record: the chosen rows' parts, in their order
+            trainer.vllm_generation.records.add(GeneratedBatch.joined(served.per_row[RECORD_ROW]))
         return served.generated
 
     def rewards(self, trainer, proceed, inputs, prompts, completions, completion_ids_list):
@@ -214,14 +214,15 @@ class DynamicSampling(Feature):
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
 
-    def save_state(self, trainer, output_dir: str) -> None:
-        if self.top_up is not None and writes_group_files(trainer.accelerator):
-            os.makedirs(output_dir, exist_ok=True)
-            path = os.path.join(output_dir, TOP_UP_STATE_NAME.format(rank=trainer.accelerator.process_index))
-            with open(path, "w") as f:
-                json.dump({"drawn": self.top_up.drawn}, f)
+    def state_dict(self, trainer) -> dict | None:
+        """How many top-up prompts were drawn: a resume draws the next ones."""
+        return {"drawn": self.top_up.drawn} if self.top_up is not None else None
 
-    def load_state(self, trainer, checkpoint: str) -> None:
+    def load_state_dict(self, trainer, state: dict, path: str) -> None:
+        self.drawn_at_resume, self.top_up = state["drawn"], None
+
+    def load_legacy_state(self, trainer, checkpoint: str) -> None:
+        """`dynamic_sampling_rank<N>.json`."""
         path = os.path.join(checkpoint, TOP_UP_STATE_NAME.format(rank=trainer.accelerator.process_index))
         if os.path.isfile(path):
             with open(path) as f:

@@ -10,7 +10,11 @@ lists (outermost first).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+if TYPE_CHECKING:
+    from .plan import RunPlan
 
 # The around hooks: a feature method of this name wraps the adapter's trainer method of the same meaning.
 AROUND_HOOKS = (
@@ -29,7 +33,27 @@ AROUND_HOOKS = (
     "init_hf_repo",
     "create_model_card",
 )
-EVENTS = ("check", "setup", "log", "save_state", "load_state", "card_tags")
+EVENTS = ("check", "setup", "log", "save_state", "load_state", "state_dict", "load_state_dict", "card_tags")
+
+
+@dataclass(frozen=True)
+class Patch:
+    """Something outside TRL's hooks that a feature replaces: declared by the feature that makes it, so that the
+    printed step (`trl-scale step`) shows every interception in force. `where` names the module that makes it (a
+    test checks that every module making one is named by a declaration)."""
+
+    target: str  # what is replaced, e.g. "model.forward"
+    when: str  # when it is put in place
+    undone: str  # when it is undone ("never": for the run)
+    where: str  # the module (path under trl_scale/) that makes it
+    in_force: Callable[[RunPlan, Any], bool] | None = None  # given the plan and config: made at all (None: always)
+
+    def made_in(self, plan: RunPlan, config) -> bool:
+        return self.in_force is None or config is None or self.in_force(plan, config)
+
+
+def sequence_parallel(plan: RunPlan, config) -> bool:
+    return getattr(config, "sequence_parallel_size", 1) > 1
 
 
 class Feature:
@@ -37,11 +61,12 @@ class Feature:
     around hook's default is not called: the chain skips features that do not override it)."""
 
     name: ClassVar[str] = "feature"
+    PATCHES: ClassVar[tuple[Patch, ...]] = ()  # the interceptions outside TRL's hooks this feature makes
 
     @classmethod
-    def from_arguments(cls, arguments: dict) -> Feature:
-        """The feature for a trainer built with these constructor arguments (TRL's, by name), before TRL's
-        constructor runs."""
+    def build(cls, plan: RunPlan, arguments: dict) -> Feature | None:
+        """The feature for a run with this plan (built from the trainer's constructor arguments, TRL's, by name,
+        before TRL's constructor runs), or None where it would not act: the chain holds only the features that do."""
         return cls()
 
     def check(self, trainer) -> None:
@@ -55,11 +80,23 @@ class Feature:
         """Add figures to a training log (`logs` has "loss"), before `report_to` integrations get it."""
 
     def save_state(self, trainer, output_dir: str) -> None:
-        """A checkpoint is being saved into `output_dir` (after TRL's optimizer and scheduler): save what resumes
-        this feature exactly."""
+        """A checkpoint is being saved into `output_dir` (after TRL's optimizer and scheduler): files that are not
+        state (the timeline's); state goes through `state_dict`."""
 
     def load_state(self, trainer, checkpoint: str) -> None:
-        """Resuming from `checkpoint` (after TRL loaded its optimizer and scheduler)."""
+        """Resuming from `checkpoint` (after TRL loaded its optimizer and scheduler), before any feature's state is
+        loaded."""
+
+    def state_dict(self, trainer) -> dict | None:
+        """What resumes this feature exactly, saved with every checkpoint in this rank's one state file, under the
+        feature's name (`feature_state`); None: nothing to save now."""
+        return None
+
+    def load_state_dict(self, trainer, state: dict, path: str) -> None:
+        """Resuming: this feature's saved `state` (from the file at `path`), which it checks against this run."""
+
+    def load_legacy_state(self, trainer, checkpoint: str) -> None:
+        """Resuming from a checkpoint of a trl-scale before the one state file (each feature its own files)."""
 
     def card_tags(self, trainer) -> list[str]:
         """The model card's tags for this feature, where it is in use."""
@@ -88,6 +125,10 @@ class FeatureChain:
         """The features' names, in order; with `hook`, those that take it."""
         return [feature.name for feature in self.features if hook is None or _takes(feature, hook)]
 
+    def by_hook(self) -> dict[str, list[str]]:
+        """Per around hook that any feature takes, the features taking it, outermost first."""
+        return {hook: self.names(hook) for hook in AROUND_HOOKS if self.names(hook)}
+
     def get(self, kind: type[F]) -> F | None:
         return next((feature for feature in self.features if isinstance(feature, kind)), None)
 
@@ -111,6 +152,10 @@ class FeatureChain:
 
     def card_tags(self, trainer) -> list[str]:
         return [tag for feature in self.features for tag in feature.card_tags(trainer)]
+
+    def patches(self) -> list[tuple[str, Patch]]:
+        """Every interception the chain's features declare, with the feature's name, in the chain's order."""
+        return [(feature.name, patch) for feature in self.features for patch in feature.PATCHES]
 
 
 def _bound(method: Callable, trainer, proceed: Callable) -> Callable:

@@ -13,7 +13,6 @@ from .construction import (
     check_output_dir,
     check_tool_prompts,
     check_train_dataset,
-    image_columns,
     overridden,
     remote_reward_funcs,
     trl_arguments,
@@ -92,19 +91,17 @@ class OnlineTrainerMixin(OnlineHooks):
         prompt_column = () if arguments.get("environment_factory") is not None else ("prompt",)
         check_train_dataset(arguments.get("train_dataset"), prompt_column, type(self).__name__)
         check_tool_prompts(arguments)
-        features = self._start_features(arguments)
-        server = getattr(features.get(ServerRollout), "wanted", False)
-        if server and getattr(config, "weight_sync", None) == "lora":
+        plan = self._start_features(arguments)
+        server, remote_reference = plan.rollout.server, plan.remote_reference
+        if server and config.weight_sync == "lora":
             check_lora_sync(arguments)
         reward_funcs = remote_reward_funcs(arguments.get("reward_funcs"), config)
         arguments["reward_funcs"] = checked_reward_funcs(reward_funcs)
-        remote_reference = getattr(features.get(RemoteReference), "wanted", False)
-        images = image_columns(arguments.get("train_dataset"), arguments.get("eval_dataset"))
-        if remote_reference and images:
+        if remote_reference and plan.images:
             raise ValueError(
-                f"this dataset has image columns {images}, and reference_placement puts the reference model on a Ray "
-                "group that scores token rows only: its KL would ignore the images. Fix: reference_placement=None "
-                "(the reference stays in the trainer and gets the images, as in TRL)"
+                f"this dataset has image columns {list(plan.images)}, and reference_placement puts the reference "
+                "model on a Ray group that scores token rows only: its KL would ignore the images. Fix: "
+                "reference_placement=None (the reference stays in the trainer and gets the images, as in TRL)"
             )
         # With server rollout, TRL's vLLM path stays off while it builds: no vLLM import, no CUDA-only communicator.
         # With a remote reference, TRL builds none (beta=0 while it builds) and the reference group stands in.

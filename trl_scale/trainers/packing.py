@@ -11,7 +11,7 @@ from typing import NamedTuple
 from ..distributed.roles import RayReference
 from ..scoring import PackingStats, ScoringSettings, install_packed_scoring
 from .construction import trl_base_class
-from .feature import Feature
+from .feature import Feature, Patch, sequence_parallel
 
 
 class PackingRequest(NamedTuple):
@@ -29,6 +29,28 @@ class PackedScoring(Feature):
     (`sequence_parallel_size` > 1) on the same forwards; `padding_free/*` figures in the logs."""
 
     name = "packed_scoring"
+    PATCHES = (
+        Patch(
+            "model.forward",
+            "setup, where packing is exact for the model family",
+            "never (the run's model)",
+            "scoring/engine.py",
+        ),
+        Patch(
+            "accelerator.__class__",
+            "setup, with sequence_parallel_size > 1 (a data-parallel view of the groups)",
+            "never",
+            "sharding/data_parallel.py",
+            sequence_parallel,
+        ),
+        Patch(
+            "gather, gather_object in TRL's trainer module",
+            "each generation batch's build, with sequence_parallel_size > 1",
+            "when the build returns",
+            "sharding/data_parallel.py",
+            sequence_parallel,
+        ),
+    )
 
     def __init__(self):
         self.stats: PackingStats | None = None  # while packing is installed and on

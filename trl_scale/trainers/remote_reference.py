@@ -5,8 +5,7 @@ from __future__ import annotations
 from ..distributed.role_workers import ReferenceWorkerSettings
 from ..distributed.roles import RayReference, start_reference
 from ..scoring import ScoringSettings
-from .construction import wants_remote_reference
-from .feature import Feature
+from .feature import Feature, Patch
 
 
 class RemoteReference(Feature):
@@ -14,20 +13,20 @@ class RemoteReference(Feature):
     TRL's reference scoring calls are answered by it (log-probs only, as TRL asks of it)."""
 
     name = "remote_reference"
-
-    def __init__(self, wanted: bool = False):
-        self.wanted = wanted  # decided from the constructor's arguments (a PEFT policy needs none)
+    PATCHES = (
+        Patch(
+            "config.beta (0.0)",
+            "while TRL's constructor runs (TRL builds no reference)",
+            "when it returns",
+            "trainers/online.py",
+        ),
+    )
 
     @classmethod
-    def from_arguments(cls, arguments: dict) -> RemoteReference:
-        config = arguments.get("args")
-        return cls(
-            config is not None and wants_remote_reference(config, arguments["model"], arguments.get("peft_config"))
-        )
+    def build(cls, plan, arguments: dict) -> RemoteReference | None:
+        return cls() if plan.remote_reference else None  # decided by the plan (a PEFT policy needs none)
 
     def setup(self, trainer) -> None:
-        if not self.wanted:
-            return
         trainer.beta = trainer.args.beta
         trainer.ref_model = start_remote_reference(trainer)
 

@@ -10,10 +10,11 @@ import uuid
 
 from ..logs import get_logger
 from ..ranks import broadcast_from_main, run_on_main
+from ..rollout.record import RECORD_KEY
 from ..rollout.weight_dir import WeightDirectory
 from .checkpoints import STREAM_STATE_NAME, check_stream_group_size
-from .construction import image_columns, uses_server_rollout
-from .feature import Feature
+from .feature import Feature, Patch
+from .plan import RolloutPlan, RunPlan
 from .stream_environments import EpisodeOpener, finished_environments
 from .stream_rewards import StreamScorer
 from .stream_rollout_func import replayed_rollouts, rolling_out
@@ -45,52 +46,51 @@ class ServerRollout(Feature):
     `uses_server_rollout` says when TRL's own client serves instead)."""
 
     name = "server_rollout"
+    PATCHES = (
+        Patch(
+            "config.use_vllm (False)",
+            "while TRL's constructor runs (TRL builds no vLLM client)",
+            "when it returns",
+            "trainers/online.py",
+        ),
+        Patch(
+            "trainer.vllm_generation, use_vllm, vllm_mode",
+            "setup: trl-scale's client stands in for TRL's",
+            "never",
+            "trainers/server_rollout.py",
+        ),
+        Patch(
+            "trainer.environment_factories, trainer._environment_pool",
+            "a streamed batch's step, with environments",
+            "at the step's end",
+            "trainers/stream_environments.py",
+            lambda plan, config: plan.rollout.environments and plan.rollout.takes_groups,
+        ),
+        Patch(
+            "trainer.rollout_func",
+            "a streamed batch's step, with a rollout_func (answers TRL's one call)",
+            "after that call, or at the step's end",
+            "trainers/stream_rollout_func.py",
+            lambda plan, config: plan.rollout.rollout_func and plan.rollout.takes_groups,
+        ),
+    )
 
-    def __init__(self, wanted: bool = False):
-        self.wanted = wanted  # TRL's vLLM stays off while TRL's constructor runs, and this client stands in
+    def __init__(self, plan: RolloutPlan):
+        self.plan = plan  # TRL's vLLM stays off while TRL's constructor runs, and this client stands in
         self.lookahead = None  # the epoch's batch iterator, read ahead (async rollout)
         self.episodes = None  # streaming with environments: the pool and its episodes
 
     @classmethod
-    def from_arguments(cls, arguments: dict) -> ServerRollout:
-        config = arguments.get("args")
-        images = image_columns(arguments.get("train_dataset"), arguments.get("eval_dataset"))
-        return cls(config is not None and uses_server_rollout(config, images))
-
-    def check(self, trainer) -> None:
-        """Environments (TRL's `environment_factory`) and a `rollout_func` with asynchronous rollout run in the
-        stream's engine (streaming, or ordered: `rollout.ordered_stream`), an environment's rewards with it;
-        `environment_timeout` acts only there. Refused before any server is reached."""
-        from ..rollout.settings import AsyncRollout
-
-        args = trainer.args
-        asynchronous = AsyncRollout.from_config(args) if self.wanted else AsyncRollout()
-        environments = getattr(trainer, "environment_factories", None) is not None
-        rollout_func = getattr(trainer, "rollout_func", None) is not None
-        why = asynchronous.unread_reward_workers(getattr(args, "stream_rewards", None), environments)
-        if why is not None:
-            raise ValueError(why)
-        if asynchronous.staleness and rollout_func:
-            check_streamed_rollout_func(args, environments)
-        if environments and asynchronous.staleness:
-            check_streamed_environments(args)
-        timeout = getattr(args, "environment_timeout", 300.0)
-        if timeout != 300.0 and not (environments and asynchronous.staleness):
-            raise ValueError(
-                f"environment_timeout={timeout:g} bounds the calls of environments run in the stream; this run "
-                "streams none (it needs environment_factory=..., server rollout and async_rollout_staleness >= 1). "
-                "Fix: leave environment_timeout at its default (300)"
-            )
+    def build(cls, plan: RunPlan, arguments: dict) -> ServerRollout | None:
+        return cls(plan.rollout) if plan.rollout.server else None
 
     def setup(self, trainer) -> None:
         trainer.rollout_fleet = None
-        if not self.wanted:
-            return
         trainer.vllm_generation = self._client(trainer)
         trainer.use_vllm = True
         trainer.vllm_mode = "server"
         trainer._last_loaded_step = -1
-        if trainer.vllm_generation.settings.asynchronous.staleness:
+        if self.plan.asynchronous.staleness:
             self._enable_async(trainer)
 
     def _urls(self, trainer) -> list[str]:
@@ -130,7 +130,7 @@ class ServerRollout(Feature):
             correction = bool(getattr(args, "corrects_sampler_logprobs", trl_correction or False))
             asks_logprobs = trl_correction is not None or correction
             settings = RolloutSettings.from_config(
-                args, logprobs=asks_logprobs, require_logprobs=correction, run_id=run_id
+                args, self.plan.asynchronous, logprobs=asks_logprobs, require_logprobs=correction, run_id=run_id
             )
             return ServerRolloutGeneration(
                 trainer.model,
@@ -148,12 +148,8 @@ class ServerRollout(Feature):
             raise
 
     def _enable_async(self, trainer) -> None:
-        generation = trainer.vllm_generation
-        asynchronous = generation.settings.asynchronous
-        environments = getattr(trainer, "environment_factories", None) is not None
-        rollout_func = getattr(trainer, "rollout_func", None) is not None
-        streaming = asynchronous.streams_groups(environments, rollout_func)  # whole groups, later turns in them
-        rewards_in_stream = asynchronous.rewards_in_stream or environments
+        generation, plan = trainer.vllm_generation, self.plan
+        environments, streaming = plan.environments, plan.takes_groups  # whole groups, later turns in them
         lock = threading.Lock()  # the tokenizer's and the tool loops' (see streamed_tools)
         timeout = trainer.args.environment_timeout
         self.episodes = EpisodeOpener(trainer, timeout, lock) if environments else None
@@ -162,9 +158,9 @@ class ServerRollout(Feature):
             tokenize,  # with environments a group's prompts are made when it is sent (each reset())
             stream_groups_per_batch(trainer) if streaming else None,
             converse=conversing(trainer, lock, timeout) if streaming and getattr(trainer, "tools", None) else None,
-            score=StreamScorer(trainer, asynchronous.reward_workers) if rewards_in_stream else None,
+            score=StreamScorer(trainer, plan.asynchronous.reward_workers) if plan.rewards_in_stream else None,
             open_episode=self.episodes,
-            rollout=rolling_out(trainer) if rollout_func else None,
+            rollout=rolling_out(trainer) if plan.rollout_func else None,
         )
 
     # ---- the step -------------------------------------------------------------------------------------------
@@ -172,12 +168,21 @@ class ServerRollout(Feature):
     def generate_and_score(self, trainer, proceed, inputs):
         """Streaming: the rows trained are the finished prompt groups, taken at the weights just synced, in place of
         the rows TRL read (those were read ahead and streamed already). An evaluation batch (TRL's `evaluate`) is
-        generated now, at the current weights, through the router, never from or into what is read ahead."""
-        generation = _generation(trainer)
-        if not trainer.model.training and _read_ahead(trainer) is not None:  # an evaluation: generated now
+        generated now, at the current weights, through the router, never from or into what is read ahead. The
+        batch carries its record (`rollout.record`) out, to the features outside this one."""
+        generation = trainer.vllm_generation
+        with generation.records.building() as records:
+            batch = self._built(trainer, generation, proceed, inputs)
+        record = records.newest()
+        if record is not None and len(record) == batch["completion_ids"].size(0):
+            batch[RECORD_KEY] = record
+        return batch
+
+    def _built(self, trainer, generation, proceed, inputs):
+        if not trainer.model.training and self.plan.asynchronous.staleness:  # an evaluation: generated now
             with generation.evaluating():
                 return proceed(inputs)
-        if not getattr(generation, "streams", False) or not trainer.model.training:
+        if not self.plan.takes_groups or not trainer.model.training:
             return proceed(inputs)
         if trainer.state.global_step != trainer._last_loaded_step:  # TRL's sync, done first: the batch is after it
             generation.sync_weights()
@@ -192,20 +197,20 @@ class ServerRollout(Feature):
         (prefetch): the first turn was prefetched, the later ones are generated now with the weights this batch
         trains at, so a conversation that called a tool spans (its first turn's first version, the current one).
         Each token keeps the sampler log-prob of the weights that drew it."""
-        generation = _generation(trainer)
-        conversations = getattr(generation, "last_conversations", None)
+        records = trainer.vllm_generation.records
+        record = records.newest()
+        conversations = record.conversations if record is not None else None
         if conversations and all(c is not None for c in conversations) and len(conversations) == len(prompt_ids):
-            generation.last_conversations = None
-            return streamed_conversations(conversations, completion_ids, logprobs)
-        spans = list(getattr(generation, "last_version_spans", None) or [])
+            return streamed_conversations(list(conversations), completion_ids, logprobs)
         called = [bool(completion[0].get("tool_calls")) for completion in completions]
         result = proceed(prompts, prompt_ids, completion_ids, completions, logprobs, *rest)
-        if generation is not None and len(spans) == len(called):
-            now = generation.sync_count
-            generation.last_version_spans = [
-                (first, max(newest, now)) if tool else (first, newest) for (first, newest), tool in zip(spans, called)
+        if record is not None and len(record) == len(called):
+            now = trainer.vllm_generation.sync_count
+            spans = [
+                (first, max(newest, now)) if tool else (first, newest)
+                for (first, newest), tool in zip(record.version_spans, called)
             ]
-            generation.last_versions = [first for first, _ in spans]
+            records.replace_newest(record.with_spans(spans))
         return result
 
     def batch_samples(self, trainer, proceed, epoch_iterator, num_batches, device):
@@ -213,7 +218,7 @@ class ServerRollout(Feature):
         (also after `skip_first_batches` on resume: whatever iterator the epoch uses is wrapped)."""
         reader = getattr(_generation(trainer), "read_ahead", None)
         if reader is not None:
-            from ..rollout.async_rollout import LookaheadIterator
+            from ..rollout.lookahead import LookaheadIterator
 
             if self.lookahead is None or self.lookahead.source is not epoch_iterator:
                 args, state = trainer.args, trainer.state
@@ -248,7 +253,7 @@ class ServerRollout(Feature):
 
     def log(self, trainer, logs: dict[str, float]) -> None:
         generation = _generation(trainer)
-        if self.wanted and generation is not None:  # trl-scale's client: this process's requests, by server
+        if generation is not None:  # trl-scale's client: this process's requests, by server
             busy = generation.client.busy_fractions()
             logs.update({f"rollout/busy_fraction/server{i}": fraction for i, fraction in enumerate(busy)})
         if _read_ahead(trainer) is not None:
@@ -260,7 +265,7 @@ class ServerRollout(Feature):
 
     # ---- checkpoints: the stream's prompt groups -------------------------------------------------------------
 
-    def save_state(self, trainer, output_dir: str) -> None:
+    def state_dict(self, trainer) -> dict | None:
         """The read-ahead engine's state (streaming: the prompt groups read and not yet trained, generating,
         finished or queued), each rank its own, so that a resume trains each once and reads on past them (see
         `rollout.streaming`)."""
@@ -268,15 +273,17 @@ class ServerRollout(Feature):
         noted = self.lookahead.noted_ahead() if self.lookahead is not None else 0
         state = read_ahead.state(noted) if read_ahead is not None else None
         if state is None:
-            return
-        import torch
+            return None
+        return {**state, "group_size": trainer.num_generations}  # the groups are cut at it: a resume must use it
 
-        state["group_size"] = trainer.num_generations  # the saved groups are cut at it: a resume must use the same
-        os.makedirs(output_dir, exist_ok=True)
-        rank = trainer.accelerator.process_index
-        torch.save(state, os.path.join(output_dir, STREAM_STATE_NAME.format(rank=rank)))
+    def load_state_dict(self, trainer, state: dict, path: str) -> None:
+        read_ahead = _read_ahead(trainer)
+        if read_ahead is not None:
+            check_stream_group_size(state, trainer.num_generations, f"{path} (its {self.name} entry)")
+            read_ahead.restore(state)
 
-    def load_state(self, trainer, checkpoint: str) -> None:
+    def load_legacy_state(self, trainer, checkpoint: str) -> None:
+        """`rollout_stream_rank<N>.pt`."""
         read_ahead = _read_ahead(trainer)
         path = os.path.join(checkpoint, STREAM_STATE_NAME.format(rank=trainer.accelerator.process_index))
         if read_ahead is None or not os.path.isfile(path):
@@ -290,38 +297,6 @@ class ServerRollout(Feature):
 
 def _no_prompt_ids(prompts: list) -> list[list[int]]:
     return [[] for _ in prompts]
-
-
-def check_streamed_rollout_func(args, environments: bool) -> None:
-    """A rollout_func with asynchronous rollout runs in the stream's engine, once per prompt group; its rewards in
-    the step."""
-    if environments:
-        raise ValueError(
-            "rollout_func with environment_factory and async_rollout_staleness >= 1: the stream runs either a "
-            "group's environment episode or its rollout_func, not one inside the other. Fix: "
-            "async_rollout_staleness=0 (TRL's own loop runs both in the step), or drop one of them"
-        )
-    if args.stream_rewards:
-        raise ValueError(
-            "stream_rewards=True with a rollout_func: its extra keys reach the reward functions in the step, where "
-            "TRL merges them. Fix: stream_rewards=None (the default) or False"
-        )
-    if getattr(args, "dynamic_sampling", False):
-        raise ValueError(
-            "dynamic_sampling=True with a streamed rollout_func: the top-up rounds generate without it. Fix: "
-            "dynamic_sampling=False, or async_rollout_staleness=0"
-        )
-
-
-def check_streamed_environments(args) -> None:
-    """Environments with asynchronous rollout run in the stream's engine (their episodes end there, and their
-    rewards with them)."""
-    if args.stream_rewards is False:
-        raise ValueError(
-            "stream_rewards=False with environment_factory and async_rollout_staleness >= 1: each group's "
-            "environments go back to their pool when its episode ends in the stream, so the rewards that read them "
-            "(get_reward, environments=) are computed there. Fix: stream_rewards=None (the default) or True"
-        )
 
 
 def stream_groups_per_batch(trainer) -> int:

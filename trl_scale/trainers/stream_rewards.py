@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from ..rollout.ahead import CONVERSATION_KEY
 from .construction import trl_base_class
-from .feature import Feature
+from .feature import Feature, Patch
 from .reward_checks import RewardFunctionError
 from .streamed_tools import decoded_completions, first_turn_messages
 
@@ -174,10 +174,21 @@ class StreamRewards(Feature):
     """TRL's `_calculate_rewards` for a streamed batch, answered from the rewards computed in the stream."""
 
     name = "stream_rewards"
+    PATCHES = (
+        Patch(
+            "trainer.reward_funcs",
+            "TRL's reward call for a streamed batch (replayed from the stream's rewards)",
+            "when the call returns",
+            "trainers/stream_rewards.py",
+        ),
+    )
+
+    @classmethod
+    def build(cls, plan, arguments: dict) -> StreamRewards | None:
+        return cls() if plan.rollout.rewards_in_stream else None
 
     def rewards(self, trainer, proceed, inputs, prompts, completions, completion_ids_list):
-        generation = getattr(trainer, "vllm_generation", None)
-        scored = generation.streamed_rewards() if getattr(generation, "streams", False) else None
+        scored = trainer.vllm_generation.streamed_rewards()
         if not scored:
             return proceed(inputs, prompts, completions, completion_ids_list)
         _check_pairing(scored, inputs, completions, completion_ids_list)

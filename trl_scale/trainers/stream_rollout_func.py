@@ -21,6 +21,7 @@ import copy
 from contextlib import contextmanager
 
 from ..rollout.generation import generate_output
+from ..rollout.record import GeneratedBatch
 from .streamed_tools import TrainerView
 
 ROLLOUT_KEY = "trl_scale_rollout"  # a streamed choice's row of its group's rollout_func output
@@ -99,8 +100,7 @@ def replayed_rollouts(trainer, streamed):
         if copy.deepcopy(prompts) != [row["prompt"] for row in streamed.rows]:
             raise RuntimeError("streamed rollout_func: TRL asked for other prompts than the streamed batch's")
         trainer.rollout_func = function  # answers one call
-        generation.last_version_spans = list(streamed.spans)
-        generation.last_versions = [first for first, _ in streamed.spans]
+        generation.records.add(GeneratedBatch(tuple(streamed.spans)))  # TRL's rollout_func path calls no generate()
         return {key: [row[key] for row in rows] for key in rows[0]}
 
     trainer.rollout_func = replay

@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 
 from ..logs import get_logger
 from ..timeline import PhaseClock, Timeline
-from .feature import Feature
+from .feature import Feature, Patch
 
 logger = get_logger(__name__)
 
@@ -31,6 +31,7 @@ class PhaseTiming(Feature):
     dynamic sampling, so its rounds are timed where they compute and its served answers are not)."""
 
     name = "phase_timing"
+    PATCHES = (Patch("accelerator.backward", "setup (timed as the backward phase)", "never", "trainers/timing.py"),)
 
     def __init__(self, timeline: bool = False):
         self.seconds: defaultdict[str, float] = defaultdict(float)
@@ -45,7 +46,7 @@ class PhaseTiming(Feature):
         self._hinted = False
 
     @classmethod
-    def from_arguments(cls, arguments: dict) -> PhaseTiming:
+    def build(cls, plan, arguments: dict) -> PhaseTiming:
         return cls(bool(getattr(arguments.get("args"), "rollout_timeline", False)))
 
     def check(self, trainer) -> None:
@@ -129,7 +130,7 @@ class PhaseTiming(Feature):
         generation = getattr(trainer, "vllm_generation", None)
         asynchronous = getattr(getattr(generation, "settings", None), "asynchronous", None)
         in_step = (
-            getattr(generation, "streams", False)
+            getattr(generation, "takes_groups", False)
             and not getattr(asynchronous, "rewards_in_stream", True)
             and getattr(trainer.args, "stream_rewards", False) is None
             and getattr(trainer, "environment_factories", None) is None

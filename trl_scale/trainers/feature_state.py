@@ -1,0 +1,65 @@
+"""The features' state in a checkpoint: one file per (data-parallel) rank, keyed by feature name.
+
+Each feature gives what resumes it exactly (`Feature.state_dict`, None for nothing) and checks its own dict when it
+gets it back (`Feature.load_state_dict`: the group size, the number of processes). A checkpoint written before this
+file existed holds each feature's own files in its own format; those are still read (`Feature.load_legacy_state`).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from ..sharding.data_parallel import writes_group_files
+from .feature import FeatureChain
+
+STATE_NAME = "trl_scale_state_rank{rank}.pt"
+FORMAT = 1
+
+
+def state_path(directory: str, rank: int | str) -> str:
+    return os.path.join(directory, STATE_NAME.format(rank=rank))
+
+
+def saved_ranks(checkpoint: str) -> int:
+    """How many data-parallel ranks saved their features' state into `checkpoint`."""
+    return len(glob.glob(state_path(checkpoint, "*")))
+
+
+def save_feature_states(chain: FeatureChain, trainer, output_dir: str) -> str | None:
+    """Every feature's state, one file for this rank (under sequence parallelism, one per group: its ranks hold the
+    same state). Nothing is written where no feature has state."""
+    states = {}
+    for feature in chain.features:
+        state = feature.state_dict(trainer)
+        if state is not None:
+            states[feature.name] = state
+    if not states or not writes_group_files(trainer.accelerator):
+        return None
+    import torch
+
+    # Ranks other than the main one get here while it may still be writing the model: the folder it creates may not
+    # exist yet (transformers' own per-rank RNG file makes it the same way).
+    os.makedirs(output_dir, exist_ok=True)
+    path = state_path(output_dir, trainer.accelerator.process_index)
+    torch.save({"format": FORMAT, "features": states}, path)
+    return path
+
+
+def load_feature_states(chain: FeatureChain, trainer, checkpoint: str) -> None:
+    """Each feature given its saved state (from this rank's file), or, in a checkpoint of an earlier trl-scale, left
+    to read its own files."""
+    path = state_path(checkpoint, trainer.accelerator.process_index)
+    if not os.path.isfile(path):
+        for feature in chain.features:
+            feature.load_legacy_state(trainer, checkpoint)
+        return
+    import torch
+
+    # Our own file in our own checkpoint (tensors in lists and dicts), loaded as the Trainer loads its RNG state;
+    # on the CPU first, each feature moving what it needs to its device.
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    states = saved.get("features", {})
+    for feature in chain.features:
+        if feature.name in states:
+            feature.load_state_dict(trainer, states[feature.name], path)

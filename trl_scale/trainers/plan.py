@@ -1,0 +1,157 @@
+"""The run plan: what a trainer's arguments ask of trl-scale, read and resolved once, before TRL's constructor.
+
+The drop-in configs stay flat (TRL's fields and trl-scale's beside them); the plan is their typed reading for one run:
+which client serves rollout, the asynchronous settings with every tri-state resolved (`stream_rewards=None` becomes
+True or False here, nowhere else), and the features that act. A trainer's features are built from it, those that do
+not act are left out of the chain, and a setting no feature would act on is refused here, in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ..logs import get_logger
+from ..rollout.settings import AsyncRollout
+from .construction import image_columns, uses_server_rollout, wants_remote_reference
+
+logger = get_logger(__name__)
+
+# Who generates: TRL in the trainer (transformers, or vLLM colocated), TRL's vLLM client (a server run with images),
+# or trl-scale's multi-server client (every other `vllm_mode="server"` run).
+RolloutClient = Literal["trainer", "trl", "trl_scale"]
+DEFAULT_ENVIRONMENT_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """Generation, resolved: the client, the asynchronous settings (synchronous unless trl-scale's client serves),
+    and what the stream carries."""
+
+    client: RolloutClient = "trainer"
+    asynchronous: AsyncRollout = AsyncRollout()
+    environments: bool = False  # TRL's environment_factory
+    rollout_func: bool = False  # TRL's rollout_func
+    takes_groups: bool = False  # the stream's engine runs: the step takes finished prompt groups whole
+    rewards_in_stream: bool = False  # stream_rewards resolved: each group's rewards computed as it finishes
+
+    @property
+    def server(self) -> bool:
+        """trl-scale's client serves rollout."""
+        return self.client == "trl_scale"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One run's reading of its trainer's arguments (see the module's docstring)."""
+
+    trainer: str
+    rollout: RolloutPlan = RolloutPlan()
+    images: tuple[str, ...] = ()  # the datasets' image columns
+    remote_reference: bool = False  # the reference model on its own Ray group
+    dynamic_sampling: bool = False
+    corrects_sampler_logprobs: bool = False  # RLOO's own correction of prefetched completions
+
+    @classmethod
+    def from_arguments(cls, trainer: str, arguments: dict) -> RunPlan:
+        """The plan of a trainer built with these constructor arguments (TRL's, by name). A setting that nothing in
+        this run would act on is a ValueError naming the field and the fix."""
+        config = arguments.get("args")
+        images = tuple(image_columns(arguments.get("train_dataset"), arguments.get("eval_dataset")))
+        if config is None:
+            return cls(trainer, images=images)
+        rollout = _rollout_plan(config, arguments, images)
+        return cls(
+            trainer=trainer,
+            rollout=rollout,
+            images=images,
+            remote_reference=wants_remote_reference(config, arguments["model"], arguments.get("peft_config")),
+            dynamic_sampling=bool(getattr(config, "dynamic_sampling", False)),
+            corrects_sampler_logprobs=bool(getattr(config, "corrects_sampler_logprobs", False)),
+        )
+
+    def summary(self) -> str:
+        """One line for the run's log."""
+        rollout = self.rollout
+        parts = [f"rollout client: {rollout.client}"]
+        if rollout.asynchronous.staleness:
+            parts.append(
+                f"async: staleness {rollout.asynchronous.staleness}, {rollout.asynchronous.mode}, "
+                f"rewards {'in the stream' if rollout.rewards_in_stream else 'in the step'}"
+            )
+        parts += [
+            name
+            for name, on in (("dynamic sampling", self.dynamic_sampling), ("remote reference", self.remote_reference))
+            if on
+        ]
+        return "; ".join(parts)
+
+
+def _rollout_plan(config, arguments: dict, images: tuple[str, ...]) -> RolloutPlan:
+    environments = arguments.get("environment_factory") is not None
+    rollout_func = arguments.get("rollout_func") is not None
+    server = uses_server_rollout(config, images)
+    client: RolloutClient = "trl_scale" if server else ("trl" if _trl_server(config) else "trainer")
+    asynchronous = AsyncRollout.from_config(config) if server else AsyncRollout()
+    stream_rewards = getattr(config, "stream_rewards", None)
+    _refuse_unread(config, asynchronous, stream_rewards, environments, rollout_func)
+    # None: an environment's rewards read its instance, which goes back to the pool when its episode ends in the
+    # stream, so they are computed there; any other run computes them in the step unless asked
+    in_stream = bool(asynchronous.staleness) and (stream_rewards is True or (stream_rewards is None and environments))
+    return RolloutPlan(
+        client=client,
+        asynchronous=asynchronous,
+        environments=environments,
+        rollout_func=rollout_func,
+        takes_groups=asynchronous.takes_groups(environments, rollout_func),
+        rewards_in_stream=in_stream,
+    )
+
+
+def _trl_server(config) -> bool:
+    return bool(getattr(config, "use_vllm", False)) and getattr(config, "vllm_mode", None) == "server"
+
+
+def _refuse_unread(config, asynchronous: AsyncRollout, stream_rewards, environments: bool, rollout_func: bool):
+    """Environments (TRL's `environment_factory`) and a `rollout_func` with asynchronous rollout run in the stream's
+    engine (streaming, or ordered: `rollout.ordered_stream`), an environment's rewards with it; `environment_timeout`
+    acts only there. Refused before TRL's constructor, so before any server is reached."""
+    why = asynchronous.unread_reward_workers(stream_rewards, environments)
+    if why is not None:
+        raise ValueError(why)
+    if asynchronous.staleness and rollout_func:
+        _check_streamed_rollout_func(config, stream_rewards, environments)
+    if environments and asynchronous.staleness and stream_rewards is False:
+        raise ValueError(
+            "stream_rewards=False with environment_factory and async_rollout_staleness >= 1: each group's "
+            "environments go back to their pool when its episode ends in the stream, so the rewards that read them "
+            "(get_reward, environments=) are computed there. Fix: stream_rewards=None (the default) or True"
+        )
+    timeout = getattr(config, "environment_timeout", DEFAULT_ENVIRONMENT_TIMEOUT)
+    if timeout != DEFAULT_ENVIRONMENT_TIMEOUT and not (environments and asynchronous.staleness):
+        raise ValueError(
+            f"environment_timeout={timeout:g} bounds the calls of environments run in the stream; this run "
+            "streams none (it needs environment_factory=..., server rollout and async_rollout_staleness >= 1). "
+            "Fix: leave environment_timeout at its default (300)"
+        )
+
+
+def _check_streamed_rollout_func(config, stream_rewards, environments: bool) -> None:
+    """A rollout_func with asynchronous rollout runs in the stream's engine, once per prompt group; its rewards in
+    the step."""
+    if environments:
+        raise ValueError(
+            "rollout_func with environment_factory and async_rollout_staleness >= 1: the stream runs either a "
+            "group's environment episode or its rollout_func, not one inside the other. Fix: "
+            "async_rollout_staleness=0 (TRL's own loop runs both in the step), or drop one of them"
+        )
+    if stream_rewards:
+        raise ValueError(
+            "stream_rewards=True with a rollout_func: its extra keys reach the reward functions in the step, where "
+            "TRL merges them. Fix: stream_rewards=None (the default) or False"
+        )
+    if getattr(config, "dynamic_sampling", False):
+        raise ValueError(
+            "dynamic_sampling=True with a streamed rollout_func: the top-up rounds generate without it. Fix: "
+            "dynamic_sampling=False, or async_rollout_staleness=0"
+        )

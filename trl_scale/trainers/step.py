@@ -1,0 +1,118 @@
+"""The step on one page: for a trainer class and its constructor arguments, the run's plan, each of TRL's hooks in
+call order with the features that take it (outermost first, then TRL's method), the events, and every interception
+in force. `trl-scale step` prints it; `docs/step.md` holds it for the demo's config (a test keeps it current)."""
+
+from __future__ import annotations
+
+from .adapter import TRL_METHODS
+from .feature import EVENTS, FeatureChain, Patch
+from .plan import RunPlan
+
+# TRL's hooks in the order a run calls them, with their depth (what runs inside what).
+CALL_ORDER = (
+    ("precompute_ref_logps", 0, "DPO, in TRL's constructor: the reference's log-probs of the dataset"),
+    ("train", 0, "the run"),
+    ("batch_samples", 1, "each optimizer step's batches"),
+    ("generate_and_score", 1, "a generation batch, built"),
+    ("tokenize_prompts", 2, "its prompts"),
+    ("generate", 2, "its completions"),
+    ("single_turn", 3, "one turn of generation"),
+    ("tool_call_loop", 3, "the tool-calling turns"),
+    ("rewards", 2, "its rewards, per function"),
+    ("scoring", 2, "log-probs: old and reference here, the policy's in the loss"),
+    ("save_checkpoint", 1, "a checkpoint"),
+    ("push_to_hub", 0, "the Hub"),
+    ("init_hf_repo", 0, ""),
+    ("create_model_card", 0, ""),
+)
+# Interceptions a trainer makes itself (not a feature's): colocated generation (online trainers), PPO's KL term.
+COLOCATED_GENERATION = Patch(
+    "VLLMGeneration in TRL's trainer module",
+    "while TRL's constructor runs, with vllm_mode='colocate' (trl-scale's ColocatedVLLMGeneration)",
+    "when it returns",
+    "rollout/colocate.py",
+    lambda plan, config: bool(config.use_vllm) and config.vllm_mode == "colocate",
+)
+ONLINE_PATCHES = (
+    COLOCATED_GENERATION,
+    Patch(
+        "trainer.reward_funcs (the get_reward TRL adds for environments, wrapped in trl-scale's checks)",
+        "after TRL's constructor, with an environment_factory",
+        "never",
+        "trainers/reward_checks.py",
+        lambda plan, config: plan.rollout.environments,
+    ),
+    Patch(
+        "trainer.environment_factories (each instance's reset() checked)",
+        "after TRL's constructor, with an environment_factory",
+        "never",
+        "trainers/reward_checks.py",
+        lambda plan, config: plan.rollout.environments,
+    ),
+    Patch(
+        "trainer.rollout_func (its output checked)",
+        "after TRL's constructor, with a rollout_func",
+        "never",
+        "trainers/online.py",
+        lambda plan, config: plan.rollout.rollout_func,
+    ),
+)
+TRAINER_PATCHES = {
+    "GRPOTrainer": ONLINE_PATCHES,
+    "RLOOTrainer": ONLINE_PATCHES,
+    "PPOTrainer": (
+        *ONLINE_PATCHES,
+        Patch(
+            "config.beta (kl_coef)",
+            "while TRL's constructor runs: TRL builds the reference that the reward's KL penalty needs",
+            "when it returns",
+            "trainers/ppo_trainer.py",
+        ),
+        Patch(
+            "trainer.beta (kl_coef)",
+            "each generation batch's build: TRL scores the reference log-probs",
+            "when the build returns",
+            "trainers/ppo_trainer.py",
+        ),
+    ),
+}
+
+
+def trainer_patches(trainer_class: type) -> tuple[Patch, ...]:
+    """The interceptions the nearest trl-scale trainer class in `trainer_class`'s bases makes itself."""
+    return next((TRAINER_PATCHES[k.__name__] for k in trainer_class.__mro__ if k.__name__ in TRAINER_PATCHES), ())
+
+
+def chain_for(trainer_class: type, plan: RunPlan, arguments: dict) -> FeatureChain:
+    """The features a trainer of `trainer_class` would run with this plan (as its constructor builds them)."""
+    built = (kind.build(plan, arguments) for kind in trainer_class.FEATURES)
+    return FeatureChain(feature for feature in built if feature is not None)
+
+
+def describe_step(trainer_class: type, arguments: dict) -> str:
+    """The printed step of a `trainer_class` built with `arguments` (TRL's constructor arguments, by name; no model is
+    loaded and no server reached: the plan and the features are built, not set up)."""
+    plan = RunPlan.from_arguments(trainer_class.__name__, arguments)
+    chain = chain_for(trainer_class, plan, arguments)
+    lines = [f"{trainer_class.__name__}: {plan.summary()}", "", "hooks, in call order (features outermost first):"]
+    for hook, depth, meaning in CALL_ORDER:
+        method = TRL_METHODS[hook]
+        if not hasattr(trainer_class, method):
+            continue
+        takers = chain.names(hook)
+        path = " > ".join([*takers, f"TRL {method}"])
+        note = f"  ({meaning})" if meaning else ""
+        lines.append(f"{'  ' * (depth + 1)}{hook}: {path}{note}")
+    lines += ["", "events (every feature is told; these act on them):"]
+    for event in EVENTS:
+        takers = chain.names(event)
+        lines.append(f"  {event}: {', '.join(takers) if takers else '-'}")
+    config = arguments.get("args")
+    declared = [("trainer", patch) for patch in trainer_patches(trainer_class)] + chain.patches()
+    patches = [(name, patch) for name, patch in declared if patch.made_in(plan, config)]
+    lines += ["", "interceptions in force (outside TRL's hooks):"]
+    for name, patch in patches:
+        lines.append(f"  {patch.target} [{name}, {patch.where}]: {patch.when}; undone {patch.undone}")
+    if not patches:
+        lines.append("  none")
+    return "\n".join(lines)
