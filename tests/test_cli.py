@@ -220,3 +220,36 @@ def test_reward_settings_nothing_would_read_are_refused(entries, settings, messa
 
     with pytest.raises(ValueError, match=message):
         resolve_reward_funcs(entries, settings)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "field", "value"),
+    [
+        (["--vllm_llm_kwargs", '{"dtype": "float32"}'], "vllm_llm_kwargs", {"dtype": "float32"}),
+        (
+            ["--use_vllm", "true", "--vllm_mode", "server", "--managed_servers", "1"]
+            + ["--managed_server_env", '{"VLLM_CPU_KVCACHE_SPACE": "4"}'],
+            "managed_server_env",
+            {"VLLM_CPU_KVCACHE_SPACE": "4"},
+        ),
+        (
+            ["--use_vllm", "true", "--vllm_mode", "server", "--managed_servers", "1"]
+            + ["--managed_server_placement", "ray", "--managed_server_resources", '{"CPU": 2}'],
+            "managed_server_resources",
+            {"CPU": 2},
+        ),
+    ],
+)
+def test_dict_fields_take_a_json_object_on_the_command_line(tmp_path, arguments, field, value):
+    """A dict field given on the command line arrives as text: it was refused by the parser ("invalid dict value")
+    for vllm_llm_kwargs and the fleet's env and resources; now read as JSON, as reward_funcs_kwargs is."""
+    from trl import TrlParser
+
+    from trl_scale.cli_parsing import import_trl_script_types, method_classes, parse
+
+    script_type, model_type = import_trl_script_types()
+    _, config_class = method_classes("grpo")
+    parser = TrlParser((script_type, config_class, model_type), prog="trl-scale grpo")
+    argv = ["--output_dir", str(tmp_path), "--bf16", "false", "--report_to", "none", *arguments]
+    _, config, _ = parse(parser, "grpo", argv)
+    assert getattr(config, field) == value

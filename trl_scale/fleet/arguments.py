@@ -54,7 +54,7 @@ class ManagedServerArguments:
             "help": "Extra `vllm serve` arguments for the managed servers (a list, or one shell-quoted string)."
         },
     )
-    managed_server_env: dict | None = field(
+    managed_server_env: dict | str | None = field(
         default=None, metadata={"help": "Extra environment variables for the managed servers."}
     )
     managed_server_python: str | None = field(
@@ -73,7 +73,7 @@ class ManagedServerArguments:
         default="local",
         metadata={"help": "'local' (subprocesses of the main process) or 'ray' (Ray actors in a placement group)."},
     )
-    managed_server_resources: dict | None = field(
+    managed_server_resources: dict | str | None = field(
         default=None,
         metadata={
             "help": "Ray placement: each server's bundle beyond its GPUs, e.g. {'CPU': 4, 'node_a': 1}; default "
@@ -150,6 +150,8 @@ class ManagedServerArguments:
                 raise ImportError(
                     "managed_server_placement='ray' needs Ray. Fix: pip install 'trl-scale[ray]', or use 'local'"
                 )
+            if isinstance(self.managed_server_resources, str):  # the command line gives a JSON object as text
+                self.managed_server_resources = dict_field(self.managed_server_resources, "managed_server_resources")
             resources = self.managed_server_resources or {}
             bad = {
                 k: v for k, v in resources.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0

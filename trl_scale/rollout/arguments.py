@@ -228,7 +228,7 @@ class RolloutArguments:
         },
     )
 
-    vllm_llm_kwargs: dict | None = field(
+    vllm_llm_kwargs: dict | str | None = field(
         default=None,
         metadata={
             "help": "vllm_mode='colocate': extra vllm.LLM settings on top of TRL's, e.g. {'dtype': 'bfloat16', "
