@@ -119,7 +119,7 @@ def run_trainer(options) -> None:
     )
     reward.trainer = trainer
     generation = trainer.vllm_generation
-    sync, send = generation.sync_weights, generation.streamer.send
+    sync, send = generation.sync_weights, generation.ahead.streamer.send
 
     def recorded_sync():
         emit("sync", index=generation.sync_count + 1, fingerprint=fingerprint(trainer.model))
@@ -129,7 +129,7 @@ def run_trainer(options) -> None:
         emit("sent", version=generation.sync_count)
         return send(prompt_ids, n, dispatched)
 
-    generation.sync_weights, generation.streamer.send = recorded_sync, recorded_send
+    generation.sync_weights, generation.ahead.streamer.send = recorded_sync, recorded_send
 
     class Steps(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -138,7 +138,7 @@ def run_trainer(options) -> None:
     trainer.add_callback(Steps())
     emit("start", resume=options.resume)
     trainer.train(resume_from_checkpoint=options.resume)
-    streamer = generation.streamer
+    streamer = generation.ahead.streamer
     left = [row["id"] for g in [*streamer.out, *streamer.pending] for row in g.rows]
     emit("end", left=left)
     trainer.close_rollout()

@@ -43,7 +43,7 @@ def test_staleness_0_is_the_synchronous_run(servers, tiny_llama, tmp_path):
     zero = _grpo(tiny_llama, tmp_path / "zero", urls, max_steps=3, async_rollout_staleness=0)
     seen = _record_versions(zero)
     zero.train()
-    assert zero.vllm_generation.prefetcher is None
+    assert zero.vllm_generation.ahead is None  # synchronous: nothing read ahead
     assert step_logs(zero, keys) == step_logs(sync, keys)
     assert all(set(versions) == {now} for now, versions in seen)  # every batch from the weights just synced
 
@@ -65,7 +65,7 @@ def test_no_trained_completion_is_older_than_the_bound(servers, tiny_llama, tmp_
     ages = [now - version for now, versions in seen for version in versions]
     assert max(ages) <= staleness and min(ages) >= 0
     assert max(ages) == staleness  # the bound is reached: batches really were generated ahead
-    prefetcher = trainer.vllm_generation.prefetcher
+    prefetcher = trainer.vllm_generation.ahead.prefetcher
     assert prefetcher.served_from_prefetch >= generations - staleness  # all but the first came from prefetches
     # Nothing generated past the last step: every request sent was trained on, none is left running.
     assert not prefetcher.in_flight and prefetcher.served_from_prefetch + prefetcher.generated_now == generations
@@ -119,7 +119,7 @@ def test_a_batch_whose_prompts_were_not_prefetched_is_generated_in_turn(servers,
     completions of other prompts."""
     urls = [s.url for s in servers]
     trainer = _grpo(tiny_llama, tmp_path, urls, async_rollout_staleness=1, async_rollout_mode="ordered", max_steps=3)
-    prefetcher = trainer.vllm_generation.prefetcher
+    prefetcher = trainer.vllm_generation.ahead.prefetcher
     tokenize = prefetcher.tokenize
     prefetcher.tokenize = lambda prompts: [ids + [7] for ids in tokenize(prompts)]  # never matches a real batch
     seen = _record_versions(trainer)
@@ -211,7 +211,7 @@ def test_ppo_trains_on_prefetched_rollouts_within_the_bound(servers, tiny_llama,
     trainer.train()
     ages = [now - version for now, versions in seen for version in versions]
     assert len(seen) == 4 and max(ages) == 1 and min(ages) >= 0
-    assert trainer.vllm_generation.prefetcher.served_from_prefetch == 3
+    assert trainer.vllm_generation.ahead.prefetcher.served_from_prefetch == 3
 
 
 def test_stale_completions_without_an_off_policy_correction_are_refused(tmp_path):

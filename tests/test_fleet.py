@@ -226,7 +226,7 @@ def test_a_restarted_server_catches_up_to_the_current_weights_before_the_next_sy
 
     def recorded_sync():
         sync()
-        after_sync.append(_seeded_sample(url, generation.lora_name))
+        after_sync.append(_seeded_sample(url, generation.syncer.lora_name))
 
     generation.sync_weights = recorded_sync
     restarted = fleet.on_restarted
@@ -235,12 +235,12 @@ def test_a_restarted_server_catches_up_to_the_current_weights_before_the_next_sy
         restarted(restarted_url)
         server = next(s for s in generation.client.servers if s.url == restarted_url)
         seen.update(
-            version=generation.version,
+            version=generation.syncer.version,
             syncs=generation.sync_count,
             in_rotation=generation.client.versions.is_current(server),
         )
         seen["served_version"] = generation.client.versions.reader(server)
-        seen["sample"] = _seeded_sample(restarted_url, generation.lora_name)
+        seen["sample"] = _seeded_sample(restarted_url, generation.syncer.lora_name)
 
     fleet.on_restarted = observed
 
@@ -276,7 +276,7 @@ def test_a_server_dying_right_after_the_fleet_check_is_waited_for(dies_before, t
     fleet, generation = trainer.rollout_fleet, trainer.vllm_generation
     killed = []
     # the sync mode's sync (its walk, write and reload), or the batch's requests
-    target, name = (generation.sync_mode, "sync") if dies_before == "sync" else (generation, "_request")
+    target, name = (generation.syncer.mode, "sync") if dies_before == "sync" else (generation, "_request")
     proceed = getattr(target, name)
 
     def die_then_proceed(*args):
@@ -292,7 +292,7 @@ def test_a_server_dying_right_after_the_fleet_check_is_waited_for(dies_before, t
     try:
         trainer.train()
         assert killed and trainer.state.global_step == 3 and fleet.restarts == 1
-        assert generation.sync_count == 3 and generation.client.servers[0].version == generation.version
+        assert generation.sync_count == 3 and generation.client.servers[0].version == generation.syncer.version
     finally:
         trainer.close_rollout_servers()
     assert not wait_gone(marker, 30)

@@ -109,7 +109,7 @@ def test_ppo_with_servers_on_one_node_and_critic_and_reward_model_on_another(
         assert restarted.actor != first_actor and _node_of(restarted.actor) == two_node_cluster["rollout"]
         # the restarted server is on the run's weights: the trainer's client reached it at its (new) address
         assert [s.url for s in trainer.vllm_generation.client.servers] == [restarted.url]
-        assert weight_version(restarted.url) == trainer.vllm_generation.version
+        assert weight_version(restarted.url) == trainer.vllm_generation.syncer.version
         trainer.vllm_generation.sync_weights()  # the last step's update came after the last sync
         assert (diff := served_vs_policy(trainer, restarted.url)) <= SYNC_TOLERANCE, diff
         # a later run whose reward function raises: train() stops the server (its actor and vLLM's processes)

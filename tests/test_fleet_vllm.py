@@ -122,7 +122,7 @@ def test_managed_vllm_example_learns_through_a_killed_server(tmp_path, steps):
         assert max(entry["rollout/server_deaths"] for entry in logs) == 1.0
         trained = Counter(recorder.ids)
         assert set(trained.values()) == {args.num_generations}, trained  # each group whole, and once
-        streamer = trainer.vllm_generation.streamer
+        streamer = trainer.vllm_generation.ahead.streamer
         assert not {row["id"] for g in [*streamer.out, *streamer.pending] for row in g.rows} & set(trained)
         assert len(trained) == steps * 64 // args.num_generations
         rewards = [entry["reward"] for entry in logs]
@@ -138,7 +138,7 @@ def test_managed_vllm_example_learns_through_a_killed_server(tmp_path, steps):
             # both load the policy's final weights (the last step's update came after the last sync)
             generation.sync_weights()
             for url in urls:
-                assert weight_version(url) == generation.version
+                assert weight_version(url) == generation.syncer.version
                 assert (diff := served_vs_policy(trainer, url)) <= SYNC_TOLERANCE, (url, diff)
         # a later run whose reward function raises: train() stops both servers before the error propagates (in CI,
         # server 0 still starting again: its restart stopped with it)

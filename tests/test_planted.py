@@ -12,17 +12,14 @@ from trl_scale.routing import LeastOutstandingRouting, ServerState
 
 
 def _generation(sync_count: int):
-    """A rollout generation with only what `send_group` and `continue_conversations` read."""
-    import threading
-
+    """A rollout generation with only what `send_group` and `continue_conversations` read (its syncer's count)."""
     from trl_scale.rollout.generation import ServerRolloutGeneration
     from trl_scale.rollout.seeds import RequestSeeds
+    from trl_scale.rollout.syncer import WeightSyncer
 
     generation = object.__new__(ServerRolloutGeneration)
-    generation.sync_count, generation._syncing = sync_count, False
-    generation._version_lock = threading.Lock()
-    generation._lora_served = (None, 0)
-    generation.weight_sync = "shared_dir"
+    generation.syncer = WeightSyncer(None, "r", None, managed=False)
+    generation.syncer.count, generation.syncer.name = sync_count, "shared_dir"
     generation.fleet = None
     generation.seeds = RequestSeeds(None)
     interrupt = SimpleNamespace(interrupt="keep")
@@ -36,13 +33,13 @@ def test_an_answer_finishing_during_a_weight_sync_may_hold_the_syncs_weights():
     generation = _generation(sync_count=3)
 
     def complete(prompt, n, model, **kwargs):
-        generation._syncing = True  # a sync began while this answer was generating
+        generation.syncer.syncing = True  # a sync began while this answer was generating
         return [{"token_ids": [1]}] * n
 
     generation.client = SimpleNamespace(complete=complete)
     _, newest = generation.send_group([1, 2], 2)
     assert newest == 4
-    generation._syncing = False
+    generation.syncer.syncing = False
     generation.client = SimpleNamespace(complete=lambda prompt, n, model, **kwargs: [{"token_ids": [1]}] * n)
     assert generation.send_group([1, 2], 2)[1] == 3
 

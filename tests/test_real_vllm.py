@@ -150,14 +150,14 @@ def _check_every_sync(trainer, urls: list[str]) -> list[dict]:
     def checked_sync():
         sync()
         expected = _policy_logprobs(trainer, PROBE)
-        record = {"policy": expected, "diff": {}, "version": generation.version}
+        record = {"policy": expected, "diff": {}, "version": generation.syncer.version}
         for url in urls:
             served = served_models(url)
-            model = generation.lora_name or served[0]
+            model = generation.syncer.lora_name or served[0]
             got = prompt_logprobs(url, PROBE, model)
             assert len(got) == len(expected) > 0
             record["diff"][url] = max(abs(a - b) for a, b in zip(got, expected))
-            if generation.weight_sync == "lora":
+            if generation.syncer.name == "lora":
                 record[url] = served[1:]  # the adapters it holds: only the current one
             else:
                 record[url] = weight_version(url)
@@ -174,7 +174,7 @@ def test_every_sync_reaches_every_real_vllm_server(fleet, rl_urls, tmp_path, met
     """GRPO, RLOO and PPO × shared_dir / lora / nccl (trl-scale's gloo engine loaded into vLLM as a plugin): after
     every sync, both servers' prompt log-probs equal the policy's (<= 1e-4) and they report the sync's version."""
     trainer = _trainer(method, fleet.model_path, tmp_path, rl_urls, weight_sync)
-    assert trainer.vllm_generation.weight_sync == weight_sync
+    assert trainer.vllm_generation.syncer.name == weight_sync
     records = _check_every_sync(trainer, rl_urls)
     trainer.train()
     assert trainer.state.global_step == 3
@@ -285,7 +285,7 @@ def test_sampler_logprobs_from_real_vllm_feed_the_importance_sampling_correction
     assert worst_ratio <= 1e-4, worst_ratio
     # off-policy batches were trained: some ratio is far from 1 (on-policy ones are within float noise)
     assert max(lag for lag, _ in lags) > 1e-2, lags
-    assert generation.prefetcher.served_from_prefetch >= 2
+    assert generation.ahead.prefetcher.served_from_prefetch >= 2
 
 
 def test_preflight_names_every_problem_of_each_server(fleet, rl_urls, tmp_path):

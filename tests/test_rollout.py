@@ -127,7 +127,7 @@ def test_grpo_trains_on_servers_and_their_weights_follow_the_policy(servers, tin
     trainer.train()
     assert trainer.state.global_step == 3
     assert trainer.vllm_generation.sync_count == 3  # before each step's generation
-    assert trainer.vllm_generation.weight_sync == {"auto": "nccl", "shared_dir": "shared_dir"}[weight_sync]
+    assert trainer.vllm_generation.syncer.name == {"auto": "nccl", "shared_dir": "shared_dir"}[weight_sync]
     served = {s.url: s.served for s in trainer.vllm_generation.client.servers}
     assert all(count > 0 for count in served.values()), served  # both servers did work
     trainer.vllm_generation.sync_weights()  # push the final weights, then compare log-probs
@@ -363,7 +363,7 @@ def test_lora_weight_sync_serves_the_trained_adapter(servers, tiny_llama, tmp_pa
     )
     trainer.train()
     trainer.vllm_generation.sync_weights()
-    name = trainer.vllm_generation.lora_name
+    name = trainer.vllm_generation.syncer.lora_name
     assert name in [m["id"] for m in requests.get(f"{servers[0].url}/v1/models", timeout=10).json()["data"]]
     prompt = [432, 375, 373]
     choice = requests.post(
@@ -451,12 +451,12 @@ def test_a_sync_without_a_directory_leaves_no_copy_of_the_weights(servers, tiny_
     peft = {"peft_config": LoraConfig(r=4, target_modules=["q_proj", "v_proj"])} if weight_sync == "lora" else {}
     trainer = server_grpo(tiny_llama, tmp_path, [s.url for s in servers], weight_sync=weight_sync, max_steps=2, **peft)
     made = []
-    mode = trainer.vllm_generation.sync_mode
+    mode = trainer.vllm_generation.syncer.mode
     sync = mode.sync
 
     def recording(weights, version):
         sync(weights, version)
-        made.append(trainer.vllm_generation.weight_dir.root)
+        made.append(trainer.vllm_generation.syncer.weight_dir.root)
 
     mode.sync = recording
     trainer.train()

@@ -72,7 +72,9 @@ def test_a_synchronous_batch_seeds_each_request_by_the_batchs_number_and_its_pla
             return [[{"token_ids": [1]}] * k for k in n]
 
     generation = object.__new__(ServerRolloutGeneration)
-    generation.client, generation._lora_served = Client(), (None, 0)
+    from trl_scale.rollout.syncer import WeightSyncer
+
+    generation.client, generation.syncer = Client(), WeightSyncer(None, "r", None, managed=False)
     generation.settings = SimpleNamespace(sampling={"temperature": 1.0, "seed": 3})
     generation.seeds = RequestSeeds.from_config(3, 0, 0)
     prompts = [[1, 2]] * 4 + [[3]] * 4

@@ -350,7 +350,7 @@ def test_ordered_mode_with_deterministic_environments_trains_the_same_numbers_ho
         trainer, trained, versions = _ordered_env_run(tool_model, urls, tmp_path / str(delayed), delayed)
         assert {"reset", "get_reward"} <= {name for name, _ in LEDGER.calls}
         assert not [c for c in LEDGER.calls if c[1] == "MainThread"], "an environment call in the step"
-        assert trainer.vllm_generation.takes_groups and trainer.vllm_generation.prefetcher is None
+        assert trainer.vllm_generation.ahead.takes_groups and trainer.vllm_generation.ahead.prefetcher is None
         spans = [(now, span) for now, batch in versions for span in batch]
         assert spans and all(first == newest and 0 <= now - first <= 1 for now, (first, newest) in spans)
         assert any(now - first == 1 for now, (first, _) in spans)  # generated ahead: not the synchronous run

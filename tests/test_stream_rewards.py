@@ -277,7 +277,7 @@ def test_the_step_checks_its_rows_and_replays_the_streams_logs():
     ]
     logged = []
     trainer = SimpleNamespace(
-        vllm_generation=SimpleNamespace(takes_groups=True, streamed_rewards=lambda: groups),
+        vllm_generation=SimpleNamespace(ahead=SimpleNamespace(streamed_rewards=lambda: groups)),
         reward_funcs=[token_parity_reward],
         _log_completion_extra=lambda column, values: logged.append((column, values)),
         _log_metric=lambda name, value: logged.append((name, value)),

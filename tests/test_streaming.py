@@ -333,24 +333,27 @@ def test_an_abandoned_attempt_neither_retags_nor_overwrites_the_resend():
 
 
 def _generation_with_held_sync():
-    """A `ServerRolloutGeneration` reduced to its version book: `_sync_with_retry` holds until `release` is set."""
+    """A `ServerRolloutGeneration` reduced to its version book (its syncer): the sync holds until `release` is
+    set."""
     from types import SimpleNamespace
 
     from trl_scale.rollout.generation import ServerRolloutGeneration
+    from trl_scale.rollout.syncer import WeightSyncer
 
     events = {"in_sync": threading.Event(), "release": threading.Event()}
 
-    class Held(ServerRolloutGeneration):
-        def _sync_with_retry(self, version):
+    class Held(WeightSyncer):
+        def _sync_with_retry(self, weights, check_fleet, version):
             events["in_sync"].set()
             assert events["release"].wait(timeout=10)
 
-    generation = object.__new__(Held)
+    generation = object.__new__(ServerRolloutGeneration)
     generation.settings = SimpleNamespace(streaming=True)
     client = SimpleNamespace(versions=SimpleNamespace(version=None))
-    generation.weight_sync, generation.client, generation._run_id = "shared_dir", client, "r"
-    generation.sync_count, generation.read_ahead = 0, None
-    generation._version_lock = threading.Lock()  # the generation's own (its __init__ makes it)
+    generation.client, generation.fleet = client, None
+    generation.accelerator = SimpleNamespace(is_main_process=True)
+    generation.syncer = Held(client, "r", None, managed=False)  # its own locks (its __init__ makes them)
+    generation.syncer.name = "shared_dir"
     generation.seeds = RequestSeeds(None)
     return generation, events
 
@@ -377,7 +380,7 @@ def test_an_answer_finishing_during_a_sync_records_the_syncs_weights_in_its_span
     assert spanned["result"][1] == 1
     events["release"].set()
     syncer.join(timeout=10)
-    assert generation.sync_count == 1 and generation._newest_reachable() == 1
+    assert generation.sync_count == 1 and generation.syncer.newest_reachable() == 1
 
 
 def test_the_version_book_never_shows_the_old_count_once_the_sync_is_over():
@@ -387,17 +390,17 @@ def test_the_version_book_never_shows_the_old_count_once_the_sync_is_over():
     events["release"].set()
     seen = []
     readers = []
-    cls = type(generation)
+    cls = type(generation.syncer)
 
     def set_flag(self, value):
         self.__dict__["_syncing"] = value
         if value is False:  # a generation finishing at this instant, on another thread
-            reader = threading.Thread(target=lambda: seen.append(self._newest_reachable()))
+            reader = threading.Thread(target=lambda: seen.append(self.newest_reachable()))
             reader.start()
             reader.join(timeout=0.2)
             readers.append(reader)
 
-    cls._syncing = property(lambda self: self.__dict__.get("_syncing", False), set_flag)
+    cls.syncing = property(lambda self: self.__dict__.get("_syncing", False), set_flag)
     generation.sync_weights()
     for reader in readers:
         reader.join(timeout=10)

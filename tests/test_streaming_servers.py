@@ -98,11 +98,11 @@ def slow_first_attempts(trainer, ids: set[int], seconds: float | None = None) ->
     are. Returns the ids of the requests sent, in order."""
     generation = trainer.vllm_generation
     prompt_to_id = {}
-    tokenize = generation.streamer.tokenize
+    tokenize = generation.ahead.streamer.tokenize
     for row in id_dataset():
         prompt_to_id[tuple(tokenize([row["prompt"]])[0])] = row["id"]
     sent, complete = [], generation.client.complete
-    counts = generation.streamer.counts = _DeadlineCounts(generation.streamer.counts)
+    counts = generation.ahead.streamer.counts = _DeadlineCounts(generation.ahead.streamer.counts)
 
     def complete_slowly(prompt, *args, **kwargs):
         row_id = prompt_to_id[tuple(prompt)]
@@ -129,7 +129,7 @@ def check_once_each(trainer, recorder, group: int) -> set[int]:
     """Every id trained is trained as one whole group, once; returns the ids trained."""
     counts = recorder.counts()
     assert set(counts.values()) == {group}, counts  # a group's rows together, and no group twice
-    streamer = trainer.vllm_generation.streamer
+    streamer = trainer.vllm_generation.ahead.streamer
     left = Counter(row["id"] for g in [*streamer.out, *streamer.pending] for row in g.rows)
     assert not set(left) & set(counts)  # what is still out was not trained
     return set(counts)
@@ -143,7 +143,7 @@ def test_grpo_streams_every_group_once_within_the_bound_and_slow_answers_are_not
     trainer = streaming_run(
         "grpo", tiny_llama, tmp_path, [s.url for s in servers], recorder, async_rollout_staleness=staleness
     )
-    assert trainer.vllm_generation.streamer is not None and trainer.vllm_generation.prefetcher is None
+    assert trainer.vllm_generation.ahead.streamer is not None and trainer.vllm_generation.ahead.prefetcher is None
     slow = {1, 5}  # their answers are held until a batch waits for them at their deadline (as a long answer is)
     sent = slow_first_attempts(trainer, slow)
     seen = versions_recorder(trainer)
@@ -154,7 +154,7 @@ def test_grpo_streams_every_group_once_within_the_bound_and_slow_answers_are_not
     assert len(seen) == 6 and max(ages) <= staleness and min(ages) >= 0
     assert all(first <= newest for _, spans in seen for first, newest in spans)
     assert slow <= trained  # delayed, not starved
-    counts = trainer.vllm_generation.streamer.counts
+    counts = trainer.vllm_generation.ahead.streamer.counts
     assert counts["dropped_stale"] == 0 and Counter(sent)[1] == Counter(sent)[5] == 1  # none sent twice
     if staleness == 1:
         assert counts["waited_for_deadline"] >= 1  # a batch waited for a slow answer
@@ -178,7 +178,7 @@ def test_lora_streams_each_group_on_the_adapter_it_was_sent_with(servers, tiny_l
         weight_sync="lora", peft_config=lora, learning_rate=1e-2,
     )  # fmt: skip
     generation = trainer.vllm_generation
-    assert generation.streamer is not None and generation.sync_mode.settings.keep_adapters == staleness
+    assert generation.ahead.streamer is not None and generation.syncer.mode.settings.keep_adapters == staleness
     named, complete = [], generation.client.complete
 
     def recording(prompt, n, model=None, *args, **kwargs):
@@ -196,7 +196,7 @@ def test_lora_streams_each_group_on_the_adapter_it_was_sent_with(servers, tiny_l
     assert any(now > first for now, first, _ in spans)  # some trained after a newer adapter was loaded
     for server in servers:
         listed = requests.get(f"{server.url}/v1/models", timeout=10).json()["data"][1:]
-        ours = [m["id"] for m in listed if m["id"].startswith(generation.version.rsplit("-", 1)[0])]
+        ours = [m["id"] for m in listed if m["id"].startswith(generation.syncer.version.rsplit("-", 1)[0])]
         assert len(ours) == staleness + 1, ours  # the current adapter and the `staleness` before it
 
 
@@ -251,7 +251,7 @@ def test_a_resume_trains_each_group_read_before_the_checkpoint_once(servers, tin
     assert not set(before) & set(after)  # nothing trained twice across the resume
     assert len(before) == len(after) == 3 * 2
     # nothing read twice (a group trained before the checkpoint, or restored from it, is not read again) ...
-    streamer = resumed.vllm_generation.streamer
+    streamer = resumed.vllm_generation.ahead.streamer
     left = Counter(row["id"] for g in [*streamer.out, *streamer.pending] for row in g.rows)
     assert set(left.values()) <= {GROUP} and not set(left) & (set(before) | set(after))
     # ... and nothing skipped: the groups trained are the first ones read, but for those still out at the end
@@ -283,7 +283,7 @@ def test_a_streaming_resume_inside_a_generation_window_trains_each_group_once(se
     assert set(before.values()) == set(after.values()) == {GROUP}
     assert not set(before) & set(after), (sorted(before), sorted(after))  # nothing trained twice
     assert len(before) == 2 * len(after) == 2 * 2 * 8 // GROUP  # the third generation after the resume, whole
-    streamer = resumed.vllm_generation.streamer
+    streamer = resumed.vllm_generation.ahead.streamer
     left = Counter(row["id"] for g in [*streamer.out, *streamer.pending] for row in g.rows)
     assert set(range(12)) <= set(before) | set(after) | set(left)  # nothing skipped
 
@@ -317,8 +317,8 @@ def test_dynamic_sampling_tops_up_from_the_stream_within_the_bound(servers, tiny
 
     trainer._calculate_rewards = recording_rewards  # TRL's step calls it on the chosen rows only
     generation, takes = trainer.vllm_generation, []
-    take_streamed = generation.take_streamed
-    generation.take_streamed = lambda num_rows, **kw: takes.append(num_rows) or take_streamed(num_rows, **kw)
+    take_streamed = generation.ahead.take_streamed
+    generation.ahead.take_streamed = lambda num_rows, **kw: takes.append(num_rows) or take_streamed(num_rows, **kw)
     trainer.train()
     assert len(trained) == 4 and len(takes) > 4  # top-ups taken from the stream, not generated apart
     for now, ids, spans in trained:
@@ -408,7 +408,7 @@ def test_evaluation_during_training_generates_at_the_current_weights_apart_from_
     if mode == "streaming":
         check_once_each(trainer, recorder, GROUP)
     if mode == "ordered":  # the prefetch was asked for the 6 training batches only, and served them
-        prefetch = trainer.vllm_generation.prefetcher
+        prefetch = trainer.vllm_generation.ahead.prefetcher
         assert prefetch.served_from_prefetch + prefetch.generated_now == 6, vars(prefetch)
         assert prefetch.served_from_prefetch >= 5
 

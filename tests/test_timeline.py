@@ -190,7 +190,7 @@ def test_slow_rewards_in_a_streaming_step_hint_at_stream_rewards_once(monkeypatc
     def trainer(stream_rewards=None, in_stream=False):
         settings = SimpleNamespace(asynchronous=SimpleNamespace(rewards_in_stream=in_stream))
         return SimpleNamespace(
-            vllm_generation=SimpleNamespace(takes_groups=True, settings=settings),
+            vllm_generation=SimpleNamespace(ahead=SimpleNamespace(takes_groups=True), settings=settings),
             args=SimpleNamespace(stream_rewards=stream_rewards),
             environment_factories=None,
         )

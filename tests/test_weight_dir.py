@@ -48,15 +48,15 @@ def test_a_sync_touches_nothing_it_did_not_write(servers, tiny_llama, tmp_path, 
         **peft,
     )
     generation = trainer.vllm_generation
-    run_dir = generation.weight_dir.root
+    run_dir = generation.syncer.weight_dir.root
     assert run_dir is not None and os.path.dirname(run_dir) == str(directory)
-    assert json.loads((directory / LOCK_NAME).read_text())["run"] == generation.weight_dir.run_id
+    assert json.loads((directory / LOCK_NAME).read_text())["run"] == generation.syncer.weight_dir.run_id
     seen = []
 
     class AfterEachStep(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             seen.append(sorted(os.listdir(run_dir)))
-            current = os.path.basename(generation.sync_mode.current)
+            current = os.path.basename(generation.syncer.mode.current)
             assert seen[-1] == [current], seen
 
     trainer.add_callback(AfterEachStep())

@@ -106,7 +106,7 @@ def _check_every_sync(trainer, urls, seen):
         for url in urls:
             server = _server_digest(url)
             assert {name: server[name] for name in policy} == policy, url
-        seen.append(generation.version)
+        seen.append(generation.syncer.version)
 
     generation.sync_weights = checked_sync
 
@@ -367,18 +367,18 @@ def test_lora_sync_follows_vllms_rules_across_resyncs_and_resume(tiny_llama, tmp
         trainer = server_grpo(tiny_llama, tmp_path / "run", [server.url], **fields)
         trainer.train()
         generation = trainer.vllm_generation
-        first = generation.lora_name
+        first = generation.syncer.lora_name
         generation.sync_weights()  # again at the same step: a new name, never a refused reload of the old one
-        assert generation.lora_name != first
+        assert generation.syncer.lora_name != first
 
         def adapters():
             return [m["id"] for m in requests.get(f"{server.url}/v1/models", timeout=10).json()["data"][1:]]
 
-        assert adapters() == [generation.lora_name]  # superseded adapters are unloaded, not piled up
+        assert adapters() == [generation.syncer.lora_name]  # superseded adapters are unloaded, not piled up
         resumed = server_grpo(tiny_llama, tmp_path / "run", [server.url], **{**fields, "max_steps": 3})
         resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
         assert resumed.state.global_step == 3
-        assert adapters() == [resumed.vllm_generation.lora_name]
+        assert adapters() == [resumed.vllm_generation.syncer.lora_name]
         # vLLM's rule the client follows: a second load under one name is refused unless in place
         body = {"lora_name": adapters()[0], "lora_path": str(tmp_path / "adapters" / adapters()[0])}
         response = requests.post(f"{server.url}/v1/load_lora_adapter", json=body, timeout=30)

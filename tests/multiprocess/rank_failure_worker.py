@@ -20,7 +20,7 @@ def main() -> None:
             rank = trainer.accelerator.process_index
             generation = trainer.vllm_generation
             if rank == 1:
-                mode = generation.sync_mode
+                mode = generation.syncer.mode
                 walk = mode.sync
 
                 def fails_on_this_rank(weights, version):

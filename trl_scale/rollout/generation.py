@@ -15,23 +15,24 @@ Weight sync modes (`weight_sync`):
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TypeVar
 
 from trl.generation.vllm_generation import VLLMGeneration
 
 from ..logs import get_logger
-from ..ranks import agree, broadcast_from_main, decide_on_leader, decide_on_main, gathered
-from .ahead import CONVERSATION_KEY, GenerationAhead
-from .client import SERVER_KEY, VERSION_PREFIX, RolloutClient, RolloutError
+from ..ranks import decide_on_leader, decide_on_main, gathered
+from .ahead import CONVERSATION_KEY, READ_AHEAD_ENGINES, Converse, ReadAheadRollout
+from .client import SERVER_KEY, RolloutClient, RolloutError
 from .record import BatchRecords, GeneratedBatch
-from .seeds import RequestSeeds
+from .seeds import RequestSeeds, next_identity
 from .settings import RolloutSettings
+from .syncer import WeightSyncer
 from .weight_dir import WeightDirectory
-from .weight_sync import PolicyWeights, SyncSettings, WeightSyncMode, choose_mode, weight_sync_for
+from .weight_sync import PolicyWeights, SyncSettings, choose_mode, weight_sync_for
 
 logger = get_logger(__name__)
 T = TypeVar("T")
@@ -47,7 +48,17 @@ class ServersFit:
     max_model_len: int | None
 
 
-class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
+class ServerRolloutGeneration(VLLMGeneration):
+    """TRL's generation interface over trl-scale's client. It holds a weight syncer (`syncer`: the servers'
+    weights, their version and count) and, for an asynchronous run, a read-ahead rollout (`ahead`: the engine of
+    its mode and what TRL's calls take from it); it makes the requests both use."""
+
+    ahead: ReadAheadRollout | None = None  # asynchronous rollout (`enable_async`); None: synchronous
+    shared_with = None  # the sequence-parallel group's process group: its rank 0 generates for it (`share_with`)
+    # The trainer's phase clock (`trl_scale.timeline.PhaseClock.phase`), where the timeline or phase timing is kept:
+    # a weight sync and a wait for streamed groups are phases of the trainer's time.
+    phase = staticmethod(lambda name: nullcontext())
+
     def __init__(
         self,
         model,
@@ -61,30 +72,19 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
         self.client = client
         self.settings = settings
         self.fleet = fleet  # managed servers (main process only): checked before each batch and sync
-        self._sync_lock = threading.Lock()  # a sync and a restarted server's catch-up, one at a time
+        self.syncer = WeightSyncer(client, settings.run_id or uuid.uuid4().hex[:8], weight_dir, settings.managed)
         if fleet is not None:
             fleet.on_moved = client.replace_url
-            fleet.on_restarted = self.catch_up
-        # Where shared_dir / lora syncs write (the main process's; None on the others): a directory of this run's own.
-        self.weight_dir = weight_dir
-        self.sync_mode: WeightSyncMode | None = None  # chosen in _init_vllm, from what the servers offer
+            fleet.on_restarted = self.syncer.catch_up
         # The sampler's log-probs feed an importance-sampling correction: a choice without them is an error (TRL
         # would turn NaN into a ratio of 1, silently switching the correction off).
         self.require_logprobs = settings.require_logprobs
         self.server_max_model_len: int | None = None
-        self._lora_served: tuple[str | None, int] = (None, 0)  # (lora_name, its sync count), swapped as one
-        self.sync_count = 0
         self.records = BatchRecords()  # one per generated batch: its versions, sampler log-probs, conversations
         # a seed per request where generation_kwargs has one (`seeds.py`); batches numbered in the trainer's thread
         self.seeds = RequestSeeds.from_config(
             settings.sampling.get("seed"), settings.run_seed, getattr(accelerator, "process_index", 0)
         )
-        # the sync count and the syncing flag change together (`_newest_reachable`); this generation's own: a class
-        # lock made every trainer in a process wait on every other's syncs
-        self._version_lock = threading.Lock()
-        self.version: str | None = None  # the weights the servers serve, as the last sync named them
-        # versions and adapter names never collide across runs or resumes
-        self._run_id = settings.run_id or uuid.uuid4().hex[:8]
         super().__init__(
             model=model,
             accelerator=accelerator,
@@ -108,15 +108,16 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
                 raise ValueError(f"{type(error).__name__}: {error}") from error
 
         fit = decide_on_main(preflight)
-        self.weight_sync, self.server_max_model_len = fit.weight_sync, fit.max_model_len
-        if self.weight_sync == "nccl" and self.weight_dir is not None:  # "auto" chose a group: no directory needed
-            self.weight_dir.release()
+        syncer = self.syncer
+        syncer.name, self.server_max_model_len = fit.weight_sync, fit.max_model_len
+        if syncer.name == "nccl" and syncer.weight_dir is not None:  # "auto" chose a group: no directory needed
+            syncer.weight_dir.release()
         pause_mode = "wait"  # a sync drains the servers, unless streaming, where it freezes or cuts running answers
         if self.settings.streaming:
             pause_mode = "keep" if self.settings.asynchronous.interrupt == "keep" else "abort"
-        settings = SyncSettings(self.settings.weight_sync_timeout, self.weight_dir, fit.backend, pause_mode)
-        self.sync_mode = weight_sync_for(self.weight_sync, self.client, settings)
-        self.client.versions.reader = self.sync_mode.server_version
+        settings = SyncSettings(self.settings.weight_sync_timeout, syncer.weight_dir, fit.backend, pause_mode)
+        syncer.mode = weight_sync_for(syncer.name, self.client, settings)
+        self.client.versions.reader = syncer.mode.server_version
 
     def _preflight(self) -> ServersFit:
         """Every server inspected once; all problems raised together (one line each: server, flag, fix), warnings
@@ -179,13 +180,9 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
                 groups.append([prompt, 1])
         seeded = [self.seeds.sampling(self.settings.sampling, ("batch", batch, i)) for i in range(len(groups))]
         results = self.client.generate(
-            [p for p, _ in groups], n=[n for _, n in groups], model=self.lora_name, per_request=seeded
+            [p for p, _ in groups], n=[n for _, n in groups], model=self.syncer.lora_name, per_request=seeded
         )
         return [choice for choices in results for choice in choices]
-
-    def _request_from_fleet(self, prompts) -> list[dict]:
-        batch = self.seeds.next_batch()
-        return self._retried_after_fleet(lambda: self._request(prompts, batch))
 
     def _retried_after_fleet(self, request: Callable[[], T]) -> T:
         """`request()`; with managed servers, tried once more after the fleet has a server serving again: the only
@@ -202,38 +199,29 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
     def close(self) -> None:
         """No more generation: the stream, the prefetch and the client's request threads stop (idle pool threads
         would otherwise keep a process that ends with `os._exit`, as the CLI's multi-process runs do, waiting)."""
-        if self.read_ahead is not None:
-            self.read_ahead.shutdown()
+        if self.ahead is not None:
+            self.ahead.shutdown()
         self.client.close()
 
-    def release_weight_dir(self) -> None:
-        """Release what the sync mode holds (the weights it wrote, the directory's lock): the end of `train()`. The
-        next sync takes it again."""
-        with self._sync_lock:
-            if self.sync_mode is not None:
-                self.sync_mode.close()
-            elif self.weight_dir is not None:
-                self.weight_dir.release()
-
     @property
-    def lora_name(self) -> str | None:
-        """The adapter the servers serve now (`weight_sync="lora"`; None before its first sync, and otherwise)."""
-        return self._lora_served[0]
-
-    _syncing = False  # a weight sync is under way (streaming: running generations may reach its weights)
+    def sync_count(self) -> int:
+        """The weight syncs done (the servers serve the weights of the last)."""
+        return self.syncer.count
 
     def generate(self, prompts, images=None, num_generations=1, profiler=None):
         """Each rank sends its own prompts. With async rollout, a batch prefetched at most `staleness` syncs ago
         is served from its request, then the next batches are requested with the weights just synced."""
         if images is not None and any(image is not None for image in images):
             raise NotImplementedError("server rollout with images is not supported yet; use vLLM's own server mode")
-        if self._serving is not None:
-            choices, spans = self._streamed_choices(prompts)
+        ahead = self.ahead
+        if ahead is not None and ahead.serves_now:
+            choices, spans = ahead.served(prompts)
         else:  # under sequence parallelism, one request per group: its ranks train on the same batch
             choices, spans = decide_on_leader(lambda: self._generated_choices(prompts), self.shared_with)
         completion_ids, logprobs = self.turn_outputs(choices)
         # a streamed tool-using group's conversations (its later turns were generated with it): the tool loop's
-        conversations = tuple(choice.get(CONVERSATION_KEY) for choice in choices) if self.converses else None
+        converses = ahead is not None and ahead.converses
+        conversations = tuple(choice.get(CONVERSATION_KEY) for choice in choices) if converses else None
         # TRL's RLOO drops the log-probs `generate` returns: its trl-scale correction reads them from the record
         self.records.add(GeneratedBatch(tuple(spans), tuple(logprobs), conversations))
         return generate_output(prompts, choices, completion_ids, logprobs)
@@ -256,15 +244,17 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
     def _generated_choices(self, prompts) -> tuple[list[dict], list[tuple[int, int]]]:
         """Generated now, or taken from a prefetched request ("ordered")."""
         self._check_fleet()
-        reads_ahead = self.prefetcher is not None and not self._evaluating
-        taken = self.prefetcher.take(prompts, self.sync_count) if reads_ahead else None
+        prefetcher = self.ahead.prefetcher if self.ahead is not None else None
+        reads_ahead = prefetcher is not None and not self.ahead.evaluating_now
+        taken = prefetcher.take(prompts, self.sync_count) if reads_ahead else None
         if taken is not None:
             (choices, newest), version = taken
         else:
-            choices, version = self._request_from_fleet(prompts), self.sync_count
-            newest = version
-        if self.prefetcher is not None:
-            self.prefetcher.submit_upcoming(self.sync_count)
+            batch = self.seeds.next_batch()
+            choices = self._retried_after_fleet(lambda: self._request(prompts, batch))
+            version = newest = self.sync_count
+        if prefetcher is not None:
+            prefetcher.submit_upcoming(self.sync_count)
         return choices, [(version, newest)] * len(choices)
 
     def _check_fleet(self) -> None:
@@ -277,99 +267,127 @@ class ServerRolloutGeneration(GenerationAhead, VLLMGeneration):
         else:
             self.fleet.check()
 
-    # ---- weight sync ------------------------------------------------------------------------------------
+    # ---- asynchronous rollout: the read-ahead engine, and the requests it makes --------------------------------
 
-    def catch_up(self, url: str) -> None:
-        """A managed server that restarted serves its original weights: load the current ones into it now
-        (`shared_dir`, `lora`), so it rejoins before the next sync. With a weight-transfer group (`nccl`) the next
-        sync rebuilds the group with it; until then the router leaves it out. Never raises (a restart thread)."""
-        with self._sync_lock:
-            server = next((s for s in self.client.servers if s.url == url.rstrip("/")), None)
-            if self.version is None or server is None or self.sync_mode is None:
-                return  # before the first sync every server serves the initial weights
-            try:
-                if self.sync_mode.catch_up(server, self.version):
-                    logger.warning("rollout server %s restarted and caught up to weights %s", url, self.version)
-            except Exception as error:
-                logger.warning("rollout server %s could not catch up (%r); the next sync brings it back", url, error)
+    def enable_async(
+        self,
+        tokenize,
+        groups_per_batch: int | None = None,
+        converse: Converse | None = None,
+        score=None,
+        open_episode=None,
+        rollout=None,
+    ) -> ReadAheadRollout:
+        """Asynchronous rollout (`settings.asynchronous`): the read-ahead engine of its mode, built from
+        `READ_AHEAD_ENGINES` by the mode's name, reads the trainer's data ahead. `groups_per_batch` (streaming): the
+        prompt groups one generation batch trains on. `converse` (streaming, tool-using rollouts): a group's later
+        turns, run in the stream's thread right after its first turn (see `Converse`). `score` (rewards in the
+        stream): (rows, prompt ids, choices) -> the group's rewards, run in the stream's thread once the group has
+        finished. `open_episode` (environments): rows -> the group's episode, opened when it is sent (see
+        `streaming.Episode`). `rollout` (a `rollout_func`): (rows, send, dispatched) -> the group's choices and
+        newest version, made by the user's function instead of one request (see `streaming.Rollout`)."""
+        mode, staleness = self.settings.asynchronous.mode, self.settings.asynchronous.staleness
+        engine = READ_AHEAD_ENGINES[mode](
+            self, staleness, tokenize, groups_per_batch, converse, score, open_episode, rollout
+        )
+
+        def before_take() -> None:  # the fleet checked, the servers' versions refreshed
+            self._check_fleet()
+            self.client.versions.refresh(self.client.submit, only_unchecked=True)
+
+        self.ahead = ReadAheadRollout(engine, converse is not None, before_take, lambda name: self.phase(name))
+        self.ahead.shared_with = self.shared_with
+        return self.ahead
+
+    def share_with(self, group, rank: int) -> None:
+        """Sequence parallelism: the ranks of `group` (a process group; this rank is `rank` in it) train on the
+        same batch, so its rank 0 alone requests, prefetches or streams completions, and hands them to the
+        others."""
+        self.shared_with = group
+        if self.ahead is not None:
+            self.ahead.share_with(group, rank)
+
+    def send_group(
+        self, prompt_ids: list[int], n: int, dispatched=None, identity: tuple | None = None
+    ) -> tuple[list[dict], int]:
+        """One prompt group's request (streaming): its choices and the newest weights its tokens can come from.
+        With LoRA, a generation keeps the adapter it was sent with (a sync loads the next under a new name and
+        leaves this one loaded): every token comes from that adapter's version. `identity`: which request of the
+        run it is (`seeds.py`), drawn by a sender in another thread; else this thread's next."""
+        sampling = self.seeds.sampling(self.settings.sampling, identity or next_identity())
+        name, adapter_version = self.syncer.lora_served  # one read: the adapter named and its version agree
+        # a sync cuts running answers: each continued after it
+        continue_cut = self.settings.asynchronous.interrupt == "partial"
+        choices = self._retried_after_fleet(
+            lambda: self.client.complete(
+                prompt_ids, n, name, on_dispatch=dispatched, continue_cut=continue_cut, **sampling
+            )
+        )
+        if self.syncer.name == "lora":
+            return choices, adapter_version
+        return choices, self.syncer.newest_reachable()
+
+    def continue_conversations(
+        self, converse: Converse, rows: list, prompt_ids: list, choices: list[dict], *episode
+    ) -> int:
+        """A prompt group's later turns (`converse`), right after its first turn's `choices`: each turn one request
+        per conversation, sent as a group's first turn is (routed, failed over, with the weights served then). Each
+        choice then carries its whole conversation (`CONVERSATION_KEY`); returns the newest weights of the later
+        turns (-1 with none). With an episode (environments), `prompt_ids` has one entry per row."""
+        newest = [-1]
+
+        def send_turns(prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+            identities = [next_identity() for _ in prompts]  # in the group's thread, in the conversations' order
+            futures = [self.client.submit(self.send_group, list(p), 1, None, i) for p, i in zip(prompts, identities)]
+            sent = [future.result() for future in futures]
+            newest.extend(version for _, version in sent)
+            return self.turn_outputs([turn[0] for turn, _ in sent])
+
+        completion_ids, logprobs = self.turn_outputs(choices)
+        conversations = converse(rows, prompt_ids, completion_ids, logprobs, send_turns, *episode)
+        for choice, conversation in zip(choices, conversations, strict=True):
+            choice[CONVERSATION_KEY] = conversation
+        return max(newest)
+
+    def request_spanned(self, prompts, batch: int) -> tuple[list[dict], int]:
+        """`_request`, and the newest weight version its tokens can come from: the sync count when it finished (one
+        more while a sync is under way, whose new weights a streaming sync lets it reach)."""
+        choices = self._request(prompts, batch)
+        return choices, self.syncer.newest_reachable()
+
+    # ---- weight sync (TRL's interface; the syncer does it) ---------------------------------------------------
 
     def sync_weights(self) -> None:
-        """Push the policy's current weights to every server. Every rank walks the parameters (gathering shards
-        is a collective); the main process sends. A failure on any rank fails the sync on every rank, naming that
-        rank, instead of leaving the others waiting or going on. With managed servers a failed sync is tried once
-        more, by every rank, after the fleet has a server serving again: one can pass the fleet's check and die
-        before the weights reach it (its restart is then waited for, not taken for the end of the run)."""
+        """Push the policy's current weights to every server (`WeightSyncer.sync`), the read-ahead engine told
+        first (the ordered prefetch waits for the requests already sent)."""
         with self.phase("weight sync"):
-            version = f"{VERSION_PREFIX}{self._run_id}-{self.sync_count + 1}"
-            if self.read_ahead is not None:
-                self.read_ahead.before_sync()
-            with self._version_lock:
-                self._syncing = True
-            try:
-                self._sync_with_retry(version)
-            except BaseException:
-                with self._version_lock:
-                    self._syncing = False
-                raise
-            # one step: an answer finishing now reads the new count, not the old without the flag
-            with self._version_lock:
-                self.sync_count += 1
-                self._syncing = False
-            self.version = version
-            if self.weight_sync == "lora":
-                self._lora_served = (version, self.sync_count)
-            self.client.versions.version = version  # every rank routes only to servers on this version
-
-    def _sync_with_retry(self, version: str) -> None:
-        try:
-            self._sync_on_every_rank(version)
-        except Exception as error:
-            if not self.settings.managed:
-                raise RolloutError(f"weight sync failed: {type(error).__name__}: {error}") from error
-            logger.warning("weight sync failed (%s); waiting for a managed server, then trying once more", error)
-            try:
-                self._sync_on_every_rank(version)
-            except Exception as again:
-                raise RolloutError(f"weight sync failed: {type(again).__name__}: {again}") from again
-
-    def _sync_on_every_rank(self, version: str) -> None:
-        """One sync: every rank does its part (the parameter walk; the main process also sends), and a failure on
-        any rank fails it on all of them, naming that rank (`agree`). Then every rank takes the main process's
-        server list: a managed server restarted elsewhere has a new URL."""
-
-        def this_rank() -> None:
-            self._check_fleet()  # outside the lock: it may wait for a restart, whose catch-up takes the lock
-            with self._sync_lock:
-                self.sync_mode.sync(self._policy_weights(), version)
-
-        agree(this_rank)
-        current = [s.url for s in self.client.servers]
-        for old, new in zip(current, broadcast_from_main(current)):
-            if old != new:
-                self.client.replace_url(old, new)
+            if self.ahead is not None and self.ahead.engine is not None:
+                self.ahead.engine.before_sync()
+            self.syncer.sync(self._policy_weights(), self._check_fleet)
 
     def _policy_weights(self) -> PolicyWeights:
         """The policy's weights as the sync modes read them: TRL's walk under vLLM's names, and the adapter."""
+
+        def metadata() -> list[tuple[str, str, list[int]]]:
+            # The servers must know every tensor before the first is broadcast: walked once, then cached (as TRL).
+            if self._weight_metadata is None:
+                self._weight_metadata = [
+                    (name, str(param.dtype).removeprefix("torch."), list(param.shape))
+                    for name, param in self._iter_named_params()
+                ]
+            return self._weight_metadata
+
+        def adapter() -> tuple[dict, object]:
+            model = self.accelerator.unwrap_model(self.model)
+            return adapter_state_dict(model), model.peft_config["default"]
+
         return PolicyWeights(
             named_tensors=self._iter_named_params,
-            metadata=self._metadata,
-            adapter=self._adapter,
+            metadata=metadata,
+            adapter=adapter,
             is_main=self.accelerator.is_main_process,
             models_in_use=lambda: set().union(*gathered(self.client.transport.models_in_use())),
         )
-
-    def _metadata(self) -> list[tuple[str, str, list[int]]]:
-        # The servers must know every tensor before the first is broadcast: walked once, then cached (as TRL does).
-        if self._weight_metadata is None:
-            self._weight_metadata = [
-                (name, str(param.dtype).removeprefix("torch."), list(param.shape))
-                for name, param in self._iter_named_params()
-            ]
-        return self._weight_metadata
-
-    def _adapter(self) -> tuple[dict, object]:
-        model = self.accelerator.unwrap_model(self.model)
-        return adapter_state_dict(model), model.peft_config["default"]
 
 
 def adapter_state_dict(model) -> dict:

@@ -121,9 +121,9 @@ class DynamicSampling(Feature):
         finished groups (not necessarily those) taken, within the staleness bound as every streamed group."""
         if not self.streamed:
             return self.candidate_round(trainer, self.top_up_rows(trainer, num_rows))
-        generation = trainer.vllm_generation
-        streamed = generation.take_streamed(num_rows, new_rows=self.top_up_rows(trainer, num_rows))
-        with generation.serving(streamed):
+        ahead = trainer.vllm_generation.ahead
+        streamed = ahead.take_streamed(num_rows, new_rows=self.top_up_rows(trainer, num_rows))
+        with ahead.serving(streamed):
             return self.candidate_round(trainer, streamed.rows)
 
     def top_up_rows(self, trainer, num_rows: int) -> list[dict]:

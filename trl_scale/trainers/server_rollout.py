@@ -33,12 +33,10 @@ def claimed_weight_dir(args, run_id: str) -> WeightDirectory | None:
     return weight_dir
 
 
-def _generation(trainer):
-    return getattr(trainer, "vllm_generation", None)
-
-
 def _read_ahead(trainer):
-    return getattr(_generation(trainer), "read_ahead", None)
+    """The read-ahead engine: None in a synchronous run, and on a sequence-parallel group's other ranks."""
+    ahead = trainer.vllm_generation.ahead
+    return ahead.engine if ahead is not None else None
 
 
 class ServerRollout(Feature):
@@ -180,15 +178,15 @@ class ServerRollout(Feature):
 
     def _built(self, trainer, generation, proceed, inputs):
         if not trainer.model.training and self.plan.asynchronous.staleness:  # an evaluation: generated now
-            with generation.evaluating():
+            with generation.ahead.evaluating():
                 return proceed(inputs)
         if not self.plan.takes_groups or not trainer.model.training:
             return proceed(inputs)
         if trainer.state.global_step != trainer._last_loaded_step:  # TRL's sync, done first: the batch is after it
             generation.sync_weights()
             trainer._last_loaded_step = trainer.state.global_step
-        streamed = generation.take_streamed(len(inputs))
-        with generation.serving(streamed), finished_environments(trainer), replayed_rollouts(trainer, streamed):
+        streamed = generation.ahead.take_streamed(len(inputs))
+        with generation.ahead.serving(streamed), finished_environments(trainer), replayed_rollouts(trainer, streamed):
             return proceed(streamed.rows)
 
     def tool_call_loop(self, trainer, proceed, prompts, prompt_ids, completion_ids, completions, logprobs, *rest):
@@ -216,7 +214,7 @@ class ServerRollout(Feature):
     def batch_samples(self, trainer, proceed, epoch_iterator, num_batches, device):
         """With async rollout, the epoch's batch iterator is read ahead so upcoming generation batches are known
         (also after `skip_first_batches` on resume: whatever iterator the epoch uses is wrapped)."""
-        reader = getattr(_generation(trainer), "read_ahead", None)
+        reader = _read_ahead(trainer)
         if reader is not None:
             from ..rollout.lookahead import LookaheadIterator
 
@@ -234,9 +232,9 @@ class ServerRollout(Feature):
     # ---- the run ----------------------------------------------------------------------------------------------
 
     def train(self, trainer, proceed, *args, **kwargs):
-        generation = _generation(trainer)
-        if _read_ahead(trainer) is not None:
-            generation.open_read_ahead()  # a second train() reads ahead again (the first closed it at its end)
+        generation = trainer.vllm_generation
+        if generation.ahead is not None:
+            generation.ahead.open()  # a second train() reads ahead again (the first closed it at its end)
         try:
             return proceed(*args, **kwargs)
         except BaseException:  # an exception or Ctrl-C: no server outlives the run that failed
@@ -245,19 +243,16 @@ class ServerRollout(Feature):
         finally:  # no copy of the model left behind (in /tmp or weight_sync_dir), however the run ended
             if self.episodes is not None:
                 self.episodes.close()  # every environment instance closed (the next run makes new ones)
-            if _read_ahead(trainer) is not None:
-                generation.close_read_ahead()  # answers still generating were not needed
-            release = getattr(generation, "release_weight_dir", None)
-            if release is not None:
-                release()
+            if generation.ahead is not None:
+                generation.ahead.close()  # answers still generating were not needed
+            generation.syncer.release_weight_dir()
 
     def log(self, trainer, logs: dict[str, float]) -> None:
-        generation = _generation(trainer)
-        if generation is not None:  # trl-scale's client: this process's requests, by server
-            busy = generation.client.busy_fractions()
-            logs.update({f"rollout/busy_fraction/server{i}": fraction for i, fraction in enumerate(busy)})
+        generation = trainer.vllm_generation  # trl-scale's client: this process's requests, by server
+        busy = generation.client.busy_fractions()
+        logs.update({f"rollout/busy_fraction/server{i}": fraction for i, fraction in enumerate(busy)})
         if _read_ahead(trainer) is not None:
-            logs.update(generation.read_ahead_metrics())
+            logs.update(generation.ahead.metrics(generation.client.answers_continued))
         if getattr(trainer, "rollout_fleet", None) is not None:
             logs.update(trainer.rollout_fleet.metrics())
         if self.episodes is not None:

@@ -188,7 +188,7 @@ class StreamRewards(Feature):
         return cls() if plan.rollout.rewards_in_stream else None
 
     def rewards(self, trainer, proceed, inputs, prompts, completions, completion_ids_list):
-        scored = trainer.vllm_generation.streamed_rewards()
+        scored = trainer.vllm_generation.ahead.streamed_rewards()
         if not scored:
             return proceed(inputs, prompts, completions, completion_ids_list)
         _check_pairing(scored, inputs, completions, completion_ids_list)

@@ -130,7 +130,7 @@ class PhaseTiming(Feature):
         generation = getattr(trainer, "vllm_generation", None)
         asynchronous = getattr(getattr(generation, "settings", None), "asynchronous", None)
         in_step = (
-            getattr(generation, "takes_groups", False)
+            getattr(getattr(generation, "ahead", None), "takes_groups", False)
             and not getattr(asynchronous, "rewards_in_stream", True)
             and getattr(trainer.args, "stream_rewards", False) is None
             and getattr(trainer, "environment_factories", None) is None
