@@ -23,7 +23,7 @@ import trl_scale
 from trl_scale.rollout.ahead import CONVERSATION_KEY
 from trl_scale.toy.tools import build_tool_calling_model
 from trl_scale.trainers.stream_environments import EnvironmentFailure, EpisodeOpener
-from trl_scale.trainers.stream_rewards import StreamScorer
+from trl_scale.trainers.stream_rewards import StreamRewarder
 from trl_scale.trainers.streamed_tools import conversing, streamed_conversations
 
 from .helpers import cpu_args, record_generations, slowed_unevenly, start_servers, step_logs
@@ -195,7 +195,7 @@ def test_a_streamed_episode_equals_trls_step_on_the_same_turns(tool_model, tmp_p
         episode.rows, episode.prompt_ids, completion_ids, logprobs, later, episode
     )
     choices = [{"token_ids": ids, CONVERSATION_KEY: c} for ids, c in zip(completion_ids, conversations)]
-    scored = StreamScorer(trainer, 2)(episode.rows, episode.prompt_ids, choices, episode)
+    scored = StreamRewarder(trainer, 2)(episode.rows, episode.prompt_ids, choices, episode)
     episode.close()
     opener.close()
 

@@ -54,7 +54,7 @@ class ReadAhead(Protocol):
 
 
 def _ordered(
-    generation, staleness: int, tokenize, groups_per_batch: int | None, converse, score, open_episode, rollout
+    generation, staleness: int, tokenize, groups_per_batch: int | None, converse, reward, open_episode, rollout
 ) -> ReadAhead:
     """Up to `staleness` generation batches prefetched, each generated whole at the weights of its request. With
     episodes (environments) or a `rollout_func`, which only the stream's engine runs: that engine, ordered
@@ -63,7 +63,7 @@ def _ordered(
         from .ordered_stream import OrderedStream
 
         return _stream(
-            OrderedStream, generation, staleness, tokenize, groups_per_batch, converse, score, open_episode, rollout
+            OrderedStream, generation, staleness, tokenize, groups_per_batch, converse, reward, open_episode, rollout
         )
     from concurrent.futures import ThreadPoolExecutor
 
@@ -82,7 +82,7 @@ def _submit_spanned(pool, generation, prompt_ids):
 
 
 def _streaming(
-    generation, staleness: int, tokenize, groups_per_batch: int | None, converse, score, open_episode, rollout
+    generation, staleness: int, tokenize, groups_per_batch: int | None, converse, reward, open_episode, rollout
 ) -> ReadAhead:
     """Prompt groups streamed through the servers, each trained once finished, within `staleness` syncs."""
     from .streaming import StreamingRollout
@@ -91,11 +91,11 @@ def _streaming(
     if syncer.name == "lora":  # running generations keep their adapter: keep it loaded
         syncer.mode.settings = replace(syncer.mode.settings, keep_adapters=staleness)
     return _stream(
-        StreamingRollout, generation, staleness, tokenize, groups_per_batch, converse, score, open_episode, rollout
+        StreamingRollout, generation, staleness, tokenize, groups_per_batch, converse, reward, open_episode, rollout
     )
 
 
-def _stream(engine, generation, staleness: int, tokenize, groups_per_batch, converse, score, open_episode, rollout):
+def _stream(engine, generation, staleness: int, tokenize, groups_per_batch, converse, reward, open_episode, rollout):
     """`engine` (the stream or its ordered form) on this generation's requests."""
     return engine(
         staleness,
@@ -104,7 +104,7 @@ def _stream(engine, generation, staleness: int, tokenize, groups_per_batch, conv
         groups_per_batch or 1,
         version=lambda: generation.syncer.count,
         converse=None if converse is None else functools.partial(generation.continue_conversations, converse),
-        score=score,
+        reward=reward,
         open_episode=open_episode,
         group_size=None if open_episode is None else open_episode.group_size,
         rollout=rollout,

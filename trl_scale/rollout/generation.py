@@ -274,21 +274,21 @@ class ServerRolloutGeneration(VLLMGeneration):
         tokenize,
         groups_per_batch: int | None = None,
         converse: Converse | None = None,
-        score=None,
+        reward=None,
         open_episode=None,
         rollout=None,
     ) -> ReadAheadRollout:
         """Asynchronous rollout (`settings.asynchronous`): the read-ahead engine of its mode, built from
         `READ_AHEAD_ENGINES` by the mode's name, reads the trainer's data ahead. `groups_per_batch` (streaming): the
         prompt groups one generation batch trains on. `converse` (streaming, tool-using rollouts): a group's later
-        turns, run in the stream's thread right after its first turn (see `Converse`). `score` (rewards in the
+        turns, run in the stream's thread right after its first turn (see `Converse`). `reward` (rewards in the
         stream): (rows, prompt ids, choices) -> the group's rewards, run in the stream's thread once the group has
         finished. `open_episode` (environments): rows -> the group's episode, opened when it is sent (see
         `streaming.Episode`). `rollout` (a `rollout_func`): (rows, send, dispatched) -> the group's choices and
         newest version, made by the user's function instead of one request (see `streaming.Rollout`)."""
         mode, staleness = self.settings.asynchronous.mode, self.settings.asynchronous.staleness
         engine = READ_AHEAD_ENGINES[mode](
-            self, staleness, tokenize, groups_per_batch, converse, score, open_episode, rollout
+            self, staleness, tokenize, groups_per_batch, converse, reward, open_episode, rollout
         )
 
         def before_take() -> None:  # the fleet checked, the servers' versions refreshed

@@ -54,7 +54,7 @@ class PromptGroup:
     first_version: int = -1  # the sync count when its request was sent: its first token's weights at the oldest
     newest_version: int = -1  # the newest weights any of its tokens can come from
     choices: list[dict] | None = None
-    rewards: object = None  # what `score` made of its finished answers (rewards in the stream), or None
+    rewards: object = None  # what `reward` made of its finished answers (rewards in the stream), or None
     # with `open_episode`: the rows as its episode prepared them (what the trainer trains on) and their prompt ids
     episode_rows: list | None = None
     episode_prompt_ids: list[list[int]] | None = None
@@ -79,7 +79,7 @@ class StreamedBatch:
     prompt_ids: list[list[int]]
     choices: list[dict]
     spans: list[tuple[int, int]]
-    rewards: list | None = None  # with `score`: each chosen group's rewards, in the batch's group order
+    rewards: list | None = None  # with `reward`: each chosen group's rewards, in the batch's group order
 
 
 # send(prompt_ids, n, dispatched) -> (choices, newest version): blocking; calls dispatched() right before each
@@ -106,7 +106,7 @@ class StreamingRollout:
         groups_per_batch: int,
         version: Callable,
         converse: Callable[[list, list[int], list[dict]], int] | None = None,
-        score: Callable[[list, list[int], list[dict]], object] | None = None,
+        reward: Callable[[list, list[int], list[dict]], object] | None = None,
         open_episode: Callable[[list], Episode] | None = None,
         group_size: int | None = None,
         rollout: Rollout | None = None,
@@ -123,7 +123,7 @@ class StreamingRollout:
         # (tool-using rollouts; the choices then carry the conversations); None: one turn
         self.converse = converse
         # (rows, prompt ids, choices) -> the group's rewards, computed as soon as it finishes (rewards in the stream)
-        self.score = score
+        self.reward = reward  # a finished group's rewards, computed in the stream (None: in the step)
         # rows -> the group's episode (environments): opened when the group is sent, closed once it is scored
         self.open_episode = open_episode
         self.group_size = group_size  # rows per group when groups are not cut by prompt (environments)
@@ -214,7 +214,7 @@ class StreamingRollout:
 
     def _attempt(self, group: PromptGroup, dispatched: Callable[[], None], wanted: Callable[[], bool]) -> _Outcome:
         """One attempt at a group, in a stream thread: its episode opened (environments), its first turn sent, its
-        later turns (`converse`), its rewards (`score`), the episode closed. An attempt abandoned meanwhile (dropped,
+        later turns (`converse`), its rewards (`reward`), the episode closed. An attempt abandoned meanwhile (dropped,
         or the run ended) stops before its later turns and its rewards: no tool or reward function is called for
         answers nobody will train on."""
         episode = self.open_episode(group.rows) if self.open_episode is not None else None
@@ -233,11 +233,11 @@ class StreamingRollout:
             if self.converse is not None and wanted():  # its later turns, before the group finishes
                 newest = max(newest, self.converse(rows, prompt_ids, choices, *more))
             rewards = None
-            if self.score is not None and wanted():
+            if self.reward is not None and wanted():
                 with self._changed:
                     self._scoring += 1
                 try:
-                    rewards = self.score(rows, prompt_ids, choices, *more)
+                    rewards = self.reward(rows, prompt_ids, choices, *more)
                 finally:
                     with self._changed:
                         self._scoring -= 1
@@ -285,7 +285,7 @@ class StreamingRollout:
             prompt_ids=[list(ids) for g in chosen for ids in (g.episode_prompt_ids or [g.prompt_ids] * len(g.rows))],
             choices=[c for g in chosen for c in g.choices],
             spans=[(g.first_version, g.newest_version) for g in chosen for _ in g.rows],
-            rewards=None if self.score is None else [g.rewards for g in chosen],
+            rewards=None if self.reward is None else [g.rewards for g in chosen],
         )
 
     def _drop_older_than(self, oldest: int) -> None:
@@ -355,11 +355,11 @@ class StreamingRollout:
             }
 
     def _reward_metrics(self) -> dict[str, float]:
-        if self.score is None:
+        if self.reward is None:
             return {}
         # generating until its rewards are in: the groups scoring now are counted among the generating ones
         metrics = {"rollout/stream_groups_scoring": float(self._scoring)}
-        metrics.update(getattr(self.score, "metrics", dict)())
+        metrics.update(getattr(self.reward, "metrics", dict)())
         return metrics
 
     def close(self) -> None:
@@ -371,7 +371,7 @@ class StreamingRollout:
 
     def shutdown(self) -> None:
         self.close()  # its threads stop with the stream
-        getattr(self.score, "close", lambda: None)()
+        getattr(self.reward, "close", lambda: None)()
 
     def reopen(self) -> None:
         """Another run (a second `train()`, which reads its data anew): what the closed one read and did not train

@@ -109,7 +109,7 @@ TRAINER_SEAMS: tuple[Seam, ...] = (
     Seam(
         f"{G}._calculate_rewards",
         COPY,
-        "trainers/stream_rewards.py StreamScorer (the arguments a reward function gets, in the stream)",
+        "trainers/stream_rewards.py StreamRewarder (the arguments a reward function gets, in the stream)",
         "reward functions get prompts, completions, completion_ids and every input column but prompt/completion/"
         "completion_ids, plus trainer_state, log_extra, log_metric and (with environments) environments; nn.Module "
         "rewards are scored from texts; async functions are gathered on self.async_loop; None becomes NaN",

@@ -16,7 +16,7 @@ from .checkpoints import STREAM_STATE_NAME, check_stream_group_size
 from .feature import Feature, Patch
 from .plan import RolloutPlan, RunPlan
 from .stream_environments import EpisodeOpener, finished_environments
-from .stream_rewards import StreamScorer
+from .stream_rewards import StreamRewarder
 from .stream_rollout_func import replayed_rollouts, rolling_out
 from .streamed_tools import conversing, streamed_conversations
 
@@ -156,7 +156,7 @@ class ServerRollout(Feature):
             tokenize,  # with environments a group's prompts are made when it is sent (each reset())
             stream_groups_per_batch(trainer) if streaming else None,
             converse=conversing(trainer, lock, timeout) if streaming and getattr(trainer, "tools", None) else None,
-            score=StreamScorer(trainer, plan.asynchronous.reward_workers) if plan.rewards_in_stream else None,
+            reward=StreamRewarder(trainer, plan.asynchronous.reward_workers) if plan.rewards_in_stream else None,
             open_episode=self.episodes,
             rollout=rolling_out(trainer) if plan.rollout_func else None,
         )

@@ -2,7 +2,7 @@
 stream's thread, while the servers generate on and the trainer trains; the step then reads them.
 
 TRL computes every reward function inside the training step, after the batch is generated (`_calculate_rewards`), so a
-verifier that takes as long as generation doubles the step while streaming servers wait. Here `StreamScorer` is the
+verifier that takes as long as generation doubles the step while streaming servers wait. Here `StreamRewarder` is the
 stream's `score`: for one finished group it builds the reward functions' arguments as TRL's `_calculate_rewards` does
 (the rows' columns, `prompts`, the completions TRL's `_generate` would decode, `completion_ids`, `trainer_state`,
 `log_extra`, `log_metric`) and calls each function on them: synchronous ones (and reward models served by Ray groups)
@@ -74,7 +74,7 @@ def trl_completions(trainer, prompts: list, prompt_ids: list, completion_ids: li
     return decoded_completions(trainer, prompts, completion_ids)
 
 
-class StreamScorer:
+class StreamRewarder:
     """The stream's `score`: one finished prompt group's rewards (see the module's docstring)."""
 
     def __init__(self, trainer, workers: int):
