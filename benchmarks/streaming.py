@@ -136,7 +136,7 @@ def run(
 
     trainer.vllm_generation.sync_weights = timed_sync
     trainer.train()
-    streamer = trainer.vllm_generation.ahead.streamer
+    streamer = getattr(trainer.vllm_generation.ahead, "streamer", None)  # no read-ahead (synchronous): None
     dropped = streamer.counts["dropped_stale"] if streamer is not None else 0
     client.close()
     intervals = [b - a for a, b in zip(ends, ends[1:])][warmup:]

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The redesign step's benchmarks, one after the other (nothing else should run): each one's last JSON line appended
 # to benchmarks/results/plan_cpu.jsonl with the commit, the date and WHEN ("before" or "after").
-# Usage: bash scripts/bench_redesign.sh WHEN
+# Usage: bash scripts/bench_redesign.sh WHEN [BENCHMARK ...] (default: all four, e.g. "streaming.py --quick")
 set -euo pipefail
 when="${1:?before or after}"
 cd "$(dirname "$0")/.."
 out=benchmarks/results/plan_cpu.jsonl
 code=$(git rev-parse --short HEAD)
-for bench in "e2e.py --quick" "packing.py --quick" "streaming.py --quick" "agents.py --quick"; do
+benches=("${@:2}")
+[ ${#benches[@]} -gt 0 ] || benches=("e2e.py --quick" "packing.py --quick" "streaming.py --quick" "agents.py --quick")
+for bench in "${benches[@]}"; do
   name=${bench%% *}
   start=$(date +%s)
   .venv/bin/python benchmarks/$bench > "/tmp/bench_${name%.py}_$when.log" 2>&1
