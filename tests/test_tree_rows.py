@@ -120,3 +120,14 @@ def test_the_rule_says_exact_where_measured_exact(models, family, prompt_length)
     measured = (tree_token_logprobs(model, TreeRows.fold(rows)) - _row_logprobs(model, rows)).abs().max().item()
     reason = why_not_tree(model.config, max(map(len, rows)))
     assert (reason is None) == (measured <= TOLERANCE), (family, reason, measured)
+
+
+def test_scoring_from_a_position_gives_those_tokens_only(models):
+    """`start`: the completion tokens only (a group's prompt is context, not scored), as the rows give them."""
+    rows = _group(12, (5, 3, 7, 1))[:-1]  # the group: every row holds the 12-token prompt
+    model = _load(models["qwen2"])
+    with torch.no_grad():
+        tree_lp = tree_token_logprobs(model, TreeRows.fold(rows), start=12)
+        expected = torch.cat([_row_logprobs(model, [row])[11:] for row in rows])
+    assert tree_lp.shape == expected.shape == (5 + 3 + 7 + 1,)
+    assert (tree_lp - expected).abs().max().item() <= TOLERANCE

@@ -98,13 +98,14 @@ class TreeRows:
             return allowed
         return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
 
-    def predicting_nodes(self) -> torch.Tensor:
-        """Per (row, position j >= 1), row-major: the node whose hidden state predicts the row's token j."""
-        return torch.cat([nodes[:-1] for nodes in self.row_nodes])
+    def predicting_nodes(self, start: int = 1) -> torch.Tensor:
+        """Per (row, position j >= start), row-major: the node whose hidden state predicts the row's token j
+        (`start`: the first position scored, e.g. the prompt's length: only completion tokens)."""
+        return torch.cat([nodes[start - 1 : -1] for nodes in self.row_nodes])
 
-    def labels(self) -> torch.Tensor:
-        """The tokens `predicting_nodes` predict, in the same order."""
-        return torch.cat([self.token_ids[nodes[1:]] for nodes in self.row_nodes])
+    def labels(self, start: int = 1) -> torch.Tensor:
+        """The tokens `predicting_nodes(start)` predict, in the same order."""
+        return torch.cat([self.token_ids[nodes[start:]] for nodes in self.row_nodes])
 
 
 def _depth_first(children: list[dict[int, int]]) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -127,9 +128,10 @@ def _depth_first(children: list[dict[int, int]]) -> tuple[list[int], list[int], 
     return order, enter, leave, depth
 
 
-def tree_token_logprobs(model, tree: TreeRows) -> torch.Tensor:
-    """Each row's log-prob of each of its tokens after the first (row-major, as `TreeRows.labels`), from one forward
-    of the tree's tokens through a transformers causal LM (its backbone, then its head on the predicting nodes)."""
+def tree_token_logprobs(model, tree: TreeRows, start: int = 1) -> torch.Tensor:
+    """Each row's log-prob of each of its tokens from position `start` on (row-major, as `TreeRows.labels`), from
+    one forward of the tree's tokens through a transformers causal LM (its backbone, then its head on the
+    predicting nodes only)."""
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     eager = getattr(model.config, "_attn_implementation", "sdpa") == "eager"
     mask = tree.attention_mask(model.dtype if eager else None).to(model.device)
@@ -139,7 +141,7 @@ def tree_token_logprobs(model, tree: TreeRows) -> torch.Tensor:
         attention_mask=mask,
         use_cache=False,
     ).last_hidden_state[0]
-    picked = hidden.index_select(0, tree.predicting_nodes().to(hidden.device))  # its backward sums shared nodes
+    picked = hidden.index_select(0, tree.predicting_nodes(start).to(hidden.device))  # backward sums shared nodes
     logits = model.get_output_embeddings()(picked).float()
-    labels = tree.labels().to(logits.device)
+    labels = tree.labels(start).to(logits.device)
     return torch.log_softmax(logits, dim=-1).gather(1, labels[:, None])[:, 0]
