@@ -238,6 +238,11 @@ def test_reward_settings_nothing_would_read_are_refused(entries, settings, messa
             "managed_server_resources",
             {"CPU": 2},
         ),
+        (
+            ["--backend", "ray", "--reward_placement", '{"num_workers": 2, "num_gpus_per_worker": 0}'],
+            "reward_placement",
+            {"num_workers": 2, "num_gpus_per_worker": 0},
+        ),
     ],
 )
 def test_dict_fields_take_a_json_object_on_the_command_line(tmp_path, arguments, field, value):
@@ -253,3 +258,26 @@ def test_dict_fields_take_a_json_object_on_the_command_line(tmp_path, arguments,
     argv = ["--output_dir", str(tmp_path), "--bf16", "false", "--report_to", "none", *arguments]
     _, config, _ = parse(parser, "grpo", argv)
     assert getattr(config, field) == value
+
+
+def test_every_dict_field_trl_scale_adds_can_be_given_on_the_command_line():
+    """The parser refuses any text for a field typed `dict | None` ("invalid dict value"): every dict field of
+    trl-scale's configs and script arguments also takes a string, read as a JSON object (`numbers.dict_field`)."""
+    import typing
+
+    import trl_scale
+    from trl_scale.cli_parsing import import_trl_script_types
+
+    script_type, _ = import_trl_script_types()
+    dict_fields = {}
+    for config in (trl_scale.GRPOConfig, trl_scale.RLOOConfig, trl_scale.PPOConfig, trl_scale.DPOConfig, script_type):
+        for klass in config.__mro__:
+            own = klass.__dict__.get("__annotations__", {})
+            if not klass.__module__.startswith("trl_scale") or not own:
+                continue
+            for name, kind in typing.get_type_hints(klass).items():
+                if name in own and dict in typing.get_args(kind):
+                    dict_fields[f"{klass.__name__}.{name}"] = kind
+    assert len(dict_fields) >= 7, dict_fields  # the placements, the fleet's two, vllm_llm_kwargs, reward_funcs_kwargs
+    refused = {name: kind for name, kind in dict_fields.items() if str not in typing.get_args(kind)}
+    assert not refused, f"dict fields the command line cannot set (type them dict | str | None): {refused}"

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from ..logs import get_logger
-from ..numbers import check_field_types, check_positive
+from ..numbers import check_field_types, check_positive, dict_field
 
 if TYPE_CHECKING:
     from .ray_backend import Placement
@@ -46,18 +46,18 @@ class DistributedArguments:
             "run's own, or joins RAY_ADDRESS's."
         },
     )
-    reward_placement: dict | None = field(
+    reward_placement: dict | str | None = field(
         default=None,
         metadata={"help": "Reward group: {'num_workers': 1, 'num_gpus_per_worker': 1.0, 'num_cpus_per_worker': 1}."},
     )
-    critic_placement: dict | None = field(
+    critic_placement: dict | str | None = field(
         default=None,
         metadata={
             "help": "Critic group (PPO), same keys as reward_placement, plus 'sharding': 'fsdp2' (default: the "
             "critic sharded across its workers) or 'replicated'."
         },
     )
-    reference_placement: dict | None = field(
+    reference_placement: dict | str | None = field(
         default=None,
         metadata={
             "help": "Reference model group, same keys as reward_placement. None keeps the reference in the trainer "
@@ -81,6 +81,9 @@ class DistributedArguments:
         return Placement.from_config(getattr(self, f"{role}_placement"), f"{role}_placement")
 
     def _validate_distributed_arguments(self) -> None:
+        for role in ("reward", "critic", "reference"):  # the command line gives a JSON object as text
+            name = f"{role}_placement"
+            setattr(self, name, dict_field(getattr(self, name), name))
         if self.backend not in ("local", "ray"):
             raise ValueError(f"backend={self.backend!r}: use 'local' or 'ray'")
         check_positive("ray_call_timeout", self.ray_call_timeout)
