@@ -1,7 +1,8 @@
 """The features' state in checkpoints (`trainers/feature_state.py`): one file per rank keyed by feature name, each
-feature checking its own dict; a checkpoint written before that file existed (tests/data/legacy_checkpoint, made by
-trl-scale 1581e27) still resumes."""
+feature checking its own dict; a checkpoint in the format written before that file existed (trl-scale 1581e27: each
+feature its own file) still resumes."""
 
+import json
 import shutil
 
 import pytest
@@ -13,9 +14,7 @@ from trl_scale.toy import counting_prompts
 from trl_scale.trainers.dynamic_sampling import DynamicSampling
 from trl_scale.trainers.feature_state import load_feature_states, save_feature_states, state_path
 
-from .helpers import ROOT, cpu_args
-
-LEGACY = ROOT / "tests" / "data" / "legacy_checkpoint"
+from .helpers import cpu_args
 
 
 def flat_reward(completion_ids, **kwargs):
@@ -23,7 +22,8 @@ def flat_reward(completion_ids, **kwargs):
 
 
 def _trainer(model_path, out):
-    """The run that wrote the legacy files (see their make.py), not trained."""
+    """A GRPO run with dynamic sampling (every group flat, so top-ups are drawn) and a rollout spanning 2 optimizer
+    steps."""
     settings = dict(num_generations=4, max_completion_length=8, steps_per_generation=2, max_steps=1)
     config = trl_scale.GRPOConfig(
         **cpu_args(out, **settings), dynamic_sampling=True, dynamic_sampling_max_oversampling=2.0
@@ -37,6 +37,20 @@ def _trainer(model_path, out):
     )
 
 
+@pytest.fixture(scope="module")
+def legacy(tiny_llama, tmp_path_factory):
+    """A checkpoint folder holding what 1581e27 saved inside a rollout window, in its format: the rollout buffer as
+    `torch.save({"step", "inputs"})` in `rollout_buffer_rank0.pt` (its `RolloutResume.save_state`) and the top-ups
+    drawn as `{"drawn": n}` in `dynamic_sampling_rank0.json` (its `DynamicSampling.save_state`), from one step."""
+    folder = tmp_path_factory.mktemp("legacy-checkpoint")
+    trainer = _trainer(tiny_llama, folder / "run")
+    trainer.train()
+    torch.save({"step": trainer._step, "inputs": trainer._buffered_inputs}, folder / "rollout_buffer_rank0.pt")
+    drawn = trainer.features.get(DynamicSampling).top_up.drawn
+    (folder / "dynamic_sampling_rank0.json").write_text(json.dumps({"drawn": drawn}))
+    return folder
+
+
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and torch.equal(a, b)
@@ -47,12 +61,13 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def test_a_checkpoint_of_the_earlier_format_still_resumes_each_feature(tiny_llama, tmp_path):
+def test_a_checkpoint_of_the_earlier_format_still_resumes_each_feature(tiny_llama, legacy, tmp_path):
     trainer = _trainer(tiny_llama, tmp_path / "run")
-    load_feature_states(trainer.features, trainer, str(LEGACY))
-    saved = torch.load(LEGACY / "rollout_buffer_rank0.pt", weights_only=False)
+    load_feature_states(trainer.features, trainer, str(legacy))
+    saved = torch.load(legacy / "rollout_buffer_rank0.pt", weights_only=False)
+    drawn = json.loads((legacy / "dynamic_sampling_rank0.json").read_text())["drawn"]
     assert trainer._step == saved["step"] and _same(trainer._buffered_inputs, saved["inputs"])
-    assert trainer.features.get(DynamicSampling).drawn_at_resume == 4
+    assert drawn > 0 and trainer.features.get(DynamicSampling).drawn_at_resume == drawn
     # saved again, it is the one file, keyed by feature name, with the same states
     path = save_feature_states(trainer.features, trainer, str(tmp_path / "again"))
     assert path == state_path(str(tmp_path / "again"), 0)
@@ -61,21 +76,22 @@ def test_a_checkpoint_of_the_earlier_format_still_resumes_each_feature(tiny_llam
     assert _same(states["rollout_resume"], {"step": saved["step"], "inputs": saved["inputs"]})
 
 
-def test_the_one_file_round_trips_and_a_legacy_checkpoint_of_other_processes_is_refused(tiny_llama, tmp_path):
+def test_the_one_file_round_trips_and_a_legacy_checkpoint_of_other_processes_is_refused(tiny_llama, legacy, tmp_path):
     trainer = _trainer(tiny_llama, tmp_path / "run")
-    load_feature_states(trainer.features, trainer, str(LEGACY))
-    trainer.features.get(DynamicSampling).top_up_rows(trainer, 8)  # two more top-up groups drawn (after 4)
+    load_feature_states(trainer.features, trainer, str(legacy))
+    drawn = json.loads((legacy / "dynamic_sampling_rank0.json").read_text())["drawn"]
+    trainer.features.get(DynamicSampling).top_up_rows(trainer, 8)  # two more top-up groups drawn
     path = save_feature_states(trainer.features, trainer, str(tmp_path / "new"))
     resumed = _trainer(tiny_llama, tmp_path / "resumed")
     load_feature_states(resumed.features, resumed, str(tmp_path / "new"))
     assert _same(resumed._buffered_inputs, trainer._buffered_inputs)
-    assert resumed.features.get(DynamicSampling).drawn_at_resume == 4 + 2
+    assert resumed.features.get(DynamicSampling).drawn_at_resume == drawn + 2
     # as if two processes had saved: refused on one, naming the files
     shutil.copy(path, state_path(str(tmp_path / "new"), 1))
     with pytest.raises(ValueError, match=r"by 2 process\(es\).*trl_scale_state_rankN.pt.*this run has 1"):
         load_feature_states(resumed.features, resumed, str(tmp_path / "new"))
-    legacy = tmp_path / "legacy"
-    shutil.copytree(LEGACY, legacy, ignore=shutil.ignore_patterns("*.py"))
-    shutil.copy(legacy / "rollout_buffer_rank0.pt", legacy / "rollout_buffer_rank1.pt")
+    two = tmp_path / "legacy"
+    shutil.copytree(legacy, two, ignore=shutil.ignore_patterns("run"))
+    shutil.copy(two / "rollout_buffer_rank0.pt", two / "rollout_buffer_rank1.pt")
     with pytest.raises(ValueError, match=r"by 2 process\(es\).*rollout_buffer_rankN.pt.*this run has 1"):
-        load_feature_states(resumed.features, resumed, str(legacy))
+        load_feature_states(resumed.features, resumed, str(two))
