@@ -47,8 +47,7 @@ class FeatureHooks:
         """The run's plan and the features that act in it, made from the constructor arguments before TRL's
         constructor runs (DPO's packed scoring is asked for inside it)."""
         self.plan = RunPlan.from_arguments(type(self).__name__, arguments)
-        built = (kind.build(self.plan, arguments) for kind in self.FEATURES)
-        self.features = FeatureChain(feature for feature in built if feature is not None)
+        self.features = FeatureChain.built(self.FEATURES, self.plan, arguments)
         return self.plan
 
     def _set_up_features(self) -> None:

@@ -125,6 +125,12 @@ class FeatureChain:
         """The features' names, in order; with `hook`, those that take it."""
         return [feature.name for feature in self.features if hook is None or _takes(feature, hook)]
 
+    @classmethod
+    def built(cls, kinds: Iterable[type[Feature]], plan: RunPlan, arguments: dict) -> FeatureChain:
+        """The chain of `kinds` (a trainer's `FEATURES`) for a run with this plan: only the features that act."""
+        features = (kind.build(plan, arguments) for kind in kinds)
+        return cls(feature for feature in features if feature is not None)
+
     def by_hook(self) -> dict[str, list[str]]:
         """Per around hook that any feature takes, the features taking it, outermost first."""
         return {hook: self.names(hook) for hook in AROUND_HOOKS if self.names(hook)}

@@ -85,8 +85,7 @@ def trainer_patches(trainer_class: type) -> tuple[Patch, ...]:
 
 def chain_for(trainer_class: type, plan: RunPlan, arguments: dict) -> FeatureChain:
     """The features a trainer of `trainer_class` would run with this plan (as its constructor builds them)."""
-    built = (kind.build(plan, arguments) for kind in trainer_class.FEATURES)
-    return FeatureChain(feature for feature in built if feature is not None)
+    return FeatureChain.built(trainer_class.FEATURES, plan, arguments)
 
 
 def describe_step(trainer_class: type, arguments: dict) -> str:
