@@ -268,7 +268,7 @@ def test_a_rank_with_fewer_micro_batches_runs_a_dummy_forward(tiny_llama, monkey
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     packed_model = copy.deepcopy(model)
-    config = install_packed_scoring(packed_model, outputs=("entropy",))
+    config = install_packed_scoring(packed_model, outputs=("entropy",), tree_packing=False)  # rows (trees: their test)
     calls = []
     real_forward = packed_model.model.forward
     monkeypatch.setattr(packed_model.model, "forward", lambda *a, **k: calls.append(k) or real_forward(*a, **k))

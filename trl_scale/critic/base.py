@@ -22,6 +22,7 @@ class CriticSettings:
     weight_decay: float = 0.0
     padding_free: bool | None = None
     token_budget: int | None = None
+    tree_packing: bool | str = "auto"
     cliprange_value: float = 0.2
     vf_coef: float = 0.1
     gradient_accumulation_steps: int = 1
@@ -39,6 +40,7 @@ class CriticSettings:
             weight_decay=args.weight_decay,
             padding_free=scoring.padding_free,
             token_budget=scoring.token_budget,
+            tree_packing=scoring.tree_packing,
             cliprange_value=args.cliprange_value,
             vf_coef=args.vf_coef,
             gradient_accumulation_steps=args.gradient_accumulation_steps,

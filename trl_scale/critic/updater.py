@@ -20,6 +20,7 @@ def completion_values(
     token_budget: int | None,
     multimodal_inputs: dict | None = None,
     sequence_parallel=None,
+    tree_packing: bool | str = "auto",
 ) -> torch.Tensor:
     """Values of each completion token's state, ``[B, num_tokens]``: the critic's output at the position before
     the token (prompts are left-padded to ``prompt_len``, completions follow). ``multimodal_inputs`` are the
@@ -33,6 +34,7 @@ def completion_values(
         token_budget,
         multimodal_inputs,
         sequence_parallel,
+        tree_packing,
     )
     return values[:, prompt_len - 1 : prompt_len - 1 + num_tokens]
 
@@ -61,10 +63,10 @@ class CriticModule(torch.nn.Module):
     """The critic as one module whose forward is the completion tokens' values. A sharding wrapper (a DeepSpeed
     engine, FSDP2) then sees every submodule used inside one root forward, as it does for the policy."""
 
-    def __init__(self, critic, padding_free: bool | None, token_budget: int | None):
+    def __init__(self, critic, padding_free: bool | None, token_budget: int | None, tree_packing: bool | str = "auto"):
         super().__init__()
         self.critic = critic
-        self.padding_free, self.token_budget = padding_free, token_budget
+        self.padding_free, self.token_budget, self.tree_packing = padding_free, token_budget, tree_packing
         self.sequence_parallel = None  # the trainer's SP group when it shards sequences (see PPOTrainer)
 
     def forward(
@@ -80,6 +82,7 @@ class CriticModule(torch.nn.Module):
             self.token_budget,
             multimodal_inputs,
             self.sequence_parallel,
+            self.tree_packing,
         )
 
 
@@ -107,7 +110,7 @@ class CriticUpdater:
             lr=settings.learning_rate, betas=settings.betas, eps=settings.eps, weight_decay=settings.weight_decay
         )
         self._deepspeed_config = deepspeed_config  # (num_training_steps) -> config, for the "deepspeed" engine
-        module = CriticModule(critic, settings.padding_free, settings.token_budget)
+        module = CriticModule(critic, settings.padding_free, settings.token_budget, settings.tree_packing)
         if sharding == "fsdp2":
             self.holder = FSDP2Critic(module, self._optimizer_settings, settings.max_grad_norm, fsdp_plugin)
         elif sharding in ("replicated", "deepspeed"):

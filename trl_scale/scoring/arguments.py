@@ -33,6 +33,15 @@ class ScoringArguments:
         number on every data-parallel rank. `None` is automatic: one packed row for flash kernels, for sdpa on CUDA
         (torch's flash varlen kernel, `trl_scale.scoring.varlen`) and for flex attention; rows no wider than the
         longest sequence, all in one forward, for sdpa elsewhere and eager.
+    tree_packing (`"auto"`, `True` or `False`, defaults to `"auto"`):
+        Rows of a scoring call that share a prefix (a group's prompt, a DPO pair's prompt, a conversation's earlier
+        turns) folded into one prefix trie: each shared token is forwarded once, each token attends to its own
+        row's path, and every row's log-probs and gradients are those of its own forward. `"auto"` does so per call
+        where the estimated work drops by 10 % or more and the model's attention takes a tree exactly (probed once;
+        recurrent or convolutional layers, sliding windows shorter than a row and other kernels step aside with a
+        warning naming why); `True` on every packed call (a model that cannot take it is an error); `False` never.
+        With it, `token_budget` counts unique tokens. Not with sequence parallelism. The logs give
+        `tree_packing/share_ratio` (tokens as rows over tokens forwarded).
     logprob_chunk_size (`int`, defaults to `256`):
         Tokens projected onto the vocabulary at once by trl-scale's chunked head (non-Triton devices).
     compile_decoder_layers (`bool` or `None`, defaults to `None`):
@@ -80,6 +89,16 @@ class ScoringArguments:
             "micro-batch of its own. None (automatic): one packed row per call with flash kernels, sdpa on CUDA "
             "(torch's flash varlen kernel) and flex attention; with sdpa elsewhere and eager the sequences are laid "
             "in rows no wider than the longest one (attention then costs no more than the padded batch's)."
+        },
+    )
+    tree_packing: str = field(
+        default="auto",
+        metadata={
+            "help": "Rows of a scoring call sharing a prefix (a group's prompt, a DPO pair's prompt, a "
+            "conversation's earlier turns) forwarded once as a prefix trie, each row's numbers those of its own "
+            "forward. 'auto' (default): per call, where it saves 10 % of the work or more and the model's attention "
+            "takes it exactly (else packed rows, with a warning naming why); true: every packed call (an error for "
+            "a model that cannot); false: never. token_budget then counts unique tokens."
         },
     )
     sequence_parallel_size: int = field(
@@ -196,6 +215,13 @@ class ScoringArguments:
             minimum=1,
             fix="use the number of ranks that share each sequence (1: no sequence parallelism)",
         )
+        self.tree_packing = _tree_packing_choice(self.tree_packing)
+        if self.sequence_parallel_size > 1 and self.tree_packing is True:
+            raise ValueError(
+                f"tree_packing=True and sequence_parallel_size={self.sequence_parallel_size}: tree rows are not "
+                "sharded over a sequence-parallel group. Fix: tree_packing='auto' (packed rows under sequence "
+                "parallelism) or sequence_parallel_size=1"
+            )
         if self.sequence_parallel_size > 1 and self.padding_free is False:
             raise ValueError(
                 f"sequence_parallel_size={self.sequence_parallel_size} shards the packed rows of the scoring engine, "
@@ -236,3 +262,12 @@ class ScoringArguments:
             )
         self.sequence_parallel_size = sp_size
         self.parallelism_config = None
+
+
+def _tree_packing_choice(value) -> bool | str:
+    """`tree_packing` as the engine reads it: "auto", True or False (the command line gives text)."""
+    if value == "auto" or isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "auto"):
+        return {"true": True, "false": False, "auto": "auto"}[value.lower()]
+    raise ValueError(f"tree_packing={value!r}: use 'auto' (where it pays and is exact), True or False")

@@ -26,6 +26,7 @@ from .sampler_support import kept_log_mass
 from .sequence_parallel import SequenceParallelGroup, check_same_batch, summed_over_group
 from .settings import PackedScoringConfig, PackingStats, ScoringSettings
 from .support import packing_support, use_packing
+from .tree_forward import TreeMicroBatch, planned_trees, tree_backbone_forward
 from .varlen import install_varlen_attention, uninstall_varlen_attention, varlen_forward
 
 # Keyword arguments a packable call may carry besides input_ids/attention_mask/labels.
@@ -115,20 +116,35 @@ def _sharding(sp: SequenceParallelGroup | None) -> SequenceParallelGroup | None:
     return sp if sp is not None and sp.size > 1 else None
 
 
-def _forward_pieces(backbone, input_ids, attention_mask, token_budget: int | None, sp, *also_same: torch.Tensor):
-    """The packed backbone forward of a padded batch, sharded over the SP group `sp` when there is one (every rank
-    of the group holds the same batch, checked with `also_same`, and runs its slice of each packed row). Returns
-    ``(packed, [(flat index into [B, T], hidden [n, H]), ...], anchor, tokens this rank forwarded)``."""
+def _forward_pieces(
+    backbone, input_ids, attention_mask, settings: ScoringSettings, sp, keep=None, *also_same: torch.Tensor
+) -> tuple[list, torch.Tensor | None, dict[str, int]]:
+    """The packed backbone forward of a padded batch: as tree rows where :func:`.tree_forward.planned_trees` says
+    so (not under sequence parallelism), else packed rows, sharded over the SP group `sp` when there is one (every
+    rank of the group holds the same batch, checked with `also_same`, and runs its slice of each packed row).
+    Returns ``([(flat index into [B, T], hidden [n, H]), ...], anchor, figures)``; `keep` ([B * T] bool) may
+    leave out positions the caller will not read (tree rows gather only those)."""
+    real_tokens = int(attention_mask.sum())
     if sp is not None:
         check_same_batch(sp, input_ids, attention_mask, *also_same)
         packed, pieces, anchor = sequence_parallel_backbone_forward(
-            backbone, input_ids, attention_mask, token_budget, sp
+            backbone, input_ids, attention_mask, settings.token_budget, sp
         )
         forwarded = sum(sp.shard(max(1, micro_batch.input_ids.size(1)))[0] for micro_batch in packed.micro_batches)
-        return packed, pieces, anchor, forwarded
-    packed, outputs, anchor = packed_backbone_forward(backbone, input_ids, attention_mask, token_budget)
+        figures = {"real": real_tokens, "forwarded": forwarded, "micro_batches": len(packed.micro_batches)}
+        return pieces, anchor, figures
+    trees = planned_trees(backbone, input_ids, attention_mask, settings.token_budget, settings.tree_packing)
+    if trees is not None:
+        count = _same_count_on_every_rank(len(trees), input_ids.device)
+        trees += [TreeMicroBatch(None, [], []) for _ in range(count - len(trees))]
+        pieces, anchor = tree_backbone_forward(backbone, trees, input_ids.size(1), keep)
+        forwarded = sum(micro_batch.tree.num_tokens for micro_batch in trees if micro_batch.tree is not None)
+        figures = {"real": real_tokens, "forwarded": forwarded, "micro_batches": count, "tree_tokens": forwarded}
+        return pieces, anchor, figures
+    packed, outputs, anchor = packed_backbone_forward(backbone, input_ids, attention_mask, settings.token_budget)
     pieces = [(micro_batch.flat_index, hidden) for micro_batch, hidden in outputs]
-    return packed, pieces, anchor, packed.forwarded_tokens
+    figures = {"real": real_tokens, "forwarded": packed.forwarded_tokens, "micro_batches": len(packed.micro_batches)}
+    return pieces, anchor, figures
 
 
 def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items_in_batch):
@@ -139,14 +155,11 @@ def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attentio
     batch_size, seq_len = input_ids.shape
     # TRL scores hidden[:, t] against labels[:, t + 1]; in the padded layout, position t's label is the next column.
     shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
-    packed, pieces, anchor, forwarded = _forward_pieces(
-        model.base_model, input_ids, attention_mask, config.settings.token_budget, sp, labels
+    keep = (shift_labels != -100).reshape(-1)
+    pieces, anchor, figures = _forward_pieces(
+        model.base_model, input_ids, attention_mask, config.settings, sp, keep, labels
     )
-    config.stats.padded_tokens += batch_size * seq_len
-    config.stats.real_tokens += packed.num_real_tokens
-    config.stats.forwarded_tokens += forwarded
-    config.stats.micro_batches += len(packed.micro_batches)
-    config.stats.calls += 1
+    config.stats.record(batch_size * seq_len, figures)
     return _scored_output(model, config, pieces, shift_labels, anchor, num_items_in_batch, record=True, sp=sp)
 
 
@@ -354,11 +367,13 @@ def token_scores(
     token_budget: int | None = None,
     multimodal_inputs: dict | None = None,
     sequence_parallel: SequenceParallelGroup | None = None,
+    tree_packing: bool | str = "auto",
 ) -> torch.Tensor:
     """Per-token scalar outputs ``head(hidden)`` of a backbone, as ``[B, T]`` (0 at padding): a critic's values.
 
     Where packing is on and exact for this backbone (:func:`.support.use_packing`), the real tokens go through it
-    packed, in micro-batches of at most ``token_budget`` tokens, the same way the policy is scored; otherwise one
+    packed (tree rows as ``tree_packing`` says), in micro-batches of at most ``token_budget`` tokens, the same way
+    the policy is scored; otherwise one
     padded forward. ``multimodal_inputs`` (``pixel_values``, ``token_type_ids``, ...) go to that padded forward:
     packed rows cannot carry images, as on the policy's side.
     """
@@ -371,7 +386,8 @@ def token_scores(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **(multimodal_inputs or {})
         ).last_hidden_state
         return head(hidden).squeeze(-1).float() * attention_mask
-    _, pieces, anchor, _ = _forward_pieces(backbone, input_ids, attention_mask, token_budget, sp)
+    settings = ScoringSettings(padding_free=padding_free, token_budget=token_budget, tree_packing=tree_packing)
+    pieces, anchor, _ = _forward_pieces(backbone, input_ids, attention_mask, settings, sp)
     values = [head(hidden).squeeze(-1).float() for _, hidden in pieces]
     indices = [flat_index for flat_index, _ in pieces]
     flat = torch.cat(values) if values else input_ids.new_zeros(0, dtype=torch.float32)

@@ -23,6 +23,21 @@ class PackingStats:
     calls: int = 0
     fallbacks: int = 0
     tokens_per_micro_batch: list[int] = field(default_factory=list)
+    tree_calls: int = 0  # calls forwarded as tree rows
+    tree_row_tokens: int = 0  # their tokens as rows (before sharing)
+    tree_tokens: int = 0  # their tokens forwarded (after sharing)
+
+    def record(self, padded_tokens: int, figures: dict[str, int]) -> None:
+        """One packed call's figures (the engine's `_forward_pieces`)."""
+        self.padded_tokens += padded_tokens
+        self.real_tokens += figures["real"]
+        self.forwarded_tokens += figures["forwarded"]
+        self.micro_batches += figures["micro_batches"]
+        self.calls += 1
+        if "tree_tokens" in figures:
+            self.tree_calls += 1
+            self.tree_row_tokens += figures["real"]
+            self.tree_tokens += figures["tree_tokens"]
 
     def pop(self) -> dict[str, float]:
         if not self.calls:
@@ -32,9 +47,15 @@ class PackingStats:
             "padding_free/tokens_per_micro_batch": sum(self.tokens_per_micro_batch)
             / max(1, len(self.tokens_per_micro_batch)),
             "padding_free/micro_batches_per_call": self.micro_batches / self.calls,
-            # Filler at the end of packed rows (dense kernels): the compute packing still spends on non-tokens.
-            "padding_free/row_fill": self.real_tokens / max(1, self.forwarded_tokens),
         }
+        if self.calls > self.tree_calls:  # filler at the end of packed rows (dense kernels): compute on non-tokens
+            rows_forwarded = self.forwarded_tokens - self.tree_tokens
+            logs["padding_free/row_fill"] = (self.real_tokens - self.tree_row_tokens) / max(1, rows_forwarded)
+        logs["tree_packing/fraction_of_calls"] = self.tree_calls / self.calls
+        if self.tree_calls:  # tokens per tree-packed call, before and after sharing prefixes
+            logs["tree_packing/tokens_before"] = self.tree_row_tokens / self.tree_calls
+            logs["tree_packing/tokens_after"] = self.tree_tokens / self.tree_calls
+            logs["tree_packing/share_ratio"] = self.tree_row_tokens / max(1, self.tree_tokens)
         self.__init__()
         return logs
 
@@ -50,6 +71,7 @@ class ScoringSettings:
     temperature: float = 1.0
     cast_lm_head_to_fp32: bool = False
     sampler_support: SamplerSupport | None = None  # log-probs on the sampler's support (see `sampler_support`)
+    tree_packing: bool | str = "auto"  # rows sharing a prefix forwarded as one trie (see `tree_forward`)
 
     @classmethod
     def from_config(cls, args, temperature: float = 1.0) -> ScoringSettings:
@@ -62,6 +84,7 @@ class ScoringSettings:
             temperature=temperature,
             cast_lm_head_to_fp32=getattr(args, "cast_lm_head_to_fp32", False),
             sampler_support=SamplerSupport.from_config(args),
+            tree_packing=args.tree_packing,
         )
 
 

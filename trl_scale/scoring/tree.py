@@ -28,12 +28,41 @@ def why_not_tree(config, longest_row: int) -> str | None:
         return (
             f"{text.model_type} has layers that carry state along the sequence (convolution, SSM or linear attention)"
         )
-    window = getattr(text, "sliding_window", None)
-    if window is not None and getattr(text, "use_sliding_window", True) and window < longest_row:
+    window = sliding_window_of(config)
+    if window is not None and window < longest_row:
         return (
             f"{text.model_type} attends within a sliding window of {window} tokens, shorter than a row ({longest_row})"
         )
     return None
+
+
+def sliding_window_of(config) -> int | None:
+    """The model's sliding attention window in tokens, or None where it attends to the whole row."""
+    text = config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    return window if window is not None and getattr(text, "use_sliding_window", True) else None
+
+
+@dataclass(frozen=True)
+class TreeSegments:
+    """The tree's tokens as attention segments, for kernels that take sequence boundaries (flash varlen, or sdpa one
+    segment at a time): a segment is a run of tokens laid out one after the other along one path; its queries attend
+    to its gathered keys (the path above it, then itself), causally aligned to the bottom right."""
+
+    cu_seq_lens_q: torch.Tensor  # [segments + 1] int32: the segments' bounds in the layout
+    cu_seq_lens_k: torch.Tensor  # [segments + 1] int32: their bounds in the gathered keys
+    kv_index: torch.Tensor  # [gathered keys]: the layout index of each gathered key
+    max_length_q: int
+    max_length_k: int
+
+    def to(self, device: torch.device) -> TreeSegments:
+        return TreeSegments(
+            self.cu_seq_lens_q.to(device),
+            self.cu_seq_lens_k.to(device),
+            self.kv_index.to(device),
+            self.max_length_q,
+            self.max_length_k,
+        )
 
 
 @dataclass(frozen=True)
@@ -45,35 +74,15 @@ class TreeRows:
     enter: torch.Tensor  # [nodes]: depth-first entry index (= the node's own index)
     leave: torch.Tensor  # [nodes]: one past the last index of the node's subtree
     row_nodes: tuple[torch.Tensor, ...]  # per row: the node of each of its tokens
+    segments: TreeSegments
 
     @classmethod
-    def fold(cls, rows: list[list[int]]) -> TreeRows:
-        """The trie of `rows` (lists of token ids; rows may be prefixes of each other or repeat)."""
-        children: list[dict[int, int]] = [{}]  # node 0: a virtual root, not laid out
-        tokens, paths = [-1], []
+    def fold(cls, rows: list) -> TreeRows:
+        """The trie of `rows` (lists or 1-D tensors of token ids; rows may be prefixes of each other or repeat)."""
+        trie = PrefixTrie()
         for row in rows:
-            node, path = 0, []
-            for token in row:
-                child = children[node].get(token)
-                if child is None:
-                    child = len(tokens)
-                    children[node][token] = child
-                    children.append({})
-                    tokens.append(token)
-                node = child
-                path.append(node)
-            paths.append(path)
-        order, enter, leave, depth = _depth_first(children)
-        laid = torch.tensor(order[1:], dtype=torch.long)  # trie node ids in layout order, the virtual root dropped
-        index_of = torch.empty(len(tokens), dtype=torch.long)
-        index_of[laid] = torch.arange(len(laid))
-        return cls(
-            token_ids=torch.tensor(tokens, dtype=torch.long)[laid],
-            position_ids=torch.tensor(depth, dtype=torch.long)[laid] - 1,
-            enter=torch.tensor(enter, dtype=torch.long)[laid] - 1,
-            leave=torch.tensor(leave, dtype=torch.long)[laid] - 1,
-            row_nodes=tuple(index_of[torch.tensor(path, dtype=torch.long)] for path in paths),
-        )
+            trie.insert(row)
+        return trie.laid_out()
 
     @property
     def num_tokens(self) -> int:
@@ -108,24 +117,141 @@ class TreeRows:
         return torch.cat([self.token_ids[nodes[start:]] for nodes in self.row_nodes])
 
 
-def _depth_first(children: list[dict[int, int]]) -> tuple[list[int], list[int], list[int], list[int]]:
-    """Pre-order of the trie from node 0 (children in insertion order): the order, and per trie node its entry index,
-    its subtree's end and its depth. Iterative: a long row is a deep chain."""
-    count = len(children)
-    enter, leave, depth, order = [0] * count, [0] * count, [0] * count, []
-    stack = [(0, False)]
-    while stack:
-        node, done = stack.pop()
-        if done:
-            leave[node] = len(order)
-            continue
-        enter[node] = len(order)
-        order.append(node)
-        stack.append((node, True))
-        for child in reversed(list(children[node].values())):
-            depth[child] = depth[node] + 1
-            stack.append((child, False))
-    return order, enter, leave, depth
+class PrefixTrie:
+    """A radix trie of rows (each edge a run of tokens), built row by row: `matched` says how many of a row's tokens
+    are already in it (what adding the row would not cost), `insert` adds it, `laid_out` gives the `TreeRows`.
+    Comparisons run on whole runs of tokens, not token by token: a group of G rows costs about 2G tensor
+    comparisons, whatever its lengths."""
+
+    def __init__(self) -> None:
+        self.tokens: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long)]  # per edge; edge 0: the root, empty
+        self.children: list[dict[int, int]] = [{}]  # per edge: first token -> child edge, in insertion order
+        self.rows: list[list[int]] = []
+        self.num_tokens = 0  # unique tokens so far
+
+    def _walk(self, row: torch.Tensor):
+        """Along `row`: yields (edge, tokens of the edge matched, whether the whole edge matched), stopping where
+        the row leaves the trie."""
+        edge, position = 0, 0
+        while position < len(row):
+            child = self.children[edge].get(int(row[position]))
+            if child is None:
+                return
+            run = self.tokens[child]
+            length = min(len(run), len(row) - position)
+            same = run[:length] == row[position : position + length]
+            matched = length if bool(same.all()) else int((~same).nonzero()[0])
+            yield child, matched, matched == len(run)
+            if matched < len(run):
+                return
+            edge, position = child, position + matched
+
+    def matched(self, row) -> int:
+        """How many leading tokens of `row` the trie already holds."""
+        return sum(matched for _, matched, _ in self._walk(torch.as_tensor(row, dtype=torch.long)))
+
+    def insert(self, row) -> int:
+        """Add `row`; returns the tokens it added."""
+        row = torch.as_tensor(row, dtype=torch.long).cpu()
+        edge, position = 0, 0
+        for child, matched, whole in self._walk(row):
+            position += matched
+            edge = child
+            if not whole:
+                self._split(child, matched)
+        if position < len(row):
+            self.tokens.append(row[position:].clone())
+            self.children.append({})
+            self.children[edge][int(row[position])] = len(self.tokens) - 1
+        added = len(row) - position
+        self.num_tokens += added
+        self.rows.append(row.tolist())
+        return added
+
+    def _split(self, edge: int, at: int) -> None:
+        """Cut `edge` after `at` tokens: its tail becomes its only child (rows end on edge boundaries)."""
+        run = self.tokens[edge]
+        self.tokens.append(run[at:])
+        self.children.append(self.children[edge])
+        self.tokens[edge] = run[:at]
+        self.children[edge] = {int(run[at]): len(self.tokens) - 1}
+
+    def laid_out(self) -> TreeRows:
+        """The trie depth-first: tokens, depths, subtree ends, each row's nodes, and the attention segments."""
+        count = len(self.tokens)
+        start, depth, leave = [0] * count, [0] * count, [0] * count
+        path: list[list[int]] = [[] for _ in range(count)]  # per edge: the edges above it (root excluded)
+        order, cursor, stack = [], 0, [(0, False)]
+        while stack:  # iterative pre-order: a long row is a deep chain
+            edge, done = stack.pop()
+            if done:
+                leave[edge] = cursor
+                continue
+            start[edge] = cursor
+            cursor += len(self.tokens[edge])
+            order.append(edge)
+            stack.append((edge, True))
+            for child in reversed(list(self.children[edge].values())):
+                depth[child] = depth[edge] + len(self.tokens[edge])
+                path[child] = [*path[edge], child] if edge else [child]
+                stack.append((child, False))
+        order = order[1:]  # the root holds no token
+        token_ids = torch.cat([self.tokens[edge] for edge in order]) if order else torch.zeros(0, dtype=torch.long)
+        lengths = torch.tensor([len(self.tokens[edge]) for edge in order], dtype=torch.long)
+        first = torch.tensor([start[edge] for edge in order], dtype=torch.long)
+        within = torch.arange(len(token_ids)) - torch.repeat_interleave(first, lengths)
+        position_ids = torch.repeat_interleave(torch.tensor([depth[e] for e in order], dtype=torch.long), lengths)
+        token_leave = torch.repeat_interleave(torch.tensor([leave[e] for e in order], dtype=torch.long), lengths)
+        row_nodes = tuple(self._row_nodes(row, start) for row in self.rows)
+        return TreeRows(
+            token_ids=token_ids,
+            position_ids=position_ids + within,
+            enter=torch.arange(len(token_ids)),
+            leave=token_leave,
+            row_nodes=row_nodes,
+            segments=self._segments(order, start, path),
+        )
+
+    def _row_nodes(self, row: list[int], start: list[int]) -> torch.Tensor:
+        edge, position, spans = 0, 0, []
+        while position < len(row):
+            edge = self.children[edge][row[position]]
+            length = len(self.tokens[edge])
+            spans.append(torch.arange(start[edge], start[edge] + length))
+            position += length
+        return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
+
+    def _segments(self, order: list[int], start: list[int], path: list[list[int]]) -> TreeSegments:
+        """Runs of edges laid out one after the other, each the first child of the one before (a path); a segment's
+        keys are the edges above its first one, then itself."""
+        heads, queries, keys = [], [], []
+        for edge in order:
+            above = path[edge][:-1]
+            continues = heads and above and above[-1] == heads[-1][-1] and start[edge] == queries[-1][1]
+            if continues:
+                heads[-1].append(edge)
+                queries[-1][1] = start[edge] + len(self.tokens[edge])
+            else:
+                heads.append([edge])
+                queries.append([start[edge], start[edge] + len(self.tokens[edge])])
+                keys.append([(start[a], start[a] + len(self.tokens[a])) for a in above])
+        kv_parts, k_lengths = [], []
+        for (first, end), above in zip(queries, keys):
+            spans = [torch.arange(a, b) for a, b in above] + [torch.arange(first, end)]
+            kv_parts.append(torch.cat(spans))
+            k_lengths.append(len(kv_parts[-1]))
+        q_lengths = [end - first for first, end in queries]
+
+        def bounds(lengths: list[int]) -> torch.Tensor:
+            return torch.tensor([0, *lengths], dtype=torch.long).cumsum(0).to(torch.int32)
+
+        return TreeSegments(
+            cu_seq_lens_q=bounds(q_lengths),
+            cu_seq_lens_k=bounds(k_lengths),
+            kv_index=torch.cat(kv_parts) if kv_parts else torch.zeros(0, dtype=torch.long),
+            max_length_q=max(q_lengths, default=0),
+            max_length_k=max(k_lengths, default=0),
+        )
 
 
 def tree_token_logprobs(model, tree: TreeRows, start: int = 1) -> torch.Tensor:

@@ -23,7 +23,11 @@ from contextlib import contextmanager
 
 import torch
 
+from .tree_kernel import TREE_SEGMENTS_KWARG, tree_attention
+
 VARLEN_SDPA = "trl_scale_sdpa_varlen"
+# sdpa, except for tree-row forwards (:mod:`.tree_kernel`): where the varlen switch does not apply (CPU, fp32)
+TREE_SDPA = "trl_scale_sdpa_tree"
 
 _in_varlen_forward = contextvars.ContextVar("trl_scale_varlen_forward", default=False)
 
@@ -52,9 +56,12 @@ def varlen_kernel() -> Callable | None:
 _KERNEL: list[tuple[Callable, frozenset[str]]] = []
 
 
-def _kernel_attention(query, key, value, cu_seq_lens: torch.Tensor, max_length: int, scale: float | None):
-    """Causal attention of packed ``[N, heads, dim]`` tensors with torch's flash varlen kernel. The keyword for
-    causality and grouped-query heads changed across torch releases: read this torch's signature."""
+def _kernel_attention(
+    query, key, value, cu_seq_lens: torch.Tensor, max_length: int, scale: float | None, keys: tuple | None = None
+):
+    """Causal attention of packed ``[N, heads, dim]`` tensors with torch's flash varlen kernel (`keys`: other key
+    bounds and longest, for tree segments; causal is then bottom-right aligned). The keyword for causality and
+    grouped-query heads changed across torch releases: read this torch's signature."""
     kernel, parameters = _KERNEL[0]
     options: dict = {"scale": scale}
     if "window_size" in parameters:
@@ -67,7 +74,12 @@ def _kernel_attention(query, key, value, cu_seq_lens: torch.Tensor, max_length: 
         else:  # a release whose wrapper may not take fewer key/value heads: give it as many
             repeats = query.size(1) // key.size(1)
             key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
-    return kernel(query, key, value, cu_seq_lens, cu_seq_lens, max_length, max_length, **options)
+    cu_seq_lens_k, max_length_k = keys or (cu_seq_lens, max_length)
+    return kernel(query, key, value, cu_seq_lens, cu_seq_lens_k, max_length, max_length_k, **options)
+
+
+def _flash_segments(query, key, value, cu_q, cu_k, max_q, max_k, scale):
+    return _kernel_attention(query, key, value, cu_q, max_q, scale, keys=(cu_k, max_k))
 
 
 def _segment_attention(query, key, value, cu_seq_lens: torch.Tensor, scale: float | None):
@@ -87,11 +99,13 @@ def _segment_attention(query, key, value, cu_seq_lens: torch.Tensor, scale: floa
 
 def varlen_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' sdpa attention, except for calls carrying ``cu_seq_lens_q``: those are one packed row of
-    whole sequences (``[1, heads, N, dim]``), attended causally within each sequence."""
+    whole sequences (``[1, heads, N, dim]``), attended causally within each sequence; and calls carrying tree
+    segments (:data:`.tree_kernel.TREE_SEGMENTS_KWARG`): tree rows, each token attending to its path."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
-    if cu_seq_lens is None:
+    segments = kwargs.get(TREE_SEGMENTS_KWARG)
+    if cu_seq_lens is None and segments is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if query.size(0) != 1:
         raise ValueError(f"varlen attention takes one packed row, got a batch of {query.size(0)}")
@@ -99,7 +113,10 @@ def varlen_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
         raise ValueError("varlen attention runs without dropout (TRL disables it); set the model's dropout to 0")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, heads, dim]
     scale = kwargs.get("scaling")
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _KERNEL:
+    flash = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and bool(_KERNEL)
+    if segments is not None:
+        out = tree_attention(q, k, v, segments, scale, _flash_segments if flash else None)
+    elif flash:
         out = _kernel_attention(q, k, v, cu_seq_lens, int(kwargs["max_length_q"]), scale)
     else:
         out = _segment_attention(q, k, v, cu_seq_lens, scale)
@@ -121,8 +138,9 @@ def _register() -> None:
     kernel = varlen_kernel()
     if kernel is not None:
         _KERNEL.append((kernel, frozenset(inspect.signature(kernel).parameters)))
-    AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
-    AttentionMaskInterface.register(VARLEN_SDPA, varlen_sdpa_mask)
+    for name in (VARLEN_SDPA, TREE_SDPA):
+        AttentionInterface.register(name, varlen_sdpa_attention)
+        AttentionMaskInterface.register(name, varlen_sdpa_mask)
 
 
 def varlen_unsupported(model) -> str | None:
@@ -166,5 +184,25 @@ def install_varlen_attention(model) -> bool:
 
 def uninstall_varlen_attention(model) -> None:
     """Back to sdpa (e.g. when the packing probe finds the kernel inexact for this model)."""
-    if getattr(model.config, "_attn_implementation", None) == VARLEN_SDPA:
+    if getattr(model.config, "_attn_implementation", None) in (VARLEN_SDPA, TREE_SDPA):
         model.set_attn_implementation("sdpa")
+
+
+def install_tree_attention(model) -> bool:
+    """Let an sdpa model take tree-row forwards (:data:`TREE_SDPA`: sdpa for every other call; permanent on the
+    model, as :func:`install_varlen_attention`, for activation checkpointing's re-run). A model already on
+    :data:`VARLEN_SDPA` takes them as it is. Returns whether the model takes tree segments now."""
+    attention = getattr(model.config, "_attn_implementation", None)
+    if attention == VARLEN_SDPA:
+        return True
+    if attention != "sdpa" or not getattr(model, "_can_set_attn_implementation", lambda: False)():
+        return False
+    _register()
+    model.set_attn_implementation(TREE_SDPA)
+    return True
+
+
+def plain_attention(name: str | None) -> str | None:
+    """The attention implementation a fresh copy of a model should load with: sdpa for trl-scale's own (they are
+    registered in this process only, and installed by the scoring engine again where it applies)."""
+    return "sdpa" if name in (VARLEN_SDPA, TREE_SDPA) else name

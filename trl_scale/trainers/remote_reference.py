@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..distributed.role_workers import ReferenceWorkerSettings
 from ..distributed.roles import RayReference, start_reference
 from ..scoring import ScoringSettings
+from ..scoring.varlen import plain_attention
 from .feature import Feature, Patch
 
 
@@ -48,7 +49,7 @@ def start_remote_reference(trainer) -> RayReference:
     mixed = {"bf16": "bfloat16", "fp16": "float16"}.get(str(trainer.accelerator.mixed_precision))
     settings = ReferenceWorkerSettings(
         dtype=str(dtype).removeprefix("torch."),  # "auto" passes through, as TRL passes it
-        attn_implementation=init_kwargs.get("attn_implementation", model.config._attn_implementation),
+        attn_implementation=init_kwargs.get("attn_implementation", plain_attention(model.config._attn_implementation)),
         scoring=ScoringSettings.from_config(args, trainer.temperature),
         autocast_dtype=mixed,
     )

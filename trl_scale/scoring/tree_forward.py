@@ -1,0 +1,236 @@
+"""Tree packing in the scoring engine: a call's rows folded into prefix tries (:mod:`.tree`), each shared token
+forwarded once, when that pays and is exact for the model; otherwise the call packs rows as before.
+
+A call's rows are sorted by their tokens, so rows that share a prefix (a group's prompt, a DPO pair's prompt, a
+conversation's earlier turns) sit together, then filled into tries up to `token_budget` unique tokens each. Each
+trie's tokens go through the backbone once (`position_ids` = depth; the attention of :mod:`.tree_kernel` on sdpa
+models, a dense path mask on eager ones), and every (row, position) the caller keeps reads its node's hidden state:
+the gather's backward sums a shared node's gradient over the rows that read it.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from ..logs import get_logger
+from .tree import PrefixTrie, TreeRows, sliding_window_of, why_not_tree
+from .tree_kernel import TREE_SEGMENTS_KWARG
+from .varlen import TREE_SDPA, VARLEN_SDPA, install_tree_attention, varlen_forward
+
+logger = get_logger(__name__)
+
+TREE_PACKING_CHOICES = ("auto", True, False)
+# auto: tree rows when their estimated cost is at most this fraction of the rows' (a margin for the fold and gather)
+_PAYS = 0.9
+
+
+@dataclass
+class TreeMicroBatch:
+    """One forward's trie: the batch rows it holds (in the trie's row order) and their real columns."""
+
+    tree: TreeRows | None  # None: an empty forward, for a rank with fewer micro-batches than another
+    rows: list[int]
+    columns: list[torch.Tensor]
+
+
+@dataclass
+class TreeSupport:
+    """Whether tree rows are exact for a backbone, with which kernel (probed once, cached on the backbone)."""
+
+    kernel: str | None  # "segments" (sdpa, varlen), "dense" (eager: a path mask), None: no tree kernel
+    exact: bool | None = None
+    reason: str = ""
+
+
+def fold_rows(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, token_budget: int | None
+) -> list[tuple[PrefixTrie, list[tuple[int, torch.Tensor]]]]:
+    """The padded batch's rows (their real tokens) as tries of at most `token_budget` unique tokens each (a row
+    longer than the budget alone), rows sharing a prefix together; with each trie, its rows (batch index, real
+    columns) in the trie's row order."""
+    real = attention_mask.detach().bool().cpu()
+    ids = input_ids.detach().cpu()
+    rows = [(b, real[b].nonzero()[:, 0]) for b in range(ids.size(0))]
+    rows = [(b, columns, ids[b, columns]) for b, columns in rows if len(columns)]
+    rows.sort(key=lambda row: row[2].tolist())
+    tries: list[tuple[PrefixTrie, list]] = []
+    for b, columns, tokens in rows:
+        if not tries or (token_budget is not None and _grown(tries[-1][0], tokens) > token_budget):
+            tries.append((PrefixTrie(), []))
+        trie, members = tries[-1]
+        trie.insert(tokens)
+        members.append((b, columns))
+    return tries
+
+
+def _grown(trie: PrefixTrie, tokens: torch.Tensor) -> int:
+    """The trie's unique tokens once `tokens` is added."""
+    return trie.num_tokens + len(tokens) - trie.matched(tokens)
+
+
+def estimated_cost(lengths: list[int], trees: list[TreeRows] | None, kernel: str, hidden_size: int) -> float:
+    """The forward's work in units of one attention pair: each token's projections and MLP cost about 6 x hidden
+    pairs' worth (24 d^2 vs 4 d per layer); rows attend causally (L^2 / 2 pairs each), tree segments to their path
+    and causally within, a dense path mask to every token of its trie."""
+    if trees is None:
+        return sum(6 * hidden_size * n + n * n / 2 for n in lengths)
+    cost = 0.0
+    for tree in trees:
+        cost += 6 * hidden_size * tree.num_tokens
+        if kernel == "dense":
+            cost += tree.num_tokens**2
+            continue
+        q = (tree.segments.cu_seq_lens_q[1:] - tree.segments.cu_seq_lens_q[:-1]).double()
+        k = (tree.segments.cu_seq_lens_k[1:] - tree.segments.cu_seq_lens_k[:-1]).double()
+        cost += float((q * (k - q) + q * q / 2).sum())
+    return cost
+
+
+def tree_support(backbone) -> TreeSupport:
+    """The backbone's :class:`TreeSupport`: which kernel takes tree rows (an sdpa model is switched to
+    :data:`.varlen.TREE_SDPA`, sdpa for every other call), probed for exactness once."""
+    support = getattr(backbone, "_trl_scale_tree_support", None)
+    if support is None:
+        attention = getattr(backbone.config, "_attn_implementation", None)
+        if attention in (VARLEN_SDPA, TREE_SDPA) or (attention == "sdpa" and install_tree_attention(backbone)):
+            support = TreeSupport("segments")
+        elif attention == "eager":
+            support = TreeSupport("dense")
+        else:
+            support = TreeSupport(None, exact=False, reason=f"attn_implementation={attention!r} takes no tree mask")
+        backbone._trl_scale_tree_support = support
+    if support.exact is None:
+        support.exact, support.reason = probe_tree(backbone, support.kernel)
+    return support
+
+
+def tree_forward_kwargs(tree: TreeRows, kernel: str, device: torch.device, dtype: torch.dtype) -> dict:
+    """The backbone's keyword arguments for one trie's forward."""
+    kwargs = {
+        "input_ids": tree.token_ids[None].to(device),
+        "position_ids": tree.position_ids[None].to(device),
+        "use_cache": False,
+    }
+    if kernel == "segments":
+        kwargs["attention_mask"] = None
+        kwargs[TREE_SEGMENTS_KWARG] = tree.segments.to(device)
+    else:
+        kwargs["attention_mask"] = tree.attention_mask(dtype).to(device)
+    return kwargs
+
+
+def tree_hidden(backbone, tree: TreeRows, kernel: str) -> torch.Tensor:
+    """One trie's hidden states, ``[nodes, hidden]``."""
+    parameter = next(backbone.parameters())
+    kwargs = tree_forward_kwargs(tree, kernel, parameter.device, parameter.dtype)
+    with varlen_forward() if kernel == "segments" else nullcontext():
+        return backbone(**kwargs).last_hidden_state[0]
+
+
+def probe_tree(backbone, kernel: str | None) -> tuple[bool, str]:
+    """Fold three rows sharing a prefix (and one sharing part of it) and compare each row's hidden states with the
+    row run alone. Rows fit a sliding window (longer ones are refused per call). Returns ``(exact, reason)``."""
+    if kernel is None:
+        return False, "no tree kernel"
+    longest = min(12, sliding_window_of(backbone.config) or 12)
+    if longest < 6:
+        return False, f"a sliding window of {longest} tokens"
+    vocab = backbone.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, vocab, (longest - 4,), generator=generator)
+    rows = [torch.cat([prompt, torch.randint(0, vocab, (n,), generator=generator)]) for n in (4, 2, 3)]
+    rows.append(torch.cat([prompt[:1], torch.randint(0, vocab, (3,), generator=generator)]))
+    tree = TreeRows.fold(rows)
+    device = next(backbone.parameters()).device
+    was_training = backbone.training
+    backbone.eval()
+    try:
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            hidden = tree_hidden(backbone, tree, kernel).float()
+            alone = [backbone(input_ids=row[None].to(device), use_cache=False).last_hidden_state[0] for row in rows]
+    except (ValueError, TypeError, RuntimeError, NotImplementedError) as error:
+        return False, f"its tree forward fails ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+    finally:
+        backbone.train(was_training)
+    half = hidden.dtype != alone[0].dtype and alone[0].dtype in (torch.float16, torch.bfloat16)
+    tolerance = 5e-2 if half or alone[0].dtype in (torch.float16, torch.bfloat16) else 1e-3
+    for nodes, own in zip(tree.row_nodes, alone):
+        own = own.float()
+        error = (hidden[nodes.to(device)] - own).abs().max().item() / max(1.0, own.abs().max().item())
+        if error > tolerance:
+            return False, f"a tree row differs from the same row alone by {error:.1e} (its attention ignores the path)"
+    return True, ""
+
+
+_announced: set[str] = set()
+
+
+def _step_aside(model_type: str, reason: str, tree_packing) -> None:
+    if tree_packing is True:
+        raise ValueError(
+            f"tree_packing=True, but tree rows are not exact for model type '{model_type}': {reason}. Fix: "
+            "tree_packing='auto' (tree rows where exact and worth it, else packed rows) or tree_packing=False"
+        )
+    if model_type not in _announced:  # once per model type (a window's reason differs with each call's rows)
+        _announced.add(model_type)
+        logger.warning(
+            f"trl-scale: tree packing steps aside for model type '{model_type}' ({reason}); its scoring calls pack "
+            "rows without sharing prefixes. Set tree_packing=False to silence this."
+        )
+
+
+def planned_trees(backbone, input_ids, attention_mask, token_budget: int | None, tree_packing) -> list | None:
+    """The tries to forward this call as (each with its rows), or None to pack rows as before: `tree_packing`
+    False, a model whose attention cannot take a tree exactly (a warning that names why; an error with True), or,
+    with "auto", a call where sharing would not save enough work."""
+    if tree_packing is False:
+        return None
+    config = backbone.config
+    lengths = attention_mask.sum(1).tolist()
+    # The probe first, on every rank alike (its forwards gather sharded parameters collectively), then this call's
+    # rows (a sliding window shorter than the longest row).
+    reason = why_not_tree(config, 0)
+    support = tree_support(backbone) if reason is None else None
+    if reason is None:
+        reason = support.reason if not support.exact else why_not_tree(config, int(max(lengths, default=0)))
+    if reason is not None:
+        _step_aside(config.get_text_config().model_type, reason, tree_packing)
+        return None
+    tries = fold_rows(input_ids, attention_mask, token_budget)
+    trees = [trie.laid_out() for trie, _ in tries]
+    if tree_packing == "auto":
+        hidden_size = config.get_text_config().hidden_size
+        rows_cost = estimated_cost([n for n in lengths if n], None, support.kernel, hidden_size)
+        if estimated_cost([], trees, support.kernel, hidden_size) > _PAYS * rows_cost:
+            return None
+    return [
+        TreeMicroBatch(tree, [b for b, _ in members], [columns for _, columns in members])
+        for (_, members), tree in zip(tries, trees)
+    ]
+
+
+def tree_backbone_forward(backbone, micro_batches: list[TreeMicroBatch], seq_len: int, keep: torch.Tensor | None):
+    """Forward each trie; returns ``([(flat index into [B, T], hidden [n, H]), ...], anchor)`` for the (row,
+    position) pairs `keep` ([B * T] bool; None: every real token) marks. ``anchor``: a zero that depends on an
+    empty micro-batch's dummy forward (see the engine's packed forward)."""
+    support = tree_support(backbone)
+    pieces, anchor = [], None
+    device = next(backbone.parameters()).device
+    for micro_batch in micro_batches:
+        if micro_batch.tree is None:
+            dummy = torch.zeros((1, 1), dtype=torch.long, device=device)
+            out = backbone(input_ids=dummy, position_ids=dummy, attention_mask=None, use_cache=False)
+            anchor = out.last_hidden_state.sum() * 0.0
+            continue
+        hidden = tree_hidden(backbone, micro_batch.tree, support.kernel)
+        flat = torch.cat([b * seq_len + columns for b, columns in zip(micro_batch.rows, micro_batch.columns)])
+        nodes = torch.cat(micro_batch.tree.row_nodes)
+        flat, nodes = flat.to(device), nodes.to(device)
+        if keep is not None:
+            kept = keep[flat]
+            flat, nodes = flat[kept], nodes[kept]
+        pieces.append((flat, hidden.index_select(0, nodes)))
+    return pieces, anchor
