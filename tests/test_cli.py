@@ -24,7 +24,7 @@ EXAMPLES = ROOT / "examples"
 @pytest.mark.parametrize("method", ["grpo", "rloo", "dpo", "ppo"])
 def test_each_trainer_runs_with_two_processes(method, tmp_path):
     overrides = ["--output_dir", str(tmp_path), "--max_steps", "2", "--logging_steps", "1", "--disable_tqdm", "true"]
-    overrides += ["--per_device_train_batch_size", "8", "--token_budget", "24"]
+    overrides += ["--per_device_train_batch_size", "8", "--token_budget", "24", "--tree_packing", "true"]
     if method != "dpo":  # a reward with variance on a random model, so there are gradients to all-reduce
         overrides += ["--reward_funcs", "tests.helpers.token_parity_reward", "--max_completion_length", "6"]
     if method == "grpo":  # evaluation over both processes: pass@k from the rewards gathered from both
@@ -37,6 +37,7 @@ def test_each_trainer_runs_with_two_processes(method, tmp_path):
     assert result.returncode == 0, launcher_failure(output)
     assert f"trl-scale {method}: training on 2 process(es)" in output
     assert "'grad_norm'" in output and "padding_free/tokens_per_micro_batch" in output
+    assert "tree_packing/share_ratio" in output  # the command line's tree_packing, on both processes
     if method == "grpo":
         assert "'eval_rewards/token_parity_reward/pass@4'" in output and "'eval_reward'" in output, output[-3000:]
     assert (tmp_path / "model.safetensors").exists()

@@ -232,5 +232,11 @@ def tree_backbone_forward(backbone, micro_batches: list[TreeMicroBatch], seq_len
         if keep is not None:
             kept = keep[flat]
             flat, nodes = flat[kept], nodes[kept]
-        pieces.append((flat, hidden.index_select(0, nodes)))
+        pieces.append((flat, gathered(hidden, nodes)))
     return pieces, anchor
+
+
+def gathered(hidden: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+    """Each (row, position)'s node hidden state: one copy per reader, so the backward sums a shared node's gradient
+    over the rows that read it."""
+    return hidden.index_select(0, nodes)
