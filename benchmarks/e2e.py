@@ -10,7 +10,10 @@ Regimes come from prompt lengths (GRPO/RLOO: EOS is suppressed so every completi
 padding is the prompts'; DPO: prompt and answer lengths vary the same way), in blocks of four with one long prompt
 (see REGIMES). The padding fraction printed is the one trl-scale measured on its scoring calls.
 
-Usage: python benchmarks/e2e.py [--quick] [--trainers grpo,rloo,dpo] [--regimes low,mid,high]
+The "long" regime (prompts of 200-600 words, 32-token completions, G=8, local generation) is where a group's shared
+prompt dominates: run it with ``--trainers grpo,rloo --regimes long``.
+
+Usage: python benchmarks/e2e.py [--quick] [--trainers grpo,rloo,dpo] [--regimes low,mid,high,long]
 The last line printed is one JSON object with ``e2e_time_ratio[trainer][regime]``.
 """
 
@@ -35,6 +38,8 @@ REGIMES = {
     "low": lambda rng: [rng.randint(30, 32) for _ in range(BLOCK)],  # ~1 %
     "mid": lambda rng: [180] + [rng.randint(15, 130) for _ in range(BLOCK - 1)],  # ~35 %
     "high": lambda rng: [400] + [rng.randint(2, 6) for _ in range(BLOCK - 1)],  # ~70 %
+    # long prompts, short completions (issue 61): each prompt's G rows share it, which tree packing forwards once
+    "long": lambda rng: [rng.randint(200, 600) for _ in range(BLOCK)],
 }
 
 

@@ -1,10 +1,13 @@
-"""Tree rows (`trl_scale/scoring/tree.py`) against the rows scored one by one, as one GRPO group's policy scoring:
-forward and backward of the completion tokens' log-probs, a group of G completions of C tokens sharing a P-token
-prompt, on the same tiny model, side by side in one process.
+"""Tree packing (issue 61) end to end in the scoring engine: one GRPO-style scoring step (old log-probs, the
+reference's log-probs, the loss forward and backward) of stock TRL's padded rows, today's packed rows
+(`tree_packing=False`) and tree rows (`tree_packing=True`), on the same tiny model and the same batch, side by side in
+one process.
 
-Stock TRL and today's packing score each completion's row `[prompt, completion]` (G(P+C) tokens forwarded; with
-equal lengths nothing is padded, so both are "rows" here); tree rows forward P + G*C. Tree rows are not yet wired
-into the trainers (issue 61): this measures the module alone, on this machine's sdpa with a dense path mask.
+The batch is TRL's layout: groups of G completions sharing a P-token prompt (completion lengths spread over [C/2, C],
+so the padded batch holds padding), one group per scoring call as TRL's default `per_device_train_batch_size` =
+`num_generations` gives; the multi-turn workload trains every turn of a conversation, each turn's row holding the
+history before it. Tokens computed: the padded batch's width times its rows (stock), its real tokens (packed rows),
+its unique tokens (tree rows).
 
 Usage: python benchmarks/tree_packing.py [--quick]. One JSON line per shape; the last line is the summary.
 """
@@ -12,12 +15,15 @@ Usage: python benchmarks/tree_packing.py [--quick]. One JSON line per shape; the
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import json
 import statistics
 import time
 
 SHAPES = [(p, c, g) for p in (64, 512, 2048) for c in (32, 256) for g in (4, 8, 16)]
 QUICK_SHAPES = [(512, 32, 8), (200, 256, 8), (64, 32, 4)]
+VARIANTS = ("stock", "packed", "tree")
 
 
 def _model(hidden: int, layers: int):
@@ -32,32 +38,81 @@ def _model(hidden: int, layers: int):
     return AutoModelForCausalLM.from_config(config).float()
 
 
-def _rows(prompt: int, completion: int, group: int, vocab: int) -> list[list[int]]:
+def padded_batch(rows: list[tuple[list[int], list[int]]]):
+    """TRL's layout of (prompt, completion) rows: left-padded prompts, right-padded completions, labels on the
+    completions."""
+    import torch
+
+    width_p, width_c = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
+    ids, mask, labels = [], [], []
+    for p, c in rows:
+        left, right = width_p - len(p), width_c - len(c)
+        ids.append([0] * left + p + c + [0] * right)
+        mask.append([0] * left + [1] * (len(p) + len(c)) + [0] * right)
+        labels.append([-100] * width_p + c + [-100] * right)
+    return torch.tensor(ids), torch.tensor(mask), torch.tensor(labels)
+
+
+def group_rows(prompt: int, completion: int, group: int, vocab: int) -> list:
     import torch
 
     generator = torch.Generator().manual_seed(prompt * 1000 + completion * 10 + group)
-    shared = torch.randint(3, vocab, (prompt,), generator=generator).tolist()
-    return [shared + torch.randint(3, vocab, (completion,), generator=generator).tolist() for _ in range(group)]
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=generator).tolist()
+
+    shared = tokens(prompt)
+    lengths = torch.randint(max(1, completion // 2), completion + 1, (group,), generator=generator).tolist()
+    return [(shared, tokens(n)) for n in lengths]
 
 
-def _rows_step(model, rows: list[list[int]], prompt: int) -> None:
-    """Each row forwarded whole, log-probs of its completion tokens, backward: the rows' cost."""
+def conversation_rows(conversations: int, turns: int, asked: int, answered: int, vocab: int) -> list:
+    """Per-turn training rows: turn k's prompt is the conversation so far (k questions and k-1 answers)."""
     import torch
 
-    ids = torch.tensor(rows)
-    hidden = model.model(input_ids=ids).last_hidden_state[:, prompt - 1 : -1]
-    logp = torch.log_softmax(model.lm_head(hidden).float(), -1).gather(2, ids[:, prompt:, None])
-    logp.sum().backward()
+    generator = torch.Generator().manual_seed(turns)
+    rows = []
+    for _ in range(conversations):
+        history: list[int] = []
+        for _ in range(turns):
+            history = history + torch.randint(3, vocab, (asked,), generator=generator).tolist()
+            answer = torch.randint(3, vocab, (answered,), generator=generator).tolist()
+            rows.append((history, answer))
+            history = history + answer
+    return rows
 
 
-def _tree_step(model, tree, prompt: int) -> None:
-    from trl_scale.scoring.tree import tree_token_logprobs
+def _scorers(base, variant: str):
+    """(policy, reference) of one variant, each with TRL's fused head, and the policy's packing figures."""
+    from trl.trainer.utils import add_fused_lm_head
 
-    tree_token_logprobs(model, tree, start=prompt).sum().backward()
+    from trl_scale.scoring import install_packed_scoring
+
+    models = []
+    for _ in range(2):
+        model = copy.deepcopy(base)
+        add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+        if variant != "stock":
+            install_packed_scoring(model, outputs=("entropy",), padding_free=True, tree_packing=variant == "tree")
+        models.append(model)
+    return models
+
+
+def _step(policy, reference, batch) -> None:
+    """One scoring step as GRPO runs it with a reference (beta > 0) and old log-probs (vLLM's correction)."""
+    import torch
+
+    ids, mask, labels = batch
+    with torch.no_grad():
+        policy(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)  # old log-probs
+        reference(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    out = policy(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    (-(out.log_probs * out.label_mask).sum() / out.label_mask.sum()).backward()
+    policy.zero_grad(set_to_none=True)
 
 
 def _median_seconds(step, repeats: int) -> float:
-    step()  # warm-up
+    step()  # warm-up (and the probes)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -66,38 +121,44 @@ def _median_seconds(step, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(model, prompt: int, completion: int, group: int, repeats: int) -> dict:
-    from trl_scale.scoring.tree import TreeRows
-
-    rows = _rows(prompt, completion, group, model.config.vocab_size)
-    tree = TreeRows.fold(rows)
-    rows_s = _median_seconds(lambda: (model.zero_grad(set_to_none=True), _rows_step(model, rows, prompt)), repeats)
-    tree_s = _median_seconds(lambda: (model.zero_grad(set_to_none=True), _tree_step(model, tree, prompt)), repeats)
-    return {
-        "P": prompt,
-        "C": completion,
-        "G": group,
-        "row_tokens": tree.row_tokens,
-        "tree_tokens": tree.num_tokens,
-        "rows_step_s": round(rows_s, 4),
-        "tree_step_s": round(tree_s, 4),
-        "tree_vs_rows": round(tree_s / rows_s, 3),
-    }
+def measure(base, name: str, rows: list, repeats: int) -> dict:
+    batch = padded_batch(rows)
+    result: dict = {"workload": name}
+    for variant in VARIANTS:
+        policy, reference = _scorers(base, variant)
+        step = functools.partial(_step, policy, reference, batch)
+        result[f"{variant}_step_s"] = round(_median_seconds(step, repeats), 4)
+        if variant == "tree":
+            stats = policy._trl_scale_packed_scoring.stats
+            result["tree_calls_fraction"] = round(stats.tree_calls / max(1, stats.calls), 3)
+            result["tree_tokens"] = stats.tree_tokens // max(1, stats.tree_calls)
+    result["stock_tokens"] = int(batch[0].numel())
+    result["packed_tokens"] = int(batch[1].sum())
+    result["tree_vs_packed"] = round(result["tree_step_s"] / result["packed_step_s"], 3)
+    result["tree_vs_stock"] = round(result["tree_step_s"] / result["stock_step_s"], 3)
+    result["packed_vs_stock"] = round(result["packed_step_s"] / result["stock_step_s"], 3)
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="three shapes, fewer repeats")
+    parser.add_argument("--quick", action="store_true", help="three shapes and the multi-turn workload, fewer repeats")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
-    model = _model(args.hidden, args.layers)
+    base = _model(args.hidden, args.layers)
+    vocab = base.config.vocab_size
+    repeats = 3
+    workloads = [
+        (f"P={p},C={c},G={g}", group_rows(p, c, g, vocab)) for p, c, g in (QUICK_SHAPES if args.quick else SHAPES)
+    ]
+    workloads.append(("multi-turn: 2 conversations x 6 turns of 64 + 32", conversation_rows(2, 6, 64, 32, vocab)))
     results = []
-    for shape in QUICK_SHAPES if args.quick else SHAPES:
-        results.append(measure(model, *shape, repeats=3 if args.quick else 5))
+    for name, rows in workloads:
+        results.append(measure(base, name, rows, repeats))
         print(json.dumps({"benchmark": "tree_packing", **results[-1]}), flush=True)
     print(json.dumps({"benchmark": "tree_packing", "quick": args.quick, "hidden": args.hidden,
-                      "layers": args.layers, "shapes": results}))  # fmt: skip
+                      "layers": args.layers, "workloads": results}))  # fmt: skip
 
 
 if __name__ == "__main__":

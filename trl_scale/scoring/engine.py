@@ -132,7 +132,7 @@ def _forward_pieces(
         )
         forwarded = sum(sp.shard(max(1, micro_batch.input_ids.size(1)))[0] for micro_batch in packed.micro_batches)
         figures = {"real": real_tokens, "forwarded": forwarded, "micro_batches": len(packed.micro_batches)}
-        return pieces, anchor, figures
+        return pieces, anchor, figures | {"sizes": [index.numel() for index, _ in pieces]}
     trees = planned_trees(backbone, input_ids, attention_mask, settings.token_budget, settings.tree_packing)
     if trees is not None:
         count = _same_count_on_every_rank(len(trees), input_ids.device)
@@ -140,11 +140,12 @@ def _forward_pieces(
         pieces, anchor = tree_backbone_forward(backbone, trees, input_ids.size(1), keep)
         forwarded = sum(micro_batch.tree.num_tokens for micro_batch in trees if micro_batch.tree is not None)
         figures = {"real": real_tokens, "forwarded": forwarded, "micro_batches": count, "tree_tokens": forwarded}
+        figures["sizes"] = [micro_batch.tree.num_tokens for micro_batch in trees if micro_batch.tree is not None]
         return pieces, anchor, figures
     packed, outputs, anchor = packed_backbone_forward(backbone, input_ids, attention_mask, settings.token_budget)
     pieces = [(micro_batch.flat_index, hidden) for micro_batch, hidden in outputs]
     figures = {"real": real_tokens, "forwarded": packed.forwarded_tokens, "micro_batches": len(packed.micro_batches)}
-    return pieces, anchor, figures
+    return pieces, anchor, figures | {"sizes": [index.numel() for index, _ in pieces]}
 
 
 def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items_in_batch):
@@ -160,7 +161,7 @@ def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attentio
         model.base_model, input_ids, attention_mask, config.settings, sp, keep, labels
     )
     config.stats.record(batch_size * seq_len, figures)
-    return _scored_output(model, config, pieces, shift_labels, anchor, num_items_in_batch, record=True, sp=sp)
+    return _scored_output(model, config, pieces, shift_labels, anchor, num_items_in_batch, sp=sp)
 
 
 def padded_fused_forward(model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items_in_batch):
@@ -181,7 +182,6 @@ def _scored_output(
     shift_labels,
     anchor,
     num_items_in_batch,
-    record: bool = False,
     sp: SequenceParallelGroup | None = None,
 ):
     """Score the labelled tokens of ``pieces`` (``(flat index into [B, T], hidden [n, H])``) with the chunked head
@@ -219,8 +219,6 @@ def _scored_output(
                 if value is not None:
                     collected[name].append(value)
             indices.append(flat_index[scored])
-            if record:  # packing's figures
-                config.stats.tokens_per_micro_batch.append(flat_index.numel())
 
     empty = weight.new_zeros(0, dtype=torch.float32)
     fields = _laid_out(config.outputs, collected, indices, shift_labels, anchor, sp, empty)

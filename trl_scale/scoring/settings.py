@@ -34,6 +34,7 @@ class PackingStats:
         self.forwarded_tokens += figures["forwarded"]
         self.micro_batches += figures["micro_batches"]
         self.calls += 1
+        self.tokens_per_micro_batch += figures["sizes"]  # tokens forwarded per micro-batch (trees: unique tokens)
         if "tree_tokens" in figures:
             self.tree_calls += 1
             self.tree_row_tokens += figures["real"]
