@@ -146,7 +146,7 @@ def run(method: str, out: str, model: str) -> dict:
         "seconds": round(time.monotonic() - began, 1),
         "engine_dtype": str(generation.llm.llm_engine.model_config.dtype),
         "direct_load": generation._loads_directly,
-        "packed": packed and all("padding_free/row_fill" in e for e in logs),
+        "packed": packed and all("padding_free/pad_fraction_removed" in e for e in logs),
         "syncs": syncs,
         "sampler_logp_difference_max": [e.get("sampling/sampling_logp_difference/max") for e in logs],
         "evaluations": [e for e in trainer.state.log_history if "eval_reward" in e],
