@@ -1,7 +1,7 @@
 """Tree rows (`scoring/tree.py`, issue 61's first part): rows sharing a prefix folded into one trie, each shared token
 forwarded once. Exact against each row's own forward (log-probs and gradients, fp32) on every family the rule calls
-exact, and the rule agrees with a measurement on every family the packing probe knows. Not yet wired into the
-engine: no trainer uses it."""
+exact, and the rule agrees with a measurement on every family the packing probe knows. The engine's use of them
+(every trainer): tests/test_tree_packing.py."""
 
 import pytest
 import torch

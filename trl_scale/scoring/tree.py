@@ -1,6 +1,6 @@
 """Tree rows: rows that share a prefix (a group's prompt, a conversation's earlier turns, a DPO pair's prompt) folded
-into one prefix trie, so that each shared token is forwarded once (issue 61's first part; not yet wired into the
-packed scoring engine).
+into one prefix trie, so that each shared token is forwarded once. The scoring engine forwards a call's rows this way
+where :mod:`.tree_forward` says so.
 
 Layout: the trie's nodes depth-first, one token each, `position_ids` = depth, and each token attending to its own
 root-to-node path only (node k is on node q's path iff `enter[k] <= enter[q] < leave[k]`, the depth-first interval
