@@ -28,20 +28,6 @@ INEXACT_FAMILIES = ["opt", "lfm2", "nemotron_h", "qwen3_next"]
 (EXACT_FAMILIES if Version(transformers.__version__) >= Version("5.24") else INEXACT_FAMILIES).append("falcon")
 
 
-@pytest.fixture(scope="session")
-def zoo(tmp_path_factory):
-    """A tiny model of each family, built once per session and loaded back with `from_pretrained`."""
-    paths = {}
-
-    def build(family: str) -> str:
-        if family not in paths:
-            attn = "eager" if family == "gemma2" else "sdpa"
-            paths[family] = build_tiny_model(tmp_path_factory.mktemp(family), family, attn_implementation=attn)
-        return paths[family]
-
-    return build
-
-
 def _objective(out, valid):
     return (out.log_probs * valid).sum() + 0.3 * (out.entropy * valid).sum()
 

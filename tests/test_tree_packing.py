@@ -18,26 +18,11 @@ import trl_scale
 from trl_scale.cli import main
 from trl_scale.scoring import install_packed_scoring, token_scores, tree_forward
 from trl_scale.scoring.tree import PrefixTrie, TreeRows
-from trl_scale.toy import build_tiny_model
 
 from .helpers import ROOT
 
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "gpt2", "mistral", "gemma3", "gemma2"]  # gemma2: eager, dense mask
 TOLERANCE = 1e-5
-
-
-@pytest.fixture(scope="module")
-def zoo(tmp_path_factory):
-    paths = {}
-
-    def build(family: str) -> str:
-        if family not in paths:
-            attention = "eager" if family == "gemma2" else "sdpa"
-            root = tmp_path_factory.mktemp(family)
-            paths[family] = build_tiny_model(root, family, attn_implementation=attention)
-        return paths[family]
-
-    return build
 
 
 def _batch(seed: int = 0, prompt: int = 4, longest: int = 8):

@@ -266,8 +266,9 @@ class ScoringArguments:
 
 def _tree_packing_choice(value) -> bool | str:
     """`tree_packing` as the engine reads it: "auto", True or False (the command line gives text)."""
-    if value == "auto" or isinstance(value, bool):
+    if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.lower() in ("true", "false", "auto"):
-        return {"true": True, "false": False, "auto": "auto"}[value.lower()]
+    choices = {"true": True, "false": False, "auto": "auto"}
+    if isinstance(value, str) and value.lower() in choices:
+        return choices[value.lower()]
     raise ValueError(f"tree_packing={value!r}: use 'auto' (where it pays and is exact), True or False")

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .logprob_head import chunked_logprobs, gathered_lm_head, logit_transform_of
-from .packing import pack_padded_batch, packed_forward_kwargs, unpack
+from .packing import empty_forward_anchor, pack_padded_batch, packed_forward_kwargs, unpack
 from .sampler_support import kept_log_mass
 from .sequence_parallel import SequenceParallelGroup, check_same_batch, summed_over_group
 from .settings import PackedScoringConfig, PackingStats, ScoringSettings
@@ -68,9 +68,7 @@ def packed_backbone_forward(backbone, input_ids, attention_mask, token_budget: i
     outputs, anchor = [], None
     for micro_batch in packed.micro_batches:
         if micro_batch.input_ids.numel() == 0:
-            dummy = input_ids.new_zeros((1, 1))
-            out = backbone(input_ids=dummy, position_ids=dummy, attention_mask=None, use_cache=False)
-            anchor = out.last_hidden_state.sum() * 0.0
+            anchor = empty_forward_anchor(backbone, input_ids.device)
             continue
         with varlen_forward() if varlen else nullcontext():
             hidden = backbone(**packed_forward_kwargs(micro_batch, varlen_kwargs=varlen)).last_hidden_state
@@ -138,10 +136,9 @@ def _forward_pieces(
         count = _same_count_on_every_rank(len(trees), input_ids.device)
         trees += [TreeMicroBatch(None, [], []) for _ in range(count - len(trees))]
         pieces, anchor = tree_backbone_forward(backbone, trees, input_ids.size(1), keep)
-        forwarded = sum(micro_batch.tree.num_tokens for micro_batch in trees if micro_batch.tree is not None)
-        figures = {"real": real_tokens, "forwarded": forwarded, "micro_batches": count, "tree_tokens": forwarded}
-        figures["sizes"] = [micro_batch.tree.num_tokens for micro_batch in trees if micro_batch.tree is not None]
-        return pieces, anchor, figures
+        sizes = [micro_batch.tree.num_tokens for micro_batch in trees if micro_batch.tree is not None]
+        figures = {"real": real_tokens, "forwarded": sum(sizes), "micro_batches": count, "tree_tokens": sum(sizes)}
+        return pieces, anchor, figures | {"sizes": sizes}
     packed, outputs, anchor = packed_backbone_forward(backbone, input_ids, attention_mask, settings.token_budget)
     pieces = [(micro_batch.flat_index, hidden) for micro_batch, hidden in outputs]
     figures = {"real": real_tokens, "forwarded": packed.forwarded_tokens, "micro_batches": len(packed.micro_batches)}

@@ -260,3 +260,12 @@ class UnpaddedRows:
         masks = self.mask.tensor_split(n)
         counts = [int(m.sum()) for m in masks]
         return [UnpaddedRows(t, m) for t, m in zip(self.tokens.split(counts), masks)]
+
+
+def empty_forward_anchor(backbone, device: torch.device) -> torch.Tensor:
+    """A zero that depends on a one-token forward of `backbone`: what a rank with an empty micro-batch runs, so that
+    its forward (and backward, once the zero is added to an output) matches the other ranks' count, as the
+    collectives of sharded parameters (ZeRO-3, FSDP) require."""
+    dummy = torch.zeros((1, 1), dtype=torch.long, device=device)
+    out = backbone(input_ids=dummy, position_ids=dummy, attention_mask=None, use_cache=False)
+    return out.last_hidden_state.sum() * 0.0

@@ -34,7 +34,7 @@ _ATTENTION_LAYER_TYPES = {"attention", "full_attention", "sliding_attention", "c
 # Probe tolerances, relative to max(1, |hidden|). "alone" compares different shapes (rounding differs: loose in
 # half precision); "leak" compares identical shapes whose only difference is the other sequence: an exact model
 # gives identical numbers, so any change is a leak.
-_TOLERANCES = {"full": {"alone": 1e-3, "leak": 1e-5}, "half": {"alone": 5e-2, "leak": 1e-3}}
+PROBE_TOLERANCES = {"full": {"alone": 1e-3, "leak": 1e-5}, "half": {"alone": 5e-2, "leak": 1e-3}}
 
 
 @dataclass
@@ -170,7 +170,7 @@ def probe_packing(backbone: torch.nn.Module, varlen: bool, one_row: bool | None 
         return False, f"its packed forward fails ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
     finally:
         backbone.train(was_training)
-    tolerance = _TOLERANCES["full" if alone_out.dtype in (torch.float32, torch.float64) else "half"]
+    tolerance = PROBE_TOLERANCES["full" if alone_out.dtype in (torch.float32, torch.float64) else "half"]
     scale = max(1.0, alone.abs().max().item())
     leak = (packed - packed_after_other).abs().max().item() / scale
     if leak > tolerance["leak"]:

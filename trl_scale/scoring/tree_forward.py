@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ..logs import get_logger
+from .packing import empty_forward_anchor
+from .support import PROBE_TOLERANCES
 from .tree import PrefixTrie, TreeRows, sliding_window_of, why_not_tree
 from .tree_kernel import TREE_SEGMENTS_KWARG
 from .varlen import TREE_SDPA, VARLEN_SDPA, install_tree_attention, varlen_forward
@@ -71,12 +73,15 @@ def _grown(trie: PrefixTrie, tokens: torch.Tensor) -> int:
     return trie.num_tokens + len(tokens) - trie.matched(tokens)
 
 
-def estimated_cost(lengths: list[int], trees: list[TreeRows] | None, kernel: str, hidden_size: int) -> float:
-    """The forward's work in units of one attention pair: each token's projections and MLP cost about 6 x hidden
-    pairs' worth (24 d^2 vs 4 d per layer); rows attend causally (L^2 / 2 pairs each), tree segments to their path
-    and causally within, a dense path mask to every token of its trie."""
-    if trees is None:
-        return sum(6 * hidden_size * n + n * n / 2 for n in lengths)
+def rows_cost(lengths: list[int], hidden_size: int) -> float:
+    """A packed-rows forward's work in units of one attention pair: each token's projections and MLP cost about
+    6 x hidden pairs' worth (24 d^2 vs 4 d per layer), and each row attends causally (L^2 / 2 pairs)."""
+    return sum(6 * hidden_size * n + n * n / 2 for n in lengths)
+
+
+def tree_cost(trees: list[TreeRows], kernel: str, hidden_size: int) -> float:
+    """The same for tree rows: tree segments attend to their path and causally within, a dense path mask to every
+    token of its trie."""
     cost = 0.0
     for tree in trees:
         cost += 6 * hidden_size * tree.num_tokens
@@ -155,8 +160,7 @@ def probe_tree(backbone, kernel: str | None) -> tuple[bool, str]:
         return False, f"its tree forward fails ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
     finally:
         backbone.train(was_training)
-    half = hidden.dtype != alone[0].dtype and alone[0].dtype in (torch.float16, torch.bfloat16)
-    tolerance = 5e-2 if half or alone[0].dtype in (torch.float16, torch.bfloat16) else 1e-3
+    tolerance = PROBE_TOLERANCES["full" if alone[0].dtype in (torch.float32, torch.float64) else "half"]["alone"]
     for nodes, own in zip(tree.row_nodes, alone):
         own = own.float()
         error = (hidden[nodes.to(device)] - own).abs().max().item() / max(1.0, own.abs().max().item())
@@ -203,8 +207,7 @@ def planned_trees(backbone, input_ids, attention_mask, token_budget: int | None,
     trees = [trie.laid_out() for trie, _ in tries]
     if tree_packing == "auto":
         hidden_size = config.get_text_config().hidden_size
-        rows_cost = estimated_cost([n for n in lengths if n], None, support.kernel, hidden_size)
-        if estimated_cost([], trees, support.kernel, hidden_size) > _PAYS * rows_cost:
+        if tree_cost(trees, support.kernel, hidden_size) > _PAYS * rows_cost(lengths, hidden_size):
             return None
     return [
         TreeMicroBatch(tree, [b for b, _ in members], [columns for _, columns in members])
@@ -221,9 +224,7 @@ def tree_backbone_forward(backbone, micro_batches: list[TreeMicroBatch], seq_len
     device = next(backbone.parameters()).device
     for micro_batch in micro_batches:
         if micro_batch.tree is None:
-            dummy = torch.zeros((1, 1), dtype=torch.long, device=device)
-            out = backbone(input_ids=dummy, position_ids=dummy, attention_mask=None, use_cache=False)
-            anchor = out.last_hidden_state.sum() * 0.0
+            anchor = empty_forward_anchor(backbone, device)
             continue
         hidden = tree_hidden(backbone, micro_batch.tree, support.kernel)
         flat = torch.cat([b * seq_len + columns for b, columns in zip(micro_batch.rows, micro_batch.columns)])
