@@ -224,6 +224,8 @@ def test_the_setting_is_read_as_auto_true_or_false(given, read, tmp_path):
 def test_bad_settings_name_the_field_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"tree_packing='sometimes': use 'auto'"):
         trl_scale.RLOOConfig(output_dir=str(tmp_path), bf16=False, tree_packing="sometimes")
+    with pytest.raises(ValueError, match=r"tree_packing=True, but padding_free=False.*not be read.*Fix"):
+        trl_scale.GRPOConfig(output_dir=str(tmp_path), bf16=False, tree_packing=True, padding_free=False)
     with pytest.raises(ValueError, match=r"tree_packing=True and sequence_parallel_size=2.*Fix"):
         trl_scale.DPOConfig(output_dir=str(tmp_path), bf16=False, tree_packing=True, sequence_parallel_size=2)
 

@@ -216,6 +216,11 @@ class ScoringArguments:
             fix="use the number of ranks that share each sequence (1: no sequence parallelism)",
         )
         self.tree_packing = _tree_packing_choice(self.tree_packing)
+        if self.tree_packing is True and self.padding_free is False:
+            raise ValueError(
+                "tree_packing=True, but padding_free=False asks for TRL's padded path, which folds nothing: the "
+                "setting would not be read. Fix: padding_free=None (or True) to fold prefixes, or tree_packing='auto'"
+            )
         if self.sequence_parallel_size > 1 and self.tree_packing is True:
             raise ValueError(
                 f"tree_packing=True and sequence_parallel_size={self.sequence_parallel_size}: tree rows are not "
