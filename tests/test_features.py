@@ -105,6 +105,7 @@ def test_the_features_of_each_trainer_in_their_order():
         "server_rollout",
         "packed_scoring",
         "decoder_layers",
+        "shared_prefill",
         "dynamic_sampling",
         "phase_timing",
         "stream_rewards",

@@ -18,6 +18,7 @@ LAYERS = {
     "trl_scale.seams": 0,
     "trl_scale.ppo_core": 0,
     "trl_scale.scoring": 0,
+    "trl_scale.generation": 0,
     "trl_scale.sharding": 0,
     "trl_scale.evaluation": 0,
     "trl_scale.timeline": 0,

@@ -327,3 +327,8 @@ def test_each_trainer_trains_as_with_packed_rows(method, zoo, tmp_path):
     assert logged and all(e["tree_packing/share_ratio"] > 1.0 for e in logged)
     rows_logs = [e for e in runs[False].state.log_history if "tree_packing/fraction_of_calls" in e]
     assert rows_logs and all(e["tree_packing/fraction_of_calls"] == 0.0 for e in rows_logs)
+    if method in ("grpo", "rloo"):  # local generation prefilled each group's prompt once (the same completions: the
+        # logs above); PPO's one completion per prompt shares only prompts that repeat by chance
+        prefill = [e for e in runs[True].state.log_history if "shared_prefill/share_ratio" in e]
+        assert prefill and all(e["shared_prefill/share_ratio"] > 1.5 for e in prefill)
+        assert not any("shared_prefill/share_ratio" in e for e in runs[False].state.log_history)

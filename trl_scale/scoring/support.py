@@ -80,6 +80,22 @@ def rope_length_limit(backbone: torch.nn.Module) -> int | None:
     return min(limits) if limits else None
 
 
+def draws_random_numbers(model: torch.nn.Module, training: bool | None = None) -> bool:
+    """Whether a forward of `model` draws from the generator (dropout in training mode; `training` overrides the
+    model's own mode, to ask before training starts). A shared forward then draws differently from a forward per
+    row: one prefill for a group shifts the sampler's draws; one tree node for its rows drops out alike in all."""
+    if not (model.training if training is None else training):
+        return False
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        # Llama-style attention keeps its dropout as a float (TRL's disable_dropout leaves it: it sets modules' p)
+        rate = getattr(module, "attention_dropout", 0.0)
+        if isinstance(rate, float) and rate > 0:
+            return True
+    return False
+
+
 def is_stateful(config) -> bool:
     """Whether the model has layers that carry state along the sequence (SSM, linear attention, convolutions)."""
     text_config = config.get_text_config()

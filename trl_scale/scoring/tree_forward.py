@@ -17,7 +17,7 @@ import torch
 
 from ..logs import get_logger
 from .packing import empty_forward_anchor
-from .support import PROBE_TOLERANCES
+from .support import PROBE_TOLERANCES, draws_random_numbers
 from .tree import PrefixTrie, TreeRows, sliding_window_of, why_not_tree
 from .tree_kernel import TREE_SEGMENTS_KWARG
 from .varlen import TREE_SDPA, VARLEN_SDPA, install_tree_attention, varlen_forward
@@ -200,6 +200,11 @@ def planned_trees(backbone, input_ids, attention_mask, token_budget: int | None,
     support = tree_support(backbone) if reason is None else None
     if reason is None:
         reason = support.reason if not support.exact else why_not_tree(config, int(max(lengths, default=0)))
+    if reason is None and draws_random_numbers(backbone):
+        reason = (
+            "dropout is active (a shared token would drop out alike for every row); set disable_dropout=True or "
+            "the model's attention_dropout to 0"
+        )
     if reason is not None:
         _step_aside(config.get_text_config().model_type, reason, tree_packing)
         return None
