@@ -199,9 +199,13 @@ def test_a_rank_with_fewer_tries_runs_a_dummy_forward(zoo, monkeypatch):
 
 
 def test_a_critics_values_and_gradients_as_tree_rows(zoo):
-    """`token_scores` (PPO's critic): values at every real token, and their gradients, as packed rows give them."""
+    """`token_scores` (PPO's critic): values at every real token, and their gradients, as packed rows give them.
+    The head's gradients sum hidden states over every token (up to ~30 here), so they are compared relative to the
+    largest (fp32 rounding scales with it: 1.3e-5 absolute is 4.6e-7 of it). The head is made from a fixed seed: it
+    is not in the checkpoint, and drawn from whatever state earlier tests left, the numbers changed with test order."""
     from transformers import AutoModelForSequenceClassification
 
+    torch.manual_seed(0)
     critic = AutoModelForSequenceClassification.from_pretrained(zoo("qwen2"), num_labels=1).eval()
     ids, mask, _ = _batch()
     weights = torch.linspace(-1, 1, ids.numel()).view_as(ids)
@@ -213,7 +217,8 @@ def test_a_critics_values_and_gradients_as_tree_rows(zoo):
         results.append((values, grads))
     (tree_values, tree_grads), (row_values, row_grads) = results
     assert (tree_values - row_values).abs().max().item() <= TOLERANCE
-    assert _max_diff(tree_grads, row_grads) <= TOLERANCE
+    largest = max(g.abs().max().item() for g in row_grads)
+    assert _max_diff(tree_grads, row_grads) <= TOLERANCE * max(1.0, largest)
 
 
 @pytest.mark.parametrize(("given", "read"), [("auto", "auto"), (True, True), ("false", False), ("True", True)])
