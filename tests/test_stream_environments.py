@@ -296,7 +296,7 @@ def test_a_streaming_run_calls_no_environment_from_the_step_and_shares_no_instan
 SEEDS_SENT: dict[bool, list] = {}  # each run's request seeds, in the order sent
 
 
-def _ordered_env_run(tool_model, urls, out, delayed: bool):
+def _ordered_env_run(tool_model, urls, out, delayed: bool, **overrides):
     """Ordered GRPO (staleness 1, seeded sampling) with the sync and async environments; `delayed`: the same run
     with its timing changed throughout (some groups' requests and the tools slow, every step slow), so that groups
     finish in another order and syncs land elsewhere. Returns the trainer, what each group scored (row ids and
@@ -318,6 +318,7 @@ def _ordered_env_run(tool_model, urls, out, delayed: bool):
         max_steps=4,
         async_rollout_mode="ordered",
         generation_kwargs={"seed": 0},  # each request sampled reproducibly (trl-scale serve seeds it)
+        **overrides,
     )
     if delayed:
         slowed_unevenly(trainer)
@@ -366,6 +367,27 @@ def test_ordered_mode_with_deterministic_environments_trains_the_same_numbers_ho
     seeds = {delayed: sent for delayed, sent in SEEDS_SENT.items()}
     assert len(seeds[False]) >= 4 * 8 // GROUP and len(set(seeds[False])) == len(seeds[False]), seeds[False]
     assert sorted(seeds[True]) == sorted(seeds[False])
+
+
+def test_tree_rows_score_the_episodes_shared_turns_as_packed_rows_do(tool_model, urls, tmp_path):
+    """Tree packing on streamed environment episodes (issue 61): a group's conversations share their prompt, folded
+    once in every scoring call; the same completions trained, and the same losses, rewards and grad norms as packed
+    rows (<= 1e-5), in the reproducible ordered mode."""
+    keys = ("loss", "reward", "grad_norm")
+    runs = {}
+    for tree_packing in (True, False):
+        LEDGER.__init__()
+        trainer, trained, _ = _ordered_env_run(
+            tool_model, urls, tmp_path / str(tree_packing), False, tree_packing=tree_packing
+        )
+        runs[tree_packing] = (trainer, step_logs(trainer, keys), sorted(row for group in trained for row in group))
+    (tree, tree_logs, tree_rows), (rows, rows_logs, rows_rows) = runs[True], runs[False]
+    assert tree_rows == rows_rows and len(tree_logs) == len(rows_logs) == 4
+    for a, b in zip(tree_logs, rows_logs):
+        assert all(abs(a[key] - b[key]) <= 1e-5 for key in keys), (a, b)
+    shared = [e["tree_packing/share_ratio"] for e in tree.state.log_history if "tree_packing/share_ratio" in e]
+    assert shared and min(shared) > 1.0
+    assert not any("tree_packing/share_ratio" in e for e in rows.state.log_history)
 
 
 def test_dynamic_sampling_tops_up_with_episodes_run_in_the_stream(tool_model, urls, tmp_path):
