@@ -143,3 +143,35 @@ def test_tree_packing_true_refuses_a_policy_whose_prefill_cannot_be_shared(zoo, 
     assert all(e.get("tree_packing/fraction_of_calls", 0.0) == 0.0 for e in trainer.state.log_history)
     shared = _grpo(zoo("gpt2"), tmp_path / "no_dropout", tree_packing=True, disable_dropout=True)
     assert "shared_prefill" in shared.features.names()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_trl_scale_serve_prefills_a_prompt_once_for_its_n_choices(zoo, temperature, monkeypatch):
+    """`trl-scale serve` answers n choices per prompt from one prefill: the tokens and log-probs of generating the
+    n copies one prefill each, for the same seed."""
+    from fastapi.testclient import TestClient
+
+    from trl_scale.serve import completions, create_app
+
+    app = create_app(zoo("qwen3"))
+    body = {"prompt": [[5, 6, 7, 8, 9, 10], [11, 12]], "n": 4, "max_tokens": 6, "temperature": temperature}
+    body |= {"logprobs": 0, "seed": 3, "return_tokens_as_token_ids": True}
+    stats = PrefillStats()
+    shared = completions.shared_prefill_generate
+
+    def counted(generate, model, input_ids, *args, **kwargs):
+        return shared(generate, model, input_ids, *args, stats=stats, **kwargs)
+
+    with TestClient(app) as client:
+        monkeypatch.setattr(completions, "shared_prefill_generate", counted)
+        got = client.post("/v1/completions", json=body).json()["choices"]
+        monkeypatch.setattr(completions, "shared_prefill_generate", lambda generate, model, ids, mask, **kw: generate(
+            input_ids=ids, attention_mask=mask, **kw
+        ))  # fmt: skip
+        plain = client.post("/v1/completions", json=body).json()["choices"]
+    assert stats.shared_calls == 1 and stats.tokens_after == 6 + 2 - 2 + 8  # two prompts once, each row's last column
+    assert [c["token_ids"] for c in got] == [c["token_ids"] for c in plain]
+    for a, b in zip(got, plain):
+        assert (
+            max(abs(x - y) for x, y in zip(a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"])) <= 1e-5
+        )

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from ..generation import shared_prefill_generate
 from .protocol import CompletionRequest, error_response
 from .served import RequestError, ServedModel
 
@@ -23,7 +24,7 @@ def prompt_ids(served: ServedModel, request: CompletionRequest) -> list[list[int
         raise RequestError(400, "prompt is empty: send token-id lists or strings")
     tokenizer = served.tokenizer
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p) for p in prompt]
-    vocab = served.model.config.vocab_size
+    vocab = served.model.config.get_text_config().vocab_size
     for i, seq in enumerate(ids):
         if not seq:
             raise RequestError(400, f"prompt {i} has no tokens")
@@ -88,9 +89,10 @@ def _sampling(request: CompletionRequest, pad: int) -> dict:
     )
 
 
-def _run(served: ServedModel, request: CompletionRequest, expanded: list[list[int]]):
-    """model.generate on the left-padded prompts, under the model's lock and with the request's adapter; returns
-    (completion token rows, their processed log-probs per step)."""
+def _run(served: ServedModel, request: CompletionRequest, expanded: list[list[int]], vision: dict | None = None):
+    """model.generate on the left-padded prompts (with `vision`: the rows' image inputs, for one prompt's rows),
+    under the model's lock and with the request's adapter; returns (completion token rows, their processed
+    log-probs per step)."""
     width = max(len(p) for p in expanded)
     tokenizer, model = served.tokenizer, served.model
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -106,7 +108,9 @@ def _run(served: ServedModel, request: CompletionRequest, expanded: list[list[in
             else:
                 model.disable_adapters()
         with torch.no_grad():
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **_sampling(request, pad))
+            # a prompt's n rows prefilled once (the same tokens as n prefills: generation/prefill.py)
+            sampling = _sampling(request, pad) | (vision or {})
+            out = shared_prefill_generate(model.generate, model, input_ids, attention_mask, **sampling)
         if served.settings.token_delay:  # a slower server: fewer tokens per second, with the model held
             time.sleep(served.settings.token_delay * (out.sequences.shape[1] - width) * len(expanded))
     if served.settings.step_delay:  # decoding steps (the longest answer), overlapping other requests' steps
@@ -133,9 +137,12 @@ def _logprobs(served: ServedModel, request: CompletionRequest, tokens: list[int]
     return {"tokens": [label(t) for t in tokens], "token_logprobs": chosen, "top_logprobs": top}
 
 
-def generate(served: ServedModel, request: CompletionRequest, prompts: list[list[int]]) -> dict:
+def generate(
+    served: ServedModel, request: CompletionRequest, prompts: list[list[int]], vision: dict | None = None
+) -> dict:
+    """The choices of `prompts` (`vision`: the image inputs of a single prompt's n rows, `multimodal.py`)."""
     expanded = [p for p in prompts for _ in range(request.n)]  # prompt-major, as vLLM orders choices
-    sequences, step_logprobs = _run(served, request, expanded)
+    sequences, step_logprobs = _run(served, request, expanded, vision)
     eos_id = served.model.generation_config.eos_token_id
     eos = set(eos_id if isinstance(eos_id, list) else [eos_id])
     choices = []
