@@ -155,7 +155,7 @@ VLLM_ENVIRONMENT_CHECKS = """
 import json
 import trl_scale
 from trl.import_utils import is_vllm_available
-from trl_scale.trainers.construction import rollout_settings_asked, uses_server_rollout
+from trl_scale.trainers.construction import uses_server_rollout
 
 assert is_vllm_available()  # TRL's own server mode could run here: trl-scale's client must serve anyway
 base = dict(output_dir="out", use_cpu=True, bf16=False, report_to="none", use_vllm=True, vllm_mode="server",
@@ -181,8 +181,8 @@ print(json.dumps({"served": served, "refused": refused,
 def test_the_trainer_with_vllm_installed_serves_server_mode_with_trl_scales_client():
     """`.venv-vllm` (vLLM's CPU build and trl-scale, as a GPU user's trainer has vLLM importable): every module
     imports, and TRL's single `vllm_server_base_url` with each trl-scale rollout setting goes to trl-scale's client
-    (red before: TRL's client took it and the settings did nothing); a dataset with images goes to TRL's client only
-    when nothing of trl-scale's is asked, and is refused naming the setting otherwise. A training run on this path,
+    (red before: TRL's client took it and the settings did nothing); a dataset with images goes to trl-scale's client
+    too, and is refused with asynchronous rollout, naming the fix. A training run on this path,
     against real vLLM: tests/test_real_vllm.py."""
     from .real_vllm import INSTALL_HINT, VLLM_PYTHON, vllm_cpu_available
 
@@ -194,5 +194,6 @@ def test_the_trainer_with_vllm_installed_serves_server_mode_with_trl_scales_clie
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert all(result["served"].values()), result["served"]
-    assert result["images_alone"] is False  # TRL's client, which takes images
-    assert len(result["refused"]) == 5 and all("Fix: leave" in why for why in result["refused"]), result["refused"]
+    assert result["images_alone"] is True  # trl-scale's client takes images (synchronously)
+    refused = result["refused"]  # the settings with asynchronous rollout, which takes no images yet
+    assert len(refused) == 2 and all("Fix: async_rollout_staleness=0" in why for why in refused), refused

@@ -65,14 +65,17 @@ def test_a_setting_no_feature_acts_on_is_refused_by_the_plan(tmp_path):
         _plan(tmp_path, **_server(async_rollout_staleness=1, stream_reward_workers=8))
 
 
-def test_trl_s_client_serves_a_server_run_with_images_and_no_trl_scale_settings(tmp_path, monkeypatch):
+def test_trl_scales_client_serves_a_server_run_with_images_synchronously(tmp_path, monkeypatch):
     from trl_scale.trainers import plan as plan_module
 
     monkeypatch.setattr(plan_module, "image_columns", lambda *datasets: ["image"])
-    monkeypatch.setattr(plan_module, "uses_server_rollout", lambda config, images: False)
     plan, chain = _plan(tmp_path, use_vllm=True, vllm_mode="server")
-    assert plan.rollout.client == "trl" and plan.images == ("image",)
-    assert "server_rollout" not in chain.names()
+    assert plan.rollout.client == "trl_scale" and plan.images == ("image",)
+    assert "server_rollout" in chain.names() and not plan.rollout.asynchronous.staleness
+    with pytest.raises(
+        ValueError, match="asynchronous rollout does not take images yet.*Fix: async_rollout_staleness=0"
+    ):
+        _plan(tmp_path, **_server(async_rollout_staleness=1))
 
 
 # ---- the printed step ----------------------------------------------------------------------------------------------

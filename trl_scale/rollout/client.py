@@ -254,6 +254,31 @@ class RolloutClient:
         (rest,) = self.complete(prompt + done, 1, model, continue_cut=True, **rest_sampling)
         return joined(choice, rest)
 
+    def render(self, images: list[str], row: int) -> dict:
+        """The features of one prompt's images (data URLs), rendered once by any server that answers
+        (`/v1/chat/completions/render`) and paired with each of the prompt's requests. A server that refuses the
+        images (4xx) fails the run naming the row and the server; one that is down is failed over."""
+        content = [{"type": "image_url", "image_url": {"url": url}} for url in images]
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
+        errors = []
+        for server in list(self.servers):
+            try:
+                response = self.transport.post_url(server.url, "/v1/chat/completions/render", body)
+            except requests.RequestException as error:
+                errors.append(f"{server.url}: {error!r}")
+                continue
+            if response.status_code == 404:
+                errors.append(f"{server.url} serves no /v1/chat/completions/render (vLLM: --enable-scale-out)")
+                continue
+            if 400 <= response.status_code < 500:
+                raise RolloutError(
+                    f"{server.url} refused the images of row {row} ({response.status_code}): {response.text[:500]}"
+                )
+            if response.ok:
+                return response.json()["features"]
+            errors.append(f"{server.url}: {response.status_code}")
+        raise RolloutError(f"no rollout server rendered the images of row {row}: {errors[-3:]}")
+
     def replace_url(self, old: str, new: str) -> None:
         """A server that moved (a managed server restarted on another node): the new address, on no version (out of
         the rotation until a weight sync reaches it)."""

@@ -167,20 +167,28 @@ class ServerRolloutGeneration(VLLMGeneration):
 
     # ---- generation -------------------------------------------------------------------------------------
 
-    def _request(self, prompts, batch: int) -> list[list[dict]]:
+    def _request(self, prompts, batch: int, images=None) -> list[list[dict]]:
         """One batch's completions from the servers: consecutive copies of a prompt (TRL's sampler puts a prompt's
         generations next to each other) go as one request with `n`, so the server batches them. Choices in order.
-        `batch`: its number among the trainer's batches (each request's identity, with its place, for its seed)."""
+        `batch`: its number among the trainer's batches (each request's identity, with its place, for its seed).
+        `images` (TRL's, one entry per row): each group's images rendered once into features that go with its
+        request (a copy's images are its prompt's: equal ids with other images are another group)."""
+        urls = [image_urls(row) for row in images] if images is not None else [()] * len(prompts)
         groups: list[list] = []
-        for prompt in prompts:
+        for row, (prompt, images_of_row) in enumerate(zip(prompts, urls, strict=True)):
             prompt = list(prompt)
-            if groups and groups[-1][0] == prompt:
+            if groups and groups[-1][0] == prompt and groups[-1][2] == images_of_row:
                 groups[-1][1] += 1
             else:
-                groups.append([prompt, 1])
+                groups.append([prompt, 1, images_of_row, row])
         seeded = [self.seeds.sampling(self.settings.sampling, ("batch", batch, i)) for i in range(len(groups))]
+        # each group's own dict (without a seed, `sampling` hands back one dict for all of them)
+        seeded = [
+            {**extra, "features": self.client.render(list(images_of_group), row)} if images_of_group else extra
+            for extra, (_, _, images_of_group, row) in zip(seeded, groups)
+        ]
         results = self.client.generate(
-            [p for p, _ in groups], n=[n for _, n in groups], model=self.syncer.lora_name, per_request=seeded
+            [g[0] for g in groups], n=[g[1] for g in groups], model=self.syncer.lora_name, per_request=seeded
         )
         return [choice for choices in results for choice in choices]
 
@@ -211,13 +219,14 @@ class ServerRolloutGeneration(VLLMGeneration):
     def generate(self, prompts, images=None, num_generations=1, profiler=None):
         """Each rank sends its own prompts. With async rollout, a batch prefetched at most `staleness` syncs ago
         is served from its request, then the next batches are requested with the weights just synced."""
-        if images is not None and any(image is not None for image in images):
-            raise NotImplementedError("server rollout with images is not supported yet; use vLLM's own server mode")
+        images = images if images is not None and any(row for row in images) else None
         ahead = self.ahead
+        if images is not None and ahead is not None:  # refused at construction (RunPlan): a stream takes no images
+            raise RolloutError("asynchronous rollout does not take images yet: set async_rollout_staleness=0")
         if ahead is not None and ahead.serves_now:
             choices, spans = ahead.served(prompts)
         else:  # under sequence parallelism, one request per group: its ranks train on the same batch
-            choices, spans = decide_on_leader(lambda: self._generated_choices(prompts), self.shared_with)
+            choices, spans = decide_on_leader(lambda: self._generated_choices(prompts, images), self.shared_with)
         completion_ids, logprobs = self.turn_outputs(choices)
         # a streamed tool-using group's conversations (its later turns were generated with it): the tool loop's
         converses = ahead is not None and ahead.converses
@@ -241,8 +250,8 @@ class ServerRolloutGeneration(VLLMGeneration):
             logprobs.append(values if values is not None else [float("nan")] * len(choice["token_ids"]))
         return completion_ids, logprobs
 
-    def _generated_choices(self, prompts) -> tuple[list[dict], list[tuple[int, int]]]:
-        """Generated now, or taken from a prefetched request ("ordered")."""
+    def _generated_choices(self, prompts, images=None) -> tuple[list[dict], list[tuple[int, int]]]:
+        """Generated now, or taken from a prefetched request ("ordered"); `images`: TRL's, per row (synchronous)."""
         self._check_fleet()
         prefetcher = self.ahead.prefetcher if self.ahead is not None else None
         reads_ahead = prefetcher is not None and not self.ahead.evaluating_now
@@ -251,7 +260,7 @@ class ServerRolloutGeneration(VLLMGeneration):
             (choices, newest), version = taken
         else:
             batch = self.seeds.next_batch()
-            choices = self._retried_after_fleet(lambda: self._request(prompts, batch))
+            choices = self._retried_after_fleet(lambda: self._request(prompts, batch, images))
             version = newest = self.sync_count
         if prefetcher is not None:
             prefetcher.submit_upcoming(self.sync_count)
@@ -422,6 +431,19 @@ def sampler_logprobs(choice: dict) -> list[float] | None:
     if not isinstance(values, list) or len(values) != len(choice["token_ids"]) or any(v is None for v in values):
         return None
     return [float(v) for v in values]
+
+
+def image_urls(images) -> tuple[str, ...]:
+    """A row's images (PIL images, or None) as PNG data URLs, the form the render route takes."""
+    import base64
+    import io
+
+    urls = []
+    for image in images or ():
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        urls.append(f"data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()}")
+    return tuple(urls)
 
 
 def generate_output(prompts, choices: list[dict], completion_ids: list[list[int]], logprobs: list[list[float]]):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 
@@ -86,12 +87,13 @@ class Transport:
         start, status, model = time.perf_counter(), "failed", payload.get("model")
         with self._out_changed:
             self._out_by_model[model] += 1
+        route, body = completion_route(payload)
         try:
             response = self._request(
                 "POST",
-                f"{server.url}/v1/completions",
+                f"{server.url}{route}",
                 before_resend,
-                json=payload,
+                json=body,
                 timeout=(min(10.0, self.request_timeout), generation_timeout),
             )
             status = response.status_code
@@ -144,6 +146,20 @@ class Transport:
 
     def close(self) -> None:
         self.session.close()
+
+
+def completion_route(payload: dict) -> tuple[str, dict]:
+    """Where a completion request goes, and its body: `/v1/completions`, or, for a prompt paired with image features
+    (`features` in the payload: what `/v1/chat/completions/render` returned for its images), vLLM's
+    `/inference/v1/generate`, one prompt per request, its sampling parameters apart (`output_kind` 2: every choice
+    at the end, as TRL's client asks)."""
+    if payload.get("features") is None:
+        return "/v1/completions", {k: v for k, v in payload.items() if k != "features"}
+    (prompt,) = payload["prompt"]
+    apart = ("prompt", "features", "model", "return_token_ids", "return_tokens_as_token_ids")
+    sampling = {k: v for k, v in payload.items() if k not in apart} | {"output_kind": 2}
+    body = {"request_id": f"trl-scale-{uuid.uuid4().hex}", "model": payload.get("model"), "token_ids": prompt}
+    return "/inference/v1/generate", body | {"features": payload["features"], "sampling_params": sampling}
 
 
 def dropped_unanswered(error: BaseException) -> bool:

@@ -9,6 +9,7 @@ from dataclasses import fields
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from .multimodal import add_multimodal_routes
 from .routes_lora import add_lora_routes
 from .routes_openai import add_openai_routes
 from .routes_rl import add_rl_routes
@@ -30,7 +31,7 @@ def create_app(model_path: str, **options) -> FastAPI:
     async def refused(request: Request, error: RequestError):
         return JSONResponse({"detail": error.message}, status_code=error.status)  # as FastAPI's HTTPException
 
-    for add_routes in (add_openai_routes, add_rl_routes, add_weight_routes, add_lora_routes):
+    for add_routes in (add_openai_routes, add_multimodal_routes, add_rl_routes, add_weight_routes, add_lora_routes):
         add_routes(app, served)
     return app
 

@@ -89,6 +89,7 @@ class ServedModel:
     settings: ServeSettings
     model_name: str
     max_model_len: int
+    processor: object | None = None  # a vision-language model's (images: `multimodal.py`); None for text models
     lock: threading.Lock = field(default_factory=threading.Lock)  # one generation or weight update at a time
     gate: PauseGate = field(default_factory=PauseGate)
     weight_version: str | None = None
@@ -113,7 +114,14 @@ class ServedModel:
         check_language_model_head(model, loading, path)
         model.eval()
         name = os.path.basename(os.path.normpath(path))
-        return cls(model, tokenizer, settings, name, model.config.max_position_embeddings)
+        processor = None
+        if getattr(model.config, "vision_config", None) is not None:  # a vision-language model: its images' processor
+            from transformers import AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(path, trust_remote_code=remote)
+        # a vision-language config keeps its context length in its text config
+        context = model.config.get_text_config().max_position_embeddings
+        return cls(model, tokenizer, settings, name, context, processor=processor)
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy full weights in (a sync), checked by name and shape first. Once a LoRA adapter is loaded, the wrapped

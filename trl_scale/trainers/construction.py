@@ -180,54 +180,18 @@ def wants_remote_reference(args, model, peft_config) -> bool:
     return True
 
 
-# Not "asked of trl-scale's client": colocate's engine arguments, a bound that acts where environments stream, and the
-# streaming mode (resolved from the staleness at construction, and acting only with it).
-_NOT_CLIENT_SETTINGS = {"vllm_llm_kwargs", "environment_timeout", "async_rollout_mode"}
-
-
-def rollout_settings_asked(args) -> list[str]:
-    """The trl-scale rollout fields (`RolloutArguments`) this config sets to other than their defaults: what only
-    trl-scale's client acts on."""
-    import dataclasses
-
-    from ..fleet.arguments import ManagedServerArguments
-    from ..rollout.arguments import RolloutArguments
-
-    asked = []
-    for field in (*dataclasses.fields(RolloutArguments), *dataclasses.fields(ManagedServerArguments)):
-        if field.name in _NOT_CLIENT_SETTINGS or not hasattr(args, field.name):
-            continue
-        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
-        if getattr(args, field.name) != default:
-            asked.append(field.name)
-    return asked
-
-
 def uses_server_rollout(args, images: list[str] | tuple = ()) -> bool:
     """Which client serves `use_vllm=True, vllm_mode='server'`: trl-scale's, always (TRL's single
     `vllm_server_base_url` is a fleet of one: versions, the correction, streaming, the timeline), whether or not vLLM
-    is importable in the trainer's environment, so one config acts the same in every environment. One exception
-    while trl-scale's client takes no images (`images`: the dataset's image columns): such a run goes through TRL's
-    client when it asks nothing of trl-scale's, and is refused when it does (a setting would be ignored), or when
-    TRL's client cannot run here (vLLM not importable)."""
+    is importable in the trainer's environment, so one config acts the same in every environment. With images
+    (`images`: the dataset's image columns) it generates synchronously: each prompt's images rendered once by a
+    server and paired with its requests; asynchronous rollout with images is refused, naming the fix."""
     if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server"):
         return False
-    if not images:
-        return True
-    asked = rollout_settings_asked(args)
-    if asked:
+    if images and getattr(args, "async_rollout_staleness", 0):
         raise ValueError(
-            f"this dataset has image columns {list(images)}, and {', '.join(asked)} set: trl-scale's rollout client "
-            "(which those settings are for) does not take images yet, and TRL's client, which does, would ignore "
-            f"them. Fix: leave {', '.join(asked)} at the default to generate with TRL's client, or drop the image "
-            "columns"
+            f"this dataset has image columns {list(images)}, and async_rollout_staleness="
+            f"{args.async_rollout_staleness}: asynchronous rollout does not take images yet (synchronous server "
+            "rollout does). Fix: async_rollout_staleness=0, or drop the image columns"
         )
-    from trl.import_utils import is_vllm_available
-
-    if not is_vllm_available():
-        raise ValueError(
-            f"this dataset has image columns {list(images)}: server rollout with images runs on TRL's own client, "
-            "which needs vLLM importable in the trainer's environment (trl-scale's client does not take images "
-            "yet). Fix: pip install vllm here, or vllm_mode='colocate', or drop the image columns"
-        )
-    return False
+    return True

@@ -17,9 +17,9 @@ from .construction import image_columns, uses_server_rollout, wants_remote_refer
 
 logger = get_logger(__name__)
 
-# Who generates: TRL in the trainer (transformers, or vLLM colocated), TRL's vLLM client (a server run with images),
-# or trl-scale's multi-server client (every other `vllm_mode="server"` run).
-RolloutClient = Literal["trainer", "trl", "trl_scale"]
+# Who generates: TRL in the trainer (transformers, or vLLM colocated), or trl-scale's multi-server client (every
+# `vllm_mode="server"` run, images included).
+RolloutClient = Literal["trainer", "trl_scale"]
 DEFAULT_ENVIRONMENT_TIMEOUT = 300.0
 
 
@@ -91,7 +91,7 @@ def _rollout_plan(config, arguments: dict, images: tuple[str, ...]) -> RolloutPl
     environments = arguments.get("environment_factory") is not None
     rollout_func = arguments.get("rollout_func") is not None
     server = uses_server_rollout(config, images)
-    client: RolloutClient = "trl_scale" if server else ("trl" if _trl_server(config) else "trainer")
+    client: RolloutClient = "trl_scale" if server else "trainer"
     asynchronous = AsyncRollout.from_config(config) if server else AsyncRollout()
     stream_rewards = getattr(config, "stream_rewards", None)
     _refuse_unread(config, asynchronous, stream_rewards, environments, rollout_func)
@@ -106,10 +106,6 @@ def _rollout_plan(config, arguments: dict, images: tuple[str, ...]) -> RolloutPl
         takes_groups=asynchronous.takes_groups(environments, rollout_func),
         rewards_in_stream=in_stream,
     )
-
-
-def _trl_server(config) -> bool:
-    return bool(getattr(config, "use_vllm", False)) and getattr(config, "vllm_mode", None) == "server"
 
 
 def _refuse_unread(config, asynchronous: AsyncRollout, stream_rewards, environments: bool, rollout_func: bool):

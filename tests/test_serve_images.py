@@ -1,0 +1,168 @@
+"""`trl-scale serve` of a vision-language model (issue 62): it starts, and TRL's own vLLM client renders a prompt's
+images once and generates from token ids paired with those features, as against vLLM with `--enable-scale-out`;
+the sampler's log-probs are the policy's with the images (<= 1e-4); bad images are refused naming them."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+import torch
+from PIL import Image
+from transformers import AutoTokenizer
+
+import trl_scale
+
+from .helpers import cpu_args, start_servers, step_logs
+from .test_ppo_images import _image_prompts, _length_reward
+
+
+@pytest.fixture(scope="module")
+def vlm_server(tiny_vlm):
+    (server,) = start_servers(tiny_vlm, 1)
+    yield server
+    server.stop()
+
+
+def _image(colour: tuple[int, int, int], size: int = 28) -> Image.Image:
+    image = Image.new("RGB", (size, size), (255, 255, 255))
+    for x in range(4, 12):
+        for y in range(4, 12):
+            image.putpixel((x, y), colour)
+    return image
+
+
+def _trl_client(url: str, monkeypatch):
+    """TRL 1.16's own client (it checks that vLLM is importable, which only its NCCL sync needs)."""
+    from trl.generation import vllm_client
+
+    monkeypatch.setattr(vllm_client, "is_vllm_available", lambda: True)
+    return vllm_client.VLLMClient(base_url=url)
+
+
+def _prompt_ids(processor, images) -> list[int]:
+    content = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": "count"}]
+    encoded = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    return list(encoded["input_ids"][0])
+
+
+def _policy_logprobs(model, processor, prompt: list[int], images, completion: list[int]) -> list[float]:
+    ids = torch.tensor([prompt + completion])
+    pixel_values = processor.image_processor(images, return_tensors="pt")["pixel_values"]
+    token_type_ids = (ids == processor.tokenizer.image_token_id).long()
+    with torch.no_grad():
+        logits = model(input_ids=ids, pixel_values=pixel_values, token_type_ids=token_type_ids).logits[0].float()
+    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return logprobs.gather(1, torch.tensor(completion).unsqueeze(1)).squeeze(1).tolist()
+
+
+def test_trls_client_renders_images_once_and_generates_from_features(tiny_vlm, vlm_server, monkeypatch):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    client = _trl_client(vlm_server.url, monkeypatch)
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm).eval()
+    images = [[_image((255, 0, 0))], [_image((0, 0, 255)), _image((0, 255, 0), size=40)]]  # one, then two images
+    features = client.image_features(images)
+    assert [len(f["mm_placeholders"]["image"]) for f in features] == [1, 2]
+    prompts = [_prompt_ids(processor, row) for row in images]
+    out = client.generate(prompts, features, n=2, max_tokens=5, logprobs=0, generation_kwargs={"seed": 7})
+    assert len(out["completion_ids"]) == 4 and out["prompt_ids"] == prompts
+    for row, (completion, logprobs) in enumerate(zip(out["completion_ids"], out["logprobs"])):
+        prompt = prompts[row // 2]
+        policy = _policy_logprobs(model, processor, prompt, images[row // 2], completion)
+        assert max(abs(lp[0] - p) for lp, p in zip(logprobs, policy)) <= 1e-4, row
+    again = client.generate(prompts, features, n=2, max_tokens=5, logprobs=0, generation_kwargs={"seed": 7})
+    assert again["completion_ids"] == out["completion_ids"]  # a seeded request draws the same numbers
+    # a prompt paired with another prompt's features is refused, not generated with the wrong images
+    with pytest.raises(Exception, match="1 runs of image tokens but the features carry 2 images"):
+        client.generate(prompts[:1], features[1:], n=1, max_tokens=2)
+
+
+def test_images_the_server_cannot_take_are_refused_naming_them(tiny_vlm, vlm_server, tiny_llama):
+    url = vlm_server.url
+    render = f"{url}/v1/chat/completions/render"
+    fetched = {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}
+    answer = requests.post(render, json={"messages": [{"role": "user", "content": [fetched]}]}, timeout=30)
+    assert answer.status_code == 400 and "image 0" in answer.text and "data:image" in answer.text
+    broken = {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}
+    answer = requests.post(render, json={"messages": [{"role": "user", "content": [broken]}]}, timeout=30)
+    assert answer.status_code == 400 and "cannot be read" in answer.text
+    # ids with no image tokens, paired with an image's features: refused, not generated from the text alone
+    good = requests.post(
+        render,
+        json={"messages": [{"role": "user", "content": [_data_url_part(_image((1, 2, 3)))]}]},
+        timeout=30,
+    ).json()["features"]
+    image_token = AutoTokenizer.from_pretrained(tiny_vlm).image_token_id
+    text = [t for t in range(5, 20) if t != image_token][:3]
+    body = {"token_ids": text, "features": good, "sampling_params": {"max_tokens": 2}}
+    answer = requests.post(f"{url}/inference/v1/generate", json=body, timeout=30)
+    assert answer.status_code == 400 and "0 runs of image tokens but the features carry 1 images" in answer.text
+    body["token_ids"] = text + [image_token] + text  # one image token where the image takes 4
+    answer = requests.post(f"{url}/inference/v1/generate", json=body, timeout=30)
+    assert answer.status_code == 400 and "runs of image tokens are [1] long, but the images take [4]" in answer.text
+
+    (text_server,) = start_servers(tiny_llama, 1)
+    try:
+        part = _data_url_part(_image((1, 2, 3)))
+        answer = requests.post(
+            f"{text_server.url}/v1/chat/completions/render",
+            json={"messages": [{"role": "user", "content": [part]}]},
+            timeout=30,
+        )
+        assert answer.status_code == 400 and "takes no images" in answer.text
+    finally:
+        text_server.stop()
+
+
+def _data_url_part(image) -> dict:
+    from trl.generation.vllm_client import pil_to_base64
+
+    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{pil_to_base64(image)}"}}
+
+
+@pytest.mark.parametrize("method", ["grpo", "rloo"])
+def test_a_vision_language_policy_trains_over_two_servers(tiny_vlm, method, tmp_path):
+    """GRPO and RLOO with images over two `trl-scale serve` servers through trl-scale's client (synchronous): each
+    prompt's image rendered once and paired with its G completions' request, the servers' weights synced every step,
+    and the sampler's log-probs the policy's (images included), within 1e-4."""
+    from transformers import AutoProcessor
+
+    servers = start_servers(tiny_vlm, 2)
+    try:
+        urls = [server.url for server in servers]
+        trainer_cls, config_cls = {
+            "grpo": (trl_scale.GRPOTrainer, trl_scale.GRPOConfig),
+            "rloo": (trl_scale.RLOOTrainer, trl_scale.RLOOConfig),
+        }[method]
+        settings = dict(
+            per_device_train_batch_size=4, num_generations=2, max_completion_length=6, max_steps=2, beta=0.05,
+            use_vllm=True, vllm_mode="server", vllm_server_base_urls=urls, rollout_request_timeout=60,
+            weight_sync_timeout=60,
+        )  # fmt: skip
+        trainer = trainer_cls(
+            model=tiny_vlm,
+            reward_funcs=_length_reward,
+            args=config_cls(**cpu_args(tmp_path, **settings)),
+            train_dataset=_image_prompts(16),
+            processing_class=AutoProcessor.from_pretrained(tiny_vlm),
+        )
+        rendered = []
+        render = trainer.vllm_generation.client.render
+        trainer.vllm_generation.client.render = lambda images, row: rendered.append(row) or render(images, row)
+        trainer.train()
+    finally:
+        for server in servers:
+            server.stop()
+    logs = step_logs(trainer, ("loss", "reward"))
+    assert len(logs) == 2 and trainer.vllm_generation.sync_count >= 1
+    assert len(rendered) == 2 * 4 // 2  # one render per prompt, not per completion
+    if method == "grpo":  # TRL logs how far the sampler's log-probs are from the policy's
+        gaps = [
+            e["sampling/sampling_logp_difference/max"]
+            for e in trainer.state.log_history
+            if "sampling/sampling_logp_difference/max" in e
+        ]
+        assert len(gaps) == 2 and max(gaps) <= 1e-4, gaps
