@@ -182,8 +182,8 @@ def test_the_trainer_with_vllm_installed_serves_server_mode_with_trl_scales_clie
     """`.venv-vllm` (vLLM's CPU build and trl-scale, as a GPU user's trainer has vLLM importable): every module
     imports, and TRL's single `vllm_server_base_url` with each trl-scale rollout setting goes to trl-scale's client
     (red before: TRL's client took it and the settings did nothing); a dataset with images goes to trl-scale's client
-    too, and is refused with asynchronous rollout, naming the fix. A training run on this path,
-    against real vLLM: tests/test_real_vllm.py."""
+    too, synchronously or streaming (the ordered read-ahead is refused, naming the fix: tests/test_step.py). A
+    training run on this path, against real vLLM: tests/test_real_vllm.py."""
     from .real_vllm import INSTALL_HINT, VLLM_PYTHON, vllm_cpu_available
 
     if not vllm_cpu_available():
@@ -195,5 +195,4 @@ def test_the_trainer_with_vllm_installed_serves_server_mode_with_trl_scales_clie
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert all(result["served"].values()), result["served"]
     assert result["images_alone"] is True  # trl-scale's client takes images (synchronously)
-    refused = result["refused"]  # the settings with asynchronous rollout, which takes no images yet
-    assert len(refused) == 2 and all("Fix: async_rollout_staleness=0" in why for why in refused), refused
+    assert result["refused"] == []  # streaming (the default with a staleness) takes images too

@@ -166,3 +166,77 @@ def test_a_vision_language_policy_trains_over_two_servers(tiny_vlm, method, tmp_
             if "sampling/sampling_logp_difference/max" in e
         ]
         assert len(gaps) == 2 and max(gaps) <= 1e-4, gaps
+
+
+def test_a_vision_language_policy_streams_over_two_servers(tiny_vlm, tmp_path):
+    """Streaming GRPO (staleness 1) with images: each prompt group's images rendered once when it is sent and
+    paired with its request; every completion drawn by one version's weights has the policy's log-probs at that
+    version with its own images (<= 1e-4: a group given another's images is off by ~0.1 once a step has trained)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from trl_scale.rollout.images import image_urls
+
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    servers = start_servers(tiny_vlm, 2)
+    try:
+        settings = dict(
+            per_device_train_batch_size=4, num_generations=2, max_completion_length=6, max_steps=3, beta=0.0,
+            use_vllm=True, vllm_mode="server", vllm_server_base_urls=[s.url for s in servers],
+            async_rollout_staleness=1, rollout_request_timeout=60, weight_sync_timeout=60, shuffle_dataset=False,
+        )  # fmt: skip
+        trainer = trl_scale.GRPOTrainer(
+            model=tiny_vlm,
+            reward_funcs=_length_reward,
+            args=trl_scale.GRPOConfig(**cpu_args(tmp_path, **settings)),
+            train_dataset=_image_prompts(32),
+            processing_class=processor,
+        )
+        generation = trainer.vllm_generation
+        rendered, render = [], generation.client.render
+        generation.client.render = lambda images, row: rendered.append((row, tuple(images))) or render(images, row)
+        checked, weights = [], {}  # weights: the policy's at each sync (what the servers then served)
+        sync, generate = generation.sync_weights, trainer._generate
+
+        def synced():
+            sync()
+            state = trainer.accelerator.unwrap_model(trainer.model).state_dict()
+            weights[generation.sync_count] = {name: tensor.clone() for name, tensor in state.items()}
+
+        def generated(prompts):
+            out = generate(prompts)
+            record = generation.records.newest()
+            for row, ((first, newest), sampled) in enumerate(zip(record.version_spans, record.sampler_logprobs)):
+                images = [part["image"] for part in prompts[row][0]["content"] if part["type"] == "image"]
+                assert image_urls(images) in {urls for _, urls in rendered}  # its group's images went to a server
+                if first == newest:  # drawn by one version's weights: the policy's log-probs then, its images
+                    policy = AutoModelForImageTextToText.from_config(trainer.model.config).eval()
+                    policy.load_state_dict(weights[first])
+                    got = _policy_logprobs(policy, processor, list(out[0][row]), images, list(out[1][row]))
+                    checked.append((first, max(abs(a - b) for a, b in zip(got, sampled))))
+            return out
+
+        generation.sync_weights = synced
+
+        trainer._generate = generated
+        trainer.train()
+    finally:
+        for server in servers:
+            server.stop()
+    assert generation.ahead.streamer is not None and len(step_logs(trainer, ("loss",))) == 3
+    groups = generation.ahead.streamer._read
+    assert len(rendered) == groups and len({index for index, _ in rendered}) == groups  # once per group
+    assert {version for version, _ in checked} >= {1, 2}, checked  # the first weights, and trained ones
+    assert max(gap for _, gap in checked) <= 1e-4, checked
+
+
+def test_rows_with_one_text_and_other_images_are_other_prompt_groups():
+    """A prompt group is a run of copies of one row: equal token ids (the image tokens are the same for any image)
+    with other images are another group, and copies holding equal images in separate objects are one."""
+    from trl_scale.rollout.images import image_keys, row_images
+    from trl_scale.rollout.streaming import _groups
+
+    red, blue = _image((255, 0, 0)), _image((0, 0, 255))
+    rows = [{"prompt": "count", "image": image} for image in (red, red.copy(), blue, blue.copy(), red.copy())]
+    groups = list(_groups(rows, [[1, 2]] * len(rows), image_keys(row_images(rows))))
+    assert [len(group_rows) for group_rows, _ in groups] == [2, 2, 1]
+    assert row_images([{"prompt": "count"}]) is None and image_keys([None, []]) == [(), ()]

@@ -27,6 +27,7 @@ from ..logs import get_logger
 from ..ranks import decide_on_leader, decide_on_main, gathered
 from .ahead import CONVERSATION_KEY, READ_AHEAD_ENGINES, Converse, ReadAheadRollout
 from .client import SERVER_KEY, RolloutClient, RolloutError
+from .images import image_keys, image_urls
 from .record import BatchRecords, GeneratedBatch
 from .seeds import RequestSeeds, next_identity
 from .settings import RolloutSettings
@@ -173,19 +174,19 @@ class ServerRolloutGeneration(VLLMGeneration):
         `batch`: its number among the trainer's batches (each request's identity, with its place, for its seed).
         `images` (TRL's, one entry per row): each group's images rendered once into features that go with its
         request (a copy's images are its prompt's: equal ids with other images are another group)."""
-        urls = [image_urls(row) for row in images] if images is not None else [()] * len(prompts)
+        images = images if images is not None else [None] * len(prompts)
         groups: list[list] = []
-        for row, (prompt, images_of_row) in enumerate(zip(prompts, urls, strict=True)):
+        for row, (prompt, key) in enumerate(zip(prompts, image_keys(images), strict=True)):
             prompt = list(prompt)
-            if groups and groups[-1][0] == prompt and groups[-1][2] == images_of_row:
+            if groups and groups[-1][0] == prompt and groups[-1][2] == key:
                 groups[-1][1] += 1
             else:
-                groups.append([prompt, 1, images_of_row, row])
+                groups.append([prompt, 1, key, row])
         seeded = [self.seeds.sampling(self.settings.sampling, ("batch", batch, i)) for i in range(len(groups))]
         # each group's own dict (without a seed, `sampling` hands back one dict for all of them)
         seeded = [
-            {**extra, "features": self.client.render(list(images_of_group), row)} if images_of_group else extra
-            for extra, (_, _, images_of_group, row) in zip(seeded, groups)
+            {**extra, "features": self.client.render(list(image_urls(images[row])), row)} if key else extra
+            for extra, (_, _, key, row) in zip(seeded, groups)
         ]
         results = self.client.generate(
             [g[0] for g in groups], n=[g[1] for g in groups], model=self.syncer.lora_name, per_request=seeded
@@ -221,9 +222,7 @@ class ServerRolloutGeneration(VLLMGeneration):
         is served from its request, then the next batches are requested with the weights just synced."""
         images = images if images is not None and any(row for row in images) else None
         ahead = self.ahead
-        if images is not None and ahead is not None:  # refused at construction (RunPlan): a stream takes no images
-            raise RolloutError("asynchronous rollout does not take images yet: set async_rollout_staleness=0")
-        if ahead is not None and ahead.serves_now:
+        if ahead is not None and ahead.serves_now:  # streaming: each group's images went with its request
             choices, spans = ahead.served(prompts)
         else:  # under sequence parallelism, one request per group: its ranks train on the same batch
             choices, spans = decide_on_leader(lambda: self._generated_choices(prompts, images), self.shared_with)
@@ -317,13 +316,22 @@ class ServerRolloutGeneration(VLLMGeneration):
             self.ahead.share_with(group, rank)
 
     def send_group(
-        self, prompt_ids: list[int], n: int, dispatched=None, identity: tuple | None = None
+        self,
+        prompt_ids: list[int],
+        n: int,
+        dispatched=None,
+        identity: tuple | None = None,
+        images: tuple[str, ...] = (),
+        index: int = -1,
     ) -> tuple[list[dict], int]:
         """One prompt group's request (streaming): its choices and the newest weights its tokens can come from.
         With LoRA, a generation keeps the adapter it was sent with (a sync loads the next under a new name and
         leaves this one loaded): every token comes from that adapter's version. `identity`: which request of the
-        run it is (`seeds.py`), drawn by a sender in another thread; else this thread's next."""
+        run it is (`seeds.py`), drawn by a sender in another thread; else this thread's next. `images` (data URLs):
+        rendered once for the request, and kept by a cut answer's continuation; `index`: the group's, for errors."""
         sampling = self.seeds.sampling(self.settings.sampling, identity or next_identity())
+        if images:
+            sampling = {**sampling, "features": self.client.render(list(images), index)}
         name, adapter_version = self.syncer.lora_served  # one read: the adapter named and its version agree
         # a sync cuts running answers: each continued after it
         continue_cut = self.settings.asynchronous.interrupt == "partial"
@@ -431,19 +439,6 @@ def sampler_logprobs(choice: dict) -> list[float] | None:
     if not isinstance(values, list) or len(values) != len(choice["token_ids"]) or any(v is None for v in values):
         return None
     return [float(v) for v in values]
-
-
-def image_urls(images) -> tuple[str, ...]:
-    """A row's images (PIL images, or None) as PNG data URLs, the form the render route takes."""
-    import base64
-    import io
-
-    urls = []
-    for image in images or ():
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
-        urls.append(f"data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()}")
-    return tuple(urls)
 
 
 def generate_output(prompts, choices: list[dict], completion_ids: list[list[int]], logprobs: list[list[float]]):

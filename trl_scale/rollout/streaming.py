@@ -40,6 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from .images import image_keys, image_urls, multimodal_prompts, row_images
 from .seeds import identified, next_identity
 
 
@@ -50,6 +51,7 @@ class PromptGroup:
     index: int  # order of reading from the trainer's data
     rows: list  # the trainer's rows (each with its own columns for the reward functions)
     prompt_ids: list[int]
+    images: tuple[str, ...] = ()  # its prompt's images (data URLs), rendered by a server when it is sent
     attempts: int = 0  # requests sent for it (a dropped group is sent again)
     first_version: int = -1  # the sync count when its request was sent: its first token's weights at the oldest
     newest_version: int = -1  # the newest weights any of its tokens can come from
@@ -154,11 +156,15 @@ class StreamingRollout:
 
     def add(self, rows: list) -> None:
         """Rows queued after what was read (a generation batch of the trainer's data, or dynamic sampling's top-up)."""
-        prompt_ids = self.tokenize([row.get("prompt") for row in rows])
-        groups = _groups(rows, prompt_ids) if self.group_size is None else _chunks(rows, prompt_ids, self.group_size)
+        prompt_ids = self.tokenize(multimodal_prompts(rows))  # with images: what TRL's step tokenizes
+        if self.group_size is None:  # a run of one prompt with the same images (equal ids may hold other images)
+            groups = _groups(rows, prompt_ids, image_keys(row_images(rows) or [None] * len(rows)))
+        else:
+            groups = _chunks(rows, prompt_ids, self.group_size)
         with self._changed:
             for group_rows, ids in groups:
-                self.pending.append(PromptGroup(self._read, group_rows, ids))
+                images = image_urls((row_images(group_rows[:1]) or [None])[0])
+                self.pending.append(PromptGroup(self._read, group_rows, ids, images))
                 self._read += 1
         self.pump()
 
@@ -225,7 +231,8 @@ class StreamingRollout:
                 newest = newest if newest >= 0 else self.version()  # it sent nothing we saw: up to now
             elif episode is None:
                 rows, prompt_ids, more = group.rows, list(group.prompt_ids), ()
-                choices, newest = self.send(prompt_ids, len(rows), dispatched)
+                with_images = {"images": group.images, "index": group.index} if group.images else {}
+                choices, newest = self.send(prompt_ids, len(rows), dispatched, **with_images)
             else:
                 rows, prompt_ids, more = episode.rows, episode.prompt_ids, (episode,)
                 choices, newest = _send_each(self.send, prompt_ids, dispatched)
@@ -432,10 +439,11 @@ def _chunks(batch: list, prompt_ids: list[list[int]], size: int):
         yield batch[start : start + size], list(prompt_ids[start])
 
 
-def _groups(batch: list, prompt_ids: list[list[int]]):
-    """(rows, prompt ids) of each run of consecutive rows with the same prompt ids."""
+def _groups(batch: list, prompt_ids: list[list[int]], keys: list | None = None):
+    """(rows, prompt ids) of each run of consecutive rows with the same prompt ids (and the same `keys`: images)."""
+    keys = keys or [None] * len(batch)
     start = 0
     for end in range(1, len(batch) + 1):
-        if end == len(batch) or list(prompt_ids[end]) != list(prompt_ids[start]):
+        if end == len(batch) or list(prompt_ids[end]) != list(prompt_ids[start]) or keys[end] != keys[start]:
             yield batch[start:end], list(prompt_ids[start])
             start = end

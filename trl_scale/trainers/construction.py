@@ -184,14 +184,16 @@ def uses_server_rollout(args, images: list[str] | tuple = ()) -> bool:
     """Which client serves `use_vllm=True, vllm_mode='server'`: trl-scale's, always (TRL's single
     `vllm_server_base_url` is a fleet of one: versions, the correction, streaming, the timeline), whether or not vLLM
     is importable in the trainer's environment, so one config acts the same in every environment. With images
-    (`images`: the dataset's image columns) it generates synchronously: each prompt's images rendered once by a
-    server and paired with its requests; asynchronous rollout with images is refused, naming the fix."""
+    (`images`: the dataset's image columns) each prompt's images are rendered once by a server and paired with its
+    requests, synchronously or streaming; the ordered read-ahead takes none yet (refused, naming the fix)."""
     if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server"):
         return False
-    if images and getattr(args, "async_rollout_staleness", 0):
+    staleness = getattr(args, "async_rollout_staleness", 0)
+    mode = getattr(args, "async_rollout_mode", None) or ("streaming" if staleness else "ordered")
+    if images and staleness and mode != "streaming":
         raise ValueError(
-            f"this dataset has image columns {list(images)}, and async_rollout_staleness="
-            f"{args.async_rollout_staleness}: asynchronous rollout does not take images yet (synchronous server "
-            "rollout does). Fix: async_rollout_staleness=0, or drop the image columns"
+            f"this dataset has image columns {list(images)}, and async_rollout_mode={mode!r}: the ordered read-ahead "
+            "does not take images yet (synchronous and streaming rollout do). Fix: async_rollout_mode='streaming', "
+            "or async_rollout_staleness=0"
         )
     return True

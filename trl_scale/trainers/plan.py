@@ -91,6 +91,13 @@ def _rollout_plan(config, arguments: dict, images: tuple[str, ...]) -> RolloutPl
     environments = arguments.get("environment_factory") is not None
     rollout_func = arguments.get("rollout_func") is not None
     server = uses_server_rollout(config, images)
+    agents = [name for name in ("environment_factory", "rollout_func", "tools") if arguments.get(name)]
+    if server and images and agents and getattr(config, "async_rollout_staleness", 0):
+        raise ValueError(
+            f"this dataset has image columns {list(images)}, and {', '.join(agents)} with streaming rollout: a "
+            "streamed conversation's later turns carry no images yet. Fix: async_rollout_staleness=0, or drop the "
+            "image columns"
+        )
     client: RolloutClient = "trl_scale" if server else "trainer"
     asynchronous = AsyncRollout.from_config(config) if server else AsyncRollout()
     stream_rewards = getattr(config, "stream_rewards", None)
