@@ -31,6 +31,10 @@ from .varlen import install_varlen_attention, uninstall_varlen_attention, varlen
 
 # Keyword arguments a packable call may carry besides input_ids/attention_mask/labels.
 _PACKABLE_KWARGS = {"use_cache", "return_dict"}
+# A vision-language model's image inputs as TRL's trainers pass them to a scoring call: such a call runs padded (its
+# images stay with their rows), its log-probs from the chunked head (`padded_fused_forward`).
+IMAGE_KWARGS = frozenset({"pixel_values", "token_type_ids", "mm_token_type_ids", "image_grid_thw"})
+IMAGE_KWARGS |= {"pixel_attention_mask", "image_sizes", "image_position_ids"}
 
 
 def _same_count_on_every_rank(count: int, device: torch.device) -> int:
@@ -161,12 +165,17 @@ def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attentio
     return _scored_output(model, config, pieces, shift_labels, anchor, num_items_in_batch, sp=sp)
 
 
-def padded_fused_forward(model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items_in_batch):
-    """TRL's padded forward (the backbone as TRL calls it), scored by the chunked head with the settings' sampler
-    support: the calls packing cannot take, when log-probs must be on the sampler's support."""
+def padded_fused_forward(
+    model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items_in_batch, images=None
+):
+    """TRL's padded forward (the backbone as TRL calls it), scored by the chunked head (only the labelled tokens,
+    with the settings' sampler support): the calls packing cannot take, when log-probs must be on the sampler's
+    support, and calls with `images` (their inputs, `IMAGE_KWARGS`), whose prompts are long and never scored."""
     batch_size, seq_len = input_ids.shape
     shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    backbone = model.base_model
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **(images or {}))
+    hidden = hidden.last_hidden_state
     flat_index = torch.arange(batch_size * seq_len, device=input_ids.device)
     pieces = [(flat_index, hidden.reshape(batch_size * seq_len, -1))]
     return _scored_output(model, config, pieces, shift_labels, None, num_items_in_batch)
@@ -253,11 +262,13 @@ def _laid_out(outputs, collected: dict, indices: list, shift_labels, anchor, sp,
     return fields
 
 
-def _is_padded_call(labels, shift_labels, kwargs: dict) -> bool:
+def _is_padded_call(labels, shift_labels, kwargs: dict, with_images: bool = False) -> bool:
     """A scoring call packing can take: padded [batch, seq] ids and mask with labels, nothing else that would
-    need a position (no images, embeddings, position_ids or cache)."""
+    need a position (no images, embeddings, position_ids or cache). `with_images`: such a call with image inputs
+    (`IMAGE_KWARGS`), which the chunked head scores padded."""
     input_ids, attention_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
     given = {name for name, value in kwargs.items() if value is not None}  # PEFT passes inputs_embeds=None ...
+    extra = given - {"input_ids", "attention_mask"} - _PACKABLE_KWARGS
     return (
         labels is not None
         and shift_labels is None
@@ -265,7 +276,7 @@ def _is_padded_call(labels, shift_labels, kwargs: dict) -> bool:
         and input_ids.dim() == 2
         and isinstance(attention_mask, torch.Tensor)
         and attention_mask.dim() == 2
-        and given - {"input_ids", "attention_mask"} <= _PACKABLE_KWARGS
+        and (bool(extra) and extra <= IMAGE_KWARGS if with_images else not extra)
         and kwargs.get("use_cache") in (None, False)
     )
 
@@ -312,6 +323,10 @@ def install_packed_scoring(
             return packed_fused_forward(self, config, input_ids, attention_mask, labels, num_items_in_batch)
         if padded_call and on_support:
             return padded_fused_forward(self, config, input_ids, attention_mask, labels, num_items_in_batch)
+        if fused_lm_head and not args and not sharded and _is_padded_call(labels, shift_labels, kwargs, True):
+            images = {name: kwargs[name] for name in IMAGE_KWARGS if kwargs.get(name) is not None}
+            config.stats.image_calls += 1
+            return padded_fused_forward(self, config, input_ids, attention_mask, labels, num_items_in_batch, images)
         if fused_lm_head:
             config.stats.fallbacks += 1
             if on_support:
@@ -346,7 +361,7 @@ def _warn_off_support_once() -> None:
     from ..logs import get_logger
 
     get_logger(__name__).warning(
-        "a scoring call with inputs the chunked head cannot take (images, precomputed embeddings, position_ids) "
+        "a scoring call with inputs the chunked head cannot take (precomputed embeddings, position_ids) "
         "went to TRL's forward: its log-probs cover the whole vocabulary, not the sampler's top-k/top-p/min-p "
         "support, so its importance ratios carry the kept mass. Set logprobs_on_sampler_support=False to silence "
         "this, or sample without truncation"

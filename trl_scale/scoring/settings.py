@@ -26,6 +26,7 @@ class PackingStats:
     tree_calls: int = 0  # calls forwarded as tree rows
     tree_row_tokens: int = 0  # their tokens as rows (before sharing)
     tree_tokens: int = 0  # their tokens forwarded (after sharing)
+    image_calls: int = 0  # calls with images, run padded and scored by the chunked head
 
     def record(self, padded_tokens: int, figures: dict[str, int]) -> None:
         """One packed call's figures (the engine's `_forward_pieces`)."""
@@ -41,9 +42,11 @@ class PackingStats:
             self.tree_tokens += figures["tree_tokens"]
 
     def pop(self) -> dict[str, float]:
+        logs = {"chunked_head/image_calls": float(self.image_calls)} if self.image_calls else {}
         if not self.calls:
-            return {}
-        logs = {
+            self.__init__()
+            return logs
+        logs |= {
             "padding_free/pad_fraction_removed": 1.0 - self.real_tokens / max(1, self.padded_tokens),
             "padding_free/tokens_per_micro_batch": sum(self.tokens_per_micro_batch)
             / max(1, len(self.tokens_per_micro_batch)),

@@ -204,6 +204,10 @@ def build_tiny_vlm(
     torch.manual_seed(seed)
     with whole_parameters():
         model = AutoModelForImageTextToText.from_config(config)
+        # Gemma 3 starts its image projection at zero (image tokens then read nothing from the image): drawn here,
+        # so that the tiny model sees its images from the start and a test pairing the wrong image can tell.
+        projection = model.model.multi_modal_projector.mm_input_projection_weight
+        torch.nn.init.normal_(projection, std=vision_config.hidden_size**-0.5)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = None

@@ -1,0 +1,73 @@
+"""Scoring calls with images (issue 62): run padded (each row's images stay with it) and scored by the chunked
+head, which projects only the labelled tokens (an image's hundreds of prompt tokens never reach the LM head):
+log-probs, entropies and gradients as TRL's fused forward gives them, on a tiny Gemma 3."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+from trl.trainer.utils import add_fused_lm_head
+
+from trl_scale.scoring import PackingStats, install_packed_scoring
+
+TOLERANCE = 1e-5
+
+
+def _batch(processor, seed: int = 0):
+    """Three prompts with an image each (random pixels), their chat template and a few answer tokens, right-padded;
+    labels only on the answers, as TRL's trainers score them."""
+    rng = np.random.default_rng(seed)
+    images = [Image.fromarray((rng.random((28, 28, 3)) * 255).astype("uint8")) for _ in range(3)]
+    rows, answers = [], [[7, 8, 9], [10, 11], [12, 13, 14, 15]]
+    for i, (image, answer) in enumerate(zip(images, answers)):
+        content = [{"type": "image", "image": image}, {"type": "text", "text": "count " * (i + 1)}]
+        encoded = processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        rows.append((list(encoded["input_ids"][0]), answer))
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((3, width), processor.tokenizer.pad_token_id)
+    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
+    for i, (prompt, answer) in enumerate(rows):
+        ids[i, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+        mask[i, : len(prompt) + len(answer)] = 1
+        labels[i, len(prompt) : len(prompt) + len(answer)] = torch.tensor(answer)
+    pixel_values = processor.image_processor(images, return_tensors="pt")["pixel_values"]
+    token_type_ids = (ids == processor.tokenizer.image_token_id).long()
+    return ids, mask, labels, {"pixel_values": pixel_values, "token_type_ids": token_type_ids}
+
+
+def _scored(model, ids, mask, labels, images):
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, **images)
+    objective = (out.log_probs * out.label_mask).sum() + 0.3 * (out.entropy * out.label_mask).sum()
+    grads = torch.autograd.grad(objective, [p for p in model.parameters() if p.requires_grad], allow_unused=True)
+    return out, grads
+
+
+def test_a_call_with_images_is_scored_by_the_chunked_head_as_trls_forward_scores_it(tiny_vlm):
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm).eval()
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    ours, stats = copy.deepcopy(model), PackingStats()
+    installed = install_packed_scoring(ours, temperature=0.7, outputs=("entropy",), stats=stats)
+    assert installed is not None
+    ids, mask, labels, images = _batch(processor)
+    (expected, expected_grads), (got, got_grads) = (_scored(m, ids, mask, labels, images) for m in (model, ours))
+    label_mask = expected.label_mask.bool()
+    for field in ("log_probs", "entropy"):
+        gap = (getattr(expected, field) - getattr(got, field))[label_mask].abs().max().item()
+        assert gap <= TOLERANCE, (field, gap)
+    pairs = [(a, b) for a, b in zip(expected_grads, got_grads) if a is not None]
+    largest = max(a.abs().max().item() for a, _ in pairs)
+    assert max((a - b).abs().max().item() for a, b in pairs) <= TOLERANCE * max(1.0, largest)
+    assert stats.pop() == {"chunked_head/image_calls": 1.0}  # our head scored it, not TRL's forward
+
+    # The images reach the forward with their own rows: the same call with the rows' images swapped scores else.
+    swapped = dict(images, pixel_values=images["pixel_values"].roll(1, dims=0))
+    with torch.no_grad():
+        other = ours(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, **swapped)
+    assert (other.log_probs - got.log_probs.detach())[label_mask].abs().max().item() > 1e-3
