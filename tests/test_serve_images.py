@@ -250,3 +250,54 @@ def test_rows_with_one_text_and_other_images_are_other_prompt_groups():
     groups = list(_groups(rows, [[1, 2]] * len(rows), image_keys(row_images(rows))))
     assert [len(group_rows) for group_rows, _ in groups] == [2, 2, 1]
     assert row_images([{"prompt": "count"}]) is None and image_keys([None, []]) == [(), ()]
+
+
+def test_a_server_killed_mid_stream_with_images_loses_and_duplicates_no_group(tiny_vlm, tmp_path):
+    """Streaming with images over two servers, one killed after step 2: its requests (and their images' renders)
+    fail over to the other; every prompt group read is trained once, whole, and the run ends."""
+    from collections import Counter
+
+    from transformers import AutoProcessor, TrainerCallback
+
+    trained: list[int] = []
+
+    def recorded_reward(completion_ids, id, **kwargs):
+        trained.extend(id)
+        return _length_reward(completion_ids)
+
+    dataset = _image_prompts(64).add_column("id", list(range(64)))
+    servers = start_servers(tiny_vlm, 2)
+    try:
+        settings = dict(
+            per_device_train_batch_size=4, num_generations=2, max_completion_length=4, max_steps=5, beta=0.0,
+            use_vllm=True, vllm_mode="server", vllm_server_base_urls=[s.url for s in servers],
+            async_rollout_staleness=1, rollout_request_timeout=30, weight_sync_timeout=60, shuffle_dataset=False,
+            generation_kwargs={"seed": 1},  # see NO_IMAGE_TOKENS
+        )  # fmt: skip
+        trainer = trl_scale.GRPOTrainer(
+            model=tiny_vlm,
+            reward_funcs=recorded_reward,
+            args=trl_scale.GRPOConfig(**cpu_args(tmp_path, **settings)),
+            train_dataset=dataset,
+            processing_class=AutoProcessor.from_pretrained(tiny_vlm),
+        )
+
+        at_kill = {}
+
+        class KillOne(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == 2:
+                    servers[0].stop()
+                    at_kill.update((s.url, s.served) for s in trainer.vllm_generation.client.servers)
+
+        trainer.add_callback(KillOne())
+        trainer.train()
+    finally:
+        for server in servers:
+            if server.process.poll() is None:
+                server.stop()
+    counts = Counter(trained)
+    assert len(counts) == 5 * 4 // 2 and set(counts.values()) == {2}, counts  # each group once, whole
+    dead, alive = trainer.vllm_generation.client.servers
+    assert servers[0].process.poll() is not None and dead.served == at_kill[dead.url] > 0
+    assert alive.served > at_kill[alive.url]  # the groups after the kill went to the other server
