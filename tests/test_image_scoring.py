@@ -71,3 +71,59 @@ def test_a_call_with_images_is_scored_by_the_chunked_head_as_trls_forward_scores
     with torch.no_grad():
         other = ours(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, **swapped)
     assert (other.log_probs - got.log_probs.detach())[label_mask].abs().max().item() > 1e-3
+
+
+def _qwen2_vl_batch(tokenizer, config, seed: int = 0):
+    """Three rows, each an image of its own patch grid (so each its own 3-D positions) between vision markers, then
+    text and an answer; pixel values and grids made by hand (the tiny Qwen2-VL has no processor: see toy)."""
+    generator = torch.Generator().manual_seed(seed)
+    grids = torch.tensor([[1, 4, 6], [1, 2, 2], [1, 6, 4]])  # (frames, patch rows, patch columns)
+    rows = []
+    for i, (_, height, width) in enumerate(grids.tolist()):
+        image = [config.vision_start_token_id] + [config.image_token_id] * (height * width // 4)
+        text = tokenizer.encode(" count" * (i + 1), add_special_tokens=False)
+        answer = torch.randint(10, 200, (3 + i,), generator=generator).tolist()
+        rows.append((image + [config.vision_end_token_id] + text, answer))
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((3, width), tokenizer.pad_token_id)
+    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
+    for i, (prompt, answer) in enumerate(rows):
+        start = width - len(prompt) - len(answer)  # left padding, as TRL pads prompts
+        ids[i, start:] = torch.tensor(prompt + answer)
+        mask[i, start:] = 1
+        labels[i, width - len(answer) :] = torch.tensor(answer)
+    patches = int(grids.prod(dim=1).sum())
+    pixel_values = torch.randn(patches, 3 * 2 * 7 * 7, generator=generator)
+    marked = (ids == config.image_token_id).long()  # what Qwen2-VL's processor returns beside the ids
+    return ids, mask, labels, {"pixel_values": pixel_values, "image_grid_thw": grids, "mm_token_type_ids": marked}
+
+
+def test_a_qwen2_vl_call_with_3d_positions_is_scored_as_trls_forward_scores_it(tmp_path):
+    """Qwen2-VL's image tokens take (time, height, width) positions from each row's own grid: the padded forward
+    computes them as TRL's does, and the chunked head scores the answers as TRL's fused head (<= 1e-5)."""
+    from transformers import AutoTokenizer
+
+    from trl_scale.toy import build_tiny_qwen2_vl
+
+    path = build_tiny_qwen2_vl(tmp_path / "qwen2-vl")
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    ours, stats = copy.deepcopy(model), PackingStats()
+    assert install_packed_scoring(ours, temperature=0.7, outputs=("entropy",), stats=stats) is not None
+    ids, mask, labels, images = _qwen2_vl_batch(AutoTokenizer.from_pretrained(path), model.config)
+    (expected, expected_grads), (got, got_grads) = (_scored(m, ids, mask, labels, images) for m in (model, ours))
+    label_mask = expected.label_mask.bool()
+    for field in ("log_probs", "entropy"):
+        assert (getattr(expected, field) - getattr(got, field))[label_mask].abs().max().item() <= TOLERANCE, field
+    pairs = [(a, b) for a, b in zip(expected_grads, got_grads) if a is not None]
+    largest = max(a.abs().max().item() for a, _ in pairs)
+    assert max((a - b).abs().max().item() for a, b in pairs) <= TOLERANCE * max(1.0, largest)
+    assert stats.pop() == {"chunked_head/image_calls": 1.0}
+    # each row's patches reach its own image tokens: rows 0 and 2 (24 patches each) given each other's, their answers
+    # score otherwise, by far more than the tolerance
+    pixels = images["pixel_values"]
+    swapped = dict(images, pixel_values=torch.cat([pixels[28:], pixels[24:28], pixels[:24]]))
+    with torch.no_grad():
+        other = ours(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, **swapped)
+    moved = (other.log_probs - got.log_probs.detach()).abs()
+    assert moved[[0, 2]][label_mask[[0, 2]]].max().item() > 100 * TOLERANCE

@@ -292,15 +292,24 @@ def install_packed_scoring(
     """Wrap ``model.forward`` (already patched by TRL's ``add_fused_lm_head``) so that packable
     ``fused_lm_head=True`` calls run packed, scored as ``settings`` say (or a `ScoringSettings` of ``fields``, e.g.
     ``token_budget=10``). Returns the live config (its ``stats`` collect padding figures), or None where packing is
-    not exact for this model (TRL's forward stays; see :func:`.support.use_packing`). With ``sequence_parallel`` (a
-    group from :func:`.sequence_parallel.enable_sequence_parallel`) every scoring call runs packed and sharded
-    over the group; a call it cannot take is an error (TRL's forward would see a slice of the attention)."""
+    not exact for this text model (TRL's forward stays; see :func:`.support.use_packing`). With
+    ``sequence_parallel`` (a group from :func:`.sequence_parallel.enable_sequence_parallel`) every scoring call
+    runs packed and sharded over the group; a call it cannot take is an error (TRL's forward would see a slice of
+    the attention)."""
     settings = dataclasses.replace(settings or ScoringSettings(), **fields)
     on_support = settings.sampler_support is not None
     sharded = _sharding(sequence_parallel) is not None
     if not sharded and settings.padding_free is not False:
         _varlen_where_exact(model)
-    if not sharded and not on_support and not use_packing(model.base_model, settings.padding_free):
+    # a vision-language model keeps the wrapper where packing is not exact for it: its calls with images go to the
+    # chunked head padded (`padded_fused_forward`), the others to TRL's forward
+    takes_images = getattr(model.config, "vision_config", None) is not None
+    if (
+        not sharded
+        and not on_support
+        and not takes_images
+        and not use_packing(model.base_model, settings.padding_free)
+    ):
         return None
     trl_forward = model.forward
     config = PackedScoringConfig(settings, tuple(outputs), stats or PackingStats(), sequence_parallel)

@@ -1,6 +1,6 @@
 """Tiny offline models, tokenizers, toy tasks and the CPU demo."""
 
-from .models import build_tiny_model, build_tiny_vlm, check_tokenizer_round_trip, tiny_config
+from .models import build_tiny_model, build_tiny_qwen2_vl, build_tiny_vlm, check_tokenizer_round_trip, tiny_config
 from .tokenizer import CHAT_TEMPLATE, NUMBER_WORDS, TOY_WORDS, build_tokenizer
 
 __all__ = [
@@ -8,6 +8,7 @@ __all__ = [
     "NUMBER_WORDS",
     "TOY_WORDS",
     "build_tiny_model",
+    "build_tiny_qwen2_vl",
     "build_tiny_vlm",
     "build_tokenizer",
     "check_tokenizer_round_trip",

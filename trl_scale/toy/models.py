@@ -224,6 +224,50 @@ def build_tiny_vlm(
     return output_dir
 
 
+_QWEN2_VL_TOKENS = {
+    "vision_start_token": "<|vision_start|>",
+    "image_token": "<|image_pad|>",
+    "vision_end_token": "<|vision_end|>",
+    "video_token": "<|video_pad|>",
+}
+
+
+def build_tiny_qwen2_vl(output_dir: str | os.PathLike, seed: int = 0) -> str:
+    """Create a tiny random Qwen2-VL (3-D "mrope" positions: an image's tokens get (time, height, width) positions)
+    and its tokenizer, save both to ``output_dir``.
+
+    A one-layer vision tower reads 7x7 patches, two frames deep, merging 2x2 patches into one image token: an image
+    of grid (1, h, w) patches is ``h * w / 4`` tokens between ``<|vision_start|>`` and ``<|vision_end|>``. No processor
+    is saved: Qwen2-VL's needs torchvision (for its video processor), which this machine's torch has no build of;
+    tests make ``pixel_values`` ([patches, 3*2*7*7]) and ``image_grid_thw`` themselves.
+    """
+    output_dir = os.fspath(output_dir)
+    tokenizer = build_tokenizer(model_special_tokens=_QWEN2_VL_TOKENS)
+    text = tiny_config(
+        "qwen2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
+    ).to_dict()
+    text["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 3, 3]}  # of head_dim / 2 = 8 rotary pairs
+    vision = dict(depth=1, embed_dim=32, hidden_size=text["hidden_size"], num_heads=2, patch_size=7, mlp_ratio=2)
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in _QWEN2_VL_TOKENS.items()}
+    config = transformers.Qwen2VLConfig(
+        text_config=text,
+        vision_config=dict(vision, spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        image_token_id=ids["image_token"],
+        video_token_id=ids["video_token"],
+        vision_start_token_id=ids["vision_start_token"],
+        vision_end_token_id=ids["vision_end_token"],
+    )
+    torch.manual_seed(seed)
+    with whole_parameters():
+        model = transformers.Qwen2VLForConditionalGeneration(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    os.makedirs(output_dir, exist_ok=True)
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    return output_dir
+
+
 def check_tokenizer_round_trip(path: str, tokenizer=None, text: str | None = None) -> None:
     """Fail loudly if the tokenizer saved at ``path`` does not reload as the one that was saved."""
     tokenizer = tokenizer or build_tokenizer()
