@@ -238,22 +238,26 @@ def main() -> None:
 
     summary = {"benchmark": "packing", "quick": args.quick, **{k: v for k, v in scoring.items()}}
     if not args.skip_head:
-        print("\n== log-prob head, 4096 tokens x 512 hidden x 65536 vocab, fwd+bwd, fresh process each")
-        print(f"{'variant':<16}{'peak MiB':>10}{'seconds':>10}")
-        heads = {}
-        for variant in ("full_logits", "trl_fused_head", "trl_scale_head"):
-            heads[variant] = run_head_variant(variant, args)
-            print(f"{variant:<16}{heads[variant]['peak_mib']:>10.0f}{heads[variant]['seconds']:>10.2f}")
-        summary.update(
-            logprob_peak_memory_gib=heads["trl_scale_head"]["peak_mib"] / 1024,
-            logprob_seconds=heads["trl_scale_head"]["seconds"],
-            full_logits_peak_memory_gib=heads["full_logits"]["peak_mib"] / 1024,
-            full_logits_seconds=heads["full_logits"]["seconds"],
-            trl_head_peak_memory_gib=heads["trl_fused_head"]["peak_mib"] / 1024,
-            trl_head_seconds=heads["trl_fused_head"]["seconds"],
-            head_time_vs_full_logits=heads["trl_scale_head"]["seconds"] / heads["full_logits"]["seconds"],
-        )
+        summary.update(head_benchmark(args))
     print(json.dumps(summary))
+
+
+def head_benchmark(args) -> dict:
+    print("\n== log-prob head, 4096 tokens x 512 hidden x 65536 vocab, fwd+bwd, fresh process each")
+    print(f"{'variant':<16}{'peak MiB':>10}{'seconds':>10}")
+    heads = {}
+    for variant in ("full_logits", "trl_fused_head", "trl_scale_head"):
+        heads[variant] = run_head_variant(variant, args)
+        print(f"{variant:<16}{heads[variant]['peak_mib']:>10.0f}{heads[variant]['seconds']:>10.2f}")
+    return dict(
+        logprob_peak_memory_gib=heads["trl_scale_head"]["peak_mib"] / 1024,
+        logprob_seconds=heads["trl_scale_head"]["seconds"],
+        full_logits_peak_memory_gib=heads["full_logits"]["peak_mib"] / 1024,
+        full_logits_seconds=heads["full_logits"]["seconds"],
+        trl_head_peak_memory_gib=heads["trl_fused_head"]["peak_mib"] / 1024,
+        trl_head_seconds=heads["trl_fused_head"]["seconds"],
+        head_time_vs_full_logits=heads["trl_scale_head"]["seconds"] / heads["full_logits"]["seconds"],
+    )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ EXTRA_MODULES = {
     "serve": (
         "trl_scale.serve.app",
         "trl_scale.serve.completions",
+        "trl_scale.serve.multimodal",
         "trl_scale.serve.protocol",
         "trl_scale.serve.routes_lora",
         "trl_scale.serve.routes_openai",

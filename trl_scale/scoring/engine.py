@@ -311,11 +311,20 @@ def install_packed_scoring(
         and not use_packing(model.base_model, settings.padding_free)
     ):
         return None
-    trl_forward = model.forward
     config = PackedScoringConfig(settings, tuple(outputs), stats or PackingStats(), sequence_parallel)
+    model.forward = types.MethodType(_engine_forward(type(model), config, model.forward), model)
+    model._trl_scale_packed_scoring = config
+    return config
+
+
+def _engine_forward(model_class, config: PackedScoringConfig, trl_forward):
+    """The forward the engine installs: each `fused_lm_head` call to the path that takes it (sharded, packed rows,
+    the chunked head padded on the sampler's support or with images), anything else to TRL's `trl_forward`."""
+    sharded = _sharding(config.sequence_parallel) is not None
+    on_support = config.settings.sampler_support is not None
 
     # Keep the class signature: `generate` validates its kwargs against it (as TRL's fused forward does).
-    @functools.wraps(type(model).forward)
+    @functools.wraps(model_class.forward)
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
         input_ids = kwargs.get("input_ids")
         attention_mask = kwargs.get("attention_mask")
@@ -349,9 +358,7 @@ def install_packed_scoring(
             **kwargs,
         )
 
-    model.forward = types.MethodType(forward, model)
-    model._trl_scale_packed_scoring = config
-    return config
+    return forward
 
 
 def _varlen_where_exact(model) -> None:
