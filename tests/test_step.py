@@ -76,6 +76,12 @@ def test_trl_scales_client_serves_a_server_run_with_images_synchronously_or_stre
         _plan(tmp_path, **_server(async_rollout_staleness=1, async_rollout_mode="ordered"))
     streaming, _ = _plan(tmp_path, **_server(async_rollout_staleness=1))
     assert streaming.rollout.asynchronous.mode == "streaming" and streaming.images == ("image",)
+    # sequence parallelism shards token rows: refused before any step, naming the fix (set after the config's own
+    # checks, which need as many processes as the group)
+    config = trl_scale.GRPOConfig(**cpu_args(tmp_path))
+    config.sequence_parallel_size = 2
+    with pytest.raises(ValueError, match="sequence_parallel_size=2: sequence parallel.*Fix: sequence_parallel_size=1"):
+        RunPlan.from_arguments("GRPOTrainer", {"model": "toy:llama", "args": config})
 
 
 # ---- the printed step ----------------------------------------------------------------------------------------------

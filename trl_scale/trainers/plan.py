@@ -60,6 +60,13 @@ class RunPlan:
         images = tuple(image_columns(arguments.get("train_dataset"), arguments.get("eval_dataset")))
         if config is None:
             return cls(trainer, images=images)
+        sp_size = getattr(config, "sequence_parallel_size", 1)
+        if images and sp_size > 1:
+            raise ValueError(
+                f"this dataset has image columns {list(images)}, and sequence_parallel_size={sp_size}: sequence "
+                "parallelism shards token rows only, and a scoring call with images would fail at the first step. "
+                "Fix: sequence_parallel_size=1, or drop the image columns"
+            )
         rollout = _rollout_plan(config, arguments, images)
         return cls(
             trainer=trainer,
