@@ -127,3 +127,22 @@ def test_a_qwen2_vl_call_with_3d_positions_is_scored_as_trls_forward_scores_it(t
         other = ours(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, **swapped)
     moved = (other.log_probs - got.log_probs.detach()).abs()
     assert moved[[0, 2]][label_mask[[0, 2]]].max().item() > 100 * TOLERANCE
+
+
+def test_the_model_card_says_padding_free_only_where_rows_pack(tmp_path, tiny_llama):
+    """A vision-language model whose text packing the probe finds inexact (Qwen2-VL: 3-D positions) keeps the
+    engine for its image calls only: its card does not claim padding-free; a text model that packs does."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_scale.scoring import use_packing
+    from trl_scale.toy import build_tiny_qwen2_vl
+    from trl_scale.trainers.packing import PackedScoring
+
+    feature = PackedScoring()
+    for model, packs in (
+        (AutoModelForImageTextToText.from_pretrained(build_tiny_qwen2_vl(tmp_path / "qwen2-vl")), False),
+        (AutoModelForCausalLM.from_pretrained(tiny_llama), True),
+    ):
+        use_packing(model.base_model, None, probe_now=True)  # the first scoring call's probe
+        feature.packed_backbone = (model.base_model, None)
+        assert feature.card_tags(None) == (["padding-free"] if packs else []), type(model).__name__

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 from ..distributed.roles import RayReference
-from ..scoring import PackingStats, ScoringSettings, install_packed_scoring
+from ..scoring import PackingStats, ScoringSettings, install_packed_scoring, use_packing
 from .construction import trl_base_class
 from .feature import Feature, Patch, sequence_parallel
 
@@ -54,6 +54,7 @@ class PackedScoring(Feature):
 
     def __init__(self):
         self.stats: PackingStats | None = None  # while packing is installed and on
+        self.packed_backbone = None  # (the policy's backbone, padding_free) where the engine is installed
         self.installed = False
         self.sequence_parallel = None  # the SP group, once enabled
         self.plain_attention: str | None = None  # what local generation runs with under SP
@@ -93,6 +94,9 @@ class PackedScoring(Feature):
             unwrapped = trainer.accelerator.unwrap_model(reference)
             install_packed_scoring(unwrapped, settings, stats=stats, sequence_parallel=group)
         self.stats = stats if packed is not None else None
+        # read by the card: whether rows pack (a vision-language model keeps the engine for its image calls alone
+        # where its text packing is not exact), known once the first scoring call probed the model
+        self.packed_backbone = (policy.base_model, settings.padding_free) if packed is not None else None
 
     def _sequence_parallel_group(self, trainer, policy, reference):
         """Ulysses attention on the policy and the reference (`sequence_parallel_size` > 1), after the refusals;
@@ -155,4 +159,5 @@ class PackedScoring(Feature):
             logs.update(self.stats.pop())
 
     def card_tags(self, trainer) -> list[str]:
-        return ["padding-free"] if self.stats is not None else []
+        packs = self.packed_backbone is not None and use_packing(*self.packed_backbone)
+        return ["padding-free"] if packs else []
