@@ -284,8 +284,11 @@ def test_ray_critic_with_more_workers_than_rows_matches_the_local_critic(tiny_re
     from trl_scale.critic.ray import RayCritic
     from trl_scale.critic.worker import CriticWorkerSettings
     from trl_scale.distributed.ray_backend import Placement, RoleGroup
+    from trl_scale.scoring import ScoringSettings
 
-    settings = CriticSettings(learning_rate=1e-2, padding_free=padding_free, max_grad_norm=None)
+    settings = CriticSettings(
+        learning_rate=1e-2, scoring=ScoringSettings(padding_free=padding_free), max_grad_norm=None
+    )
     placement = Placement(num_workers=2, num_cpus_per_worker=0.5)
     group = RoleGroup(
         "critic", tiny_reward_model, placement, CriticWorkerSettings(updater=settings, seed=0), timeout=120

@@ -7,6 +7,8 @@ from typing import Literal, Protocol
 
 import torch
 
+from ..scoring import ScoringSettings
+
 CriticSharding = Literal["replicated", "fsdp2", "deepspeed"]
 
 
@@ -20,9 +22,7 @@ class CriticSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
-    padding_free: bool | None = None
-    token_budget: int | None = None
-    tree_packing: bool | str = "auto"
+    scoring: ScoringSettings = ScoringSettings()  # how it scores its rows: as the policy does (packing, tree rows)
     cliprange_value: float = 0.2
     vf_coef: float = 0.1
     gradient_accumulation_steps: int = 1
@@ -30,17 +30,12 @@ class CriticSettings:
 
     @classmethod
     def from_config(cls, args) -> CriticSettings:
-        from ..scoring import ScoringSettings
-
-        scoring = ScoringSettings.from_config(args)  # the critic scores its rows as the policy does
         return cls(
             learning_rate=args.value_learning_rate or args.learning_rate,
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_epsilon,
             weight_decay=args.weight_decay,
-            padding_free=scoring.padding_free,
-            token_budget=scoring.token_budget,
-            tree_packing=scoring.tree_packing,
+            scoring=ScoringSettings.from_config(args),  # the critic scores its rows as the policy does
             cliprange_value=args.cliprange_value,
             vf_coef=args.vf_coef,
             gradient_accumulation_steps=args.gradient_accumulation_steps,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .. import ppo_core
-from ..scoring import token_scores, use_packing
+from ..scoring import ScoringSettings, token_scores, use_packing
 from .base import CriticBatch, CriticSettings, CriticSharding, Finished
 
 
@@ -16,25 +16,16 @@ def completion_values(
     attention_mask,
     prompt_len: int,
     num_tokens: int,
-    padding_free: bool | None,
-    token_budget: int | None,
+    scoring: ScoringSettings,
     multimodal_inputs: dict | None = None,
     sequence_parallel=None,
-    tree_packing: bool | str = "auto",
 ) -> torch.Tensor:
     """Values of each completion token's state, ``[B, num_tokens]``: the critic's output at the position before
-    the token (prompts are left-padded to ``prompt_len``, completions follow). ``multimodal_inputs`` are the
-    policy's image inputs for these rows (``pixel_values``, ``token_type_ids``, ...), passed to the backbone."""
+    the token (prompts are left-padded to ``prompt_len``, completions follow), scored as ``scoring`` says.
+    ``multimodal_inputs`` are the policy's image inputs for these rows (``pixel_values``, ``token_type_ids``, ...),
+    passed to the backbone."""
     values = token_scores(
-        critic.base_model,
-        critic.score,
-        input_ids,
-        attention_mask,
-        padding_free,
-        token_budget,
-        multimodal_inputs,
-        sequence_parallel,
-        tree_packing,
+        critic.base_model, critic.score, input_ids, attention_mask, scoring, multimodal_inputs, sequence_parallel
     )
     return values[:, prompt_len - 1 : prompt_len - 1 + num_tokens]
 
@@ -63,10 +54,9 @@ class CriticModule(torch.nn.Module):
     """The critic as one module whose forward is the completion tokens' values. A sharding wrapper (a DeepSpeed
     engine, FSDP2) then sees every submodule used inside one root forward, as it does for the policy."""
 
-    def __init__(self, critic, padding_free: bool | None, token_budget: int | None, tree_packing: bool | str = "auto"):
+    def __init__(self, critic, scoring: ScoringSettings):
         super().__init__()
-        self.critic = critic
-        self.padding_free, self.token_budget, self.tree_packing = padding_free, token_budget, tree_packing
+        self.critic, self.scoring = critic, scoring
         self.sequence_parallel = None  # the trainer's SP group when it shards sequences (see PPOTrainer)
 
     def forward(
@@ -78,11 +68,9 @@ class CriticModule(torch.nn.Module):
             attention_mask,
             prompt_len,
             num_tokens,
-            self.padding_free,
-            self.token_budget,
+            self.scoring,
             multimodal_inputs,
             self.sequence_parallel,
-            self.tree_packing,
         )
 
 
@@ -110,7 +98,7 @@ class CriticUpdater:
             lr=settings.learning_rate, betas=settings.betas, eps=settings.eps, weight_decay=settings.weight_decay
         )
         self._deepspeed_config = deepspeed_config  # (num_training_steps) -> config, for the "deepspeed" engine
-        module = CriticModule(critic, settings.padding_free, settings.token_budget, settings.tree_packing)
+        module = CriticModule(critic, settings.scoring)
         if sharding == "fsdp2":
             self.holder = FSDP2Critic(module, self._optimizer_settings, settings.max_grad_norm, fsdp_plugin)
         elif sharding in ("replicated", "deepspeed"):
@@ -140,7 +128,7 @@ class CriticUpdater:
         """An empty shard (fewer rows than workers) on the padded path has nothing to run. The packed path still
         runs a dummy forward there, because its forwards are counted across workers."""
         return input_ids.size(0) == 0 and not use_packing(
-            self.critic.base_model, self.settings.padding_free, probe_now=True
+            self.critic.base_model, self.settings.scoring.padding_free, probe_now=True
         )
 
     def _must_run(self) -> bool:

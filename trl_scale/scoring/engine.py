@@ -389,30 +389,32 @@ def token_scores(
     head,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
-    padding_free: bool | None = None,
-    token_budget: int | None = None,
+    settings: ScoringSettings | None = None,
     multimodal_inputs: dict | None = None,
     sequence_parallel: SequenceParallelGroup | None = None,
-    tree_packing: bool | str = "auto",
+    **fields,
 ) -> torch.Tensor:
     """Per-token scalar outputs ``head(hidden)`` of a backbone, as ``[B, T]`` (0 at padding): a critic's values.
 
-    Where packing is on and exact for this backbone (:func:`.support.use_packing`), the real tokens go through it
-    packed (tree rows as ``tree_packing`` says), in micro-batches of at most ``token_budget`` tokens, the same way
-    the policy is scored; otherwise one
-    padded forward. ``multimodal_inputs`` (``pixel_values``, ``token_type_ids``, ...) go to that padded forward:
-    packed rows cannot carry images, as on the policy's side.
+    Scored as ``settings`` say (or a `ScoringSettings` of ``fields``, e.g. ``tree_packing=False``): where packing is
+    on and exact for this backbone (:func:`.support.use_packing`), the real tokens go through it packed (tree rows
+    as ``tree_packing`` says), in micro-batches of at most ``token_budget`` tokens, the same way the policy is
+    scored; otherwise one padded forward. ``multimodal_inputs`` (``pixel_values``, ``token_type_ids``, ...) go to
+    that padded forward: packed rows cannot carry images, as on the policy's side.
     """
+    settings = dataclasses.replace(settings or ScoringSettings(), **fields)
     batch_size, seq_len = input_ids.shape
     sp = _sharding(sequence_parallel)
     if sp is not None and multimodal_inputs:
         raise ValueError("sequence parallelism scores token rows only: no image inputs. Fix: sp_size=1")
-    if sp is None and (multimodal_inputs or not use_packing(backbone, padding_free, probe_now=True, width=seq_len)):
+    padded = sp is None and (
+        multimodal_inputs or not use_packing(backbone, settings.padding_free, probe_now=True, width=seq_len)
+    )
+    if padded:
         hidden = backbone(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **(multimodal_inputs or {})
         ).last_hidden_state
         return head(hidden).squeeze(-1).float() * attention_mask
-    settings = ScoringSettings(padding_free=padding_free, token_budget=token_budget, tree_packing=tree_packing)
     pieces, anchor, _ = _forward_pieces(backbone, input_ids, attention_mask, settings, sp)
     values = [head(hidden).squeeze(-1).float() for _, hidden in pieces]
     indices = [flat_index for flat_index, _ in pieces]
