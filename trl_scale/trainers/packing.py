@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 from ..distributed.roles import RayReference
-from ..scoring import PackingStats, ScoringSettings, install_packed_scoring, use_packing
+from ..scoring import PackingStats, ScoringSettings, install_packed_scoring, packing_support
 from .construction import trl_base_class
 from .feature import Feature, Patch, sequence_parallel
 
@@ -159,5 +159,10 @@ class PackedScoring(Feature):
             logs.update(self.stats.pop())
 
     def card_tags(self, trainer) -> list[str]:
-        packs = self.packed_backbone is not None and use_packing(*self.packed_backbone)
+        if self.packed_backbone is None:
+            return []
+        backbone, padding_free = self.packed_backbone
+        # what the first scoring call's probe found, never a probe now (a forward here would run under sequence
+        # parallelism's attention, whose calls all pack, or gather ZeRO-3 shards on one rank); undecided: it packs
+        packs = padding_free is not False and packing_support(backbone, probe=False).exact is not False
         return ["padding-free"] if packs else []
