@@ -168,14 +168,24 @@ for extra in settings:
     for config_cls in (trl_scale.GRPOConfig, trl_scale.RLOOConfig):
         config = config_cls(**base, **extra)
         served[f"{config_cls.__name__} {sorted(extra)}"] = uses_server_rollout(config)
+from datasets import Dataset
+from trl_scale.trainers.plan import RunPlan
+
+with_images = Dataset.from_dict({"prompt": ["count"], "image": [None]})  # the plan reads its columns
+
+
+def planned(**extra):
+    arguments = {"model": "toy:llama", "args": trl_scale.GRPOConfig(**base, **extra), "train_dataset": with_images}
+    return RunPlan.from_arguments("GRPOTrainer", arguments)
+
+
 refused = []
 for extra in settings[1:]:
     try:
-        uses_server_rollout(trl_scale.GRPOConfig(**base, **extra), images=["image"])
+        planned(**extra)
     except ValueError as error:
         refused.append(str(error))
-print(json.dumps({"served": served, "refused": refused,
-                  "images_alone": uses_server_rollout(trl_scale.GRPOConfig(**base), images=["image"])}))
+print(json.dumps({"served": served, "refused": refused, "images_alone": planned().rollout.client == "trl_scale"}))
 """
 
 

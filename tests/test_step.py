@@ -76,6 +76,8 @@ def test_trl_scales_client_serves_a_server_run_with_images_synchronously_or_stre
         _plan(tmp_path, **_server(async_rollout_staleness=1, async_rollout_mode="ordered"))
     streaming, _ = _plan(tmp_path, **_server(async_rollout_staleness=1))
     assert streaming.rollout.asynchronous.mode == "streaming" and streaming.images == ("image",)
+    with pytest.raises(ValueError, match="rollout_func with streaming rollout: a streamed conversation's later turns"):
+        _plan(tmp_path, rollout_func=lambda prompts, trainer: None, **_server(async_rollout_staleness=1))
     # sequence parallelism shards token rows: refused before any step, naming the fix (set after the config's own
     # checks, which need as many processes as the group)
     config = trl_scale.GRPOConfig(**cpu_args(tmp_path))

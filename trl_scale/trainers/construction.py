@@ -180,20 +180,9 @@ def wants_remote_reference(args, model, peft_config) -> bool:
     return True
 
 
-def uses_server_rollout(args, images: list[str] | tuple = ()) -> bool:
+def uses_server_rollout(args) -> bool:
     """Which client serves `use_vllm=True, vllm_mode='server'`: trl-scale's, always (TRL's single
     `vllm_server_base_url` is a fleet of one: versions, the correction, streaming, the timeline), whether or not vLLM
-    is importable in the trainer's environment, so one config acts the same in every environment. With images
-    (`images`: the dataset's image columns) each prompt's images are rendered once by a server and paired with its
-    requests, synchronously or streaming; the ordered read-ahead takes none yet (refused, naming the fix)."""
-    if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server"):
-        return False
-    staleness = getattr(args, "async_rollout_staleness", 0)
-    mode = getattr(args, "async_rollout_mode", None) or ("streaming" if staleness else "ordered")
-    if images and staleness and mode != "streaming":
-        raise ValueError(
-            f"this dataset has image columns {list(images)}, and async_rollout_mode={mode!r}: the ordered read-ahead "
-            "does not take images yet (synchronous and streaming rollout do). Fix: async_rollout_mode='streaming', "
-            "or async_rollout_staleness=0"
-        )
-    return True
+    is importable in the trainer's environment, so one config acts the same in every environment; images included
+    (what its asynchronous modes take is the run plan's to check: `plan._refuse_images`)."""
+    return bool(getattr(args, "use_vllm", False)) and getattr(args, "vllm_mode", None) == "server"

@@ -97,16 +97,11 @@ class RunPlan:
 def _rollout_plan(config, arguments: dict, images: tuple[str, ...]) -> RolloutPlan:
     environments = arguments.get("environment_factory") is not None
     rollout_func = arguments.get("rollout_func") is not None
-    server = uses_server_rollout(config, images)
-    agents = [name for name in ("environment_factory", "rollout_func", "tools") if arguments.get(name)]
-    if server and images and agents and getattr(config, "async_rollout_staleness", 0):
-        raise ValueError(
-            f"this dataset has image columns {list(images)}, and {', '.join(agents)} with streaming rollout: a "
-            "streamed conversation's later turns carry no images yet. Fix: async_rollout_staleness=0, or drop the "
-            "image columns"
-        )
+    server = uses_server_rollout(config)
     client: RolloutClient = "trl_scale" if server else "trainer"
     asynchronous = AsyncRollout.from_config(config) if server else AsyncRollout()
+    if images:
+        _refuse_images(images, asynchronous, arguments)
     stream_rewards = getattr(config, "stream_rewards", None)
     _refuse_unread(config, asynchronous, stream_rewards, environments, rollout_func)
     # None: an environment's rewards read its instance, which goes back to the pool when its episode ends in the
@@ -120,6 +115,24 @@ def _rollout_plan(config, arguments: dict, images: tuple[str, ...]) -> RolloutPl
         takes_groups=asynchronous.takes_groups(environments, rollout_func),
         rewards_in_stream=in_stream,
     )
+
+
+def _refuse_images(images: tuple[str, ...], asynchronous: AsyncRollout, arguments: dict) -> None:
+    """Images go through synchronous and streaming rollout; the ordered read-ahead and a streamed conversation's
+    later turns take none yet: refused before TRL's constructor, naming the fix."""
+    if asynchronous.staleness and not asynchronous.streaming:
+        raise ValueError(
+            f"this dataset has image columns {list(images)}, and async_rollout_mode={asynchronous.mode!r}: the "
+            "ordered read-ahead does not take images yet (synchronous and streaming rollout do). Fix: "
+            "async_rollout_mode='streaming', or async_rollout_staleness=0"
+        )
+    agents = [name for name in ("environment_factory", "rollout_func", "tools") if arguments.get(name)]
+    if agents and asynchronous.staleness:
+        raise ValueError(
+            f"this dataset has image columns {list(images)}, and {', '.join(agents)} with streaming rollout: a "
+            "streamed conversation's later turns carry no images yet. Fix: async_rollout_staleness=0, or drop the "
+            "image columns"
+        )
 
 
 def _refuse_unread(config, asynchronous: AsyncRollout, stream_rewards, environments: bool, rollout_func: bool):

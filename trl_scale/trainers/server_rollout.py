@@ -41,7 +41,7 @@ def _read_ahead(trainer):
 
 class ServerRollout(Feature):
     """`use_vllm=True, vllm_mode="server"` served by trl-scale's client (one server or several, managed or given;
-    `uses_server_rollout` says when TRL's own client serves instead)."""
+    every server-mode run, images included: `uses_server_rollout`)."""
 
     name = "server_rollout"
     PATCHES = (
