@@ -75,13 +75,13 @@ class SharedRows:
 def shared_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> SharedRows:
     """Rows equal in their ids and their mask, found once (in the order they first appear)."""
     keys = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
-    _, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    inverse = torch.unique(keys, dim=0, return_inverse=True)[1].tolist()
     first_of = {}
-    for row, key in enumerate(inverse.tolist()):
+    for row, key in enumerate(inverse):
         first_of.setdefault(key, row)
     order = {key: index for index, key in enumerate(first_of)}  # distinct rows in order of first appearance
     first = torch.tensor(list(first_of.values()), device=input_ids.device)
-    of_row = torch.tensor([order[key] for key in inverse.tolist()], device=input_ids.device)
+    of_row = torch.tensor([order[key] for key in inverse], device=input_ids.device)
     return SharedRows(first, of_row)
 
 

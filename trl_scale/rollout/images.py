@@ -22,12 +22,12 @@ def row_images(rows: list) -> list[list | None] | None:
     return None if all(not row for row in images) else images
 
 
-def multimodal_prompts(rows: list) -> list:
-    """The rows' prompts as TRL's step builds them: with images, each turned into content lists holding them."""
-    images = row_images(rows)
-    if images is None:
-        return [row.get("prompt") if isinstance(row, dict) else None for row in rows]
-    prompts = [row.get("prompt") for row in rows]
+def multimodal_prompts(rows: list, images: list[list | None]) -> list:
+    """The rows' prompts as TRL's step builds them: where the batch has images (`images`, per row: `row_images`),
+    each turned into content lists holding its own."""
+    prompts = [row.get("prompt") if isinstance(row, dict) else None for row in rows]
+    if not any(images):
+        return prompts
     from trl.data_utils import prepare_multimodal_messages
 
     return [prepare_multimodal_messages(p, images=i) for p, i in zip(prompts, images, strict=True)]

@@ -156,16 +156,18 @@ class StreamingRollout:
 
     def add(self, rows: list) -> None:
         """Rows queued after what was read (a generation batch of the trainer's data, or dynamic sampling's top-up)."""
-        prompt_ids = self.tokenize(multimodal_prompts(rows))  # with images: what TRL's step tokenizes
+        images = row_images(rows) or [None] * len(rows)
+        prompt_ids = self.tokenize(multimodal_prompts(rows, images))  # with images: what TRL's step tokenizes
         if self.group_size is None:  # a run of one prompt with the same images (equal ids may hold other images)
-            groups = _groups(rows, prompt_ids, image_keys(row_images(rows) or [None] * len(rows)))
+            groups = _groups(rows, prompt_ids, image_keys(images))
         else:
             groups = _chunks(rows, prompt_ids, self.group_size)
         with self._changed:
+            first = 0  # the group's first row in `rows`
             for group_rows, ids in groups:
-                images = image_urls((row_images(group_rows[:1]) or [None])[0])
-                self.pending.append(PromptGroup(self._read, group_rows, ids, images))
+                self.pending.append(PromptGroup(self._read, group_rows, ids, image_urls(images[first])))
                 self._read += 1
+                first += len(group_rows)
         self.pump()
 
     @property
