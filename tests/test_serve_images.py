@@ -130,31 +130,36 @@ def _data_url_part(image) -> dict:
     return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{pil_to_base64(image)}"}}
 
 
+def _server_run(tiny_vlm, tmp_path, servers, method="grpo", reward=_length_reward, dataset=None, **overrides):
+    """A trainer with images over `servers` (trl-scale serve), requests seeded (see NO_IMAGE_TOKENS)."""
+    from transformers import AutoProcessor
+
+    trainer_cls, config_cls = {
+        "grpo": (trl_scale.GRPOTrainer, trl_scale.GRPOConfig),
+        "rloo": (trl_scale.RLOOTrainer, trl_scale.RLOOConfig),
+    }[method]
+    settings = dict(
+        per_device_train_batch_size=4, num_generations=2, max_completion_length=6, use_vllm=True, vllm_mode="server",
+        vllm_server_base_urls=[s.url for s in servers], rollout_request_timeout=60, weight_sync_timeout=60,
+    ) | overrides  # fmt: skip
+    return trainer_cls(
+        model=tiny_vlm,
+        reward_funcs=reward,
+        args=config_cls(**cpu_args(tmp_path, **settings)),
+        train_dataset=dataset if dataset is not None else _image_prompts(16),
+        processing_class=AutoProcessor.from_pretrained(tiny_vlm),
+    )
+
+
 @pytest.mark.parametrize("method", ["grpo", "rloo"])
 def test_a_vision_language_policy_trains_over_two_servers(tiny_vlm, method, tmp_path):
     """GRPO and RLOO with images over two `trl-scale serve` servers through trl-scale's client (synchronous): each
     prompt's image rendered once and paired with its G completions' request, the servers' weights synced every step,
     and the sampler's log-probs the policy's (images included), within 1e-4."""
-    from transformers import AutoProcessor
-
     servers = start_servers(tiny_vlm, 2)
     try:
-        urls = [server.url for server in servers]
-        trainer_cls, config_cls = {
-            "grpo": (trl_scale.GRPOTrainer, trl_scale.GRPOConfig),
-            "rloo": (trl_scale.RLOOTrainer, trl_scale.RLOOConfig),
-        }[method]
-        settings = dict(
-            per_device_train_batch_size=4, num_generations=2, max_completion_length=6, max_steps=2, beta=0.05,
-            use_vllm=True, vllm_mode="server", vllm_server_base_urls=urls, rollout_request_timeout=60,
-            weight_sync_timeout=60, generation_kwargs={"seed": 0},  # see NO_IMAGE_TOKENS
-        )  # fmt: skip
-        trainer = trainer_cls(
-            model=tiny_vlm,
-            reward_funcs=_length_reward,
-            args=config_cls(**cpu_args(tmp_path, **settings)),
-            train_dataset=_image_prompts(16),
-            processing_class=AutoProcessor.from_pretrained(tiny_vlm),
+        trainer = _server_run(
+            tiny_vlm, tmp_path, servers, method, max_steps=2, beta=0.05, generation_kwargs={"seed": 0}
         )
         rendered = []
         render = trainer.vllm_generation.client.render
@@ -188,19 +193,10 @@ def test_a_vision_language_policy_streams_over_two_servers(tiny_vlm, tmp_path):
     processor = AutoProcessor.from_pretrained(tiny_vlm)
     servers = start_servers(tiny_vlm, 2)
     try:
-        settings = dict(
-            per_device_train_batch_size=4, num_generations=2, max_completion_length=6, max_steps=3, beta=0.0,
-            use_vllm=True, vllm_mode="server", vllm_server_base_urls=[s.url for s in servers],
-            async_rollout_staleness=1, rollout_request_timeout=60, weight_sync_timeout=60, shuffle_dataset=False,
-            generation_kwargs={"seed": 1},  # see NO_IMAGE_TOKENS
+        trainer = _server_run(
+            tiny_vlm, tmp_path, servers, max_steps=3, beta=0.0, async_rollout_staleness=1, shuffle_dataset=False,
+            generation_kwargs={"seed": 1}, dataset=_image_prompts(32),
         )  # fmt: skip
-        trainer = trl_scale.GRPOTrainer(
-            model=tiny_vlm,
-            reward_funcs=_length_reward,
-            args=trl_scale.GRPOConfig(**cpu_args(tmp_path, **settings)),
-            train_dataset=_image_prompts(32),
-            processing_class=processor,
-        )
         generation = trainer.vllm_generation
         rendered, render = [], generation.client.render
         generation.client.render = lambda images, row: rendered.append((row, tuple(images))) or render(images, row)
@@ -257,7 +253,7 @@ def test_a_server_killed_mid_stream_with_images_loses_and_duplicates_no_group(ti
     fail over to the other; every prompt group read is trained once, whole, and the run ends."""
     from collections import Counter
 
-    from transformers import AutoProcessor, TrainerCallback
+    from transformers import TrainerCallback
 
     trained: list[int] = []
 
@@ -268,19 +264,11 @@ def test_a_server_killed_mid_stream_with_images_loses_and_duplicates_no_group(ti
     dataset = _image_prompts(64).add_column("id", list(range(64)))
     servers = start_servers(tiny_vlm, 2)
     try:
-        settings = dict(
-            per_device_train_batch_size=4, num_generations=2, max_completion_length=4, max_steps=5, beta=0.0,
-            use_vllm=True, vllm_mode="server", vllm_server_base_urls=[s.url for s in servers],
-            async_rollout_staleness=1, rollout_request_timeout=30, weight_sync_timeout=60, shuffle_dataset=False,
-            generation_kwargs={"seed": 1},  # see NO_IMAGE_TOKENS
+        trainer = _server_run(
+            tiny_vlm, tmp_path, servers, reward=recorded_reward, dataset=dataset, max_completion_length=4,
+            max_steps=5, beta=0.0, async_rollout_staleness=1, rollout_request_timeout=30, shuffle_dataset=False,
+            generation_kwargs={"seed": 1},
         )  # fmt: skip
-        trainer = trl_scale.GRPOTrainer(
-            model=tiny_vlm,
-            reward_funcs=recorded_reward,
-            args=trl_scale.GRPOConfig(**cpu_args(tmp_path, **settings)),
-            train_dataset=dataset,
-            processing_class=AutoProcessor.from_pretrained(tiny_vlm),
-        )
 
         at_kill = {}
 
