@@ -134,8 +134,12 @@ def test_rewards_in_the_stream_equal_trls_on_the_same_completions(
     assert trainer.state.global_step == 3 and len(pairs) == 3
     for got, expected in pairs:
         assert got.shape == expected.shape == (8, len(functions))
-        assert not torch.isnan(expected[:, 0]).any() and (method == "ppo" or torch.isnan(expected[:, 2]).any())
+        assert not torch.isnan(expected[:, 0]).any()
         torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    # A missing reward (None: a completion whose first token is odd) came through somewhere in the run. Not asked of
+    # each call: a call's 8 sampled first tokens are all even now and then (measured 1 to 6 odd of 8 per call), and
+    # the per-call form of this check failed in the suite about once in ten runs.
+    assert method == "ppo" or any(torch.isnan(expected[:, 2]).any() for _, expected in pairs)
     # every call of every function ran in the stream, none in the trainer's thread
     names = {name for name, _ in calls.seen}
     assert names == {"length_reward", "async_parity"} | ({"sometimes_none"} if method != "ppo" else set())
