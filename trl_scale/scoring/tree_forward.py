@@ -19,6 +19,7 @@ from ..logs import get_logger
 from .packing import empty_forward_anchor
 from .support import PROBE_TOLERANCES, draws_random_numbers
 from .tree import PrefixTrie, TreeRows, sliding_window_of, why_not_tree
+from .tree_flex import flex_tree_kwargs, static_shapes
 from .tree_kernel import TREE_SEGMENTS_KWARG
 from .varlen import TREE_SDPA, VARLEN_SDPA, install_tree_attention, varlen_forward
 
@@ -42,7 +43,8 @@ class TreeMicroBatch:
 class TreeSupport:
     """Whether tree rows are exact for a backbone, with which kernel (probed once, cached on the backbone)."""
 
-    kernel: str | None  # "segments" (sdpa, varlen), "dense" (eager: a path mask), None: no tree kernel
+    # "segments" (sdpa, varlen), "blocks" (flex: a block mask), "dense" (eager: a path mask), None: no tree kernel
+    kernel: str | None
     exact: bool | None = None
     reason: str = ""
 
@@ -80,8 +82,8 @@ def rows_cost(lengths: list[int], hidden_size: int) -> float:
 
 
 def tree_cost(trees: list[TreeRows], kernel: str, hidden_size: int) -> float:
-    """The same for tree rows: tree segments attend to their path and causally within, a dense path mask to every
-    token of its trie."""
+    """The same for tree rows: tree segments (and flex's blocks, about as many pairs) attend to their path and
+    causally within, a dense path mask to every token of its trie."""
     cost = 0.0
     for tree in trees:
         cost += 6 * hidden_size * tree.num_tokens
@@ -104,6 +106,8 @@ def tree_support(backbone) -> TreeSupport:
             support = TreeSupport("segments")
         elif attention == "eager":
             support = TreeSupport("dense")
+        elif attention == "flex_attention":
+            support = TreeSupport("blocks")
         else:
             support = TreeSupport(None, exact=False, reason=f"attn_implementation={attention!r} takes no tree mask")
         backbone._trl_scale_tree_support = support
@@ -114,6 +118,8 @@ def tree_support(backbone) -> TreeSupport:
 
 def tree_forward_kwargs(tree: TreeRows, kernel: str, device: torch.device, dtype: torch.dtype) -> dict:
     """The backbone's keyword arguments for one trie's forward."""
+    if kernel == "blocks":
+        return flex_tree_kwargs(tree, device)
     kwargs = {
         "input_ids": tree.token_ids[None].to(device),
         "position_ids": tree.position_ids[None].to(device),
@@ -131,8 +137,9 @@ def tree_hidden(backbone, tree: TreeRows, kernel: str) -> torch.Tensor:
     """One trie's hidden states, ``[nodes, hidden]``."""
     parameter = next(backbone.parameters())
     kwargs = tree_forward_kwargs(tree, kernel, parameter.device, parameter.dtype)
-    with varlen_forward() if kernel == "segments" else nullcontext():
-        return backbone(**kwargs).last_hidden_state[0]
+    context = {"segments": varlen_forward, "blocks": static_shapes}.get(kernel, nullcontext)
+    with context():
+        return backbone(**kwargs).last_hidden_state[0, : tree.num_tokens]  # flex: without the padding
 
 
 def probe_tree(backbone, kernel: str | None) -> tuple[bool, str]:

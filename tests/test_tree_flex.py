@@ -1,0 +1,94 @@
+"""Tree rows on FlexAttention (`trl_scale.scoring.tree_flex`): the block mask built from the tree's intervals is the
+path rule's, and a flex model scores tree rows as TRL's padded forward does. On this CPU flex runs forward only
+(torch 2.13 has no flex backward on CPU): the gradients on flex are the GPU issue's."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch.nn.attention.flex_attention import create_block_mask
+from transformers import AutoModelForCausalLM
+from trl.trainer.utils import add_fused_lm_head
+
+from trl_scale.scoring import install_packed_scoring
+from trl_scale.scoring.tree import TreeRows
+from trl_scale.scoring.tree_flex import BLOCK, block_classes, padded_leave, padded_length, tree_block_mask
+
+from .test_tree_packing import _batch
+
+TOLERANCE = 1e-5
+
+
+def _random_tree(seed: int, rows: int, prompt: int, longest: int) -> TreeRows:
+    generator = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, 9, (prompt,), generator=generator)
+    made = []
+    for _ in range(rows):
+        cut = int(torch.randint(0, prompt + 1, (1,), generator=generator))  # some rows share only part of it
+        tail = torch.randint(0, 9, (int(torch.randint(1, longest, (1,), generator=generator)),), generator=generator)
+        made.append(torch.cat([shared[:cut], tail]))
+    return TreeRows.fold(made)
+
+
+@pytest.mark.parametrize("seed,rows,prompt,longest", [(0, 8, 300, 40), (1, 3, 20, 400), (2, 16, 130, 130)])
+def test_the_block_mask_is_the_path_rule_block_by_block(seed, rows, prompt, longest):
+    """The blocks classified from the tree's intervals equal those torch finds by evaluating the path rule on every
+    (query, key) pair, padding included (each padding token attends to itself only)."""
+    tree = _random_tree(seed, rows, prompt, longest)
+    length = padded_length(tree.num_tokens)
+    leave = padded_leave(tree, length)
+    q, k = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    dense = (k <= q) & (q < leave[None, :])
+    n = tree.num_tokens
+    assert torch.equal(dense[:n, :n], tree.on_path())
+    assert torch.equal(dense[n:, n:], torch.eye(length - n, dtype=bool))
+    assert not dense[n:, :n].any() and not dense[:n, n:].any()
+
+    expected = create_block_mask(lambda b, h, qi, ki: dense[qi, ki], 1, None, length, length, device="cpu")
+    mine = tree_block_mask(tree, torch.device("cpu"))
+    assert torch.equal(mine.to_dense(), expected.to_dense())  # every block flex visits (partial or full)
+    partial, full = block_classes(leave)
+    blocks = length // BLOCK
+    expected_full = torch.zeros(blocks, blocks, dtype=torch.bool)
+    for row in range(blocks):
+        count = int(expected.full_kv_num_blocks[0, 0, row])
+        expected_full[row, expected.full_kv_indices[0, 0, row, :count]] = True
+    assert torch.equal(full, expected_full) and not (partial & full).any()
+    assert torch.equal(mine.mask_mod(0, 0, q, k), dense)  # the rule flex applies inside the partial blocks
+
+
+def test_lengths_are_bucketed_into_few_shapes():
+    buckets = {padded_length(n) for n in range(1, 40_000)}
+    assert len(buckets) <= 30 and all(b % BLOCK == 0 for b in buckets)
+    assert all(padded_length(n) >= n and padded_length(n) <= max(BLOCK * 2, n * 1.5 + BLOCK) for n in range(1, 9000))
+
+
+def _flex_and_padded(path):
+    flex = AutoModelForCausalLM.from_pretrained(path, attn_implementation="flex_attention").eval()
+    padded = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+    for model in (flex, padded):
+        add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    config = install_packed_scoring(flex, temperature=0.7, outputs=("entropy",), tree_packing=True)
+    return flex, padded, config
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tree_rows_on_flex_score_as_trls_padded_forward(zoo, family):
+    """A group, a DPO-like pair and a conversation's turns as tree rows on flex attention: log-probs and entropies
+    within 1e-5 of TRL's padded sdpa forward; two calls of different lengths in one bucket compile once."""
+    flex, padded, config = _flex_and_padded(zoo(family))
+    with torch.no_grad():
+        # different lengths in one bucket (a block), then a longer call (another bucket, compiled static)
+        for seed, longest in ((0, 8), (1, 10), (2, 160)):
+            ids, mask, labels = _batch(seed, prompt=longest - 4, longest=longest)
+            got = flex(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+            expected = padded(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+            stats = config.stats.pop()
+            assert stats["tree_packing/fraction_of_calls"] == 1.0 and stats["tree_packing/share_ratio"] > 1.3
+            real = expected.label_mask.bool()
+            for name in ("log_probs", "entropy"):
+                difference = (getattr(got, name) - getattr(expected, name))[real].abs().max().item()
+                assert difference <= TOLERANCE, (name, difference)
+            if seed == 0:
+                graphs = counters["stats"]["unique_graphs"]
+            if seed == 1:
+                assert counters["stats"]["unique_graphs"] == graphs  # the second length ran the first one's kernel
