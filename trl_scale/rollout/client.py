@@ -44,6 +44,8 @@ VERSION_PREFIX = "trl-scale-"  # every weight version this run names (and, under
 SERVER_KEY = "_trl_scale_server"  # set on each returned choice: the server that generated it
 
 
+REDRAWS = 8  # draws of one answer that may hold a token of `redraw_tokens` before the run stops
+
 # 4xx answers that mean "not now" rather than "not this request": failed over like a 5xx (every other 4xx is final:
 # another server would refuse the same request).
 RETRYABLE = (408, 429)
@@ -98,7 +100,11 @@ class RolloutClient:
         generation_timeout: float | None = None,
         load_timeout: float = 900.0,
         routing: RoutingPolicy | str = "latency",
+        redraw_tokens: frozenset[int] = frozenset(),
     ):
+        """`redraw_tokens`: token ids a completion must not hold; an answer that samples one is drawn again (a
+        vision-language policy's image token: TRL's step cannot pair it with an image, and TRL's local generation
+        suppresses it)."""
         if not base_urls:
             raise ValueError("vllm_server_base_urls is empty: give at least one server URL")
         self.servers = [ServerState(url.rstrip("/")) for url in base_urls]
@@ -121,6 +127,8 @@ class RolloutClient:
         # that talk to running servers (`trl-scale rollout`) set this to fail at once.
         self.refused_is_definite = False
         self.answers_continued = 0  # cut answers continued (partial rollout): `complete(continue_cut=True)`
+        self.redraw_tokens = frozenset(redraw_tokens)
+        self.answers_redrawn = 0  # answers that sampled one of `redraw_tokens`, drawn again
         self._busy_read = ([0.0] * len(self.servers), time.monotonic())  # `busy_fractions`' last reading
 
     @property
@@ -156,13 +164,15 @@ class RolloutClient:
         model: str | None = None,
         on_dispatch=None,
         continue_cut: bool = False,
+        _draws: int = 0,
         **sampling,
     ) -> list[dict]:
         """One `/v1/completions` request for one prompt, routed and retried; returns vLLM-shaped choices. Waiting
         for a server to take it is bounded by `request_timeout` (again after each failover), its generation by
         `generation_timeout`; each server is tried at most once per round. `on_dispatch()` is called right before
         each send (a failover sends again). An answer the server cut (finish_reason "abort") is sent again whole,
-        or, with `continue_cut` (partial rollout), continued from where it stopped (`_continued`)."""
+        or, with `continue_cut` (partial rollout), continued from where it stopped (`_continued`). An answer
+        holding a token of `redraw_tokens` is drawn again (`_redrawn`; `_draws`: the draws so far)."""
         deadline = time.monotonic() + self.request_timeout
         tried: set[str] = set()
         errors = []
@@ -187,7 +197,9 @@ class RolloutClient:
                 deadline = time.monotonic() + self.request_timeout  # the failover waits afresh
                 continue
             if continue_cut and any(c.get("finish_reason") == "abort" for c in choices):
-                return self._all_continued(prompt, choices, model, sampling)  # this server's part is done
+                choices = self._all_continued(prompt, choices, model, sampling)  # this server's part is done
+            if self.redraw_tokens:
+                choices = self._redrawn(prompt, choices, model, sampling, continue_cut, _draws)
             return choices
         limit = "no limit" if self.generation_timeout is None else f"{self.generation_timeout:g}s"
         raise RolloutError(
@@ -213,6 +225,36 @@ class RolloutClient:
         for choice in choices:
             choice[SERVER_KEY] = server.url
         return choices
+
+    def _redrawn(self, prompt, choices: list[dict], model, sampling: dict, continue_cut: bool, draws: int) -> list:
+        """`choices`, each holding a token of `redraw_tokens` drawn again (its own seed), up to `REDRAWS` times in
+        all: the answers kept are the sampler's, conditioned on holding none (every token keeps its log-prob)."""
+        kept = []
+        for choice in choices:
+            if not self.redraw_tokens.intersection(choice["token_ids"]):
+                kept.append(choice)
+                continue
+            with self._lock:
+                first = self.answers_redrawn == 0
+                self.answers_redrawn += 1
+            if first:
+                logger.warning(
+                    f"{choice.get(SERVER_KEY)} sampled a token of {sorted(self.redraw_tokens)} (a vision-language "
+                    "policy's image token, which TRL's step cannot pair with an image); the answer is drawn again. "
+                    "Said once; RolloutClient.answers_redrawn counts them."
+                )
+            if draws >= REDRAWS:
+                raise RolloutError(
+                    f"the policy sampled a token of {sorted(self.redraw_tokens)} in {REDRAWS} draws of one answer "
+                    "in a row (its image token: TRL's step cannot pair it with an image). Fix: lower the "
+                    "temperature, or train the policy on answers without it first"
+                )
+            redraw = dict(sampling)
+            if sampling.get("seed") is not None:  # its own draws, not the first answer's again
+                redraw["seed"] = continued_seed(sampling["seed"], -draws - 1)
+            (again,) = self.complete(prompt, 1, model, continue_cut=continue_cut, _draws=draws + 1, **redraw)
+            kept.append({**again, "index": choice.get("index", again.get("index"))})
+        return kept
 
     def _all_continued(self, prompt: list[int], choices: list[dict], model: str | None, sampling: dict) -> list:
         """Each cut choice continued (`_continued`), at the same time: one thread each (not the request pool, which

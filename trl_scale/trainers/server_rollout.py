@@ -33,6 +33,20 @@ def claimed_weight_dir(args, run_id: str) -> WeightDirectory | None:
     return weight_dir
 
 
+def image_tokens(trainer) -> frozenset[int]:
+    """The token ids a completion must not hold (an answer that samples one is drawn again): a vision-language
+    policy's image token, which TRL's local generation suppresses (`suppress_tokens`, for a processor), so that
+    TRL's step never meets an image token without an image."""
+    from transformers import ProcessorMixin
+
+    token = getattr(trainer.model.config, "image_token_id", None)
+    return (
+        frozenset([token])
+        if isinstance(trainer.processing_class, ProcessorMixin) and token is not None
+        else frozenset()
+    )
+
+
 def _read_ahead(trainer):
     """The read-ahead engine: None in a synchronous run, and on a sequence-parallel group's other ranks."""
     ahead = trainer.vllm_generation.ahead
@@ -121,6 +135,7 @@ class ServerRollout(Feature):
                 max_inflight_per_server=args.rollout_max_inflight_per_server,
                 generation_timeout=args.rollout_generation_timeout or 120.0 + 0.25 * args.max_completion_length,
                 load_timeout=args.weight_load_timeout,
+                redraw_tokens=image_tokens(trainer),
             )
             # GRPO and PPO: TRL's correction (TRL asks for the log-probs whenever it has one); RLOO: trl-scale's,
             # for prefetched completions only (a synchronous RLOO run asks for none, as TRL's)
