@@ -23,11 +23,11 @@ def vlm_server(tiny_vlm):
     server.stop()
 
 
-# The tiny model's answers are random tokens, and one may be its image token (1 in 433): TRL's step then finds more
-# image tokens than images and stops ("Image features and image tokens do not match"), as it would with any policy
-# that wrote one. Requests are seeded (each its own seed, the same in every run), so the answers are the same on
-# every run and hold none (seed 0 draws one in the streaming run: its seed is 1).
-NO_IMAGE_TOKENS = True
+# The tiny model's answers are random tokens, and one may be its image token (1 in 433): trl-scale's client draws
+# such an answer again (test_an_answer_holding_an_image_token_is_drawn_again), where TRL's step would
+# stop ("Image features and image tokens do not match"). Requests are seeded (each its own seed, the same in every
+# run), so the answers are the same on every run; the runs below other than that test's hold none.
+SEEDED_REQUESTS = True
 
 
 def _image(colour: tuple[int, int, int], size: int = 28) -> Image.Image:
@@ -131,7 +131,7 @@ def _data_url_part(image) -> dict:
 
 
 def _server_run(tiny_vlm, tmp_path, servers, method="grpo", reward=_length_reward, dataset=None, **overrides):
-    """A trainer with images over `servers` (trl-scale serve), requests seeded (see NO_IMAGE_TOKENS)."""
+    """A trainer with images over `servers` (trl-scale serve), requests seeded (see SEEDED_REQUESTS)."""
     from transformers import AutoProcessor
 
     trainer_cls, config_cls = {
@@ -293,3 +293,69 @@ def test_a_server_killed_mid_stream_with_images_loses_and_duplicates_no_group(ti
     dead, alive = trainer.vllm_generation.client.servers
     assert servers[0].process.poll() is not None and 0 < at_kill[dead.url][0] <= dead.served <= at_kill[dead.url][1]
     assert alive.served > at_kill[alive.url][1]  # the groups after the kill went to the other server
+
+
+def test_an_answer_holding_an_image_token_is_drawn_again(tiny_vlm, tmp_path):
+    """A sampled image token would reach TRL's step without an image ("Image features and image tokens do not
+    match": TRL's local generation suppresses the token, its server path does not). trl-scale's client draws such an
+    answer again: the run trains on, on answers without it. Seed 0 draws one in this run (asserted)."""
+    servers = start_servers(tiny_vlm, 2)
+    try:
+        trainer = _server_run(
+            tiny_vlm, tmp_path, servers, max_steps=3, beta=0.0, async_rollout_staleness=1, shuffle_dataset=False,
+            generation_kwargs={"seed": 0}, dataset=_image_prompts(32),
+        )  # fmt: skip
+        trainer.train()
+    finally:
+        for server in servers:
+            server.stop()
+    assert trainer.state.global_step == 3 and trainer.vllm_generation.client.answers_redrawn > 0
+
+
+def test_a_policy_that_keeps_sampling_its_image_token_stops_the_run_naming_the_fix(monkeypatch):
+    """Redraws are bounded: an answer that holds the image token in every draw fails with the fix named, and each
+    redraw has its own seed."""
+    from trl_scale.errors import RolloutError
+    from trl_scale.rollout import client as client_module
+
+    client = client_module.RolloutClient(["http://127.0.0.1:9"], redraw_tokens=frozenset([7]))
+    seeds = []
+
+    def answer(server, payload, continue_cut, on_dispatch):
+        seeds.append(payload.get("seed"))
+        client._release(server, ok=True)
+        return [{"token_ids": [1, 7, 2], "finish_reason": "stop", "index": 0}]
+
+    monkeypatch.setattr(client, "_send", answer)
+    try:
+        with pytest.raises(RolloutError, match=r"in 8 draws of one answer in a row.*Fix: lower the temperature"):
+            client.complete([1, 2], 1, seed=5)
+    finally:
+        client.close()
+    assert len(seeds) == client_module.REDRAWS + 1 and len(set(seeds)) == len(seeds)
+    assert client.answers_redrawn == client_module.REDRAWS + 1
+
+
+def test_a_peaked_policys_sampler_log_probs_are_its_own(tiny_vlm, tmp_path):
+    """The sampler's log-probs are the policy's (<= 1e-4) on a policy whose answers are peaked. A random tiny
+    model's near-uniform answers hide a wrong logit transform (its logits are too small for soft-capping to matter):
+    the tiny VLM's text config once carried a soft-cap that Gemma3ForConditionalGeneration never applies, and the
+    trainer's head did (2e-3 off after the visual task's warm-up; 3e-5 on the random model)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)  # logits of ~10: a peaked distribution
+    sharp = str(tmp_path / "sharp")
+    model.save_pretrained(sharp)
+    AutoProcessor.from_pretrained(tiny_vlm).save_pretrained(sharp)
+    servers = start_servers(sharp, 1)
+    try:
+        trainer = _server_run(sharp, tmp_path / "out", servers, max_steps=1, beta=0.0, generation_kwargs={"seed": 0})
+        trainer.train()
+    finally:
+        for server in servers:
+            server.stop()
+    log = trainer.state.log_history[0]
+    assert log["entropy"] < 2.5, log["entropy"]  # the check has teeth: answers are far from uniform
+    assert log["sampling/sampling_logp_difference/max"] <= 1e-4, log["sampling/sampling_logp_difference/max"]

@@ -181,12 +181,15 @@ def build_tiny_vlm(
     output_dir = os.fspath(output_dir)
     tokenizer = build_tokenizer(words, model_special_tokens=_GEMMA3_IMAGE_TOKENS)
     tokenizer.chat_template = vlm_chat_template(tokenizer.boi_token)
+    # No final soft-capping, as Gemma 3's checkpoints: Gemma3ForConditionalGeneration never applies it (only the
+    # text-only Gemma3ForCausalLM does), while TRL's fused head, trl-scale's and vLLM's read it from the text config,
+    # so a value here would score other log-probs than the model samples (measured: 2e-3 on a trained tiny VLM).
     text_config = tiny_config(
         "gemma3",
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **text_config_kwargs,
+        **({"final_logit_softcapping": None} | text_config_kwargs),
     )
     vision_config = transformers.SiglipVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=7
