@@ -23,6 +23,7 @@ from .tasks import (  # noqa: E402
     number_word_corpus,
     preference_pairs,
 )
+from .visual import squares_prompts, squares_reward, warm_up_vlm  # noqa: E402
 
 __all__ += [
     "COUNT_TARGET_LENGTH",
@@ -33,4 +34,7 @@ __all__ += [
     "expected_continuation",
     "number_word_corpus",
     "preference_pairs",
+    "squares_prompts",
+    "squares_reward",
+    "warm_up_vlm",
 ]

@@ -1,0 +1,100 @@
+"""A toy visual task for tiny vision-language models (:func:`.models.build_tiny_vlm`): count the coloured squares.
+
+Each image is 28x28 white with one to three coloured squares in distinct cells of a 4x4 grid; the prompt asks how
+many, the answer is a number word. The reward is 1 when a completion's first word is the count. A warm-up
+(:func:`warm_up_vlm`) teaches the policy to answer with one of the three words, drawn at random whatever the image,
+so it starts at about 1/3: what it gains past that, it can only read from the image.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from datasets import Dataset
+from PIL import Image
+
+from .tokenizer import NUMBER_WORDS
+
+COUNTS = (1, 2, 3)
+_CELL = 7  # 28 / 4
+_COLOURS = ((210, 40, 40), (40, 70, 210), (40, 170, 70))
+
+
+def squares_image(count: int, rng: random.Random, size: int = 28) -> Image.Image:
+    """`count` coloured 5x5 squares in distinct cells of a 4x4 grid (a random colour each), on white."""
+    image = Image.new("RGB", (size, size), (255, 255, 255))
+    for cell in rng.sample(range(16), count):
+        left, top = (cell % 4) * _CELL, (cell // 4) * _CELL
+        colour = _COLOURS[0]
+        for x in range(left, left + _CELL):
+            for y in range(top, top + _CELL):
+                image.putpixel((x, y), colour)
+    return image
+
+
+def squares_prompts(num_prompts: int = 256, seed: int = 0) -> Dataset:
+    """Conversational prompts with an ``image`` column (TRL turns it into content) and the ``answer`` word."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_prompts):
+        count = rng.choice(COUNTS)
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": " count"}],
+                "image": squares_image(count, rng),
+                "answer": NUMBER_WORDS[count],
+            }
+        )
+    return Dataset.from_list(rows)
+
+
+def squares_reward(completions: list, answer: list[str], **kwargs) -> list[float]:
+    """1.0 where a completion's first word is its row's answer (TRL reward signature; conversational or text)."""
+    rewards = []
+    for completion, expected in zip(completions, answer):
+        text = completion[-1]["content"] if isinstance(completion, list) else completion
+        words = text.split()
+        rewards.append(1.0 if words and words[0] == expected else 0.0)
+    return rewards
+
+
+def warm_up_vlm(
+    model,
+    processor,
+    steps: int = 40,
+    batch_size: int = 16,
+    learning_rate: float = 3e-3,
+    seed: int = 1,
+    right_answers: bool = False,
+) -> float:
+    """A short supervised pass teaching the answer's form: the task's prompts answered with a number word drawn at
+    random (`right_answers`: the count), then the end token. Returns the last loss."""
+    rng = random.Random(seed)
+    dataset = squares_prompts(steps * batch_size, seed=seed + 1000)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    tokenizer = processor.tokenizer
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for step in range(steps):
+        rows = dataset.select(range(step * batch_size, (step + 1) * batch_size))
+        texts = []
+        for row in rows:
+            messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " count"}]}]
+            prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            word = row["answer"] if right_answers else NUMBER_WORDS[rng.choice(COUNTS)]
+            texts.append(prompt + word + tokenizer.eos_token)
+        batch = processor(
+            text=texts, images=[[row["image"]] for row in rows], return_tensors="pt", padding=True,
+            padding_side="right",
+        )  # fmt: skip
+        labels = torch.full_like(batch["input_ids"], -100)
+        ends = batch["attention_mask"].sum(1)
+        for row, end in enumerate(ends.tolist()):
+            labels[row, end - 2 : end] = batch["input_ids"][row, end - 2 : end]  # the answer word and the end
+        loss = model(**batch, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    return loss.item()
