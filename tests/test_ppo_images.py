@@ -166,13 +166,3 @@ def test_image_datasets_are_refused_where_ray_groups_would_drop_the_images(tiny_
             args=trl_scale.PPOConfig(**cpu_args(tmp_path, max_completion_length=6, backend="ray")),
             train_dataset=_image_prompts(4),
         )
-    with pytest.raises(ValueError, match=r"\[.image.\], and reference_placement.*reference_placement=None"):
-        trl_scale.GRPOTrainer(
-            model=tiny_vlm,
-            reward_funcs=_length_reward,
-            args=trl_scale.GRPOConfig(
-                **cpu_args(tmp_path, max_completion_length=6, backend="ray", beta=0.1),
-                reference_placement={"num_workers": 1},
-            ),
-            train_dataset=_image_prompts(4),
-        )

@@ -379,6 +379,47 @@ def test_a_reference_on_its_own_group_gives_the_local_kl(method, tiny_llama, tmp
             assert g[key] == pytest.approx(e[key], abs=1e-5), (key, g[key], e[key])
 
 
+def test_a_vision_language_reference_on_its_own_group_gives_the_local_kl(tiny_vlm, tmp_path, monkeypatch):
+    """Images reach the reference on its Ray group, each worker's rows with their own images: GRPO's losses, grad
+    norms and KL equal the trainer-side reference's (<= 1e-5), and red when the images reach other rows."""
+    from transformers import AutoProcessor
+
+    from trl_scale.distributed.roles import RayReference
+    from trl_scale.distributed.row_images import RowImages
+
+    from .test_ppo_images import _image_prompts, _length_reward
+
+    def run(out, **fields):
+        config = trl_scale.GRPOConfig(
+            **cpu_args(out, max_steps=2, max_completion_length=6, num_generations=2, per_device_train_batch_size=6,
+                       beta=0.1),
+            **fields,
+        )  # fmt: skip
+        trainer = trl_scale.GRPOTrainer(
+            model=tiny_vlm, reward_funcs=_length_reward, args=config, train_dataset=_image_prompts(24),
+            processing_class=AutoProcessor.from_pretrained(tiny_vlm),
+        )  # fmt: skip
+        trainer.train()
+        return trainer
+
+    keys = ("loss", "grad_norm", "kl")
+    placement = {"num_workers": 2, "num_cpus_per_worker": 0.5}
+    local = step_logs(run(tmp_path / "local"), keys)
+    remote_trainer = run(tmp_path / "ray", backend="ray", reference_placement=placement, ray_call_timeout=120)
+    assert isinstance(remote_trainer.ref_model, RayReference)
+    remote = step_logs(remote_trainer, keys)
+    assert len(local) == 2 and abs(local[1]["kl"]) > 0  # a real KL after a step
+    for e, g in paired(local, remote):
+        for key in keys:
+            assert g[key] == pytest.approx(e[key], abs=1e-5), (key, g[key], e[key])
+
+    # each worker given the other's rows' images (as many): another KL
+    split = RowImages.split
+    monkeypatch.setattr(RowImages, "split", lambda self, n: split(self, n)[::-1])
+    swapped = run(tmp_path / "swapped", backend="ray", reference_placement=placement, ray_call_timeout=120)
+    assert abs(step_logs(swapped, keys)[1]["kl"] - local[1]["kl"]) > 1e-4
+
+
 def test_reference_placement_needs_the_ray_backend(tmp_path):
     with pytest.raises(ValueError, match="reference_placement places the reference on a Ray group"):
         trl_scale.GRPOConfig(output_dir=str(tmp_path), bf16=False, reference_placement={"num_workers": 1})

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..scoring.packing import UnpaddedRows
+from .row_images import RowImages
 
 if TYPE_CHECKING:
     from ..scoring import ScoringSettings
@@ -56,9 +57,12 @@ class RoleRows:
     returns: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     loss_scale: float = 1.0
+    images: RowImages | None = None  # the rows' image inputs (the reference of a vision-language policy)
 
     def split(self, n: int) -> list[RoleRows]:
         rows = self.rows.split(n)
+        if self.images is not None:
+            return [replace(self, rows=r, images=i) for r, i in zip(rows, self.images.split(n))]
         if self.mask is None:
             return [replace(self, rows=r) for r in rows]
         parts = zip(rows, self.old_values.tensor_split(n), self.returns.tensor_split(n), self.mask.tensor_split(n))
@@ -129,16 +133,16 @@ class ReferenceWorker(RoleWorker):
 
     def __init__(self, role: str, model_path: str, settings: ReferenceWorkerSettings):
         super().__init__(role, settings)
-        from transformers import AutoModelForCausalLM
-        from trl.trainer.utils import add_fused_lm_head
+        from trl.trainer.utils import add_fused_lm_head, create_model_from_path
 
         from ..scoring import install_packed_scoring
 
         dtype = settings.dtype
         dtype = getattr(torch, dtype) if dtype not in (None, "auto") else dtype
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=dtype, attn_implementation=settings.attn_implementation
-        ).to(self.device)
+        # as TRL builds its reference: the checkpoint's own architecture (a vision-language model's included)
+        model = create_model_from_path(model_path, dtype=dtype, attn_implementation=settings.attn_implementation).to(
+            self.device
+        )
         model.eval()
         scoring = settings.scoring  # the trainer's ScoringSettings: scored as the policy is
         add_fused_lm_head(model, temperature=scoring.temperature, cast_lm_head_to_fp32=scoring.cast_lm_head_to_fp32)
@@ -157,9 +161,10 @@ class ReferenceWorker(RoleWorker):
             input_ids, attention_mask = piece.rows.to_padded(device=self.device)
             labels = input_ids.masked_fill(attention_mask == 0, -100)
             labels[:, : -piece.num_tokens] = -100
+            images = piece.images.model_inputs(self.device) if piece.images is not None else {}
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
                 output = self.model(
-                    input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True
+                    input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True, **images
                 )
             out.append(output.log_probs[:, -piece.num_tokens :].float().cpu())
         return out

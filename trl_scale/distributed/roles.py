@@ -17,6 +17,7 @@ from ..scoring.packing import UnpaddedRows
 from .main_process import call_on_main, run_on_main
 from .ray_backend import RoleGroup, init_ray
 from .role_workers import ReferenceWorkerSettings, RewardWorkerSettings, RoleRows
+from .row_images import RowImages
 
 
 def per_row_forward(group: RoleGroup, method: str, pieces: list[RoleRows]) -> list[torch.Tensor]:
@@ -36,9 +37,11 @@ class RayReference:
     def __init__(self, group: RoleGroup | None):
         self.group = group  # None on every process but the main one
 
-    def logps(self, input_ids, attention_mask, logits_to_keep: int) -> torch.Tensor:
+    def logps(self, input_ids, attention_mask, logits_to_keep: int, images: RowImages | None = None) -> torch.Tensor:
+        """The reference's log-probs of each row's last `logits_to_keep` tokens; `images`: the rows' image inputs
+        (each worker gets its rows' own)."""
         rows = UnpaddedRows.from_padded(input_ids, attention_mask)
-        piece = RoleRows(rows, input_ids.size(1) - logits_to_keep, logits_to_keep)
+        piece = RoleRows(rows, input_ids.size(1) - logits_to_keep, logits_to_keep, images=images)
         return call_on_main(piece, lambda pieces: per_row_forward(self.group, "logps", pieces)).to(input_ids.device)
 
 

@@ -99,12 +99,6 @@ class OnlineTrainerMixin(OnlineHooks):
             check_lora_sync(arguments)
         reward_funcs = remote_reward_funcs(arguments.get("reward_funcs"), config)
         arguments["reward_funcs"] = checked_reward_funcs(reward_funcs)
-        if remote_reference and plan.images:
-            raise ValueError(
-                f"this dataset has image columns {list(plan.images)}, and reference_placement puts the reference "
-                "model on a Ray group that scores token rows only: its KL would ignore the images. Fix: "
-                "reference_placement=None (the reference stays in the trainer and gets the images, as in TRL)"
-            )
         # With server rollout, TRL's vLLM path stays off while it builds: no vLLM import, no CUDA-only communicator.
         # With a remote reference, TRL builds none (beta=0 while it builds) and the reference group stands in.
         with (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..distributed.role_workers import ReferenceWorkerSettings
 from ..distributed.roles import RayReference, start_reference
+from ..distributed.row_images import RowImages
 from ..scoring import ScoringSettings
 from ..scoring.varlen import plain_attention
 from .feature import Feature, Patch
@@ -32,8 +33,9 @@ class RemoteReference(Feature):
         trainer.ref_model = start_remote_reference(trainer)
 
     def scoring(self, trainer, proceed, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        if isinstance(model, RayReference):
-            return model.logps(input_ids, attention_mask, logits_to_keep), None, None
+        if isinstance(model, RayReference):  # TRL passes the image inputs by name, with `num_images`
+            images = RowImages.from_kwargs(kwargs, input_ids.size(0))
+            return model.logps(input_ids, attention_mask, logits_to_keep, images), None, None
         return proceed(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
 
 
