@@ -156,13 +156,3 @@ def test_a_text_only_critic_is_refused_for_an_image_dataset(tiny_vlm, tiny_llama
             args=trl_scale.PPOConfig(**cpu_args(tmp_path, max_completion_length=6)),
             train_dataset=_image_prompts(4),
         )
-
-
-def test_image_datasets_are_refused_where_ray_groups_would_drop_the_images(tiny_vlm, tmp_path):
-    with pytest.raises(ValueError, match=r"image columns \['image'\], and backend='ray'.*Fix: backend='local'"):
-        trl_scale.PPOTrainer(
-            model=tiny_vlm,
-            reward_funcs=_length_reward,
-            args=trl_scale.PPOConfig(**cpu_args(tmp_path, max_completion_length=6, backend="ray")),
-            train_dataset=_image_prompts(4),
-        )

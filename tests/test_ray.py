@@ -420,6 +420,34 @@ def test_a_vision_language_reference_on_its_own_group_gives_the_local_kl(tiny_vl
     assert abs(step_logs(swapped, keys)[1]["kl"] - local[1]["kl"]) > 1e-4
 
 
+def test_a_vision_language_critic_on_its_own_group_gives_the_local_critic(tiny_vlm, tmp_path, monkeypatch):
+    """PPO with images and its critic on 2 Ray workers: each worker's rows come with their own images; losses, grad
+    norms and the value loss equal the local critic's (<= 1e-5), and red when the workers get each other's images."""
+    from trl_scale.distributed.row_images import RowImages
+
+    from .test_ppo_images import _ppo as image_ppo
+
+    keys = ("loss", "grad_norm", "loss/value", "objective/kl")
+    placement = {"num_workers": 2, "num_cpus_per_worker": 0.5}
+
+    def run(out, **fields):
+        trainer = image_ppo(tiny_vlm, out, max_steps=2, optim="sgd", ray_call_timeout=120, **fields)
+        trainer.train()
+        return step_logs(trainer, keys)
+
+    local = run(tmp_path / "local")
+    remote = run(tmp_path / "ray", backend="ray", critic_placement=placement)
+    assert len(local) == 2 and local[1]["loss/value"] > 0
+    for e, g in paired(local, remote):
+        for key in keys:
+            assert g[key] == pytest.approx(e[key], abs=1e-5), (key, g[key], e[key])
+
+    split = RowImages.split
+    monkeypatch.setattr(RowImages, "split", lambda self, n: split(self, n)[::-1])  # each worker the other's images
+    swapped = run(tmp_path / "swapped", backend="ray", critic_placement=placement)
+    assert abs(swapped[0]["loss/value"] - local[0]["loss/value"]) > 1e-4
+
+
 def test_reference_placement_needs_the_ray_backend(tmp_path):
     with pytest.raises(ValueError, match="reference_placement places the reference on a Ray group"):
         trl_scale.GRPOConfig(output_dir=str(tmp_path), bf16=False, reference_placement={"num_workers": 1})

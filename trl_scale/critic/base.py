@@ -43,6 +43,18 @@ class CriticSettings:
         )
 
 
+# Image inputs that only say how the others split by rows (TRL's names): a critic's forward takes the rest; a critic
+# on a Ray group reads them to give each worker its rows' images.
+ROW_SLICING_FIELDS = ("num_images", "num_tiles")
+
+
+def forward_images(multimodal_inputs: dict | None) -> dict | None:
+    """What a critic's backbone takes of a call's image inputs (the row-slicing fields left out)."""
+    if not multimodal_inputs:
+        return None
+    return {key: value for key, value in multimodal_inputs.items() if key not in ROW_SLICING_FIELDS} or None
+
+
 @dataclass(frozen=True)
 class CriticBatch:
     """What one value-loss micro-step (or a part of one) reads: padded rows (``[B, P + T]``: prompt, then completion),

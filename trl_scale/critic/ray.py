@@ -15,6 +15,7 @@ from ..distributed.main_process import call_on_main, run_on_main, start_on_main
 from ..distributed.ray_backend import RoleGroup, init_ray
 from ..distributed.role_workers import RoleRows
 from ..distributed.roles import per_row_forward, saved_model_dir
+from ..distributed.row_images import RowImages
 from ..scoring.packing import UnpaddedRows
 from .base import CriticBatch, CriticSettings
 from .holders import read_optimizer_files, write_optimizer_files
@@ -30,15 +31,6 @@ class _MovedTo:
     def result(self):
         loss, stats = self.pending.result()
         return loss.to(self.device), {k: v.to(self.device) for k, v in stats.items()}
-
-
-def _refuse_multimodal(multimodal_inputs: dict | None) -> None:
-    """Role groups receive token rows only; image inputs would be dropped (PPOTrainer refuses them earlier)."""
-    if multimodal_inputs:
-        raise ValueError(
-            f"a critic on a Ray role group does not take image inputs ({sorted(multimodal_inputs)}). Fix: "
-            "backend='local' for vision-language PPO"
-        )
 
 
 class RayCritic:
@@ -57,14 +49,14 @@ class RayCritic:
     def values(
         self, input_ids, attention_mask, prompt_len: int, num_tokens: int, multimodal_inputs: dict | None = None
     ) -> torch.Tensor:
-        _refuse_multimodal(multimodal_inputs)
-        piece = RoleRows(UnpaddedRows.from_padded(input_ids, attention_mask), prompt_len, num_tokens)
+        rows = UnpaddedRows.from_padded(input_ids, attention_mask)
+        images = RowImages.from_kwargs(multimodal_inputs or {}, input_ids.size(0))  # each worker its rows' own
+        piece = RoleRows(rows, prompt_len, num_tokens, images=images)
         return call_on_main(piece, lambda pieces: per_row_forward(self.group, "values", pieces)).to(input_ids.device)
 
     def step_async(self, batch: CriticBatch, train: bool = True):
         """Start the critic's update on its group and return at once; `.result()` waits (bounded) for it, so the
         policy's update runs meanwhile. A collective: every rank calls it, then `.result()`, in the same order."""
-        _refuse_multimodal(batch.multimodal_inputs)
         piece = RoleRows(
             UnpaddedRows.from_padded(batch.input_ids, batch.attention_mask),
             batch.prompt_len,
@@ -73,6 +65,7 @@ class RayCritic:
             batch.returns.detach().cpu(),
             batch.mask.detach().cpu(),
             batch.loss_scale,
+            RowImages.from_kwargs(batch.multimodal_inputs or {}, batch.input_ids.size(0)),
         )
         pending = start_on_main(piece, lambda pieces: self._start_step(pieces, train))
         return _MovedTo(pending, batch.input_ids.device)

@@ -7,7 +7,7 @@ import torch
 
 from .. import ppo_core
 from ..scoring import ScoringSettings, token_scores, use_packing
-from .base import CriticBatch, CriticSettings, CriticSharding, Finished
+from .base import CriticBatch, CriticSettings, CriticSharding, Finished, forward_images
 
 
 def completion_values(
@@ -24,8 +24,9 @@ def completion_values(
     the token (prompts are left-padded to ``prompt_len``, completions follow), scored as ``scoring`` says.
     ``multimodal_inputs`` are the policy's image inputs for these rows (``pixel_values``, ``token_type_ids``, ...),
     passed to the backbone."""
+    images = forward_images(multimodal_inputs)
     values = token_scores(
-        critic.base_model, critic.score, input_ids, attention_mask, scoring, multimodal_inputs, sequence_parallel
+        critic.base_model, critic.score, input_ids, attention_mask, scoring, images, sequence_parallel
     )
     return values[:, prompt_len - 1 : prompt_len - 1 + num_tokens]
 

@@ -59,7 +59,10 @@ class CriticWorker(RoleWorker):
         out = []
         for piece in pieces:
             input_ids, attention_mask = piece.rows.to_padded(device=self.device)
-            out.append(self.updater.values(input_ids, attention_mask, piece.prompt_len, piece.num_tokens).cpu())
+            images = piece.model_images(self.device)
+            out.append(
+                self.updater.values(input_ids, attention_mask, piece.prompt_len, piece.num_tokens, images).cpu()
+            )
         return out
 
     def step(self, pieces: list[RoleRows], train: bool) -> list[tuple[torch.Tensor, dict]]:
@@ -70,8 +73,9 @@ class CriticWorker(RoleWorker):
             input_ids, attention_mask = piece.rows.to_padded(device=self.device)
             old_values, returns, mask = (t.to(self.device) for t in (piece.old_values, piece.returns, piece.mask))
             batch = CriticBatch(
-                input_ids, attention_mask, piece.prompt_len, old_values, returns, mask, loss_scale=piece.loss_scale
-            )
+                input_ids, attention_mask, piece.prompt_len, old_values, returns, mask,
+                multimodal_inputs=piece.model_images(self.device), loss_scale=piece.loss_scale,
+            )  # fmt: skip
             loss, stats = self.updater.loss_and_backward(batch, train)
             results.append((loss.cpu(), {k: v.cpu() for k, v in stats.items()}))
         if train:

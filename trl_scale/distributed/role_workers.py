@@ -60,13 +60,18 @@ class RoleRows:
     images: RowImages | None = None  # the rows' image inputs (the reference of a vision-language policy)
 
     def split(self, n: int) -> list[RoleRows]:
-        rows = self.rows.split(n)
+        """`n` shards of the rows, each with its rows' images and update tensors."""
+        shards = [replace(self, rows=r) for r in self.rows.split(n)]
         if self.images is not None:
-            return [replace(self, rows=r, images=i) for r, i in zip(rows, self.images.split(n))]
+            shards = [replace(s, images=i) for s, i in zip(shards, self.images.split(n))]
         if self.mask is None:
-            return [replace(self, rows=r) for r in rows]
-        parts = zip(rows, self.old_values.tensor_split(n), self.returns.tensor_split(n), self.mask.tensor_split(n))
-        return [replace(self, rows=r, old_values=v, returns=g, mask=m) for r, v, g, m in parts]
+            return shards
+        parts = zip(shards, self.old_values.tensor_split(n), self.returns.tensor_split(n), self.mask.tensor_split(n))
+        return [replace(s, old_values=v, returns=g, mask=m) for s, v, g, m in parts]
+
+    def model_images(self, device: torch.device) -> dict | None:
+        """The rows' image inputs for the model's forward, on `device` (None without images)."""
+        return self.images.model_inputs(device) if self.images is not None else None
 
 
 class RoleWorker:
@@ -161,7 +166,7 @@ class ReferenceWorker(RoleWorker):
             input_ids, attention_mask = piece.rows.to_padded(device=self.device)
             labels = input_ids.masked_fill(attention_mask == 0, -100)
             labels[:, : -piece.num_tokens] = -100
-            images = piece.images.model_inputs(self.device) if piece.images is not None else {}
+            images = piece.model_images(self.device) or {}
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
                 output = self.model(
                     input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True, **images

@@ -1,5 +1,5 @@
-"""A scoring call's image inputs, kept with their rows as they cross to a role group (the reference's Ray workers):
-split over the workers row by row, each shard's images with its own rows.
+"""A scoring call's image inputs, kept with their rows as they cross to a role group (the reference's or PPO's
+critic's Ray workers): split over the workers row by row, each shard's images with its own rows.
 
 TRL hands its scoring call the image inputs of the whole batch with `num_images` (images per row): tensors with a
 row per image (`pixel_values` of one tensor per image, `image_sizes`, `image_grid_thw`), `pixel_values` of patch
@@ -38,8 +38,9 @@ class RowImages:
         tiled = sorted(set(given) & set(TILED))
         if tiled:
             raise ValueError(
-                f"the reference on a Ray group takes images of one tensor per image or an image grid; this model's "
-                f"images come in tiles ({tiled}). Fix: reference_placement=None (the reference stays in the trainer)"
+                f"a Ray role group (the reference, PPO's critic) takes images of one tensor per image or an image "
+                f"grid; this model's images come in tiles ({tiled}). Fix: reference_placement=None (the reference "
+                "stays in the trainer), or backend='local' for PPO's critic"
             )
         num_images = [int(n) for n in given.get("num_images") or [1] * num_rows]
         per_image = {name: given[name].detach().cpu() for name in PER_IMAGE if name in given}
@@ -51,8 +52,9 @@ class RowImages:
             )
         if pixels.size(0) != sum(num_images):
             raise ValueError(
-                f"pixel_values holds {pixels.size(0)} entries for {sum(num_images)} images: the reference on a Ray "
-                "group cannot tell which are whose. Fix: reference_placement=None (the reference stays in the trainer)"
+                f"pixel_values holds {pixels.size(0)} entries for {sum(num_images)} images: a Ray role group cannot "
+                "tell which are whose. Fix: reference_placement=None (the reference stays in the trainer), or "
+                "backend='local' for PPO's critic"
             )
         return cls(num_images, {"pixel_values": pixels.detach().cpu(), **per_image}, {}, per_token, [])
 

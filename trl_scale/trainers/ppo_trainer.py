@@ -49,9 +49,8 @@ def _image_input_names() -> tuple[str, ...]:
     return tuple(names[names.index("compute_aux_loss") + 1 :])
 
 
-# The last two only say how to slice the others by rows; the rest are model inputs.
+# Model inputs, and the row-slicing fields (`critic.base.ROW_SLICING_FIELDS`) that say how to split them by rows.
 MULTIMODAL_FIELDS = _image_input_names()
-_ROW_SLICING_FIELDS = ("num_images", "num_tiles")
 
 
 class PPOTrainer(GRPOTrainer):
@@ -93,11 +92,6 @@ class PPOTrainer(GRPOTrainer):
             raise TypeError(f"PPOTrainer needs a PPOConfig, got {type(args).__name__}")
         check_model_path(value_model, "value_model")
         images = image_columns(train_dataset, eval_dataset)
-        if images and args.backend == "ray":
-            raise ValueError(
-                f"this dataset has image columns {images}, and backend='ray' sends the critic token rows only. Fix: "
-                "backend='local' for vision-language PPO (its critic may still be sharded by the launcher)"
-            )
         reward_list = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
         # GRPO creates a reference model only when beta != 0; PPO needs it for the KL in the reward, not in the loss.
         with overridden(args, beta=args.kl_coef):
@@ -390,5 +384,6 @@ def _multimodal_inputs(batch: dict) -> dict:
 
 
 def _critic_inputs(images: dict) -> dict | None:
-    """What the critic's backbone takes of them: the model inputs, for the whole rows it scores at once."""
-    return {key: value for key, value in images.items() if key not in _ROW_SLICING_FIELDS} or None
+    """What the critic gets of them: all, the row-slicing fields too (a critic on a Ray group splits the images by
+    rows over its workers; a critic's forward leaves those out: `critic.base.forward_images`)."""
+    return dict(images) or None
