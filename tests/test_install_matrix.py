@@ -193,7 +193,7 @@ def test_the_trainer_with_vllm_installed_serves_server_mode_with_trl_scales_clie
     """`.venv-vllm` (vLLM's CPU build and trl-scale, as a GPU user's trainer has vLLM importable): every module
     imports, and TRL's single `vllm_server_base_url` with each trl-scale rollout setting goes to trl-scale's client
     (red before: TRL's client took it and the settings did nothing); a dataset with images goes to trl-scale's client
-    too, synchronously or streaming (the ordered read-ahead is refused, naming the fix: tests/test_step.py). A
+    too, synchronously, ordered or streaming (tests/test_step.py). A
     training run on this path, against real vLLM: tests/test_real_vllm.py."""
     from .real_vllm import INSTALL_HINT, VLLM_PYTHON, vllm_cpu_available
 

@@ -65,15 +65,15 @@ def test_a_setting_no_feature_acts_on_is_refused_by_the_plan(tmp_path):
         _plan(tmp_path, **_server(async_rollout_staleness=1, stream_reward_workers=8))
 
 
-def test_trl_scales_client_serves_a_server_run_with_images_synchronously_or_streaming(tmp_path, monkeypatch):
+def test_trl_scales_client_serves_a_server_run_with_images_in_every_rollout_mode(tmp_path, monkeypatch):
     from trl_scale.trainers import plan as plan_module
 
     monkeypatch.setattr(plan_module, "image_columns", lambda *datasets: ["image"])
     plan, chain = _plan(tmp_path, use_vllm=True, vllm_mode="server")
     assert plan.rollout.client == "trl_scale" and plan.images == ("image",)
     assert "server_rollout" in chain.names() and not plan.rollout.asynchronous.staleness
-    with pytest.raises(ValueError, match="ordered read-ahead does not take images yet.*Fix: async_rollout_mode="):
-        _plan(tmp_path, **_server(async_rollout_staleness=1, async_rollout_mode="ordered"))
+    ordered, _ = _plan(tmp_path, **_server(async_rollout_staleness=1, async_rollout_mode="ordered"))
+    assert ordered.rollout.asynchronous.mode == "ordered" and ordered.images == ("image",)
     streaming, _ = _plan(tmp_path, **_server(async_rollout_staleness=1))
     assert streaming.rollout.asynchronous.mode == "streaming" and streaming.images == ("image",)
     with pytest.raises(ValueError, match="rollout_func with streaming rollout: a streamed conversation's later turns"):

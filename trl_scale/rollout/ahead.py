@@ -76,9 +76,9 @@ def _ordered(
     return RolloutPrefetcher(staleness, tokenize, request, stop_threads=stop_threads)
 
 
-def _submit_spanned(pool, generation, prompt_ids):
+def _submit_spanned(pool, generation, prompt_ids, images=None):
     batch = generation.seeds.next_batch()  # numbered when submitted (the trainer's thread), not when a thread runs it
-    return pool.submit(generation.request_spanned, [list(p) for p in prompt_ids], batch)
+    return pool.submit(generation.request_spanned, [list(p) for p in prompt_ids], batch, images)
 
 
 def _streaming(

@@ -254,7 +254,7 @@ class ServerRolloutGeneration(VLLMGeneration):
         self._check_fleet()
         prefetcher = self.ahead.prefetcher if self.ahead is not None else None
         reads_ahead = prefetcher is not None and not self.ahead.evaluating_now
-        taken = prefetcher.take(prompts, self.sync_count) if reads_ahead else None
+        taken = prefetcher.take(prompts, self.sync_count, images) if reads_ahead else None
         if taken is not None:
             (choices, newest), version = taken
         else:
@@ -366,10 +366,10 @@ class ServerRolloutGeneration(VLLMGeneration):
             choice[CONVERSATION_KEY] = conversation
         return max(newest)
 
-    def request_spanned(self, prompts, batch: int) -> tuple[list[dict], int]:
+    def request_spanned(self, prompts, batch: int, images=None) -> tuple[list[dict], int]:
         """`_request`, and the newest weight version its tokens can come from: the sync count when it finished (one
         more while a sync is under way, whose new weights a streaming sync lets it reach)."""
-        choices = self._request(prompts, batch)
+        choices = self._request(prompts, batch, images)
         return choices, self.syncer.newest_reachable()
 
     # ---- weight sync (TRL's interface; the syncer does it) ---------------------------------------------------

@@ -29,12 +29,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from ..logs import get_logger
+from .images import image_keys, multimodal_prompts, row_images
 
 logger = get_logger(__name__)
 
 
-def _key(prompt_ids) -> tuple:
-    return tuple(tuple(p) for p in prompt_ids)
+def _key(prompt_ids, images=None) -> tuple:
+    """A batch's identity: its prompts' ids, and its rows' images (equal ids with other images are another batch)."""
+    return tuple(tuple(p) for p in prompt_ids), tuple(image_keys(images)) if images else ()
 
 
 class RolloutPrefetcher:
@@ -54,7 +56,7 @@ class RolloutPrefetcher:
         self.stop_threads = stop_threads  # stops the threads `request` submits to (`shutdown`)
         self.batches_ahead = staleness  # generation batches read ahead of the one being trained
         self.tokenize = tokenize  # raw rows' prompts -> prompt token ids, as the trainer tokenizes them
-        self.request = request  # prompt ids -> a Future of the generation's result
+        self.request = request  # (prompt ids, the rows' images or None) -> a Future of the generation's result
         self.upcoming: deque[list] = deque()  # raw generation batches not yet requested
         self.in_flight: dict[tuple, tuple[Future, int]] = {}
         self.served_from_prefetch = 0
@@ -67,19 +69,23 @@ class RolloutPrefetcher:
         """Send every noted batch to the servers now, tagged with `version` (called right after a sync)."""
         while self.upcoming:
             batch = self.upcoming.popleft()
+            images = row_images(batch)  # tokenized as TRL's step will: the images turned into content
             try:
-                prompt_ids = self.tokenize([row["prompt"] for row in batch])
+                prompt_ids = self.tokenize(
+                    multimodal_prompts(batch, images) if images else [r["prompt"] for r in batch]
+                )
             except Exception as error:  # an unusual row: that batch is generated synchronously when it comes
                 logger.warning("async rollout: cannot prefetch a batch (%s); it will be generated in turn", error)
                 continue
-            key = _key(prompt_ids)
+            key = _key(prompt_ids, images)
             if key not in self.in_flight:
-                self.in_flight[key] = (self.request(prompt_ids), version)
+                self.in_flight[key] = (self.request(prompt_ids, images), version)
 
-    def take(self, prompt_ids, version: int):
-        """The prefetched result for these prompts and the version it was requested at, or None: not prefetched,
-        failed, or more than `staleness` versions old (then the caller generates now)."""
-        entry = self.in_flight.pop(_key(prompt_ids), None)
+    def take(self, prompt_ids, version: int, images=None):
+        """The prefetched result for these prompts (with these images: TRL's, per row) and the version it was
+        requested at, or None: not prefetched, failed, or more than `staleness` versions old (then the caller
+        generates now)."""
+        entry = self.in_flight.pop(_key(prompt_ids, images), None)
         if entry is None:
             self.generated_now += 1
             return None

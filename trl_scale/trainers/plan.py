@@ -118,14 +118,8 @@ def _rollout_plan(config, arguments: dict, images: tuple[str, ...]) -> RolloutPl
 
 
 def _refuse_images(images: tuple[str, ...], asynchronous: AsyncRollout, arguments: dict) -> None:
-    """Images go through synchronous and streaming rollout; the ordered read-ahead and a streamed conversation's
-    later turns take none yet: refused before TRL's constructor, naming the fix."""
-    if asynchronous.staleness and not asynchronous.streaming:
-        raise ValueError(
-            f"this dataset has image columns {list(images)}, and async_rollout_mode={asynchronous.mode!r}: the "
-            "ordered read-ahead does not take images yet (synchronous and streaming rollout do). Fix: "
-            "async_rollout_mode='streaming', or async_rollout_staleness=0"
-        )
+    """Images go through synchronous, ordered and streaming rollout; a streamed conversation's later turns take none
+    yet: refused before TRL's constructor, naming the fix."""
     agents = [name for name in ("environment_factory", "rollout_func", "tools") if arguments.get(name)]
     if agents and asynchronous.staleness:
         raise ValueError(
