@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -48,14 +49,31 @@ def _scored(model, ids, mask, labels, images):
     return out, grads
 
 
-def test_a_call_with_images_is_scored_by_the_chunked_head_as_trls_forward_scores_it(tiny_vlm):
+def _left_padded(ids, mask, labels, images):
+    """The same rows with their padding on the left (TRL's prompts), images and token types moved with them."""
+    shifts = (mask.size(1) - mask.sum(1)).tolist()
+    moved = [torch.stack([row.roll(shift) for row, shift in zip(t, shifts)]) for t in (ids, mask, labels)]
+    return *moved, dict(
+        images, token_type_ids=torch.stack([row.roll(s) for row, s in zip(images["token_type_ids"], shifts)])
+    )
+
+
+@pytest.mark.parametrize("attention,padding", [("sdpa", "right"), ("sdpa", "left"), ("eager", "right")])
+def test_a_call_with_images_is_packed_and_scored_by_the_chunked_head_as_trls_forward_scores_it(
+    tiny_vlm, attention, padding
+):
+    """Gemma 3 (one tensor per image, image tokens in the ids): the call's rows packed into one row, each image
+    with its own sequence, scored by the chunked head: log-probs, entropies and gradients as TRL's padded fused
+    forward gives them (<= 1e-5), on sdpa and eager, padded on either side."""
     processor = AutoProcessor.from_pretrained(tiny_vlm)
-    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm).eval()
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm, attn_implementation=attention).eval()
     add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
     ours, stats = copy.deepcopy(model), PackingStats()
     installed = install_packed_scoring(ours, temperature=0.7, outputs=("entropy",), stats=stats)
     assert installed is not None
     ids, mask, labels, images = _batch(processor)
+    if padding == "left":
+        ids, mask, labels, images = _left_padded(ids, mask, labels, images)
     (expected, expected_grads), (got, got_grads) = (_scored(m, ids, mask, labels, images) for m in (model, ours))
     label_mask = expected.label_mask.bool()
     for field in ("log_probs", "entropy"):
@@ -64,7 +82,8 @@ def test_a_call_with_images_is_scored_by_the_chunked_head_as_trls_forward_scores
     pairs = [(a, b) for a, b in zip(expected_grads, got_grads) if a is not None]
     largest = max(a.abs().max().item() for a, _ in pairs)
     assert max((a - b).abs().max().item() for a, b in pairs) <= TOLERANCE * max(1.0, largest)
-    assert stats.pop() == {"chunked_head/image_calls": 1.0}  # our head scored it, not TRL's forward
+    # our head scored it, packed, not TRL's forward
+    assert stats.pop() == {"chunked_head/image_calls": 1.0, "padding_free/image_calls_packed": 1.0}
 
     # The images reach the forward with their own rows: the same call with the rows' images swapped scores else.
     swapped = dict(images, pixel_values=images["pixel_values"].roll(1, dims=0))
@@ -118,7 +137,7 @@ def test_a_qwen2_vl_call_with_3d_positions_is_scored_as_trls_forward_scores_it(t
     pairs = [(a, b) for a, b in zip(expected_grads, got_grads) if a is not None]
     largest = max(a.abs().max().item() for a, _ in pairs)
     assert max((a - b).abs().max().item() for a, b in pairs) <= TOLERANCE * max(1.0, largest)
-    assert stats.pop() == {"chunked_head/image_calls": 1.0}
+    assert stats.pop() == {"chunked_head/image_calls": 1.0, "padding_free/image_calls_packed": 0.0}  # padded: 3-D
     # each row's patches reach its own image tokens: rows 0 and 2 (24 patches each) given each other's, their answers
     # score otherwise, by far more than the tolerance
     pixels = images["pixel_values"]
@@ -127,6 +146,18 @@ def test_a_qwen2_vl_call_with_3d_positions_is_scored_as_trls_forward_scores_it(t
         other = ours(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, **swapped)
     moved = (other.log_probs - got.log_probs.detach()).abs()
     assert moved[[0, 2]][label_mask[[0, 2]]].max().item() > 100 * TOLERANCE
+
+
+def test_the_probe_finds_transformers_own_packed_masks_inexact_with_images(tiny_vlm, monkeypatch):
+    """transformers' packed-sequence masks read each image block at the token's place in its sequence, not in the
+    row: the probe (images at other places in each sequence) finds them off, so trl-scale builds its own."""
+    from trl_scale.scoring import image_packing
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm).eval()
+    assert image_packing.probe_image_packing(model.base_model) == (True, "")
+    monkeypatch.setattr(image_packing, "packed_masks", lambda *args: None)  # transformers' masks from position_ids
+    exact, reason = image_packing.probe_image_packing(model.base_model)
+    assert not exact and "differs from it alone" in reason, reason
 
 
 def test_the_model_card_says_padding_free_only_where_rows_pack(tmp_path, tiny_llama):

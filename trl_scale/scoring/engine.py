@@ -20,6 +20,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from .image_packing import packed_inputs, packs_images
 from .logprob_head import chunked_logprobs, gathered_lm_head, logit_transform_of
 from .packing import empty_forward_anchor, pack_padded_batch, packed_forward_kwargs, unpack
 from .sampler_support import kept_log_mass
@@ -179,6 +180,16 @@ def padded_fused_forward(
     flat_index = torch.arange(batch_size * seq_len, device=input_ids.device)
     pieces = [(flat_index, hidden.reshape(batch_size * seq_len, -1))]
     return _scored_output(model, config, pieces, shift_labels, None, num_items_in_batch)
+
+
+def packed_image_forward(model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items, images):
+    """A call with images as one packed row (`image_packing`: the images stay with their rows, the padding goes),
+    scored by the chunked head."""
+    batch_size = input_ids.size(0)
+    shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
+    inputs, flat_index = packed_inputs(model.base_model, input_ids, attention_mask, images)
+    hidden = model.base_model(**inputs).last_hidden_state[0]
+    return _scored_output(model, config, [(flat_index, hidden)], shift_labels, None, num_items)
 
 
 def _scored_output(
@@ -344,6 +355,11 @@ def _engine_forward(model_class, config: PackedScoringConfig, trl_forward):
         if fused_lm_head and not args and not sharded and _is_padded_call(labels, shift_labels, kwargs, True):
             images = {name: kwargs[name] for name in IMAGE_KWARGS if kwargs.get(name) is not None}
             config.stats.image_calls += 1
+            if config.settings.padding_free is not False and packs_images(self.base_model, images):
+                config.stats.packed_image_calls += 1
+                return packed_image_forward(
+                    self, config, input_ids, attention_mask, labels, num_items_in_batch, images
+                )
             return padded_fused_forward(self, config, input_ids, attention_mask, labels, num_items_in_batch, images)
         if fused_lm_head:
             config.stats.fallbacks += 1

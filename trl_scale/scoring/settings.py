@@ -26,7 +26,8 @@ class PackingStats:
     tree_calls: int = 0  # calls forwarded as tree rows
     tree_row_tokens: int = 0  # their tokens as rows (before sharing)
     tree_tokens: int = 0  # their tokens forwarded (after sharing)
-    image_calls: int = 0  # calls with images, run padded and scored by the chunked head
+    image_calls: int = 0  # calls with images, scored by the chunked head
+    packed_image_calls: int = 0  # of them, those run packed (`image_packing`); the others run padded
 
     def record(self, padded_tokens: int, figures: dict[str, int]) -> None:
         """One packed call's figures (the engine's `_forward_pieces`)."""
@@ -42,7 +43,10 @@ class PackingStats:
             self.tree_tokens += figures["tree_tokens"]
 
     def pop(self) -> dict[str, float]:
-        logs = {"chunked_head/image_calls": float(self.image_calls)} if self.image_calls else {}
+        logs = {}
+        if self.image_calls:
+            logs["chunked_head/image_calls"] = float(self.image_calls)
+            logs["padding_free/image_calls_packed"] = self.packed_image_calls / self.image_calls
         if not self.calls:
             self.__init__()
             return logs

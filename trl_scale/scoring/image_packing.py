@@ -1,0 +1,143 @@
+"""Packed scoring of calls with images, for models whose images are one tensor each and whose image tokens are laid
+out as the ids (Gemma 3): the call's real tokens in one packed row in batch order, so the images (TRL's
+`pixel_values`, in row order) meet their own tokens; `position_ids` restart per sequence; the per-token image fields
+(`token_type_ids`, ...) are packed as the ids. The padding goes, the images stay with their rows.
+
+Probed once per model, as text packing is (:mod:`.support`): three sequences with an image each, packed against each
+alone. A model it finds inexact, or whose images come in another layout (an image grid with 3-D positions:
+Qwen2-VL; tiles), is scored padded, through the chunked head, as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..logs import get_logger
+from .support import PROBE_TOLERANCES
+
+logger = get_logger(__name__)
+
+PER_TOKEN = ("token_type_ids", "mm_token_type_ids")
+PACKABLE = frozenset({"pixel_values", *PER_TOKEN})
+
+
+def packs_images(backbone, images: dict) -> bool:
+    """Whether this call's `images` can go packed: a layout this module packs, on a model the probe found exact."""
+    if not images or not set(images) <= PACKABLE or "pixel_values" not in images:
+        return False
+    support = getattr(backbone, "_trl_scale_image_packing", None)
+    if support is None:
+        support = probe_image_packing(backbone)
+        backbone._trl_scale_image_packing = support
+        if not support[0]:
+            logger.warning(
+                f"trl-scale: calls with images are scored padded for model type "
+                f"'{backbone.config.model_type}' ({support[1]}): their padding stays, the chunked head still runs"
+            )
+    return support[0]
+
+
+def packed_inputs(backbone, input_ids, attention_mask, images: dict) -> tuple[dict, torch.Tensor]:
+    """The backbone's inputs for the call's real tokens as one packed row, and each packed token's flat index into
+    the padded ``[B, T]`` batch."""
+    real = attention_mask.bool()
+    flat_index = real.reshape(-1).nonzero()[:, 0]
+    positions = (real.long().cumsum(1) - 1).clamp(min=0)  # real tokens before it: left or right padding alike
+    sequence = torch.arange(real.size(0), device=real.device)[:, None].expand_as(real)
+    inputs = {
+        "input_ids": input_ids.reshape(-1)[flat_index][None],
+        "position_ids": positions.reshape(-1)[flat_index][None],
+        "use_cache": False,
+        "pixel_values": images["pixel_values"],
+    }
+    types = None
+    for name in PER_TOKEN:
+        if name in images:
+            inputs[name] = types = images[name].reshape(-1)[flat_index][None]
+    inputs["attention_mask"] = packed_masks(
+        backbone, inputs["position_ids"][0], sequence.reshape(-1)[flat_index], None if types is None else types[0]
+    )
+    return inputs, flat_index
+
+
+def packed_masks(backbone, positions, sequences, token_types) -> dict:
+    """The attention masks of a packed row with images, per layer type, as Gemma 3 composes them for one sequence
+    (full layers: causal or within one image; sliding layers: that, within the window), each token kept to its own
+    sequence. Built here because transformers' packed-sequence masks read the image blocks at the tokens' positions
+    in their sequence instead of in the row: a packed sequence's image then attends as another's would (measured:
+    0.8 off on the second of two sequences with their images at other places)."""
+    is_image = token_types == 1 if token_types is not None else torch.zeros_like(positions, dtype=torch.bool)
+    starts = is_image & ~torch.cat([is_image.new_zeros(1), is_image[:-1]])
+    blocks = torch.where(is_image, starts.long().cumsum(0), torch.zeros_like(positions))  # 0: text
+    same_sequence = sequences[:, None] == sequences[None, :]
+    causal = positions[None, :] <= positions[:, None]
+    one_image = (blocks[:, None] == blocks[None, :]) & (blocks[:, None] > 0)
+    full = same_sequence & (causal | one_image)
+    text = backbone.config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    sliding = full if window is None else full & (positions[:, None] - positions[None, :] < window)
+    dtype = next(backbone.parameters()).dtype
+    eager = getattr(backbone.config, "_attn_implementation", None) == "eager"
+
+    def laid_out(allowed):
+        allowed = allowed[None, None]
+        return (
+            torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min) if eager else allowed
+        )
+
+    return {"full_attention": laid_out(full), "sliding_attention": laid_out(sliding)}
+
+
+def probe_image_packing(backbone) -> tuple[bool, str]:
+    """Three sequences with an image each (the model's own image tokens and image size), packed and alone: the
+    same hidden states (within the packing probe's tolerance)? Returns ``(exact, reason)``."""
+    config = backbone.config
+    image_token = getattr(config, "image_token_id", None)
+    per_image = getattr(config, "mm_tokens_per_image", None)
+    vision = getattr(config, "vision_config", None)
+    if image_token is None or per_image is None or vision is None:
+        return False, "its images are not one run of image tokens each (no mm_tokens_per_image)"
+    generator = torch.Generator().manual_seed(0)
+    vocab = config.get_text_config().vocab_size
+    sequences = []
+    for before, after in ((3, 5), (6, 2), (2, 9)):
+        text = torch.randint(0, vocab, (before + after,), generator=generator)
+        text[text == image_token] = 0
+        ids = torch.cat([text[:before], torch.full((per_image,), image_token), text[before:]])
+        sequences.append(ids)
+    size, channels = vision.image_size, getattr(vision, "num_channels", 3)
+    pixels = torch.rand(len(sequences), channels, size, size, generator=generator)
+    parameter = next(backbone.parameters())
+    pixels = pixels.to(parameter.device, parameter.dtype)
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, sequence in enumerate(sequences):
+        ids[row, : len(sequence)], mask[row, : len(sequence)] = sequence, 1
+    ids, mask = ids.to(parameter.device), mask.to(parameter.device)
+    images = {"pixel_values": pixels, "token_type_ids": (ids == image_token).long() * mask}
+    was_training = backbone.training
+    backbone.eval()
+    try:
+        with torch.no_grad(), torch.autocast(parameter.device.type, enabled=False):
+            inputs, _ = packed_inputs(backbone, ids, mask, images)
+            packed = backbone(**inputs).last_hidden_state[0].float()
+            alone = [
+                backbone(
+                    input_ids=s[None].to(parameter.device), pixel_values=pixels[i : i + 1], use_cache=False,
+                    token_type_ids=(s[None] == image_token).long().to(parameter.device),
+                ).last_hidden_state[0].float()
+                for i, s in enumerate(sequences)
+            ]  # fmt: skip
+    except (ValueError, TypeError, RuntimeError) as error:
+        return False, f"its packed forward with images fails ({type(error).__name__}: {str(error)[:160]})"
+    finally:
+        backbone.train(was_training)
+    tolerance = PROBE_TOLERANCES["full" if parameter.dtype == torch.float32 else "half"]["alone"]
+    start = 0
+    for own in alone:
+        error = (packed[start : start + len(own)] - own).abs().max().item() / max(1.0, own.abs().max().item())
+        if error > tolerance:
+            return False, f"a packed sequence with an image differs from it alone by {error:.1e}"
+        start += len(own)
+    return True, ""
