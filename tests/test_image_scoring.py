@@ -177,3 +177,43 @@ def test_the_model_card_says_padding_free_only_where_rows_pack(tmp_path, tiny_ll
         use_packing(model.base_model, None, probe_now=True)  # the first scoring call's probe
         feature.packed_backbone = (model.base_model, None)
         assert feature.card_tags(None) == (["padding-free"] if packs else []), type(model).__name__
+
+
+def test_a_call_with_images_over_the_token_budget_packs_consecutive_rows_with_their_images(tiny_vlm):
+    """A budget smaller than the call: several packed forwards of consecutive rows, each with its rows' images (a
+    row with two images, one with none), scored as TRL's padded forward (<= 1e-5)."""
+    from trl_scale.scoring.image_packing import row_groups
+
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm).eval()
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    ours, stats = copy.deepcopy(model), PackingStats()
+    install_packed_scoring(ours, temperature=0.7, outputs=("entropy",), stats=stats, token_budget=30)
+    rng = np.random.default_rng(1)
+    rows, images = [], []
+    for count in (1, 2, 0, 1):
+        drawn = [Image.fromarray((rng.random((28, 28, 3)) * 255).astype("uint8")) for _ in range(count)]
+        content = [{"type": "image", "image": image} for image in drawn] + [{"type": "text", "text": " count"}]
+        encoded = processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        rows.append(list(encoded["input_ids"][0]) + [20, 21, 22])
+        images += drawn
+    width = max(len(r) for r in rows)
+    ids = torch.full((4, width), processor.tokenizer.pad_token_id)
+    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :], mask[i, width - len(row) :] = torch.tensor(row), 1
+        labels[i, width - 3 :] = torch.tensor(row[-3:])
+    pixels = processor.image_processor(images, return_tensors="pt")["pixel_values"]
+    inputs = {"pixel_values": pixels, "token_type_ids": (ids == processor.tokenizer.image_token_id).long()}
+    groups = row_groups(ours.base_model, ids, mask, 30)
+    assert len(groups) > 1 and [(first, end) for _, _, first, end in groups][-1][1] == 4  # 4 images in all
+    expected, expected_grads = _scored(model, ids, mask, labels, inputs)
+    got, got_grads = _scored(ours, ids, mask, labels, inputs)
+    label_mask = expected.label_mask.bool()
+    assert (expected.log_probs - got.log_probs)[label_mask].abs().max().item() <= TOLERANCE
+    pairs = [(a, b) for a, b in zip(expected_grads, got_grads) if a is not None]
+    largest = max(a.abs().max().item() for a, _ in pairs)
+    assert max((a - b).abs().max().item() for a, b in pairs) <= TOLERANCE * max(1.0, largest)
+    assert stats.pop()["padding_free/image_calls_packed"] == 1.0

@@ -20,7 +20,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from .image_packing import packed_inputs, packs_images
+from .image_packing import packed_inputs, packs_images, row_groups
 from .logprob_head import chunked_logprobs, gathered_lm_head, logit_transform_of
 from .packing import empty_forward_anchor, pack_padded_batch, packed_forward_kwargs, unpack
 from .sampler_support import kept_log_mass
@@ -183,13 +183,17 @@ def padded_fused_forward(
 
 
 def packed_image_forward(model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items, images):
-    """A call with images as one packed row (`image_packing`: the images stay with their rows, the padding goes),
-    scored by the chunked head."""
-    batch_size = input_ids.size(0)
+    """A call with images as packed rows of consecutive sequences (`image_packing`: each forward's images are its
+    rows', the padding goes, at most the token budget per forward), scored by the chunked head."""
+    batch_size, seq_len = input_ids.shape
     shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
-    inputs, flat_index = packed_inputs(model.base_model, input_ids, attention_mask, images)
-    hidden = model.base_model(**inputs).last_hidden_state[0]
-    return _scored_output(model, config, [(flat_index, hidden)], shift_labels, None, num_items)
+    pieces = []
+    for a, b, first, end in row_groups(model.base_model, input_ids, attention_mask, config.settings.token_budget):
+        rows = {name: value[a:b] for name, value in images.items() if name != "pixel_values"}
+        rows["pixel_values"] = images["pixel_values"][first:end]
+        inputs, flat_index = packed_inputs(model.base_model, input_ids[a:b], attention_mask[a:b], rows)
+        pieces.append((flat_index + a * seq_len, model.base_model(**inputs).last_hidden_state[0]))
+    return _scored_output(model, config, pieces, shift_labels, None, num_items)
 
 
 def _scored_output(

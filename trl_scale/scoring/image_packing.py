@@ -1,7 +1,8 @@
 """Packed scoring of calls with images, for models whose images are one tensor each and whose image tokens are laid
-out as the ids (Gemma 3): the call's real tokens in one packed row in batch order, so the images (TRL's
-`pixel_values`, in row order) meet their own tokens; `position_ids` restart per sequence; the per-token image fields
-(`token_type_ids`, ...) are packed as the ids. The padding goes, the images stay with their rows.
+out as the ids (Gemma 3): consecutive rows' real tokens packed into one row per forward (at most a token budget), in
+batch order, so the forward's images (TRL's `pixel_values`, in row order) meet their own tokens; `position_ids`
+restart per sequence; the per-token image fields (`token_type_ids`, ...) are packed as the ids; the attention masks
+are built here (:func:`packed_masks`). The padding goes, the images stay with their rows.
 
 Probed once per model, as text packing is (:mod:`.support`): three sequences with an image each, packed against each
 alone. A model it finds inexact, or whose images come in another layout (an image grid with 3-D positions:
@@ -19,6 +20,28 @@ logger = get_logger(__name__)
 
 PER_TOKEN = ("token_type_ids", "mm_token_type_ids")
 PACKABLE = frozenset({"pixel_values", *PER_TOKEN})
+# Real tokens per packed forward when the settings give no budget: the masks are dense ([N, N] per layer type).
+IMAGE_TOKEN_BUDGET = 8192
+
+
+def row_groups(backbone, input_ids, attention_mask, token_budget: int | None) -> list[tuple[int, int, int, int]]:
+    """Consecutive rows per packed forward, at most `token_budget` real tokens each (a longer row alone), with
+    their images: ``(first row, end row, first image, end image)``. A row's images are its runs of image tokens."""
+    budget = token_budget or IMAGE_TOKEN_BUDGET
+    image = (input_ids == backbone.config.image_token_id) & attention_mask.bool()
+    runs = (image & ~torch.cat([image.new_zeros(image.size(0), 1), image[:, :-1]], dim=1)).sum(1).tolist()
+    lengths = attention_mask.sum(1).tolist()
+    groups, start, tokens = [], 0, 0
+    for row, length in enumerate(lengths):
+        if row > start and tokens + length > budget:
+            groups.append((start, row))
+            start, tokens = row, 0
+        tokens += length
+    groups.append((start, len(lengths)))
+    bounds = [0]
+    for count in runs:
+        bounds.append(bounds[-1] + int(count))
+    return [(a, b, bounds[a], bounds[b]) for a, b in groups]
 
 
 def packs_images(backbone, images: dict) -> bool:
