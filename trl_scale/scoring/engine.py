@@ -191,8 +191,9 @@ def packed_image_forward(model, config: PackedScoringConfig, input_ids, attentio
     for a, b, first, end in row_groups(model.base_model, input_ids, attention_mask, config.settings.token_budget):
         rows = {name: value[a:b] for name, value in images.items() if name != "pixel_values"}
         rows["pixel_values"] = images["pixel_values"][first:end]
-        inputs, flat_index = packed_inputs(model.base_model, input_ids[a:b], attention_mask[a:b], rows)
-        pieces.append((flat_index + a * seq_len, model.base_model(**inputs).last_hidden_state[0]))
+        inputs, packed_flat, padded_flat = packed_inputs(model.base_model, input_ids[a:b], attention_mask[a:b], rows)
+        hidden = model.base_model(**inputs).last_hidden_state
+        pieces.append((padded_flat + a * seq_len, hidden.reshape(-1, hidden.size(-1))[packed_flat]))
     return _scored_output(model, config, pieces, shift_labels, None, num_items)
 
 

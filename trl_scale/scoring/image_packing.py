@@ -60,52 +60,80 @@ def packs_images(backbone, images: dict) -> bool:
     return support[0]
 
 
-def packed_inputs(backbone, input_ids, attention_mask, images: dict) -> tuple[dict, torch.Tensor]:
-    """The backbone's inputs for the call's real tokens as one packed row, and each packed token's flat index into
-    the padded ``[B, T]`` batch."""
+def packed_rows(lengths: list[int]) -> list[list[int]]:
+    """Sequences (by batch index) into rows no wider than the longest, filled in batch order (next fit): the rows'
+    images, read row after row, are then the batch's in its order. Empty sequences are left out."""
+    width, rows, used = max(lengths), [[]], 0
+    for index, length in enumerate(lengths):
+        if not length:
+            continue
+        if rows[-1] and used + length > width:
+            rows.append([])
+            used = 0
+        rows[-1].append(index)
+        used += length
+    return rows
+
+
+def packed_inputs(backbone, input_ids, attention_mask, images: dict) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The backbone's inputs for the call's sequences packed into rows as wide as the longest (`packed_rows`: the
+    attention of a dense mask then costs no more than the padded batch's), and the flat indices that pair each packed
+    token (into ``[R * W]``) with its place in the padded ``[B, T]`` batch."""
     real = attention_mask.bool()
-    flat_index = real.reshape(-1).nonzero()[:, 0]
-    positions = (real.long().cumsum(1) - 1).clamp(min=0)  # real tokens before it: left or right padding alike
-    sequence = torch.arange(real.size(0), device=real.device)[:, None].expand_as(real)
-    inputs = {
-        "input_ids": input_ids.reshape(-1)[flat_index][None],
-        "position_ids": positions.reshape(-1)[flat_index][None],
-        "use_cache": False,
-        "pixel_values": images["pixel_values"],
-    }
-    types = None
-    for name in PER_TOKEN:
-        if name in images:
-            inputs[name] = types = images[name].reshape(-1)[flat_index][None]
-    inputs["attention_mask"] = packed_masks(
-        backbone, inputs["position_ids"][0], sequence.reshape(-1)[flat_index], None if types is None else types[0]
-    )
-    return inputs, flat_index
+    lengths = real.sum(1).tolist()
+    rows = packed_rows(lengths)
+    width, device = max(lengths), input_ids.device
+    ids = torch.zeros(len(rows), width, dtype=input_ids.dtype, device=device)
+    positions = torch.zeros_like(ids)
+    sequences = torch.full_like(ids, -1)  # -1: filler at a row's end
+    types = {name: torch.zeros_like(ids) for name in PER_TOKEN if name in images}
+    packed_flat, padded_flat = [], []
+    for row, members in enumerate(rows):
+        column = 0
+        for index in members:
+            columns = real[index].nonzero()[:, 0]
+            span = slice(column, column + len(columns))
+            ids[row, span], sequences[row, span] = input_ids[index, columns], index
+            positions[row, span] = torch.arange(len(columns), device=device)
+            for name, value in types.items():
+                value[row, span] = images[name][index, columns]
+            packed_flat.append(torch.arange(span.start, span.stop, device=device) + row * width)
+            padded_flat.append(columns + index * real.size(1))
+            column = span.stop
+    inputs = {"input_ids": ids, "position_ids": positions, "use_cache": False, "pixel_values": images["pixel_values"]}
+    inputs |= types
+    token_types = next(iter(types.values()), None)
+    inputs["attention_mask"] = packed_masks(backbone, positions, sequences, token_types)
+    return inputs, torch.cat(packed_flat), torch.cat(padded_flat)
 
 
 def packed_masks(backbone, positions, sequences, token_types) -> dict:
-    """The attention masks of a packed row with images, per layer type, as Gemma 3 composes them for one sequence
-    (full layers: causal or within one image; sliding layers: that, within the window), each token kept to its own
-    sequence. Built here because transformers' packed-sequence masks read the image blocks at the tokens' positions
-    in their sequence instead of in the row: a packed sequence's image then attends as another's would (measured:
-    0.8 off on the second of two sequences with their images at other places)."""
+    """The attention masks of packed rows with images (``[R, W]`` positions, batch index per token or -1 for filler,
+    token types), per layer type, as Gemma 3 composes them for one sequence (full layers: causal or within one image;
+    sliding layers: that, within the window), each token kept to its own sequence (filler to itself). Built here
+    because transformers' packed-sequence masks read the image blocks at the tokens' positions in their sequence
+    instead of in the row: a packed sequence's image then attends as another's would (measured: 0.8 off on the
+    second of two sequences with their images at other places)."""
     is_image = token_types == 1 if token_types is not None else torch.zeros_like(positions, dtype=torch.bool)
-    starts = is_image & ~torch.cat([is_image.new_zeros(1), is_image[:-1]])
-    blocks = torch.where(is_image, starts.long().cumsum(0), torch.zeros_like(positions))  # 0: text
-    same_sequence = sequences[:, None] == sequences[None, :]
-    causal = positions[None, :] <= positions[:, None]
-    one_image = (blocks[:, None] == blocks[None, :]) & (blocks[:, None] > 0)
-    full = same_sequence & (causal | one_image)
+    starts = is_image & ~torch.cat([is_image.new_zeros(is_image.size(0), 1), is_image[:, :-1]], dim=1)
+    blocks = torch.where(is_image, starts.long().cumsum(1), torch.zeros_like(positions))  # 0: text
+    same_sequence = sequences[:, :, None] == sequences[:, None, :]
+    causal = positions[:, None, :] <= positions[:, :, None]
+    one_image = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] > 0)
+    itself = torch.eye(positions.size(1), dtype=torch.bool, device=positions.device)[None]
+    full = (same_sequence & (causal | one_image)) | itself
     text = backbone.config.get_text_config()
     window = getattr(text, "sliding_window", None)
-    sliding = full if window is None else full & (positions[:, None] - positions[None, :] < window)
+    sliding = full if window is None else full & (positions[:, :, None] - positions[:, None, :] < window)
     dtype = next(backbone.parameters()).dtype
     eager = getattr(backbone.config, "_attn_implementation", None) == "eager"
 
     def laid_out(allowed):
-        allowed = allowed[None, None]
-        return (
-            torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min) if eager else allowed
+        allowed = allowed[:, None]
+        if not eager:
+            return allowed
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min
         )
 
     return {"full_attention": laid_out(full), "sliding_attention": laid_out(sliding)}
@@ -123,15 +151,15 @@ def probe_image_packing(backbone) -> tuple[bool, str]:
     generator = torch.Generator().manual_seed(0)
     vocab = config.get_text_config().vocab_size
     sequences = []
-    for before, after in ((3, 5), (6, 2), (2, 9)):
+    for before, after in ((2, 2), (1, 2), (6, 14)):  # the first two share a row; images at other places
         text = torch.randint(0, vocab, (before + after,), generator=generator)
         text[text == image_token] = 0
-        ids = torch.cat([text[:before], torch.full((per_image,), image_token), text[before:]])
-        sequences.append(ids)
+        sequences.append(torch.cat([text[:before], torch.full((per_image,), image_token), text[before:]]))
     size, channels = vision.image_size, getattr(vision, "num_channels", 3)
-    pixels = torch.rand(len(sequences), channels, size, size, generator=generator)
     parameter = next(backbone.parameters())
-    pixels = pixels.to(parameter.device, parameter.dtype)
+    pixels = torch.rand(len(sequences), channels, size, size, generator=generator).to(
+        parameter.device, parameter.dtype
+    )
     width = max(len(s) for s in sequences)
     ids = torch.zeros(len(sequences), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -143,8 +171,11 @@ def probe_image_packing(backbone) -> tuple[bool, str]:
     backbone.eval()
     try:
         with torch.no_grad(), torch.autocast(parameter.device.type, enabled=False):
-            inputs, _ = packed_inputs(backbone, ids, mask, images)
-            packed = backbone(**inputs).last_hidden_state[0].float()
+            inputs, packed_flat, padded_flat = packed_inputs(backbone, ids, mask, images)
+            hidden = backbone(**inputs).last_hidden_state.float()
+            packed = hidden.new_zeros(ids.numel(), hidden.size(-1))
+            packed[padded_flat] = hidden.reshape(-1, hidden.size(-1))[packed_flat]
+            packed = packed.view(*ids.shape, -1)
             alone = [
                 backbone(
                     input_ids=s[None].to(parameter.device), pixel_values=pixels[i : i + 1], use_cache=False,
@@ -157,10 +188,8 @@ def probe_image_packing(backbone) -> tuple[bool, str]:
     finally:
         backbone.train(was_training)
     tolerance = PROBE_TOLERANCES["full" if parameter.dtype == torch.float32 else "half"]["alone"]
-    start = 0
-    for own in alone:
-        error = (packed[start : start + len(own)] - own).abs().max().item() / max(1.0, own.abs().max().item())
+    for row, own in enumerate(alone):
+        error = (packed[row, : len(own)] - own).abs().max().item() / max(1.0, own.abs().max().item())
         if error > tolerance:
             return False, f"a packed sequence with an image differs from it alone by {error:.1e}"
-        start += len(own)
     return True, ""
