@@ -179,16 +179,18 @@ def test_the_model_card_says_padding_free_only_where_rows_pack(tmp_path, tiny_ll
         assert feature.card_tags(None) == (["padding-free"] if packs else []), type(model).__name__
 
 
-def test_a_call_with_images_over_the_token_budget_packs_consecutive_rows_with_their_images(tiny_vlm):
-    """A budget smaller than the call: several packed forwards of consecutive rows, each with its rows' images (a
-    row with two images, one with none), scored as TRL's padded forward (<= 1e-5)."""
-    from trl_scale.scoring.image_packing import row_groups
+@pytest.mark.parametrize("budget", [30, None])
+def test_a_call_with_images_packs_its_rows_with_their_images(tiny_vlm, budget):
+    """Rows with two images, one and none, packed two to a row where they fit (budget None), or as several forwards
+    of consecutive rows (a budget smaller than the call), each with its rows' images: scored as TRL's padded forward
+    (<= 1e-5)."""
+    from trl_scale.scoring.image_packing import packed_rows, row_groups
 
     processor = AutoProcessor.from_pretrained(tiny_vlm)
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlm).eval()
     add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
     ours, stats = copy.deepcopy(model), PackingStats()
-    install_packed_scoring(ours, temperature=0.7, outputs=("entropy",), stats=stats, token_budget=30)
+    install_packed_scoring(ours, temperature=0.7, outputs=("entropy",), stats=stats, token_budget=budget)
     rng = np.random.default_rng(1)
     rows, images = [], []
     for count in (1, 2, 0, 1):
@@ -207,8 +209,12 @@ def test_a_call_with_images_over_the_token_budget_packs_consecutive_rows_with_th
         labels[i, width - 3 :] = torch.tensor(row[-3:])
     pixels = processor.image_processor(images, return_tensors="pt")["pixel_values"]
     inputs = {"pixel_values": pixels, "token_type_ids": (ids == processor.tokenizer.image_token_id).long()}
-    groups = row_groups(ours.base_model, ids, mask, 30)
-    assert len(groups) > 1 and [(first, end) for _, _, first, end in groups][-1][1] == 4  # 4 images in all
+    groups = row_groups(ours.base_model, ids, mask, budget)
+    assert groups[-1][3] == 4  # 4 images in all
+    if budget is None:  # one forward, whose rows hold two sequences where they fit
+        assert len(groups) == 1 and max(len(row) for row in packed_rows(mask.sum(1).tolist())) >= 2
+    else:
+        assert len(groups) > 1
     expected, expected_grads = _scored(model, ids, mask, labels, inputs)
     got, got_grads = _scored(ours, ids, mask, labels, inputs)
     label_mask = expected.label_mask.bool()
