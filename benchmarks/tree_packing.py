@@ -10,6 +10,10 @@ history before it. Tokens computed: the padded batch's width times its rows (sto
 its unique tokens (tree rows).
 
 Usage: python benchmarks/tree_packing.py [--quick]. One JSON line per shape; the last line is the summary.
+On a GPU (issue 63: P=2048, C=256, G=8 on the 1.5B shape, varlen and flex):
+python benchmarks/tree_packing.py --device cuda --dtype bfloat16 --attention flex_attention --shapes 2048,256,8
+--hidden 1536 --layers 28 --heads 12 --kv-heads 2 (sdpa on CUDA in half precision runs the tree's segments on torch's
+flash varlen kernel). Each shape's line also gives the tree rows' largest log-prob gap to stock TRL's padded rows.
 """
 
 from __future__ import annotations
@@ -26,16 +30,18 @@ QUICK_SHAPES = [(512, 32, 8), (200, 256, 8), (64, 32, 4)]
 VARIANTS = ("stock", "packed", "tree")
 
 
-def _model(hidden: int, layers: int):
+def _model(args):
     import torch
     from transformers import AutoModelForCausalLM
 
     from trl_scale.toy import tiny_config
 
     torch.manual_seed(0)
-    config = tiny_config("llama", hidden_size=hidden, num_layers=layers, num_heads=8, num_kv_heads=4)
-    config._attn_implementation = "sdpa"
-    return AutoModelForCausalLM.from_config(config).float()
+    config = tiny_config(
+        "llama", hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads
+    )
+    config._attn_implementation = args.attention
+    return AutoModelForCausalLM.from_config(config).to(args.device, getattr(torch, args.dtype))
 
 
 def padded_batch(rows: list[tuple[list[int], list[int]]]):
@@ -111,27 +117,52 @@ def _step(policy, reference, batch) -> None:
     policy.zero_grad(set_to_none=True)
 
 
-def _median_seconds(step, repeats: int) -> float:
-    step()  # warm-up (and the probes)
+def _synchronized(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median_seconds(step, repeats: int, device="cpu") -> float:
+    step()  # warm-up (and the probes, and a compile)
     times = []
     for _ in range(repeats):
+        _synchronized(device)
         start = time.perf_counter()
         step()
+        _synchronized(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
+def _logprob_gap(models: dict, batch) -> float:
+    """The tree rows' largest log-prob gap to stock TRL's padded rows, on the labelled tokens."""
+    import torch
+
+    ids, mask, labels = batch
+    with torch.no_grad():
+        out = {name: model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+               for name, model in models.items()}  # fmt: skip
+    kept = out["stock"].label_mask.bool()
+    return float((out["tree"].log_probs.float() - out["stock"].log_probs.float())[kept].abs().max())
+
+
 def measure(base, name: str, rows: list, repeats: int) -> dict:
-    batch = padded_batch(rows)
+    device = next(base.parameters()).device
+    batch = tuple(t.to(device) for t in padded_batch(rows))
     result: dict = {"workload": name}
+    policies = {}
     for variant in VARIANTS:
         policy, reference = _scorers(base, variant)
         step = functools.partial(_step, policy, reference, batch)
-        result[f"{variant}_step_s"] = round(_median_seconds(step, repeats), 4)
+        result[f"{variant}_step_s"] = round(_median_seconds(step, repeats, device), 4)
+        policies[variant] = policy
         if variant == "tree":
             stats = policy._trl_scale_packed_scoring.stats
             result["tree_calls_fraction"] = round(stats.tree_calls / max(1, stats.calls), 3)
             result["tree_tokens"] = stats.tree_tokens // max(1, stats.tree_calls)
+    result["tree_logp_max_gap"] = _logprob_gap(policies, batch)
     result["stock_tokens"] = int(batch[0].numel())
     result["packed_tokens"] = int(batch[1].sum())
     result["tree_vs_packed"] = round(result["tree_step_s"] / result["packed_step_s"], 3)
@@ -145,20 +176,28 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="three shapes and the multi-turn workload, fewer repeats")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--attention", default="sdpa", choices=("sdpa", "flex_attention", "eager"))
+    parser.add_argument("--shapes", help="P,C,G[;P,C,G...]: these shapes only (and the multi-turn workload)")
     args = parser.parse_args()
-    base = _model(args.hidden, args.layers)
+    base = _model(args)
     vocab = base.config.vocab_size
     repeats = 3
-    workloads = [
-        (f"P={p},C={c},G={g}", group_rows(p, c, g, vocab)) for p, c, g in (QUICK_SHAPES if args.quick else SHAPES)
-    ]
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.shapes:
+        shapes = [tuple(int(n) for n in shape.split(",")) for shape in args.shapes.split(";")]
+    workloads = [(f"P={p},C={c},G={g}", group_rows(p, c, g, vocab)) for p, c, g in shapes]
     workloads.append(("multi-turn: 2 conversations x 6 turns of 64 + 32", conversation_rows(2, 6, 64, 32, vocab)))
     results = []
     for name, rows in workloads:
         results.append(measure(base, name, rows, repeats))
         print(json.dumps({"benchmark": "tree_packing", **results[-1]}), flush=True)
-    print(json.dumps({"benchmark": "tree_packing", "quick": args.quick, "hidden": args.hidden,
-                      "layers": args.layers, "workloads": results}))  # fmt: skip
+    print(json.dumps({"benchmark": "tree_packing", "quick": args.quick, "hidden": args.hidden, "layers": args.layers,
+                      "device": args.device, "dtype": args.dtype, "attention": args.attention,
+                      "workloads": results}))  # fmt: skip
 
 
 if __name__ == "__main__":
