@@ -20,7 +20,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from .image_packing import packed_inputs, packs_images, row_groups
+from .image_packing import image_pieces, packs_images
 from .logprob_head import chunked_logprobs, gathered_lm_head, logit_transform_of
 from .packing import empty_forward_anchor, pack_padded_batch, packed_forward_kwargs, unpack
 from .sampler_support import kept_log_mass
@@ -185,15 +185,9 @@ def padded_fused_forward(
 def packed_image_forward(model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items, images):
     """A call with images as packed rows of consecutive sequences (`image_packing`: each forward's images are its
     rows', the padding goes, at most the token budget per forward), scored by the chunked head."""
-    batch_size, seq_len = input_ids.shape
+    batch_size = input_ids.size(0)
     shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
-    pieces = []
-    for a, b, first, end in row_groups(model.base_model, input_ids, attention_mask, config.settings.token_budget):
-        rows = {name: value[a:b] for name, value in images.items() if name != "pixel_values"}
-        rows["pixel_values"] = images["pixel_values"][first:end]
-        inputs, packed_flat, padded_flat = packed_inputs(model.base_model, input_ids[a:b], attention_mask[a:b], rows)
-        hidden = model.base_model(**inputs).last_hidden_state
-        pieces.append((padded_flat + a * seq_len, hidden.reshape(-1, hidden.size(-1))[packed_flat]))
+    pieces = image_pieces(model.base_model, input_ids, attention_mask, images, config.settings.token_budget)
     return _scored_output(model, config, pieces, shift_labels, None, num_items)
 
 
@@ -420,14 +414,19 @@ def token_scores(
     Scored as ``settings`` say (or a `ScoringSettings` of ``fields``, e.g. ``tree_packing=False``): where packing is
     on and exact for this backbone (:func:`.support.use_packing`), the real tokens go through it packed (tree rows
     as ``tree_packing`` says), in micro-batches of at most ``token_budget`` tokens, the same way the policy is
-    scored; otherwise one padded forward. ``multimodal_inputs`` (``pixel_values``, ``token_type_ids``, ...) go to
-    that padded forward: packed rows cannot carry images, as on the policy's side.
+    scored; otherwise one padded forward. ``multimodal_inputs`` (``pixel_values``, ``token_type_ids``, ...) go
+    packed where the policy's calls with images would (:mod:`.image_packing`), else to that padded forward.
     """
     settings = dataclasses.replace(settings or ScoringSettings(), **fields)
     batch_size, seq_len = input_ids.shape
     sp = _sharding(sequence_parallel)
     if sp is not None and multimodal_inputs:
         raise ValueError("sequence parallelism scores token rows only: no image inputs. Fix: sp_size=1")
+    if sp is None and multimodal_inputs and settings.padding_free is not False:
+        if packs_images(backbone, multimodal_inputs):
+            pieces = image_pieces(backbone, input_ids, attention_mask, multimodal_inputs, settings.token_budget)
+            flat = torch.cat([head(hidden).squeeze(-1).float() for _, hidden in pieces])
+            return unpack(flat, torch.cat([index for index, _ in pieces]), batch_size, seq_len)
     padded = sp is None and (
         multimodal_inputs or not use_packing(backbone, settings.padding_free, probe_now=True, width=seq_len)
     )

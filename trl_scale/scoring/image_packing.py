@@ -60,6 +60,19 @@ def packs_images(backbone, images: dict) -> bool:
     return support[0]
 
 
+def image_pieces(backbone, input_ids, attention_mask, images: dict, token_budget: int | None) -> list:
+    """The call's hidden states from packed forwards (`row_groups`, each with its rows' images), as the engine's
+    pieces: ``[(flat index into the padded [B, T], hidden [n, H]), ...]``."""
+    seq_len, pieces = input_ids.size(1), []
+    for a, b, first, end in row_groups(backbone, input_ids, attention_mask, token_budget):
+        rows = {name: value[a:b] for name, value in images.items() if name != "pixel_values"}
+        rows["pixel_values"] = images["pixel_values"][first:end]
+        inputs, packed_flat, padded_flat = packed_inputs(backbone, input_ids[a:b], attention_mask[a:b], rows)
+        hidden = backbone(**inputs).last_hidden_state
+        pieces.append((padded_flat + a * seq_len, hidden.reshape(-1, hidden.size(-1))[packed_flat]))
+    return pieces
+
+
 def packed_rows(lengths: list[int]) -> list[list[int]]:
     """Sequences (by batch index) into rows no wider than the longest, filled in batch order (next fit): the rows'
     images, read row after row, are then the batch's in its order. Empty sequences are left out."""
