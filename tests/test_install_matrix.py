@@ -125,6 +125,9 @@ EXTRA_CHECKS = {
     "ray": """
         import ray
         from trl_scale.distributed import ray_backend
+        # without Pillow (nothing here brings it), the toy package the CLI's toy datasets load still imports: its
+        # visual task imports Pillow only when it draws
+        import trl_scale.toy
     """,
     "deepspeed": """
         import deepspeed

@@ -12,24 +12,24 @@ import random
 
 import torch
 from datasets import Dataset
-from PIL import Image
 
 from .tokenizer import NUMBER_WORDS
 
 COUNTS = (1, 2, 3)
 _CELL = 7  # 28 / 4
-_COLOURS = ((210, 40, 40), (40, 70, 210), (40, 170, 70))
+_COLOUR = (210, 40, 40)
 
 
-def squares_image(count: int, rng: random.Random, size: int = 28) -> Image.Image:
-    """`count` coloured 5x5 squares in distinct cells of a 4x4 grid (a random colour each), on white."""
+def squares_image(count: int, rng: random.Random, size: int = 28):
+    """A PIL image: `count` coloured squares filling distinct cells of a 4x4 grid, on white."""
+    from PIL import Image  # Pillow: not a core dependency (the demo's matplotlib and vision models bring it)
+
     image = Image.new("RGB", (size, size), (255, 255, 255))
     for cell in rng.sample(range(16), count):
         left, top = (cell % 4) * _CELL, (cell // 4) * _CELL
-        colour = _COLOURS[0]
         for x in range(left, left + _CELL):
             for y in range(top, top + _CELL):
-                image.putpixel((x, y), colour)
+                image.putpixel((x, y), _COLOUR)
     return image
 
 
