@@ -350,7 +350,9 @@ def test_the_prefetcher_never_serves_a_batch_older_than_the_bound():
         return future
 
     for staleness in (1, 2):
-        prefetcher = RolloutPrefetcher(staleness, lambda prompts: prompts, lambda ids: done(f"result of {ids}"))
+        prefetcher = RolloutPrefetcher(
+            staleness, lambda prompts: prompts, lambda ids, images: done(f"result of {ids}")
+        )
         for age in range(4):
             prefetcher.note_upcoming([{"prompt": [age, age]}])
             prefetcher.submit_upcoming(version=10)

@@ -828,7 +828,7 @@ def _requests_from_the_step(monkeypatch) -> list:
     made = []
     request = ServerRolloutGeneration._request
     monkeypatch.setattr(
-        ServerRolloutGeneration, "_request", lambda self, prompts: made.append(1) or request(self, prompts)
+        ServerRolloutGeneration, "_request", lambda self, *args: made.append(1) or request(self, *args)
     )
     return made
 

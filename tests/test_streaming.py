@@ -364,7 +364,7 @@ def test_an_answer_finishing_during_a_sync_records_the_syncs_weights_in_its_span
     generation, events = _generation_with_held_sync()
     answer = threading.Event()
 
-    def request(prompts, batch):
+    def request(prompts, batch, images=None):
         assert answer.wait(timeout=10)
         return [{"token_ids": [1]}]
 
