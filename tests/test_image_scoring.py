@@ -181,10 +181,10 @@ def test_the_model_card_says_padding_free_only_where_rows_pack(tmp_path, tiny_ll
 
 @pytest.mark.parametrize("budget", [30, None])
 def test_a_call_with_images_packs_its_rows_with_their_images(tiny_vlm, budget):
-    """Rows with two images, one and none, packed two to a row where they fit (budget None), or as several forwards
-    of consecutive rows (a budget smaller than the call), each with its rows' images: scored as TRL's padded forward
-    (<= 1e-5)."""
-    from trl_scale.scoring.image_packing import packed_rows, row_groups
+    """Rows with two images, one and none, packed two to a row where they fit, each with its own images: scored as
+    TRL's padded forward (<= 1e-5). One forward per call whatever the token budget (ranks of a sharded model then
+    run as many forwards through the vision tower)."""
+    from trl_scale.scoring.image_packing import packed_rows, packs_images
 
     processor = AutoProcessor.from_pretrained(tiny_vlm)
     model = AutoModelForImageTextToText.from_pretrained(tiny_vlm).eval()
@@ -209,12 +209,10 @@ def test_a_call_with_images_packs_its_rows_with_their_images(tiny_vlm, budget):
         labels[i, width - 3 :] = torch.tensor(row[-3:])
     pixels = processor.image_processor(images, return_tensors="pt")["pixel_values"]
     inputs = {"pixel_values": pixels, "token_type_ids": (ids == processor.tokenizer.image_token_id).long()}
-    groups = row_groups(ours.base_model, ids, mask, budget)
-    assert groups[-1][3] == 4  # 4 images in all
-    if budget is None:  # one forward, whose rows hold two sequences where they fit
-        assert len(groups) == 1 and max(len(row) for row in packed_rows(mask.sum(1).tolist())) >= 2
-    else:
-        assert len(groups) > 1
+    assert max(len(row) for row in packed_rows(mask.sum(1).tolist())) >= 2  # two sequences share a row
+    assert packs_images(ours.base_model, inputs)  # probed now: the forwards counted below are the call's
+    forwards = []
+    hook = ours.base_model.register_forward_hook(lambda *args: forwards.append(1))
     expected, expected_grads = _scored(model, ids, mask, labels, inputs)
     got, got_grads = _scored(ours, ids, mask, labels, inputs)
     label_mask = expected.label_mask.bool()
@@ -222,4 +220,5 @@ def test_a_call_with_images_packs_its_rows_with_their_images(tiny_vlm, budget):
     pairs = [(a, b) for a, b in zip(expected_grads, got_grads) if a is not None]
     largest = max(a.abs().max().item() for a, _ in pairs)
     assert max((a - b).abs().max().item() for a, b in pairs) <= TOLERANCE * max(1.0, largest)
-    assert stats.pop()["padding_free/image_calls_packed"] == 1.0
+    hook.remove()
+    assert stats.pop()["padding_free/image_calls_packed"] == 1.0 and len(forwards) == 1

@@ -183,11 +183,11 @@ def padded_fused_forward(
 
 
 def packed_image_forward(model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items, images):
-    """A call with images as packed rows of consecutive sequences (`image_packing`: each forward's images are its
-    rows', the padding goes, at most the token budget per forward), scored by the chunked head."""
+    """A call with images as packed rows (`image_packing`: the images stay with their sequences, the padding goes),
+    scored by the chunked head."""
     batch_size = input_ids.size(0)
     shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
-    pieces = image_pieces(model.base_model, input_ids, attention_mask, images, config.settings.token_budget)
+    pieces = image_pieces(model.base_model, input_ids, attention_mask, images)
     return _scored_output(model, config, pieces, shift_labels, None, num_items)
 
 
@@ -424,7 +424,7 @@ def token_scores(
         raise ValueError("sequence parallelism scores token rows only: no image inputs. Fix: sp_size=1")
     if sp is None and multimodal_inputs and settings.padding_free is not False:
         if packs_images(backbone, multimodal_inputs):
-            pieces = image_pieces(backbone, input_ids, attention_mask, multimodal_inputs, settings.token_budget)
+            pieces = image_pieces(backbone, input_ids, attention_mask, multimodal_inputs)
             flat = torch.cat([head(hidden).squeeze(-1).float() for _, hidden in pieces])
             return unpack(flat, torch.cat([index for index, _ in pieces]), batch_size, seq_len)
     padded = sp is None and (

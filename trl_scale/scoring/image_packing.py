@@ -1,8 +1,8 @@
 """Packed scoring of calls with images, for models whose images are one tensor each and whose image tokens are laid
-out as the ids (Gemma 3): consecutive rows' real tokens packed into one row per forward (at most a token budget), in
-batch order, so the forward's images (TRL's `pixel_values`, in row order) meet their own tokens; `position_ids`
-restart per sequence; the per-token image fields (`token_type_ids`, ...) are packed as the ids; the attention masks
-are built here (:func:`packed_masks`). The padding goes, the images stay with their rows.
+out as the ids (Gemma 3): the call's sequences packed into rows as wide as the longest, in batch order, so the
+forward's images (TRL's `pixel_values`, in row order) meet their own tokens; `position_ids` restart per sequence;
+the per-token image fields (`token_type_ids`, ...) are packed as the ids; the attention masks are built here
+(:func:`packed_masks`). The padding goes, the images stay with their rows. One forward per call, as TRL's.
 
 Probed once per model, as text packing is (:mod:`.support`): three sequences with an image each, packed against each
 alone. A model it finds inexact, or whose images come in another layout (an image grid with 3-D positions:
@@ -20,28 +20,6 @@ logger = get_logger(__name__)
 
 PER_TOKEN = ("token_type_ids", "mm_token_type_ids")
 PACKABLE = frozenset({"pixel_values", *PER_TOKEN})
-# Real tokens per packed forward when the settings give no budget: the masks are dense ([N, N] per layer type).
-IMAGE_TOKEN_BUDGET = 8192
-
-
-def row_groups(backbone, input_ids, attention_mask, token_budget: int | None) -> list[tuple[int, int, int, int]]:
-    """Consecutive rows per packed forward, at most `token_budget` real tokens each (a longer row alone), with
-    their images: ``(first row, end row, first image, end image)``. A row's images are its runs of image tokens."""
-    budget = token_budget or IMAGE_TOKEN_BUDGET
-    image = (input_ids == backbone.config.image_token_id) & attention_mask.bool()
-    runs = (image & ~torch.cat([image.new_zeros(image.size(0), 1), image[:, :-1]], dim=1)).sum(1).tolist()
-    lengths = attention_mask.sum(1).tolist()
-    groups, start, tokens = [], 0, 0
-    for row, length in enumerate(lengths):
-        if row > start and tokens + length > budget:
-            groups.append((start, row))
-            start, tokens = row, 0
-        tokens += length
-    groups.append((start, len(lengths)))
-    bounds = [0]
-    for count in runs:
-        bounds.append(bounds[-1] + int(count))
-    return [(a, b, bounds[a], bounds[b]) for a, b in groups]
 
 
 def packs_images(backbone, images: dict) -> bool:
@@ -60,17 +38,15 @@ def packs_images(backbone, images: dict) -> bool:
     return support[0]
 
 
-def image_pieces(backbone, input_ids, attention_mask, images: dict, token_budget: int | None) -> list:
-    """The call's hidden states from packed forwards (`row_groups`, each with its rows' images), as the engine's
-    pieces: ``[(flat index into the padded [B, T], hidden [n, H]), ...]``."""
-    seq_len, pieces = input_ids.size(1), []
-    for a, b, first, end in row_groups(backbone, input_ids, attention_mask, token_budget):
-        rows = {name: value[a:b] for name, value in images.items() if name != "pixel_values"}
-        rows["pixel_values"] = images["pixel_values"][first:end]
-        inputs, packed_flat, padded_flat = packed_inputs(backbone, input_ids[a:b], attention_mask[a:b], rows)
-        hidden = backbone(**inputs).last_hidden_state
-        pieces.append((padded_flat + a * seq_len, hidden.reshape(-1, hidden.size(-1))[packed_flat]))
-    return pieces
+def image_pieces(backbone, input_ids, attention_mask, images: dict) -> list:
+    """The call's hidden states from one packed forward with its images, as the engine's pieces: ``[(flat index into
+    the padded [B, T], hidden [n, H])]``. One forward per call, as TRL's padded one: under ZeRO-3 or FSDP every rank
+    then runs as many forwards through the vision tower (split by a token budget, ranks could differ and wait on
+    each other's gathers); its rows are no wider than the longest sequence, so its masks are no larger than the
+    padded call's."""
+    inputs, packed_flat, padded_flat = packed_inputs(backbone, input_ids, attention_mask, images)
+    hidden = backbone(**inputs).last_hidden_state
+    return [(padded_flat, hidden.reshape(-1, hidden.size(-1))[packed_flat])]
 
 
 def packed_rows(lengths: list[int]) -> list[list[int]]:
