@@ -36,14 +36,18 @@ def warmed_vlm(tmp_path_factory) -> str:
     return warmed
 
 
-def _logs(path: str, out, dataset, **settings) -> list[dict]:
-    args = trl_scale.GRPOConfig(
+def _logs(path: str, out, dataset, method: str = "grpo", **settings) -> list[dict]:
+    config_class, trainer_class = {
+        "grpo": (trl_scale.GRPOConfig, trl_scale.GRPOTrainer),
+        "rloo": (trl_scale.RLOOConfig, trl_scale.RLOOTrainer),
+    }[method]
+    args = config_class(
         **cpu_args(
             out, per_device_train_batch_size=32, num_generations=4, max_completion_length=3, max_steps=STEPS,
             learning_rate=1e-3, beta=0.0, temperature=1.0, **settings,
         )
     )  # fmt: skip
-    trainer = trl_scale.GRPOTrainer(
+    trainer = trainer_class(
         model=path,
         reward_funcs=squares_reward,
         args=args,
@@ -61,9 +65,10 @@ def _ends(logs: list[dict]) -> tuple[float, float]:
     return first, last
 
 
-def test_counting_squares_learns_locally(warmed_vlm, tmp_path):
-    first, last = _ends(_logs(warmed_vlm, tmp_path, squares_prompts(STEPS * 8)))
-    assert last >= 0.7 and last >= first + 0.25, (first, last)  # measured 0.43 -> 0.86
+@pytest.mark.parametrize("method", ["grpo", "rloo"])
+def test_counting_squares_learns_locally(warmed_vlm, tmp_path, method):
+    first, last = _ends(_logs(warmed_vlm, tmp_path, squares_prompts(STEPS * 8), method))
+    assert last >= 0.7 and last >= first + 0.25, (first, last)  # measured (GRPO) 0.48 -> 0.97
 
 
 def test_counting_squares_learns_over_two_servers(warmed_vlm, tmp_path):
