@@ -92,3 +92,30 @@ def test_tree_rows_on_flex_score_as_trls_padded_forward(zoo, family):
                 graphs = counters["stats"]["unique_graphs"]
             if seed == 1:
                 assert counters["stats"]["unique_graphs"] == graphs  # the second length ran the first one's kernel
+
+
+def test_packed_rows_on_flex_score_calls_of_new_lengths_as_trls_padded_forward(zoo):
+    """Packed rows (no trees) on flex attention on CPU, three calls of three lengths: each within 1e-5 of TRL's
+    padded flex forward. (Red before: the second length's recompile, to a symbolic length, failed to build in
+    inductor's CPU flex template, where TRL's padded rows ran.)"""
+    path = zoo("llama")
+    models = []
+    for _ in range(2):
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="flex_attention").eval()
+        add_fused_lm_head(model, temperature=0.7, outputs=("log_probs",))
+        models.append(model)
+    trl_padded, packed = models
+    config = install_packed_scoring(packed, temperature=0.7, tree_packing=False)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for width in (10, 14, 19):
+            ids = torch.randint(5, 90, (3, width), generator=generator)
+            mask = torch.ones_like(ids)
+            mask[0, :3] = 0  # a left-padded row
+            labels = ids.masked_fill(mask == 0, -100)
+            labels[:, : width // 2] = -100
+            expected = trl_padded(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+            got = packed(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+            assert config.stats.pop()["padding_free/micro_batches_per_call"] == 1.0  # packed, not TRL's forward
+            kept = expected.label_mask.bool()
+            assert (got.log_probs - expected.log_probs)[kept].abs().max().item() <= TOLERANCE, width

@@ -27,6 +27,7 @@ from .sampler_support import kept_log_mass
 from .sequence_parallel import SequenceParallelGroup, check_same_batch, summed_over_group
 from .settings import PackedScoringConfig, PackingStats, ScoringSettings
 from .support import packing_support, use_packing
+from .tree_flex import static_shapes
 from .tree_forward import TreeMicroBatch, planned_trees, tree_backbone_forward
 from .varlen import install_varlen_attention, uninstall_varlen_attention, varlen_forward
 
@@ -75,10 +76,19 @@ def packed_backbone_forward(backbone, input_ids, attention_mask, token_budget: i
         if micro_batch.input_ids.numel() == 0:
             anchor = empty_forward_anchor(backbone, input_ids.device)
             continue
-        with varlen_forward() if varlen else nullcontext():
+        with varlen_forward() if varlen else _flex_context(backbone, input_ids.device):
             hidden = backbone(**packed_forward_kwargs(micro_batch, varlen_kwargs=varlen)).last_hidden_state
         outputs.append((micro_batch, micro_batch.real_tokens(hidden)))
     return packed, outputs, anchor
+
+
+def _flex_context(backbone, device: torch.device):
+    """Packed rows on flex attention on CPU compile with static shapes: inductor's CPU flex template fails to build
+    the symbolic-length kernel transformers' automatic dynamic shapes recompile to at a second length (TRL's padded
+    rows compile another kernel, which builds). Elsewhere, as transformers compiles it."""
+    if device.type == "cpu" and getattr(backbone.config, "_attn_implementation", None) == "flex_attention":
+        return static_shapes()
+    return nullcontext()
 
 
 def sequence_parallel_backbone_forward(
