@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..scoring.image_packing import PER_TOKEN
+
 PER_IMAGE = ("image_sizes", "image_grid_thw")
-PER_TOKEN = ("token_type_ids", "mm_token_type_ids")
 TILED = ("num_tiles", "spatial_shapes", "pixel_attention_mask", "image_position_ids")
 
 

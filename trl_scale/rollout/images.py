@@ -22,11 +22,11 @@ def row_images(rows: list) -> list[list | None] | None:
     return None if all(not row for row in images) else images
 
 
-def multimodal_prompts(rows: list, images: list[list | None]) -> list:
+def multimodal_prompts(rows: list, images: list[list | None] | None) -> list:
     """The rows' prompts as TRL's step builds them: where the batch has images (`images`, per row: `row_images`),
     each turned into content lists holding its own."""
     prompts = [row.get("prompt") if isinstance(row, dict) else None for row in rows]
-    if not any(images):
+    if not images or not any(images):
         return prompts
     from trl.data_utils import prepare_multimodal_messages
 

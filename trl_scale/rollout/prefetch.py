@@ -71,9 +71,7 @@ class RolloutPrefetcher:
             batch = self.upcoming.popleft()
             images = row_images(batch)  # tokenized as TRL's step will: the images turned into content
             try:
-                prompt_ids = self.tokenize(
-                    multimodal_prompts(batch, images) if images else [r["prompt"] for r in batch]
-                )
+                prompt_ids = self.tokenize(multimodal_prompts(batch, images))
             except Exception as error:  # an unusual row: that batch is generated synchronously when it comes
                 logger.warning("async rollout: cannot prefetch a batch (%s); it will be generated in turn", error)
                 continue

@@ -160,14 +160,19 @@ def _forward_pieces(
     return pieces, anchor, figures | {"sizes": [index.numel() for index, _ in pieces]}
 
 
+def _shifted(labels: torch.Tensor) -> torch.Tensor:
+    """Each position's label: TRL scores hidden[:, t] against labels[:, t + 1], so in the padded layout a position's
+    label is the next column's (the last column has none)."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.size(0), 1), -100)], dim=1)
+
+
 def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items_in_batch):
     """The packed equivalent of TRL's ``_fused_forward`` for a padded batch; returns a ``FusedCausalLMOutput``.
     Under sequence parallelism the head's results are summed over the group, so every rank returns the whole
     batch's fields (the group is one data-parallel rank, see :mod:`trl_scale.sharding.data_parallel`)."""
     sp = _sharding(config.sequence_parallel)
     batch_size, seq_len = input_ids.shape
-    # TRL scores hidden[:, t] against labels[:, t + 1]; in the padded layout, position t's label is the next column.
-    shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
+    shift_labels = _shifted(labels)
     keep = (shift_labels != -100).reshape(-1)
     pieces, anchor, figures = _forward_pieces(
         model.base_model, input_ids, attention_mask, config.settings, sp, keep, labels
@@ -183,7 +188,7 @@ def padded_fused_forward(
     with the settings' sampler support): the calls packing cannot take, when log-probs must be on the sampler's
     support, and calls with `images` (their inputs, `IMAGE_KWARGS`), whose prompts are long and never scored."""
     batch_size, seq_len = input_ids.shape
-    shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
+    shift_labels = _shifted(labels)
     backbone = model.base_model
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **(images or {}))
     hidden = hidden.last_hidden_state
@@ -195,10 +200,8 @@ def padded_fused_forward(
 def packed_image_forward(model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items, images):
     """A call with images as packed rows (`image_packing`: the images stay with their sequences, the padding goes),
     scored by the chunked head."""
-    batch_size = input_ids.size(0)
-    shift_labels = torch.cat([labels[:, 1:], labels.new_full((batch_size, 1), -100)], dim=1)
     pieces = image_pieces(model.base_model, input_ids, attention_mask, images)
-    return _scored_output(model, config, pieces, shift_labels, None, num_items)
+    return _scored_output(model, config, pieces, _shifted(labels), None, num_items)
 
 
 def _scored_output(
@@ -364,7 +367,7 @@ def _engine_forward(model_class, config: PackedScoringConfig, trl_forward):
         if fused_lm_head and not args and not sharded and _is_padded_call(labels, shift_labels, kwargs, True):
             images = {name: kwargs[name] for name in IMAGE_KWARGS if kwargs.get(name) is not None}
             config.stats.image_calls += 1
-            if config.settings.padding_free is not False and packs_images(self.base_model, images):
+            if packs_images(self.base_model, images, config.settings.padding_free):
                 config.stats.packed_image_calls += 1
                 return packed_image_forward(
                     self, config, input_ids, attention_mask, labels, num_items_in_batch, images
@@ -432,11 +435,10 @@ def token_scores(
     sp = _sharding(sequence_parallel)
     if sp is not None and multimodal_inputs:
         raise ValueError("sequence parallelism scores token rows only: no image inputs. Fix: sp_size=1")
-    if sp is None and multimodal_inputs and settings.padding_free is not False:
-        if packs_images(backbone, multimodal_inputs):
-            pieces = image_pieces(backbone, input_ids, attention_mask, multimodal_inputs)
-            flat = torch.cat([head(hidden).squeeze(-1).float() for _, hidden in pieces])
-            return unpack(flat, torch.cat([index for index, _ in pieces]), batch_size, seq_len)
+    if sp is None and packs_images(backbone, multimodal_inputs, settings.padding_free):
+        pieces = image_pieces(backbone, input_ids, attention_mask, multimodal_inputs)
+        flat = torch.cat([head(hidden).squeeze(-1).float() for _, hidden in pieces])
+        return unpack(flat, torch.cat([index for index, _ in pieces]), batch_size, seq_len)
     padded = sp is None and (
         multimodal_inputs or not use_packing(backbone, settings.padding_free, probe_now=True, width=seq_len)
     )

@@ -22,9 +22,10 @@ PER_TOKEN = ("token_type_ids", "mm_token_type_ids")
 PACKABLE = frozenset({"pixel_values", *PER_TOKEN})
 
 
-def packs_images(backbone, images: dict) -> bool:
-    """Whether this call's `images` can go packed: a layout this module packs, on a model the probe found exact."""
-    if not images or not set(images) <= PACKABLE or "pixel_values" not in images:
+def packs_images(backbone, images: dict | None, padding_free: bool | None = None) -> bool:
+    """Whether this call's `images` go packed: packing not switched off (`padding_free` False), a layout this module
+    packs, on a model the probe found exact."""
+    if padding_free is False or not images or not set(images) <= PACKABLE or "pixel_values" not in images:
         return False
     support = getattr(backbone, "_trl_scale_image_packing", None)
     if support is None:

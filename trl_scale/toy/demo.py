@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from ..sharding.zero import whole_parameters
 from .models import build_tiny_model
 from .tasks import COUNT_TARGET_LENGTH, counting_prompts, counting_reward, number_word_corpus
+from .training import supervised_steps
 
 
 @dataclass
@@ -42,19 +43,14 @@ def warm_up(
 ) -> float:
     """A short supervised pass on noisy counting text; returns the last loss."""
     corpus = number_word_corpus(steps * batch_size, seed=seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
-    model.train()
-    loss = torch.tensor(float("nan"))
-    for step in range(steps):
-        texts = [t + tokenizer.eos_token for t in corpus[step * batch_size : (step + 1) * batch_size]]
-        batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right")
-        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        loss = model(**batch, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.eval()
-    return loss.item()
+
+    def batches():
+        for step in range(steps):
+            texts = [t + tokenizer.eos_token for t in corpus[step * batch_size : (step + 1) * batch_size]]
+            batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right")
+            yield batch, batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+
+    return supervised_steps(model, batches(), learning_rate)
 
 
 def build_counting_model(

@@ -2,8 +2,9 @@
 
 Each image is 28x28 white with one to three coloured squares in distinct cells of a 4x4 grid; the prompt asks how
 many, the answer is a number word. The reward is 1 when a completion's first word is the count. A warm-up
-(:func:`warm_up_vlm`) teaches the policy to answer with one of the three words, drawn at random whatever the image,
-so it starts at about 1/3: what it gains past that, it can only read from the image.
+(:func:`warm_up_vlm`) teaches the policy to answer with one of the three words: drawn at random whatever the image
+(it then starts at about 1/3, and what it gains past that it can only read from the image), or the count itself
+(`right_answers`, a weak start the learning tests train on).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from datasets import Dataset
 
 from .tokenizer import NUMBER_WORDS
+from .training import supervised_steps
 
 COUNTS = (1, 2, 3)
 _CELL = 7  # 28 / 4
@@ -72,29 +74,21 @@ def warm_up_vlm(
     random (`right_answers`: the count), then the end token. Returns the last loss."""
     rng = random.Random(seed)
     dataset = squares_prompts(steps * batch_size, seed=seed + 1000)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
-    tokenizer = processor.tokenizer
-    model.train()
-    loss = torch.tensor(float("nan"))
-    for step in range(steps):
-        rows = dataset.select(range(step * batch_size, (step + 1) * batch_size))
-        texts = []
-        for row in rows:
-            messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " count"}]}]
-            prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            word = row["answer"] if right_answers else NUMBER_WORDS[rng.choice(COUNTS)]
-            texts.append(prompt + word + tokenizer.eos_token)
-        batch = processor(
-            text=texts, images=[[row["image"]] for row in rows], return_tensors="pt", padding=True,
-            padding_side="right",
-        )  # fmt: skip
-        labels = torch.full_like(batch["input_ids"], -100)
-        ends = batch["attention_mask"].sum(1)
-        for row, end in enumerate(ends.tolist()):
-            labels[row, end - 2 : end] = batch["input_ids"][row, end - 2 : end]  # the answer word and the end
-        loss = model(**batch, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.eval()
-    return loss.item()
+    eos = processor.tokenizer.eos_token
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " count"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)  # every row's
+
+    def batches():
+        for step in range(steps):
+            rows = dataset.select(range(step * batch_size, (step + 1) * batch_size))
+            words = [row["answer"] if right_answers else NUMBER_WORDS[rng.choice(COUNTS)] for row in rows]
+            batch = processor(
+                text=[prompt + word + eos for word in words], images=[[row["image"]] for row in rows],
+                return_tensors="pt", padding=True, padding_side="right",
+            )  # fmt: skip
+            labels = torch.full_like(batch["input_ids"], -100)
+            for row, end in enumerate(batch["attention_mask"].sum(1).tolist()):
+                labels[row, end - 2 : end] = batch["input_ids"][row, end - 2 : end]  # the answer word and the end
+            yield batch, labels
+
+    return supervised_steps(model, batches(), learning_rate)
