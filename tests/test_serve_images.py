@@ -342,6 +342,29 @@ def test_a_policy_that_keeps_sampling_its_image_token_stops_the_run_naming_the_f
     assert client.answers_redrawn == client_module.REDRAWS + 1
 
 
+def test_two_answers_of_one_request_holding_the_image_token_are_drawn_again_with_their_own_seeds(monkeypatch):
+    """With n > 1, each answer that held the token is drawn with a seed of its own: one seed for both would draw the
+    same answer twice for the group."""
+    from trl_scale.rollout import client as client_module
+
+    client = client_module.RolloutClient(["http://127.0.0.1:9"], redraw_tokens=frozenset([7]))
+    sent = []
+
+    def answer(server, payload, continue_cut, on_dispatch):
+        sent.append(payload.get("seed"))
+        client._release(server, ok=True)
+        if payload["n"] == 2:
+            return [{"token_ids": [7], "finish_reason": "stop", "index": i} for i in range(2)]
+        return [{"token_ids": [len(sent)], "finish_reason": "stop", "index": 0}]
+
+    monkeypatch.setattr(client, "_send", answer)
+    try:
+        choices = client.complete([1, 2], 2, seed=5)
+    finally:
+        client.close()
+    assert [c["index"] for c in choices] == [0, 1] and len(set(sent)) == 3, sent
+
+
 def test_a_peaked_policys_sampler_log_probs_are_its_own(tiny_vlm, tmp_path):
     """The sampler's log-probs are the policy's (<= 1e-4) on a policy whose answers are peaked. A random tiny
     model's near-uniform answers hide a wrong logit transform (its logits are too small for soft-capping to matter):

@@ -230,7 +230,7 @@ class RolloutClient:
         """`choices`, each holding a token of `redraw_tokens` drawn again (its own seed), up to `REDRAWS` times in
         all: the answers kept are the sampler's, conditioned on holding none (every token keeps its log-prob)."""
         kept = []
-        for choice in choices:
+        for place, choice in enumerate(choices):
             if not self.redraw_tokens.intersection(choice["token_ids"]):
                 kept.append(choice)
                 continue
@@ -250,8 +250,8 @@ class RolloutClient:
                     "temperature, or train the policy on answers without it first"
                 )
             redraw = dict(sampling)
-            if sampling.get("seed") is not None:  # its own draws, not the first answer's again
-                redraw["seed"] = continued_seed(sampling["seed"], -draws - 1)
+            if sampling.get("seed") is not None:  # its own draws: not the first answer's, nor another choice's
+                redraw["seed"] = continued_seed(sampling["seed"], -(1 + draws + (REDRAWS + 1) * place))
             (again,) = self.complete(prompt, 1, model, continue_cut=continue_cut, _draws=draws + 1, **redraw)
             kept.append({**again, "index": choice.get("index", again.get("index"))})
         return kept
