@@ -993,25 +993,57 @@ def test_a_streamed_rollout_func_draws_each_token_with_weights_in_its_span(fleet
     assert len(list(_tokens_within_their_spans(sampler, checkpoints, batches))) == 4 * 8
 
 
-def test_a_streaming_runs_timeline_shows_syncs_landing_inside_running_requests(fleet, rl_urls, tmp_path):
+def _hold_requests_until_the_next_sync(trainer, monkeypatch) -> None:
+    """The order in which a streaming sync lands inside a running request, forced. Left alone, the stream sends a
+    batch's requests right after a sync, and on an idle machine they end before the next sync's pause (generation
+    outruns a step). Here a request sent after the second sync waits until the next sync is about to pause the
+    servers (after it wrote the weights), and the pause waits until the client has a request out: its 160 tokens
+    (half a second or more) take far longer than the few milliseconds between."""
+    import threading
+
+    from trl_scale.rollout.weight_sync.base import WeightSyncMode
+
+    generation, paused = trainer.vllm_generation, threading.Condition()
+    engine, transport = generation.ahead.engine, generation.client.transport
+    send, pause, pausing = engine.send, WeightSyncMode._pause, [0]  # the sync whose pause was called
+
+    def held_send(*args, **kwargs):
+        sent_at = generation.sync_count  # the first sync's two batches (step 1 waits on them) and the last run freely
+        if sent_at in (2, 3):
+            with paused:
+                paused.wait_for(lambda: pausing[0] > sent_at, timeout=120)
+        return send(*args, **kwargs)
+
+    def pause_inside_a_request(mode, server) -> None:
+        with paused:
+            pausing[0] = generation.sync_count + 1
+            paused.notify_all()
+        deadline = time.monotonic() + 60
+        while pausing[0] in (3, 4) and not transport.models_in_use() and time.monotonic() < deadline:
+            time.sleep(0.005)  # until a request it released is sent (then begun before the pause)
+        pause(mode, server)
+
+    engine.send = held_send
+    monkeypatch.setattr(WeightSyncMode, "_pause", pause_inside_a_request)
+
+
+def test_a_streaming_runs_timeline_shows_syncs_landing_inside_running_requests(fleet, rl_urls, tmp_path, monkeypatch):
     """`rollout_timeline` on GRPO streamed over both real vLLM servers (staleness 1, answers that outlast a step):
     the trace accounts for each step (its trainer lanes sum to the step's wall time, measured apart, within 5 %),
     each server's lane holds its requests and each sync's calls (pause, weight load, resume), and syncs land inside
-    requests still running on that server (begun before the pause, ended after the resume); the PNG is drawn."""
+    requests still running on that server (begun before the pause, ended after the resume); the PNG is drawn. The
+    order is forced (`_hold_requests_until_the_next_sync`): on an idle machine every answer ended before the next
+    sync's pause, and the test failed."""
     import json
 
     from .test_timeline import StepEnds, check_trace_accounts_for_steps
 
+    answers = {**_streamed_long_answers(), "max_completion_length": 160}  # outlasts a pause
     trainer = _trainer(
-        "grpo",
-        fleet.model_path,
-        tmp_path,
-        rl_urls,
-        "shared_dir",
-        **_streamed_long_answers(),
-        async_rollout_mode="streaming",
-        rollout_timeline=True,
-    )
+        "grpo", fleet.model_path, tmp_path, rl_urls, "shared_dir", **answers,
+        async_rollout_mode="streaming", rollout_timeline=True,
+    )  # fmt: skip
+    _hold_requests_until_the_next_sync(trainer, monkeypatch)
     ends = StepEnds()
     trainer.add_callback(ends)
     trainer.train()
