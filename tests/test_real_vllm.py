@@ -353,32 +353,39 @@ def test_preflight_names_every_problem_of_each_server(fleet, rl_urls, tmp_path):
 def test_a_generation_real_vllm_aborts_mid_answer_is_sent_again_not_returned_cut(fleet, rl_urls):
     """vLLM 0.32 answers a generation aborted mid-answer (`/pause?mode=abort`, its default pause mode) with 200, the
     tokens so far and finish_reason 'abort'. The client sends the request again (to the other server) and returns
-    only whole answers: every choice `max_tokens` long (64 samples of 200 tokens), none 'abort'. (A try whose abort
-    came before the request started or after it ended is tried again with another delay.)"""
+    only whole answers: every choice `max_tokens` long (64 samples of 200 tokens), none 'abort'. The abort waits until
+    vLLM reports the request running on a server (a delay from the send, as this test had, landed before it ran on a
+    loaded machine); a try whose request ended before the abort is tried again."""
     import threading
 
     sampling = {"max_tokens": 200, "ignore_eos": True, "temperature": 1.0}  # B serves 256-token contexts
     model, sends = served_models(rl_urls[0])[0], []
 
-    def abort_on_a():  # the router's first pick when both are idle (a try where it picked B is tried again)
-        requests.post(f"{rl_urls[0]}/pause", params={"mode": "abort"}, timeout=30)
-        requests.post(f"{rl_urls[0]}/resume", timeout=30)
+    def abort_where_running():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for url in rl_urls:
+                if _running(url):
+                    requests.post(f"{url}/pause", params={"mode": "abort"}, timeout=30)
+                    requests.post(f"{url}/resume", timeout=30)
+                    return
+            time.sleep(0.02)
 
-    for after_s in (0.5, 0.25, 1.0, 0.1):
+    for _ in range(3):
         client = RolloutClient(rl_urls, request_timeout=120, generation_timeout=300, retry_after=0.5)
         before = len(sends)
-        timer = threading.Timer(after_s, abort_on_a)
-        timer.start()
+        aborting = threading.Thread(target=abort_where_running)
+        aborting.start()
         try:
             choices = client.complete(PROBE, 64, model, on_dispatch=lambda: sends.append(None), **sampling)
         finally:
-            timer.join()
+            aborting.join()
             client.close()
         assert all(c.get("finish_reason") != "abort" and len(c["token_ids"]) == 200 for c in choices)
         if len(sends) - before >= 2:  # the abort landed mid-answer: the request was sent again
             break
     else:
-        pytest.fail("in 4 tries no abort landed while the request was running")
+        pytest.fail("in 3 tries no abort landed while the request was running")
 
 
 def test_check_servers_prints_what_each_real_server_offers(fleet):
@@ -536,13 +543,18 @@ def _old_and_moved_weights(model_path: str, directory) -> tuple:
     return old, new
 
 
+def _running(url: str) -> bool:
+    """Whether vLLM reports a request running (`vllm:num_requests_running` in /metrics)."""
+    for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[-1]) > 0:
+            return True
+    return False
+
+
 def _wait_running(url: str, timeout: float) -> None:
-    """Until vLLM reports a request running (`vllm:num_requests_running` in /metrics), at most `timeout` seconds."""
+    """Until vLLM reports a request running on `url`, at most `timeout` seconds."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
-            if line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[-1]) > 0:
-                return
+    while time.monotonic() < deadline and not _running(url):
         time.sleep(0.02)
 
 
