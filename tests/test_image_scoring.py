@@ -117,15 +117,22 @@ def _qwen2_vl_batch(tokenizer, config, seed: int = 0):
     return ids, mask, labels, {"pixel_values": pixel_values, "image_grid_thw": grids, "mm_token_type_ids": marked}
 
 
-def test_a_qwen2_vl_call_with_3d_positions_is_scored_as_trls_forward_scores_it(tmp_path):
-    """Qwen2-VL's image tokens take (time, height, width) positions from each row's own grid: the padded forward
-    computes them as TRL's does, and the chunked head scores the answers as TRL's fused head (<= 1e-5)."""
-    from transformers import AutoTokenizer
-
+@pytest.fixture(scope="module")
+def tiny_qwen2_vl(tmp_path_factory) -> str:
     from trl_scale.toy import build_tiny_qwen2_vl
 
-    path = build_tiny_qwen2_vl(tmp_path / "qwen2-vl")
-    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2-vl"))
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_qwen2_vl_call_with_3d_positions_is_packed_and_scored_as_trls_forward_scores_it(tiny_qwen2_vl, attention):
+    """Qwen2-VL's image tokens take (time, height, width) positions from each row's own grid: computed on the padded
+    call as the model computes them, packed with the ids behind per-sequence plain positions, and the chunked head
+    scores the packed rows' answers as TRL's padded fused head (<= 1e-5: log-probs, entropies, gradients)."""
+    from transformers import AutoTokenizer
+
+    path = tiny_qwen2_vl
+    model = AutoModelForImageTextToText.from_pretrained(path, attn_implementation=attention).eval()
     add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
     ours, stats = copy.deepcopy(model), PackingStats()
     assert install_packed_scoring(ours, temperature=0.7, outputs=("entropy",), stats=stats) is not None
@@ -137,7 +144,7 @@ def test_a_qwen2_vl_call_with_3d_positions_is_scored_as_trls_forward_scores_it(t
     pairs = [(a, b) for a, b in zip(expected_grads, got_grads) if a is not None]
     largest = max(a.abs().max().item() for a, _ in pairs)
     assert max((a - b).abs().max().item() for a, b in pairs) <= TOLERANCE * max(1.0, largest)
-    assert stats.pop() == {"chunked_head/image_calls": 1.0, "padding_free/image_calls_packed": 0.0}  # padded: 3-D
+    assert stats.pop() == {"chunked_head/image_calls": 1.0, "padding_free/image_calls_packed": 1.0}
     # each row's patches reach its own image tokens: rows 0 and 2 (24 patches each) given each other's, their answers
     # score otherwise, by far more than the tolerance
     pixels = images["pixel_values"]
@@ -146,6 +153,23 @@ def test_a_qwen2_vl_call_with_3d_positions_is_scored_as_trls_forward_scores_it(t
         other = ours(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, **swapped)
     moved = (other.log_probs - got.log_probs.detach()).abs()
     assert moved[[0, 2]][label_mask[[0, 2]]].max().item() > 100 * TOLERANCE
+
+
+def test_the_probe_finds_qwen2_vl_rows_inexact_without_their_3d_positions(tiny_qwen2_vl, monkeypatch):
+    """Packed with plain positions (each sequence's 0, 1, 2, ... on all three axes, as text packing gives them), a
+    Qwen2-VL image's tokens lose their (height, width) places: the probe finds it off, and the call is scored
+    padded."""
+    from trl_scale.scoring import image_packing
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen2_vl).eval()
+    assert image_packing.probe_image_packing(model.base_model) == (True, "")
+
+    def plain(backbone, input_ids, attention_mask, images):
+        return (attention_mask.long().cumsum(1) - 1).clamp(min=0)[None].expand(3, -1, -1)
+
+    monkeypatch.setattr(image_packing, "grid_positions", plain)
+    exact, reason = image_packing.probe_image_packing(model.base_model)
+    assert not exact and "differs from it alone" in reason, reason
 
 
 def test_the_probe_finds_transformers_own_packed_masks_inexact_with_images(tiny_vlm, monkeypatch):

@@ -1,12 +1,17 @@
-"""Packed scoring of calls with images, for models whose images are one tensor each and whose image tokens are laid
-out as the ids (Gemma 3): the call's sequences packed into rows as wide as the longest, in batch order, so the
-forward's images (TRL's `pixel_values`, in row order) meet their own tokens; `position_ids` restart per sequence;
-the per-token image fields (`token_type_ids`, ...) are packed as the ids; the attention masks are built here
-(:func:`packed_masks`). The padding goes, the images stay with their rows. One forward per call, as TRL's.
+"""Packed scoring of calls with images: the call's sequences packed into rows as wide as the longest, in batch order,
+so the forward's images (TRL's `pixel_values`, in row order) meet their own tokens; `position_ids` restart per
+sequence; the per-token image fields (`token_type_ids`, `mm_token_type_ids`) are packed as the ids; the attention
+masks are built here (:func:`packed_masks`). The padding goes, the images stay with their rows. One forward per
+call, as TRL's. Two layouts:
+
+- one tensor per image, its tokens a run in the ids (Gemma 3): an image's tokens attend to each other both ways;
+- a patch grid per image (`image_grid_thw`, Qwen2-VL and its kin): image tokens take 3-D "mrope" positions (time,
+  height, width), computed here on the padded call as the model computes them (`get_rope_index`), packed with the
+  ids, behind one row of plain positions that keeps each token to its sequence (transformers' `[4, rows, width]`).
 
 Probed once per model, as text packing is (:mod:`.support`): three sequences with an image each, packed against each
-alone. A model it finds inexact, or whose images come in another layout (an image grid with 3-D positions:
-Qwen2-VL; tiles), is scored padded, through the chunked head, as before.
+alone. A model it finds inexact, or whose images come in another layout (tiles), is scored padded, through the
+chunked head, as before.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from .support import PROBE_TOLERANCES
 logger = get_logger(__name__)
 
 PER_TOKEN = ("token_type_ids", "mm_token_type_ids")
-PACKABLE = frozenset({"pixel_values", *PER_TOKEN})
+PACKABLE = frozenset({"pixel_values", "image_grid_thw", *PER_TOKEN})
 
 
 def packs_images(backbone, images: dict | None, padding_free: bool | None = None) -> bool:
@@ -27,6 +32,8 @@ def packs_images(backbone, images: dict | None, padding_free: bool | None = None
     packs, on a model the probe found exact."""
     if padding_free is False or not images or not set(images) <= PACKABLE or "pixel_values" not in images:
         return False
+    if "image_grid_thw" in images and "mm_token_type_ids" not in images:
+        return False  # the 3-D positions are computed from the marked tokens (the model itself refuses without)
     support = getattr(backbone, "_trl_scale_image_packing", None)
     if support is None:
         support = probe_image_packing(backbone)
@@ -77,6 +84,9 @@ def packed_inputs(backbone, input_ids, attention_mask, images: dict) -> tuple[di
     positions = torch.zeros_like(ids)
     sequences = torch.full_like(ids, -1)  # -1: filler at a row's end
     types = {name: torch.zeros_like(ids) for name in PER_TOKEN if name in images}
+    grid = images.get("image_grid_thw")
+    rope = None if grid is None else grid_positions(backbone, input_ids, attention_mask, images)  # [3, B, T]
+    packed_rope = None if rope is None else rope.new_zeros(3, *ids.shape)
     packed_flat, padded_flat = [], []
     for row, members in enumerate(rows):
         column = 0
@@ -87,14 +97,32 @@ def packed_inputs(backbone, input_ids, attention_mask, images: dict) -> tuple[di
             positions[row, span] = torch.arange(len(columns), device=device)
             for name, value in types.items():
                 value[row, span] = images[name][index, columns]
+            if rope is not None:
+                packed_rope[:, row, span] = rope[:, index, columns]
             packed_flat.append(torch.arange(span.start, span.stop, device=device) + row * width)
             padded_flat.append(columns + index * real.size(1))
             column = span.stop
     inputs = {"input_ids": ids, "position_ids": positions, "use_cache": False, "pixel_values": images["pixel_values"]}
     inputs |= types
-    token_types = next(iter(types.values()), None)
+    token_types = next(iter(types.values()), None)  # one tensor per image: its tokens attend both ways
+    if rope is not None:  # a grid per image: causal, 3-D positions behind the plain ones (filler: its own)
+        packed_rope = torch.where(sequences[None] >= 0, packed_rope, positions[None])
+        inputs["position_ids"] = torch.cat([positions[None], packed_rope])
+        inputs["image_grid_thw"], token_types = grid, None
     inputs["attention_mask"] = packed_masks(backbone, positions, sequences, token_types)
     return inputs, torch.cat(packed_flat), torch.cat(padded_flat)
+
+
+def grid_positions(backbone, input_ids, attention_mask, images: dict) -> torch.Tensor:
+    """The padded call's 3-D positions ``[3, B, T]``, as the model computes them for it (each row's image tokens at
+    (time, height, width) of its own grid, text after an image continuing from the grid's extent)."""
+    rope, _ = backbone.get_rope_index(
+        input_ids=input_ids,
+        mm_token_type_ids=images["mm_token_type_ids"],
+        image_grid_thw=images["image_grid_thw"],
+        attention_mask=attention_mask,
+    )
+    return rope
 
 
 def packed_masks(backbone, positions, sequences, token_types) -> dict:
@@ -130,33 +158,35 @@ def packed_masks(backbone, positions, sequences, token_types) -> dict:
 
 
 def probe_image_packing(backbone) -> tuple[bool, str]:
-    """Three sequences with an image each (the model's own image tokens and image size), packed and alone: the
-    same hidden states (within the packing probe's tolerance)? Returns ``(exact, reason)``."""
+    """Three sequences with an image each (the model's own image tokens and image size, or patch grids), packed and
+    alone: the same hidden states (within the packing probe's tolerance)? Returns ``(exact, reason)``."""
     config = backbone.config
-    image_token = getattr(config, "image_token_id", None)
-    per_image = getattr(config, "mm_tokens_per_image", None)
-    vision = getattr(config, "vision_config", None)
-    if image_token is None or per_image is None or vision is None:
-        return False, "its images are not one run of image tokens each (no mm_tokens_per_image)"
     generator = torch.Generator().manual_seed(0)
-    vocab = config.get_text_config().vocab_size
+    drawn = _probe_images(backbone, generator)
+    if isinstance(drawn, str):
+        return False, drawn
+    runs, pixels, grids, type_name = drawn
+    parameter = next(backbone.parameters())
+    image_token, vocab = config.image_token_id, config.get_text_config().vocab_size
     sequences = []
-    for before, after in ((2, 2), (1, 2), (6, 14)):  # the first two share a row; images at other places
+    for run, (before, after) in zip(runs, ((2, 2), (1, 2), (6, 14))):  # the first two share a row; images elsewhere
         text = torch.randint(0, vocab, (before + after,), generator=generator)
         text[text == image_token] = 0
-        sequences.append(torch.cat([text[:before], torch.full((per_image,), image_token), text[before:]]))
-    size, channels = vision.image_size, getattr(vision, "num_channels", 3)
-    parameter = next(backbone.parameters())
-    pixels = torch.rand(len(sequences), channels, size, size, generator=generator).to(
-        parameter.device, parameter.dtype
-    )
+        sequences.append(torch.cat([text[:before], run, text[before:]]))
+    pixels = [p.to(parameter.device, parameter.dtype) for p in pixels]
     width = max(len(s) for s in sequences)
     ids = torch.zeros(len(sequences), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, sequence in enumerate(sequences):
         ids[row, : len(sequence)], mask[row, : len(sequence)] = sequence, 1
     ids, mask = ids.to(parameter.device), mask.to(parameter.device)
-    images = {"pixel_values": pixels, "token_type_ids": (ids == image_token).long() * mask}
+    images = {"pixel_values": torch.cat(pixels), type_name: (ids == image_token).long() * mask}
+    alone_images = [{"pixel_values": p} for p in pixels]
+    if grids is not None:
+        images["image_grid_thw"] = grids.to(parameter.device)
+        alone_images = [
+            dict(a, image_grid_thw=images["image_grid_thw"][i : i + 1]) for i, a in enumerate(alone_images)
+        ]
     was_training = backbone.training
     backbone.eval()
     try:
@@ -166,14 +196,12 @@ def probe_image_packing(backbone) -> tuple[bool, str]:
             packed = hidden.new_zeros(ids.numel(), hidden.size(-1))
             packed[padded_flat] = hidden.reshape(-1, hidden.size(-1))[packed_flat]
             packed = packed.view(*ids.shape, -1)
-            alone = [
-                backbone(
-                    input_ids=s[None].to(parameter.device), pixel_values=pixels[i : i + 1], use_cache=False,
-                    token_type_ids=(s[None] == image_token).long().to(parameter.device),
-                ).last_hidden_state[0].float()
-                for i, s in enumerate(sequences)
-            ]  # fmt: skip
-    except (ValueError, TypeError, RuntimeError) as error:
+            alone = []
+            for sequence, own in zip(sequences, alone_images):
+                sequence = sequence[None].to(parameter.device)
+                own[type_name] = (sequence == image_token).long()
+                alone.append(backbone(input_ids=sequence, use_cache=False, **own).last_hidden_state[0].float())
+    except (ValueError, TypeError, RuntimeError, AttributeError) as error:
         return False, f"its packed forward with images fails ({type(error).__name__}: {str(error)[:160]})"
     finally:
         backbone.train(was_training)
@@ -183,3 +211,25 @@ def probe_image_packing(backbone) -> tuple[bool, str]:
         if error > tolerance:
             return False, f"a packed sequence with an image differs from it alone by {error:.1e}"
     return True, ""
+
+
+def _probe_images(backbone, generator) -> tuple | str:
+    """The probe's three images in the model's layout: ``(image token runs, pixel values per image, grids or None,
+    the per-token field's name)``, or why it has none."""
+    config = backbone.config
+    vision = getattr(config, "vision_config", None)
+    image_token = getattr(config, "image_token_id", None)
+    if image_token is None or vision is None:
+        return "it names no image token or vision tower"
+    if getattr(config, "mm_tokens_per_image", None) is not None:  # one tensor per image (Gemma 3)
+        size, channels = vision.image_size, getattr(vision, "num_channels", 3)
+        runs = [torch.full((config.mm_tokens_per_image,), image_token)] * 3
+        return runs, list(torch.rand(3, 1, channels, size, size, generator=generator)), None, "token_type_ids"
+    merge = getattr(vision, "spatial_merge_size", None)
+    if merge is not None and hasattr(backbone, "get_rope_index"):  # a patch grid per image, 3-D positions
+        grids = torch.tensor([[1, 2 * merge, 2 * merge], [1, merge, 2 * merge], [1, 2 * merge, merge]])
+        patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        runs = [torch.full((int(g.prod()) // merge**2,), image_token) for g in grids]
+        pixels = [torch.rand(int(g.prod()), patch, generator=generator) for g in grids]
+        return runs, pixels, grids, "mm_token_type_ids"
+    return "its images are neither one run of image tokens each (mm_tokens_per_image) nor a patch grid"
