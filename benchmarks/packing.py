@@ -12,7 +12,8 @@
    images each, scored by stock TRL's fused forward and by trl-scale's (padded, its chunked head on the labelled
    tokens only), each in a fresh process: step time and peak RSS.
 
-Usage: python benchmarks/packing.py [--quick] [--vlm]. The last line printed is one JSON object.
+Usage: python benchmarks/packing.py [--quick] [--vlm [--vlm-family gemma3|qwen2_vl]].
+The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -165,25 +166,27 @@ def scoring_benchmark(args) -> dict:
 
 
 def run_vlm_variant(variant: str, args) -> dict:
-    command = [sys.executable, __file__, "--vlm-worker", variant] + (["--quick"] if args.quick else [])
+    command = [sys.executable, __file__, "--vlm-worker", variant, "--vlm-family", args.vlm_family]
+    command += ["--quick"] if args.quick else []
     out = subprocess.run(command, capture_output=True, text=True, check=True, env={**os.environ})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def vlm_benchmark(args) -> dict:
-    print("\n== vision-language scoring, forward+backward (Gemma 3 h256 x4, vocab 32768, 64 tokens per image, CPU)")
-    runs = {variant: run_vlm_variant(variant, args) for variant in ("stock_trl", "trl_scale")}
+    print(f"\n== vision-language scoring, forward+backward ({args.vlm_family} h256 x4, vocab 32768, CPU)")
+    runs = {variant: run_vlm_variant(variant, args) for variant in ("stock_trl", "trl_scale_padded", "trl_scale")}
     first = runs["stock_trl"]
     print(
         f"{first['padded_tokens']} padded tokens, {first['tokens']} real ({first['image_tokens']} image tokens, "
         f"{first['completion_tokens']} completion tokens)"
     )
-    print(f"{'path':<12}{'seconds':>10}{'peak MiB':>10}")
+    print(f"{'path':<18}{'seconds':>10}{'peak MiB':>10}")
     for name, run in runs.items():
-        print(f"{name:<12}{run['seconds']:>10.3f}{run['peak_mib']:>10.0f}")
+        print(f"{name:<18}{run['seconds']:>10.3f}{run['peak_mib']:>10.0f}")
     summary = {
         "vlm_time_ratio": runs["trl_scale"]["seconds"] / first["seconds"],
         "vlm_peak_memory_ratio": runs["trl_scale"]["peak_mib"] / max(1.0, first["peak_mib"]),
+        "vlm_padded_time_ratio": runs["trl_scale_padded"]["seconds"] / first["seconds"],
         "vlm_logp_sum_diff": abs(runs["trl_scale"]["logp_sum"] - first["logp_sum"]),
         "vlm_runs": runs,
     }
@@ -196,6 +199,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats and a smaller batch (a few minutes)")
     parser.add_argument("--vlm", action="store_true", help="the vision-language workload only")
+    parser.add_argument("--vlm-family", choices=["gemma3", "qwen2_vl"], default="gemma3", help="with --vlm")
     parser.add_argument("--vlm-worker", help=argparse.SUPPRESS)
     parser.add_argument("--head-worker", help=argparse.SUPPRESS)
     parser.add_argument("--head-chunk", type=int, default=256, help="trl-scale head token chunk")
@@ -208,10 +212,11 @@ def main() -> None:
         from vlm_workload import worker
 
         batch, repeats = (8, 2) if args.quick else (16, 3)
-        print(json.dumps(worker(args.vlm_worker, batch, repeats, _status_mib, _reset_peak_rss)))
+        print(json.dumps(worker(args.vlm_worker, batch, repeats, _status_mib, _reset_peak_rss, args.vlm_family)))
         return
     if args.vlm:
-        print(json.dumps({"benchmark": "packing_vlm", "quick": args.quick, **vlm_benchmark(args)}))
+        summary = {"benchmark": "packing_vlm", "family": args.vlm_family, "quick": args.quick}
+        print(json.dumps({**summary, **vlm_benchmark(args)}))
         return
     args.vocab, args.hidden, args.layers = 32768, 256, 4
     args.batch_size = 16 if args.quick else 32
