@@ -117,11 +117,12 @@ def _qwen2_vl_batch(tokenizer, config, seed: int = 0):
     return ids, mask, labels, {"pixel_values": pixel_values, "image_grid_thw": grids, "mm_token_type_ids": marked}
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen2_vl(tmp_path_factory) -> str:
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def tiny_qwen2_vl(tmp_path_factory, request) -> str:
+    """A tiny Qwen2-VL, and a Qwen2.5-VL (windowed vision attention): patch grids, 3-D positions."""
     from trl_scale.toy import build_tiny_qwen2_vl
 
-    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2-vl"))
+    return build_tiny_qwen2_vl(tmp_path_factory.mktemp(request.param), family=request.param)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])

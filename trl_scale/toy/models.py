@@ -235,11 +235,12 @@ _QWEN2_VL_TOKENS = {
 }
 
 
-def build_tiny_qwen2_vl(output_dir: str | os.PathLike, seed: int = 0) -> str:
+def build_tiny_qwen2_vl(output_dir: str | os.PathLike, seed: int = 0, family: str = "qwen2_vl") -> str:
     """Create a tiny random Qwen2-VL (3-D "mrope" positions: an image's tokens get (time, height, width) positions)
-    and its tokenizer, save both to ``output_dir``.
+    and its tokenizer, save both to ``output_dir``; ``family="qwen2_5_vl"``: a Qwen2.5-VL (its vision tower attends
+    within windows of 4x4 patches in its first block, over the whole image in its last).
 
-    A one-layer vision tower reads 7x7 patches, two frames deep, merging 2x2 patches into one image token: an image
+    A small vision tower reads 7x7 patches, two frames deep, merging 2x2 patches into one image token: an image
     of grid (1, h, w) patches is ``h * w / 4`` tokens between ``<|vision_start|>`` and ``<|vision_end|>``. No processor
     is saved: Qwen2-VL's needs torchvision (for its video processor), which this machine's torch has no build of;
     tests make ``pixel_values`` ([patches, 3*2*7*7]) and ``image_grid_thw`` themselves.
@@ -250,11 +251,20 @@ def build_tiny_qwen2_vl(output_dir: str | os.PathLike, seed: int = 0) -> str:
         "qwen2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
     ).to_dict()
     text["rope_scaling"] = {"type": "mrope", "mrope_section": [2, 3, 3]}  # of head_dim / 2 = 8 rotary pairs
-    vision = dict(depth=1, embed_dim=32, hidden_size=text["hidden_size"], num_heads=2, patch_size=7, mlp_ratio=2)
+    grid = dict(patch_size=7, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    if family == "qwen2_vl":
+        config_class, model_class = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+        vision = dict(depth=1, embed_dim=32, hidden_size=text["hidden_size"], num_heads=2, mlp_ratio=2)
+    elif family == "qwen2_5_vl":
+        config_class, model_class = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+        vision = dict(depth=2, hidden_size=32, out_hidden_size=text["hidden_size"], intermediate_size=64, num_heads=2)
+        vision |= dict(window_size=28, fullatt_block_indexes=[1])  # windows of 28 pixels: 4x4 patches
+    else:
+        raise ValueError(f"family={family!r}: 'qwen2_vl' or 'qwen2_5_vl'")
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in _QWEN2_VL_TOKENS.items()}
-    config = transformers.Qwen2VLConfig(
+    config = config_class(
         text_config=text,
-        vision_config=dict(vision, spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        vision_config=vision | grid,
         image_token_id=ids["image_token"],
         video_token_id=ids["video_token"],
         vision_start_token_id=ids["vision_start_token"],
@@ -262,7 +272,7 @@ def build_tiny_qwen2_vl(output_dir: str | os.PathLike, seed: int = 0) -> str:
     )
     torch.manual_seed(seed)
     with whole_parameters():
-        model = transformers.Qwen2VLForConditionalGeneration(config)
+        model = model_class(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     os.makedirs(output_dir, exist_ok=True)
