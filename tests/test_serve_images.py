@@ -388,3 +388,56 @@ def test_a_peaked_policys_sampler_log_probs_are_its_own(tiny_vlm, tmp_path):
     log = trainer.state.log_history[0]
     assert log["entropy"] < 2.5, log["entropy"]  # the check has teeth: answers are far from uniform
     assert log["sampling/sampling_logp_difference/max"] <= 1e-4, log["sampling/sampling_logp_difference/max"]
+
+
+def test_a_streamed_tool_conversation_sends_its_images_with_every_turn(tmp_path):
+    """Streaming GRPO (staleness 1) with a tool over two `trl-scale serve` servers, on image prompts: the tiny VLM
+    taught to call `tick` (`toy.tools.build_tool_calling_vlm`) converses in the stream, and each later turn is sent
+    with its prompt's image, the group's features rendered once for all its turns. Every sampled token's log-prob
+    is the policy's with the image (<= 1e-4; learning rate 0, so the policy stays the servers' weights). Red when a
+    later turn goes without its image: the server then reads its image tokens as text (0.08 off, measured)."""
+    from transformers import AutoProcessor
+
+    from trl_scale.toy import build_tiny_vlm
+    from trl_scale.toy.tools import build_tool_calling_vlm, tick
+    from trl_scale.toy.visual import squares_prompts
+
+    # a full-attention layer: a later turn's tokens, past the sliding window of 8, still see the image
+    base = build_tiny_vlm(tmp_path / "vlm", layer_types=["sliding_attention", "full_attention"])
+    path = build_tool_calling_vlm(base, str(tmp_path / "tool-vlm"))
+    servers = start_servers(path, 2)
+    try:
+        settings = dict(
+            per_device_train_batch_size=4, num_generations=2, max_completion_length=96, max_tool_calling_iterations=2,
+            use_vllm=True, vllm_mode="server", vllm_server_base_urls=[s.url for s in servers], max_steps=2,
+            rollout_request_timeout=60, weight_sync_timeout=60, async_rollout_staleness=1, learning_rate=0.0,
+            beta=0.0, generation_kwargs={"seed": 0},
+        )  # fmt: skip
+        trainer = trl_scale.GRPOTrainer(
+            model=path,
+            reward_funcs=_length_reward,
+            args=trl_scale.GRPOConfig(**cpu_args(tmp_path / "run", **settings)),
+            train_dataset=squares_prompts(16),
+            processing_class=AutoProcessor.from_pretrained(path),
+            tools=[tick],
+        )
+        generation, sent, rendered = trainer.vllm_generation, [], []
+        send_group, render = generation.send_group, generation.client.render
+
+        def recorded(ids, n, dispatched=None, identity=None, images=(), *rest):
+            sent.append((n, bool(images)))
+            return send_group(ids, n, dispatched, identity, images, *rest)
+
+        generation.send_group = recorded
+        generation.client.render = lambda images, row: rendered.append(row) or render(images, row)
+        trainer.train()
+    finally:
+        for server in servers:
+            server.stop()
+    later = [with_images for n, with_images in sent if n == 1]  # a group's first turn asks for its G answers at once
+    assert later and all(later), sent  # later turns were sent, each with its image
+    assert max(e.get("tools/call_frequency", 0) for e in trainer.state.log_history) > 0
+    gaps = [v for e in trainer.state.log_history for k, v in e.items() if k == "sampling/sampling_logp_difference/max"]
+    assert len(gaps) == 2 and max(gaps) <= 1e-4, gaps
+    groups = generation.ahead.streamer._read
+    assert len(rendered) <= 2 * groups, (len(rendered), groups)  # per group: its first turn and its later ones

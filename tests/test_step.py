@@ -17,7 +17,8 @@ SERVERS = ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
 
 
 def _plan(tmp_path, trainer=trl_scale.GRPOTrainer, config_class=trl_scale.GRPOConfig, **arguments):
-    fields = {k: arguments.pop(k) for k in list(arguments) if k not in ("environment_factory", "rollout_func")}
+    passed = ("environment_factory", "rollout_func", "tools")  # the trainer's arguments, not the config's
+    fields = {k: arguments.pop(k) for k in list(arguments) if k not in passed}
     config = config_class(**cpu_args(tmp_path, **fields))
     arguments = {"model": "toy:llama", "args": config, **arguments}
     plan = RunPlan.from_arguments(trainer.__name__, arguments)
@@ -76,8 +77,13 @@ def test_trl_scales_client_serves_a_server_run_with_images_in_every_rollout_mode
     assert ordered.rollout.asynchronous.mode == "ordered" and ordered.images == ("image",)
     streaming, _ = _plan(tmp_path, **_server(async_rollout_staleness=1))
     assert streaming.rollout.asynchronous.mode == "streaming" and streaming.images == ("image",)
-    with pytest.raises(ValueError, match="rollout_func with streaming rollout: a streamed conversation's later turns"):
-        _plan(tmp_path, rollout_func=lambda prompts, trainer: None, **_server(async_rollout_staleness=1))
+    # a streamed tool conversation sends its images with every turn (test_serve_images.py); an episode or a
+    # rollout_func in the stream takes none yet
+    tools, _ = _plan(tmp_path, tools=[len], **_server(async_rollout_staleness=1))
+    assert tools.rollout.asynchronous.mode == "streaming" and tools.images == ("image",)
+    for agent in ({"rollout_func": lambda prompts, trainer: None}, {"environment_factory": CountingEnvironment}):
+        with pytest.raises(ValueError, match=f"{next(iter(agent))} with asynchronous rollout: episodes and rollout"):
+            _plan(tmp_path, **agent, **_server(async_rollout_staleness=1))
     # sequence parallelism shards token rows: refused before any step, naming the fix (set after the config's own
     # checks, which need as many processes as the group)
     config = trl_scale.GRPOConfig(**cpu_args(tmp_path))

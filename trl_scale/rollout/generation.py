@@ -323,15 +323,18 @@ class ServerRolloutGeneration(VLLMGeneration):
         identity: tuple | None = None,
         images: tuple[str, ...] = (),
         index: int = -1,
+        features: dict | None = None,
     ) -> tuple[list[dict], int]:
         """One prompt group's request (streaming): its choices and the newest weights its tokens can come from.
         With LoRA, a generation keeps the adapter it was sent with (a sync loads the next under a new name and
         leaves this one loaded): every token comes from that adapter's version. `identity`: which request of the
         run it is (`seeds.py`), drawn by a sender in another thread; else this thread's next. `images` (data URLs):
-        rendered once for the request, and kept by a cut answer's continuation; `index`: the group's, for errors."""
+        rendered once for the request (unless their `features` are given), and kept by a cut answer's
+        continuation; `index`: the group's, for errors."""
         sampling = self.seeds.sampling(self.settings.sampling, identity or next_identity())
         if images:
-            sampling = {**sampling, "features": self.client.render(list(images), index)}
+            features = features if features is not None else self.client.render(list(images), index)
+            sampling = {**sampling, "features": features}
         name, adapter_version = self.syncer.lora_served  # one read: the adapter named and its version agree
         # a sync cuts running answers: each continued after it
         continue_cut = self.settings.asynchronous.interrupt == "partial"
@@ -350,12 +353,20 @@ class ServerRolloutGeneration(VLLMGeneration):
         """A prompt group's later turns (`converse`), right after its first turn's `choices`: each turn one request
         per conversation, sent as a group's first turn is (routed, failed over, with the weights served then). Each
         choice then carries its whole conversation (`CONVERSATION_KEY`); returns the newest weights of the later
-        turns (-1 with none). With an episode (environments), `prompt_ids` has one entry per row."""
-        newest = [-1]
+        turns (-1 with none). With an episode (environments), `prompt_ids` has one entry per row. A turn of a
+        conversation with images (`send_turns`' `images`: each prompt's) carries them again: they sit where they sat
+        in its first turn, so the features rendered once for the group serve every later turn."""
+        newest, rendered = [-1], {}
 
-        def send_turns(prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+        def send_turns(prompts: list[list[int]], images: list | None = None) -> tuple[list, list]:
             identities = [next_identity() for _ in prompts]  # in the group's thread, in the conversations' order
-            futures = [self.client.submit(self.send_group, list(p), 1, None, i) for p, i in zip(prompts, identities)]
+            urls = [image_urls(row) for row in images or [None] * len(prompts)]
+            for row_urls in set(urls) - set(rendered) - {()}:
+                rendered[row_urls] = self.client.render(list(row_urls), -1)
+            futures = [
+                self.client.submit(self.send_group, list(p), 1, None, i, u, -1, rendered.get(u))
+                for p, i, u in zip(prompts, identities, urls)
+            ]
             sent = [future.result() for future in futures]
             newest.extend(version for _, version in sent)
             return self.turn_outputs([turn[0] for turn, _ in sent])

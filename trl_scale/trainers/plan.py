@@ -118,14 +118,15 @@ def _rollout_plan(config, arguments: dict, images: tuple[str, ...]) -> RolloutPl
 
 
 def _refuse_images(images: tuple[str, ...], asynchronous: AsyncRollout, arguments: dict) -> None:
-    """Images go through synchronous, ordered and streaming rollout; a streamed conversation's later turns take none
-    yet: refused before TRL's constructor, naming the fix."""
-    agents = [name for name in ("environment_factory", "rollout_func", "tools") if arguments.get(name)]
+    """Images go through synchronous, ordered and streaming rollout, and a streamed tool conversation's later turns
+    carry them; an environment's episode (its rows made by its reset) and a `rollout_func` run in the stream take
+    none yet: refused before TRL's constructor, naming the fix."""
+    agents = [name for name in ("environment_factory", "rollout_func") if arguments.get(name)]
     if agents and asynchronous.staleness:
         raise ValueError(
-            f"this dataset has image columns {list(images)}, and {', '.join(agents)} with streaming rollout: a "
-            "streamed conversation's later turns carry no images yet. Fix: async_rollout_staleness=0, or drop the "
-            "image columns"
+            f"this dataset has image columns {list(images)}, and {', '.join(agents)} with asynchronous rollout: "
+            "episodes and rollout functions run in the stream take no images yet. Fix: async_rollout_staleness=0, "
+            "or drop the image columns"
         )
 
 

@@ -20,6 +20,7 @@ import inspect
 import threading
 from dataclasses import dataclass
 
+from ..rollout.images import row_images
 from .construction import trl_base_class
 
 
@@ -69,11 +70,15 @@ class _GroupView(TrainerView):
             self._batch_environments = list(episode.names)  # the group's, not the step's
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations=1, has_tool_images=False):
-        if images is not None and any(images) or has_tool_images:
-            raise NotImplementedError("streamed tool rollouts with images (or tools answering with images)")
+        if has_tool_images:
+            raise NotImplementedError(
+                "a streamed tool answered with an image: its features would have to be rendered into the "
+                "conversation. Fix: async_rollout_staleness=0, or tools that answer with text"
+            )
+        with_images = {"images": images} if images is not None and any(images) else {}  # each row's prompt images
         self._lock.release()  # other conversations run their tools while this turn generates
         try:
-            return self._send_turns([list(ids) for ids in prompt_ids])
+            return self._send_turns([list(ids) for ids in prompt_ids], **with_images)
         finally:
             self._lock.acquire()
 
@@ -123,8 +128,9 @@ def conversing(trainer, lock: threading.Lock | None = None, timeout: float | Non
             completions = first_turn_messages(trainer, prompts, ids, completion_ids, names)
             view = _GroupView(trainer, len(rows), send_turns, lock, episode, timeout)
             first_ids, first_logprobs = [list(c) for c in completion_ids], [list(v) for v in logprobs]
+            # each row's images, as TRL's step hands them to its loop (server rollout reads no multimodal fields)
             mask, messages, completion_ids, logprobs, calls, failures, images = tool_call_loop(
-                view, prompts, ids, first_ids, completions, first_logprobs, None, {}
+                view, prompts, ids, first_ids, completions, first_logprobs, row_images(rows), {}
             )
         # the group's counts ride on its first conversation: a batch's sum is TRL's count
         return [
