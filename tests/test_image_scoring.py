@@ -185,23 +185,51 @@ def test_the_probe_finds_transformers_own_packed_masks_inexact_with_images(tiny_
     assert not exact and "differs from it alone" in reason, reason
 
 
-def test_the_model_card_says_padding_free_only_where_rows_pack(tmp_path, tiny_llama):
-    """A vision-language model whose text packing the probe finds inexact (Qwen2-VL: 3-D positions) keeps the
-    engine for its image calls only: its card does not claim padding-free; a text model that packs does."""
+def test_the_model_card_says_padding_free_only_where_rows_pack(tmp_path, tiny_llama, monkeypatch):
+    """A vision-language model whose text packing the probe finds inexact keeps the engine for its image calls only:
+    its card does not claim padding-free; one whose text rows pack, and a text model that packs, do. Qwen2-VL is
+    both: its text rows pack with their positions in its `[4, rows, width]` form, and not with plain `[rows, width]`
+    ones (copied to its three axes, they keep no token to its sequence)."""
     from transformers import AutoModelForCausalLM
 
-    from trl_scale.scoring import use_packing
+    from trl_scale.scoring import support, use_packing
     from trl_scale.toy import build_tiny_qwen2_vl
     from trl_scale.trainers.packing import PackedScoring
 
+    qwen2_vl = build_tiny_qwen2_vl(tmp_path / "qwen2-vl")
     feature = PackedScoring()
     for model, packs in (
-        (AutoModelForImageTextToText.from_pretrained(build_tiny_qwen2_vl(tmp_path / "qwen2-vl")), False),
+        (AutoModelForImageTextToText.from_pretrained(qwen2_vl), True),
         (AutoModelForCausalLM.from_pretrained(tiny_llama), True),
+        (AutoModelForImageTextToText.from_pretrained(qwen2_vl), False),
     ):
+        if not packs:
+            monkeypatch.setattr(support, "takes_mrope", lambda backbone: False)
         use_packing(model.base_model, None, probe_now=True)  # the first scoring call's probe
         feature.packed_backbone = (model.base_model, None)
         assert feature.card_tags(None) == (["padding-free"] if packs else []), type(model).__name__
+
+
+def test_a_qwen2_vl_text_call_is_packed_and_scored_as_trls_forward_scores_it(tiny_qwen2_vl):
+    """A call without images on Qwen2-VL (a text-only batch of an image dataset) runs packed: log-probs, entropies
+    and gradients within 1e-5 of TRL's padded fused forward."""
+    from transformers import AutoTokenizer
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen2_vl).eval()
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    ours, stats = copy.deepcopy(model), PackingStats()
+    assert install_packed_scoring(ours, temperature=0.7, outputs=("entropy",), stats=stats) is not None
+    ids, mask, labels, _ = _qwen2_vl_batch(AutoTokenizer.from_pretrained(tiny_qwen2_vl), model.config)
+    text = ids != model.config.image_token_id
+    ids = ids.where(text, 5)  # the image tokens turned into a word: text rows of the same lengths
+    (expected, expected_grads), (got, got_grads) = (_scored(m, ids, mask, labels, {}) for m in (model, ours))
+    label_mask = expected.label_mask.bool()
+    for field in ("log_probs", "entropy"):
+        assert (getattr(expected, field) - getattr(got, field))[label_mask].abs().max().item() <= TOLERANCE, field
+    pairs = [(a, b) for a, b in zip(expected_grads, got_grads) if a is not None]
+    largest = max(a.abs().max().item() for a, _ in pairs)
+    assert max((a - b).abs().max().item() for a, b in pairs) <= TOLERANCE * max(1.0, largest)
+    assert stats.pop().get("padding_free/pad_fraction_removed", 0) > 0  # packed: its padding went
 
 
 @pytest.mark.parametrize("budget", [30, None])

@@ -77,7 +77,7 @@ def packed_backbone_forward(backbone, input_ids, attention_mask, token_budget: i
             anchor = empty_forward_anchor(backbone, input_ids.device)
             continue
         with varlen_forward() if varlen else _flex_context(backbone, input_ids.device):
-            hidden = backbone(**packed_forward_kwargs(micro_batch, varlen_kwargs=varlen)).last_hidden_state
+            hidden = backbone(**packed_forward_kwargs(micro_batch, varlen, support.mrope)).last_hidden_state
         outputs.append((micro_batch, micro_batch.real_tokens(hidden)))
     return packed, outputs, anchor
 

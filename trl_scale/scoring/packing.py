@@ -198,15 +198,19 @@ def _packed_micro_batch(
     )
 
 
-def packed_forward_kwargs(micro_batch: PackedMicroBatch, varlen_kwargs: bool = False) -> dict:
+def packed_forward_kwargs(micro_batch: PackedMicroBatch, varlen_kwargs: bool = False, mrope: bool = False) -> dict:
     """The only kwargs a packed backbone forward gets: no attention mask, no cache (see the module docstring).
 
     ``varlen_kwargs`` adds the sequence boundaries that varlen kernels take (flash attention's ``cu_seq_lens``,
     linear-attention and SSM layers' ``cu_seq_lens`` / ``seq_idx``); only a single-row micro-batch can carry them,
-    since those kernels read the rows as one flattened sequence of segments."""
+    since those kernels read the rows as one flattened sequence of segments. ``mrope`` (Qwen2-VL and its kin, whose
+    text model reads (time, height, width) positions): the positions as such a model takes packed rows,
+    ``[4, rows, width]``, the plain ones first (they keep each token to its sequence), then the three axes (for text,
+    each the plain ones); given ``[rows, width]``, it would copy them to the three axes and read no sequences."""
+    positions = micro_batch.position_ids
     kwargs = {
         "input_ids": micro_batch.input_ids,
-        "position_ids": micro_batch.position_ids,
+        "position_ids": positions[None].expand(4, *positions.shape) if mrope else positions,
         "attention_mask": None,
         "use_cache": False,
         "past_key_values": None,

@@ -51,6 +51,7 @@ class PackingSupport:
     # packing is exact only for forwards shorter than this (see `rope_length_limit`); None: no such RoPE.
     rope_length_limit: int | None = None
     long_forward_announced: bool = False
+    mrope: bool = False  # positions along (time, height, width): packed rows take them as [4, rows, width]
 
 
 def rope_length_limit(backbone: torch.nn.Module) -> int | None:
@@ -133,6 +134,7 @@ def packing_support(backbone: torch.nn.Module, probe: bool = True) -> PackingSup
             varlen=uses_varlen_layout(config),
             one_row=uses_one_row(config),
             rope_length_limit=rope_length_limit(backbone),
+            mrope=takes_mrope(backbone),
         )
         if getattr(config.get_text_config(), "output_router_logits", False):
             # TRL's padded forward adds the router's load-balancing loss; packed rows would count filler tokens.
@@ -140,7 +142,7 @@ def packing_support(backbone: torch.nn.Module, probe: bool = True) -> PackingSup
             support.reason = "its MoE router auxiliary loss (output_router_logits) needs TRL's padded forward"
         backbone._trl_scale_packing_support = support
     if support.exact is None and probe and _materialised(backbone):
-        support.exact, support.reason = probe_packing(backbone, support.varlen, support.one_row)
+        support.exact, support.reason = probe_packing(backbone, support.varlen, support.one_row, support.mrope)
     return support
 
 
@@ -148,7 +150,15 @@ def _materialised(backbone: torch.nn.Module) -> bool:
     return all(p.numel() > 0 and not hasattr(p, "ds_id") for p in backbone.parameters())
 
 
-def probe_packing(backbone: torch.nn.Module, varlen: bool, one_row: bool | None = None) -> tuple[bool, str]:
+def takes_mrope(backbone: torch.nn.Module) -> bool:
+    """Whether the backbone's text positions run along (time, height, width), computed per image grid
+    (`get_rope_index`: Qwen2-VL and its kin)."""
+    return callable(getattr(backbone, "get_rope_index", None))
+
+
+def probe_packing(
+    backbone: torch.nn.Module, varlen: bool, one_row: bool | None = None, mrope: bool = False
+) -> tuple[bool, str]:
     """Pack sequences A, B, C the way the engine would (B right after A in one row) and compare B's hidden states
     with B run alone and with B after a different A. Returns ``(exact, reason)``."""
     config = backbone.config.get_text_config()
@@ -169,7 +179,7 @@ def probe_packing(backbone: torch.nn.Module, varlen: bool, one_row: bool | None 
             input_ids.to(device), mask.to(device), row_capacity=None if one_row else 11
         ).micro_batches
         with varlen_forward() if varlen else nullcontext():
-            hidden = backbone(**packed_forward_kwargs(micro_batch, varlen_kwargs=varlen)).last_hidden_state
+            hidden = backbone(**packed_forward_kwargs(micro_batch, varlen, mrope)).last_hidden_state
         scattered = hidden.new_zeros(3 * 6, hidden.size(-1))
         scattered[micro_batch.flat_index] = micro_batch.real_tokens(hidden)
         return scattered.view(3, 6, -1)[1, : len(b)].float()
@@ -217,7 +227,7 @@ def use_packing(
     if support.exact is None:
         if not probe_now:
             return True
-        support.exact, support.reason = probe_packing(backbone, support.varlen, support.one_row)
+        support.exact, support.reason = probe_packing(backbone, support.varlen, support.one_row, support.mrope)
     if support.exact and support.rope_length_limit is not None and width is not None:
         return _below_rope_limit(support, width, next(backbone.parameters()).device)
     if support.exact:
