@@ -441,3 +441,47 @@ def test_a_streamed_tool_conversation_sends_its_images_with_every_turn(tmp_path)
     assert len(gaps) == 2 and max(gaps) <= 1e-4, gaps
     groups = generation.ahead.streamer._read
     assert len(rendered) <= 2 * groups, (len(rendered), groups)  # per group: its first turn and its later ones
+
+
+def test_a_streamed_rollout_func_generates_with_its_groups_images(tiny_vlm, tmp_path):
+    """Streaming GRPO (staleness 1) with a `rollout_func` over two `trl-scale serve` servers, on image prompts: each
+    group's call gets its prompts as TRL's step builds them (content lists holding their images) and generates
+    through `trainer.vllm_generation.generate(prompt_ids, images, G)`, TRL's interface, each prompt's images rendered
+    for its request. Every sampled token's log-prob is the policy's with the image (<= 1e-4; learning rate 0): red
+    when the request goes without its images."""
+    from transformers import AutoProcessor
+
+    calls = []
+
+    def rollout_func(prompts, trainer):
+        prompt_ids, images, _ = trainer._tokenize_prompts(prompts)  # as TRL's step tokenizes them
+        calls.append(sum(1 for row in images or [] if row))
+        _, completion_ids, logprobs, _ = trainer.vllm_generation.generate(
+            prompts=prompt_ids, images=images, num_generations=trainer.num_generations
+        )
+        sampled = [[top[0] for top in row] for row in logprobs]  # each token's top-k: the sampled one first
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": sampled}
+
+    servers = start_servers(tiny_vlm, 2)
+    try:
+        settings = dict(
+            per_device_train_batch_size=4, num_generations=2, max_completion_length=8, use_vllm=True,
+            vllm_mode="server", vllm_server_base_urls=[s.url for s in servers], max_steps=2, learning_rate=0.0,
+            rollout_request_timeout=60, weight_sync_timeout=60, async_rollout_staleness=1, beta=0.0,
+            generation_kwargs={"seed": 0},
+        )  # fmt: skip
+        trainer = trl_scale.GRPOTrainer(
+            model=tiny_vlm,
+            reward_funcs=_length_reward,
+            args=trl_scale.GRPOConfig(**cpu_args(tmp_path, **settings)),
+            train_dataset=_image_prompts(16),
+            processing_class=AutoProcessor.from_pretrained(tiny_vlm),
+            rollout_func=rollout_func,
+        )
+        trainer.train()
+    finally:
+        for server in servers:
+            server.stop()
+    assert calls and all(count == 2 for count in calls), calls  # each group's call: its 2 rows, with their image
+    gaps = [v for e in trainer.state.log_history for k, v in e.items() if k == "sampling/sampling_logp_difference/max"]
+    assert len(gaps) == 2 and max(gaps) <= 1e-4, gaps

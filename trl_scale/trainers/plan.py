@@ -118,15 +118,14 @@ def _rollout_plan(config, arguments: dict, images: tuple[str, ...]) -> RolloutPl
 
 
 def _refuse_images(images: tuple[str, ...], asynchronous: AsyncRollout, arguments: dict) -> None:
-    """Images go through synchronous, ordered and streaming rollout, and a streamed tool conversation's later turns
-    carry them; an environment's episode (its rows made by its reset) and a `rollout_func` run in the stream take
-    none yet: refused before TRL's constructor, naming the fix."""
-    agents = [name for name in ("environment_factory", "rollout_func") if arguments.get(name)]
-    if agents and asynchronous.staleness:
+    """Images go through synchronous, ordered and streaming rollout, a streamed tool conversation's later turns and a
+    streamed `rollout_func`'s requests; an environment's episode run in the stream (its rows made by its reset)
+    takes none yet: refused before TRL's constructor, naming the fix."""
+    if arguments.get("environment_factory") and asynchronous.staleness:
         raise ValueError(
-            f"this dataset has image columns {list(images)}, and {', '.join(agents)} with asynchronous rollout: "
-            "episodes and rollout functions run in the stream take no images yet. Fix: async_rollout_staleness=0, "
-            "or drop the image columns"
+            f"this dataset has image columns {list(images)}, and environment_factory with asynchronous rollout: "
+            "episodes run in the stream take no images yet. Fix: async_rollout_staleness=0, or drop the image "
+            "columns"
         )
 
 

@@ -21,6 +21,7 @@ import copy
 from contextlib import contextmanager
 
 from ..rollout.generation import generate_output
+from ..rollout.images import image_urls, multimodal_prompts, row_images
 from ..rollout.record import GeneratedBatch
 from .streamed_tools import TrainerView
 
@@ -41,13 +42,13 @@ class GroupGeneration:
         return getattr(self._generation, name)
 
     def generate(self, prompts, images=None, num_generations: int = 1, profiler=None):
-        if images is not None and any(image is not None for image in images):
-            raise NotImplementedError("a streamed rollout_func generating with images")
         choices = []
-        for ids in prompts[::num_generations]:
+        for index, ids in enumerate(prompts[::num_generations]):
             # the group's version is its first request's: later requests (its next turns) must not move it
             dispatched, self._dispatched = self._dispatched, None
-            got, newest = self._send(list(ids), num_generations, dispatched)
+            urls = image_urls(images[index * num_generations]) if images is not None else ()
+            with_images = {"images": urls} if urls else {}  # rendered once for the request's G completions
+            got, newest = self._send(list(ids), num_generations, dispatched, **with_images)
             self.newest = max(self.newest, newest)
             choices.extend(got)
         return generate_output(prompts, choices, *self._generation.turn_outputs(choices))
@@ -63,7 +64,7 @@ def rolling_out(trainer):
     """The stream's `rollout` hook: the user's `rollout_func` for one group, on a view of the trainer (see module)."""
 
     def rollout(rows: list, send, dispatched) -> tuple[list[dict], int]:
-        prompts = copy.deepcopy([row["prompt"] for row in rows])  # TRL passes a copy too
+        prompts = copy.deepcopy(multimodal_prompts(rows, row_images(rows)))  # as TRL's step builds them (a copy)
         generation = GroupGeneration(trainer.vllm_generation, send, dispatched)
         output = trainer.rollout_func(prompts, TrainerView(trainer, vllm_generation=generation))
         missing = sorted(set(REQUIRED) - set(output))
@@ -97,7 +98,7 @@ def replayed_rollouts(trainer, streamed):
     generation = trainer.vllm_generation
 
     def replay(prompts, _trainer):
-        if copy.deepcopy(prompts) != [row["prompt"] for row in streamed.rows]:
+        if copy.deepcopy(prompts) != multimodal_prompts(streamed.rows, row_images(streamed.rows)):
             raise RuntimeError("streamed rollout_func: TRL asked for other prompts than the streamed batch's")
         trainer.rollout_func = function  # answers one call
         generation.records.add(GeneratedBatch(tuple(streamed.spans)))  # TRL's rollout_func path calls no generate()
