@@ -9,7 +9,7 @@ vocabulary, in one of two families (`--vlm-family`):
   image; Gemma 3's processor resizes every image to the tower's size, so images of several sizes arrive as the same
   pixels' shape);
 - `qwen2_vl`: a one-layer Qwen2-VL tower reading each image as a grid of 14x14 patches, 2x2 patches merged into one
-  image token, grids of 8x8 to 16x24 patches (16 to 96 tokens), 3-D positions.
+  image token, grids of 8x8 to 24x24 patches (16 to 144 tokens), 3-D positions.
 
 Rows hold 1-3 images each, 16-160 prompt text tokens, and long-tailed completions up to 256 tokens, left-padded
 prompts and right-padded completions as TRL's GRPO scores them.
