@@ -49,14 +49,20 @@ def vlm_chat_template(image_placeholder: str) -> str:
     return _VLM_CHAT_TEMPLATE.replace("IMAGE_PLACEHOLDER", image_placeholder)
 
 
-_VLM_CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'assistant' -%}<|assistant|>{%- else -%}<|{{ message['role'] }}|>{%- endif -%}"
+# A message's content, a string or a content list whose image items become IMAGE_PLACEHOLDER (shared with the
+# tool-calling vision-language template, `toy.tools.tool_vlm_chat_template`).
+VLM_CONTENT = (
     "{%- if message['content'] is string -%}{{ message['content'] }}"
     "{%- else -%}{%- for item in message['content'] -%}"
     "{%- if item['type'] == 'image' -%}IMAGE_PLACEHOLDER"
     "{%- elif item['type'] == 'text' -%}{{ item['text'] }}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}<|end|>"
+    "{%- endfor -%}{%- endif -%}"
+)
+_VLM_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}<|assistant|>{%- else -%}<|{{ message['role'] }}|>{%- endif -%}"
+    + VLM_CONTENT
+    + "<|end|>"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
 )

@@ -9,7 +9,7 @@ import os
 import torch
 from datasets import Dataset
 
-from .tokenizer import NUMBER_WORDS
+from .tokenizer import NUMBER_WORDS, VLM_CONTENT
 
 TOOL_CHAT_TEMPLATE = (
     "{%- if tools -%}<|system|>tools:"
@@ -89,12 +89,7 @@ def build_tool_calling_model(base_path: str, directory: str, steps: int = 100, s
 def tool_vlm_chat_template(image_placeholder: str) -> str:
     """`TOOL_CHAT_TEMPLATE` for vision-language prompts: a message's content may be a list, whose image items become
     ``image_placeholder`` (the processor expands it into the image's tokens), as `vlm_chat_template` renders them."""
-    content = (
-        "{%- if message['content'] is string -%}{{ message['content'] }}"
-        "{%- else -%}{%- for item in message['content'] -%}"
-        "{%- if item['type'] == 'image' -%}" + image_placeholder + "{%- elif item['type'] == 'text' -%}"
-        "{{ item['text'] }}{%- endif -%}{%- endfor -%}{%- endif -%}"
-    )
+    content = VLM_CONTENT.replace("IMAGE_PLACEHOLDER", image_placeholder)
     plain = "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
     return TOOL_CHAT_TEMPLATE.replace(plain, "<|{{ message['role'] }}|>" + content + "<|end|>")
 
@@ -121,13 +116,13 @@ def build_tool_calling_vlm(base_path: str, directory: str, steps: int = 100, see
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " count"}]}]
     prompt = processor.apply_chat_template(messages, tools=[tick], add_generation_prompt=True, tokenize=False)
     rows, size = squares_prompts(steps * 8, seed=seed), 8
+    answer = len(tokenizer(TOOL_CALL + tokenizer.eos_token, add_special_tokens=False)["input_ids"])
 
     def batches():
         for step in range(steps):
             images = [[row["image"]] for row in rows.select(range(step * size, (step + 1) * size))]
             text = [prompt + TOOL_CALL + tokenizer.eos_token] * size
             batch = processor(text=text, images=images, return_tensors="pt", padding=True, padding_side="right")
-            answer = len(tokenizer(TOOL_CALL + tokenizer.eos_token, add_special_tokens=False)["input_ids"])
             labels = torch.full_like(batch["input_ids"], -100)
             labels[:, -answer:] = batch["input_ids"][:, -answer:]  # one prompt: every row the same length
             yield batch, labels
