@@ -356,11 +356,18 @@ class ServerRolloutGeneration(VLLMGeneration):
         turns (-1 with none). With an episode (environments), `prompt_ids` has one entry per row. A turn of a
         conversation with images (`send_turns`' `images`: each prompt's) carries them again: they sit where they sat
         in its first turn, so the features rendered once for the group serve every later turn."""
-        newest, rendered = [-1], {}
+        newest, encoded, rendered = [-1], {}, {}  # a row's images as data URLs (by their objects), their features
+
+        def urls_of(row: list | None) -> tuple[str, ...]:
+            # each turn hands the conversation's same image objects: encoded once per group, not once per turn
+            key = tuple(map(id, row or ()))
+            if key not in encoded:
+                encoded[key] = image_urls(row)
+            return encoded[key]
 
         def send_turns(prompts: list[list[int]], images: list | None = None) -> tuple[list, list]:
             identities = [next_identity() for _ in prompts]  # in the group's thread, in the conversations' order
-            urls = [image_urls(row) for row in images or [None] * len(prompts)]
+            urls = [urls_of(row) for row in images or [None] * len(prompts)]
             for row_urls in set(urls) - set(rendered) - {()}:
                 rendered[row_urls] = self.client.render(list(row_urls), -1)
             futures = [
