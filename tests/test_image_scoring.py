@@ -49,6 +49,19 @@ def _scored(model, ids, mask, labels, images):
     return out, grads
 
 
+def _check_scored_alike(expected, expected_grads, got, got_grads, fields=("log_probs", "entropy")) -> torch.Tensor:
+    """Ours scored as TRL's padded fused forward: each of `fields` within TOLERANCE on the labelled tokens, each
+    gradient within TOLERANCE of the largest; returns the label mask."""
+    label_mask = expected.label_mask.bool()
+    for field in fields:
+        gap = (getattr(expected, field) - getattr(got, field))[label_mask].abs().max().item()
+        assert gap <= TOLERANCE, (field, gap)
+    pairs = [(a, b) for a, b in zip(expected_grads, got_grads) if a is not None]
+    largest = max(a.abs().max().item() for a, _ in pairs)
+    assert max((a - b).abs().max().item() for a, b in pairs) <= TOLERANCE * max(1.0, largest)
+    return label_mask
+
+
 def _left_padded(ids, mask, labels, images):
     """The same rows with their padding on the left (TRL's prompts), images and token types moved with them."""
     shifts = (mask.size(1) - mask.sum(1)).tolist()
@@ -75,13 +88,7 @@ def test_a_call_with_images_is_packed_and_scored_by_the_chunked_head_as_trls_for
     if padding == "left":
         ids, mask, labels, images = _left_padded(ids, mask, labels, images)
     (expected, expected_grads), (got, got_grads) = (_scored(m, ids, mask, labels, images) for m in (model, ours))
-    label_mask = expected.label_mask.bool()
-    for field in ("log_probs", "entropy"):
-        gap = (getattr(expected, field) - getattr(got, field))[label_mask].abs().max().item()
-        assert gap <= TOLERANCE, (field, gap)
-    pairs = [(a, b) for a, b in zip(expected_grads, got_grads) if a is not None]
-    largest = max(a.abs().max().item() for a, _ in pairs)
-    assert max((a - b).abs().max().item() for a, b in pairs) <= TOLERANCE * max(1.0, largest)
+    label_mask = _check_scored_alike(expected, expected_grads, got, got_grads)
     # our head scored it, packed, not TRL's forward
     assert stats.pop() == {"chunked_head/image_calls": 1.0, "padding_free/image_calls_packed": 1.0}
 
@@ -139,12 +146,7 @@ def test_a_qwen2_vl_call_with_3d_positions_is_packed_and_scored_as_trls_forward_
     assert install_packed_scoring(ours, temperature=0.7, outputs=("entropy",), stats=stats) is not None
     ids, mask, labels, images = _qwen2_vl_batch(AutoTokenizer.from_pretrained(path), model.config)
     (expected, expected_grads), (got, got_grads) = (_scored(m, ids, mask, labels, images) for m in (model, ours))
-    label_mask = expected.label_mask.bool()
-    for field in ("log_probs", "entropy"):
-        assert (getattr(expected, field) - getattr(got, field))[label_mask].abs().max().item() <= TOLERANCE, field
-    pairs = [(a, b) for a, b in zip(expected_grads, got_grads) if a is not None]
-    largest = max(a.abs().max().item() for a, _ in pairs)
-    assert max((a - b).abs().max().item() for a, b in pairs) <= TOLERANCE * max(1.0, largest)
+    label_mask = _check_scored_alike(expected, expected_grads, got, got_grads)
     assert stats.pop() == {"chunked_head/image_calls": 1.0, "padding_free/image_calls_packed": 1.0}
     # each row's patches reach its own image tokens: rows 0 and 2 (24 patches each) given each other's, their answers
     # score otherwise, by far more than the tolerance
@@ -223,12 +225,7 @@ def test_a_qwen2_vl_text_call_is_packed_and_scored_as_trls_forward_scores_it(tin
     text = ids != model.config.image_token_id
     ids = ids.where(text, 5)  # the image tokens turned into a word: text rows of the same lengths
     (expected, expected_grads), (got, got_grads) = (_scored(m, ids, mask, labels, {}) for m in (model, ours))
-    label_mask = expected.label_mask.bool()
-    for field in ("log_probs", "entropy"):
-        assert (getattr(expected, field) - getattr(got, field))[label_mask].abs().max().item() <= TOLERANCE, field
-    pairs = [(a, b) for a, b in zip(expected_grads, got_grads) if a is not None]
-    largest = max(a.abs().max().item() for a, _ in pairs)
-    assert max((a - b).abs().max().item() for a, b in pairs) <= TOLERANCE * max(1.0, largest)
+    _check_scored_alike(expected, expected_grads, got, got_grads)
     assert stats.pop().get("padding_free/pad_fraction_removed", 0) > 0  # packed: its padding went
 
 
@@ -268,10 +265,6 @@ def test_a_call_with_images_packs_its_rows_with_their_images(tiny_vlm, budget):
     hook = ours.base_model.register_forward_hook(lambda *args: forwards.append(1))
     expected, expected_grads = _scored(model, ids, mask, labels, inputs)
     got, got_grads = _scored(ours, ids, mask, labels, inputs)
-    label_mask = expected.label_mask.bool()
-    assert (expected.log_probs - got.log_probs)[label_mask].abs().max().item() <= TOLERANCE
-    pairs = [(a, b) for a, b in zip(expected_grads, got_grads) if a is not None]
-    largest = max(a.abs().max().item() for a, _ in pairs)
-    assert max((a - b).abs().max().item() for a, b in pairs) <= TOLERANCE * max(1.0, largest)
+    _check_scored_alike(expected, expected_grads, got, got_grads, fields=("log_probs",))
     hook.remove()
     assert stats.pop()["padding_free/image_calls_packed"] == 1.0 and len(forwards) == 1
