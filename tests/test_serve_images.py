@@ -130,8 +130,11 @@ def _data_url_part(image) -> dict:
     return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{pil_to_base64(image)}"}}
 
 
-def _server_run(tiny_vlm, tmp_path, servers, method="grpo", reward=_length_reward, dataset=None, **overrides):
-    """A trainer with images over `servers` (trl-scale serve), requests seeded (see SEEDED_REQUESTS)."""
+def _server_run(
+    tiny_vlm, tmp_path, servers, method="grpo", reward=_length_reward, dataset=None, agents=None, **overrides
+):
+    """A trainer with images over `servers` (trl-scale serve), requests seeded (see SEEDED_REQUESTS); `agents`: the
+    trainer's `tools` or `rollout_func`."""
     from transformers import AutoProcessor
 
     trainer_cls, config_cls = {
@@ -148,7 +151,14 @@ def _server_run(tiny_vlm, tmp_path, servers, method="grpo", reward=_length_rewar
         args=config_cls(**cpu_args(tmp_path, **settings)),
         train_dataset=dataset if dataset is not None else _image_prompts(16),
         processing_class=AutoProcessor.from_pretrained(tiny_vlm),
+        **(agents or {}),
     )
+
+
+def _sampling_gaps(trainer) -> list[float]:
+    """Per step, TRL's largest gap between the sampler's log-probs and the policy's."""
+    key = "sampling/sampling_logp_difference/max"
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
 
 
 @pytest.mark.parametrize("method", ["grpo", "rloo"])
@@ -174,11 +184,7 @@ def test_a_vision_language_policy_trains_over_two_servers(tiny_vlm, method, tmp_
     # the policy's (and reference's) scoring calls with images ran through the chunked head (test_image_scoring.py)
     assert all(e.get("chunked_head/image_calls", 0) >= 1 for e in trainer.state.log_history if "loss" in e)
     if method == "grpo":  # TRL logs how far the sampler's log-probs are from the policy's
-        gaps = [
-            e["sampling/sampling_logp_difference/max"]
-            for e in trainer.state.log_history
-            if "sampling/sampling_logp_difference/max" in e
-        ]
+        gaps = _sampling_gaps(trainer)
         assert len(gaps) == 2 and max(gaps) <= 1e-4, gaps
 
 
@@ -396,8 +402,6 @@ def test_a_streamed_tool_conversation_sends_its_images_with_every_turn(tmp_path)
     with its prompt's image, the group's features rendered once for all its turns. Every sampled token's log-prob
     is the policy's with the image (<= 1e-4; learning rate 0, so the policy stays the servers' weights). Red when a
     later turn goes without its image: the server then reads its image tokens as text (0.08 off, measured)."""
-    from transformers import AutoProcessor
-
     from trl_scale.toy import build_tiny_vlm
     from trl_scale.toy.tools import build_tool_calling_vlm, tick
     from trl_scale.toy.visual import squares_prompts
@@ -407,20 +411,11 @@ def test_a_streamed_tool_conversation_sends_its_images_with_every_turn(tmp_path)
     path = build_tool_calling_vlm(base, str(tmp_path / "tool-vlm"))
     servers = start_servers(path, 2)
     try:
-        settings = dict(
-            per_device_train_batch_size=4, num_generations=2, max_completion_length=96, max_tool_calling_iterations=2,
-            use_vllm=True, vllm_mode="server", vllm_server_base_urls=[s.url for s in servers], max_steps=2,
-            rollout_request_timeout=60, weight_sync_timeout=60, async_rollout_staleness=1, learning_rate=0.0,
-            beta=0.0, generation_kwargs={"seed": 0},
+        trainer = _server_run(
+            path, tmp_path / "run", servers, dataset=squares_prompts(16), agents={"tools": [tick]},
+            max_completion_length=96, max_tool_calling_iterations=2, max_steps=2, async_rollout_staleness=1,
+            learning_rate=0.0, beta=0.0, generation_kwargs={"seed": 0},
         )  # fmt: skip
-        trainer = trl_scale.GRPOTrainer(
-            model=path,
-            reward_funcs=_length_reward,
-            args=trl_scale.GRPOConfig(**cpu_args(tmp_path / "run", **settings)),
-            train_dataset=squares_prompts(16),
-            processing_class=AutoProcessor.from_pretrained(path),
-            tools=[tick],
-        )
         generation, sent, rendered = trainer.vllm_generation, [], []
         send_group, render = generation.send_group, generation.client.render
 
@@ -437,7 +432,7 @@ def test_a_streamed_tool_conversation_sends_its_images_with_every_turn(tmp_path)
     later = [with_images for n, with_images in sent if n == 1]  # a group's first turn asks for its G answers at once
     assert later and all(later), sent  # later turns were sent, each with its image
     assert max(e.get("tools/call_frequency", 0) for e in trainer.state.log_history) > 0
-    gaps = [v for e in trainer.state.log_history for k, v in e.items() if k == "sampling/sampling_logp_difference/max"]
+    gaps = _sampling_gaps(trainer)
     assert len(gaps) == 2 and max(gaps) <= 1e-4, gaps
     groups = generation.ahead.streamer._read
     assert len(rendered) <= 2 * groups, (len(rendered), groups)  # per group: its first turn and its later ones
@@ -449,8 +444,6 @@ def test_a_streamed_rollout_func_generates_with_its_groups_images(tiny_vlm, tmp_
     through `trainer.vllm_generation.generate(prompt_ids, images, G)`, TRL's interface, each prompt's images rendered
     for its request. Every sampled token's log-prob is the policy's with the image (<= 1e-4; learning rate 0): red
     when the request goes without its images."""
-    from transformers import AutoProcessor
-
     calls = []
 
     def rollout_func(prompts, trainer):
@@ -464,24 +457,14 @@ def test_a_streamed_rollout_func_generates_with_its_groups_images(tiny_vlm, tmp_
 
     servers = start_servers(tiny_vlm, 2)
     try:
-        settings = dict(
-            per_device_train_batch_size=4, num_generations=2, max_completion_length=8, use_vllm=True,
-            vllm_mode="server", vllm_server_base_urls=[s.url for s in servers], max_steps=2, learning_rate=0.0,
-            rollout_request_timeout=60, weight_sync_timeout=60, async_rollout_staleness=1, beta=0.0,
-            generation_kwargs={"seed": 0},
+        trainer = _server_run(
+            tiny_vlm, tmp_path, servers, agents={"rollout_func": rollout_func}, max_completion_length=8, max_steps=2,
+            async_rollout_staleness=1, learning_rate=0.0, beta=0.0, generation_kwargs={"seed": 0},
         )  # fmt: skip
-        trainer = trl_scale.GRPOTrainer(
-            model=tiny_vlm,
-            reward_funcs=_length_reward,
-            args=trl_scale.GRPOConfig(**cpu_args(tmp_path, **settings)),
-            train_dataset=_image_prompts(16),
-            processing_class=AutoProcessor.from_pretrained(tiny_vlm),
-            rollout_func=rollout_func,
-        )
         trainer.train()
     finally:
         for server in servers:
             server.stop()
     assert calls and all(count == 2 for count in calls), calls  # each group's call: its 2 rows, with their image
-    gaps = [v for e in trainer.state.log_history for k, v in e.items() if k == "sampling/sampling_logp_difference/max"]
+    gaps = _sampling_gaps(trainer)
     assert len(gaps) == 2 and max(gaps) <= 1e-4, gaps
