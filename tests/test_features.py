@@ -98,6 +98,7 @@ def test_the_features_of_each_trainer_in_their_order():
         "ratio_metrics",
         "context_length",
         "empty_rewards_warning",
+        "tool_images",
         "evaluation",
         "safe_checkpoint",
         "rollout_resume",

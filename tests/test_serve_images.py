@@ -23,6 +23,18 @@ def vlm_server(tiny_vlm):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def tool_vlm(tmp_path_factory) -> str:
+    """The tiny Gemma 3 taught to call `tick` (`toy.tools.build_tool_calling_vlm`), with a full-attention layer: a
+    later turn's tokens, past the sliding window of 8, still see the images."""
+    from trl_scale.toy import build_tiny_vlm
+    from trl_scale.toy.tools import build_tool_calling_vlm
+
+    root = tmp_path_factory.mktemp("tool-vlm")
+    base = build_tiny_vlm(root / "vlm", layer_types=["sliding_attention", "full_attention"])
+    return build_tool_calling_vlm(base, str(root / "tool-vlm"))
+
+
 # The tiny model's answers are random tokens, and one may be its image token (1 in 433): trl-scale's client draws
 # such an answer again (test_an_answer_holding_an_image_token_is_drawn_again), where TRL's step would
 # stop ("Image features and image tokens do not match"). Requests are seeded (each its own seed, the same in every
@@ -396,19 +408,16 @@ def test_a_peaked_policys_sampler_log_probs_are_its_own(tiny_vlm, tmp_path):
     assert log["sampling/sampling_logp_difference/max"] <= 1e-4, log["sampling/sampling_logp_difference/max"]
 
 
-def test_a_streamed_tool_conversation_sends_its_images_with_every_turn(tmp_path):
+def test_a_streamed_tool_conversation_sends_its_images_with_every_turn(tool_vlm, tmp_path):
     """Streaming GRPO (staleness 1) with a tool over two `trl-scale serve` servers, on image prompts: the tiny VLM
     taught to call `tick` (`toy.tools.build_tool_calling_vlm`) converses in the stream, and each later turn is sent
     with its prompt's image, the group's features rendered once for all its turns. Every sampled token's log-prob
     is the policy's with the image (<= 1e-4; learning rate 0, so the policy stays the servers' weights). Red when a
     later turn goes without its image: the server then reads its image tokens as text (0.08 off, measured)."""
-    from trl_scale.toy import build_tiny_vlm
-    from trl_scale.toy.tools import build_tool_calling_vlm, tick
+    from trl_scale.toy.tools import tick
     from trl_scale.toy.visual import squares_prompts
 
-    # a full-attention layer: a later turn's tokens, past the sliding window of 8, still see the image
-    base = build_tiny_vlm(tmp_path / "vlm", layer_types=["sliding_attention", "full_attention"])
-    path = build_tool_calling_vlm(base, str(tmp_path / "tool-vlm"))
+    path = tool_vlm
     servers = start_servers(path, 2)
     try:
         trainer = _server_run(
@@ -436,6 +445,73 @@ def test_a_streamed_tool_conversation_sends_its_images_with_every_turn(tmp_path)
     assert len(gaps) == 2 and max(gaps) <= 1e-4, gaps
     groups = generation.ahead.streamer._read
     assert len(rendered) <= 2 * groups, (len(rendered), groups)  # per group: its first turn and its later ones
+
+
+def _looking_tick() -> list:
+    """The next number word."""
+    return [{"type": "image", "image": _image((0, 0, 255))}, {"type": "text", "text": "five"}]
+
+
+_looking_tick.__name__ = "tick"  # the call the tool-calling VLM was taught
+
+
+def _decoded(url: str) -> Image.Image:
+    import base64
+    import io
+
+    return Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
+
+
+@pytest.mark.parametrize("staleness", [1, 0])
+def test_a_tool_answering_with_an_image_sends_it_with_the_next_turn(tool_vlm, tmp_path, staleness):
+    """GRPO over two `trl-scale serve` servers with a tool that answers with an image, as TRL 1.16's loop takes
+    (content blocks), streaming (staleness 1: the loop runs in the stream) and synchronous: the next turn is rendered
+    with both images, the prompt's and the tool's, in the order their tokens sit. Streaming: every token a later turn
+    samples has the policy's log-prob given both (<= 1e-4, computed here from the token ids and the images alone;
+    learning rate 0). Both: TRL's step scores the whole conversations as they were sampled (its sampling gap
+    <= 1e-4). Red when the turn goes without the tool's image (the server refuses the ids' extra image tokens)."""
+    from trl_scale.toy.visual import squares_prompts
+
+    servers = start_servers(tool_vlm, 2)
+    try:
+        trainer = _server_run(
+            tool_vlm, tmp_path, servers, dataset=squares_prompts(16), agents={"tools": [_looking_tick]},
+            max_completion_length=160, max_tool_calling_iterations=1, max_steps=2, async_rollout_staleness=staleness,
+            learning_rate=0.0, beta=0.0, generation_kwargs={"seed": 0},
+        )  # fmt: skip
+        generation, turns, rendered = trainer.vllm_generation, [], []
+        send_group, render = generation.send_group, generation.client.render
+
+        def recorded(ids, n, dispatched=None, identity=None, images=(), *rest):
+            choices, version = send_group(ids, n, dispatched, identity, images, *rest)
+            if n == 1:  # a later turn (a group's first asks for its G answers at once)
+                turns.append((list(ids), images, generation.turn_outputs(choices)))
+            return choices, version
+
+        generation.send_group = recorded
+        generation.client.render = lambda images, row: rendered.append(len(images)) or render(images, row)
+        trainer.train()
+    finally:
+        for server in servers:
+            server.stop()
+    assert len(step_logs(trainer, ("loss",))) == 2
+    assert 2 in rendered, rendered  # a later turn's images: the prompt's and the tool's
+    # TRL's step scores the conversations as the servers sampled them: its image token types cover the tool's image
+    # (Gemma 3's image token is not among the names TRL looks for: 8e-3 off without trl-scale's `ToolImages`)
+    trl_gaps = _sampling_gaps(trainer)
+    assert len(trl_gaps) == 2 and max(trl_gaps) <= 1e-4, trl_gaps
+    if staleness == 0:
+        return
+    assert turns and all(len(images) == 2 for _, images, _ in turns), [len(i) for _, i, _ in turns]
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(tool_vlm, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(tool_vlm)
+    gaps = []
+    for ids, images, ((completion,), (sampled,)) in turns:
+        policy = _policy_logprobs(model, processor, ids, [_decoded(url) for url in images], completion)
+        gaps.extend(abs(a - b) for a, b in zip(policy, sampled, strict=True))
+    assert gaps and max(gaps) <= 1e-4, max(gaps)
 
 
 def test_a_streamed_rollout_func_generates_with_its_groups_images(tiny_vlm, tmp_path):

@@ -354,16 +354,18 @@ class ServerRolloutGeneration(VLLMGeneration):
         per conversation, sent as a group's first turn is (routed, failed over, with the weights served then). Each
         choice then carries its whole conversation (`CONVERSATION_KEY`); returns the newest weights of the later
         turns (-1 with none). With an episode (environments), `prompt_ids` has one entry per row. A turn of a
-        conversation with images (`send_turns`' `images`: each prompt's) carries them again: they sit where they sat
-        in its first turn, so the features rendered once for the group serve every later turn."""
+        conversation with images (`send_turns`' `images`: each prompt's, then those its tools answered with) carries
+        them again: they sit where they sat in its earlier turns, so the features rendered once for a set of images
+        serve every later turn that holds the same."""
         newest, encoded, rendered = [-1], {}, {}  # a row's images as data URLs (by their objects), their features
 
         def urls_of(row: list | None) -> tuple[str, ...]:
-            # each turn hands the conversation's same image objects: encoded once per group, not once per turn
+            # each turn hands the conversation's same image objects: encoded once per group, not once per turn. The
+            # entry holds the objects, so their ids are not reused by a later image (a tool's, after a rollback)
             key = tuple(map(id, row or ()))
             if key not in encoded:
-                encoded[key] = image_urls(row)
-            return encoded[key]
+                encoded[key] = (list(row or ()), image_urls(row))
+            return encoded[key][1]
 
         def send_turns(prompts: list[list[int]], images: list | None = None) -> tuple[list, list]:
             identities = [next_identity() for _ in prompts]  # in the group's thread, in the conversations' order

@@ -149,6 +149,21 @@ TRAINER_SEAMS: tuple[Seam, ...] = (
     Seam(
         G,
         ATTRIBUTE,
+        "trainers/tool_images.py ToolImages (set to the policy's image token where TRL found none by name)",
+        "the token id whose positions TRL types as image tokens (token_type_ids / mm_token_type_ids) in a forward "
+        "over conversations holding a tool's image; None: every token typed text",
+        attribute="_image_pad_token_id",
+    ),
+    Seam(
+        f"{T}._prepare_inputs",
+        CALL,
+        "trainers/streamed_tools.py _group_view (TRL's tool loop calls super()._prepare_inputs on the group's view, "
+        "an instance of the trainer's class for that call)",
+        "moves a dict of tensors to the trainer's device; takes only an instance of TRL's class",
+    ),
+    Seam(
+        G,
+        ATTRIBUTE,
         "trainers/streamed_tools.py first_turn_messages",
         "{name: the tools an environment's rows are rendered and parsed with}",
         attribute="_env_tools",

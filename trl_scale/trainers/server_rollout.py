@@ -19,6 +19,7 @@ from .stream_environments import EpisodeOpener, finished_environments
 from .stream_rewards import StreamRewarder
 from .stream_rollout_func import replayed_rollouts, rolling_out
 from .streamed_tools import conversing, streamed_conversations
+from .tool_images import policy_image_token
 
 logger = get_logger(__name__)
 
@@ -37,14 +38,8 @@ def image_tokens(trainer) -> frozenset[int]:
     """The token ids a completion must not hold (an answer that samples one is drawn again): a vision-language
     policy's image token, which TRL's local generation suppresses (`suppress_tokens`, for a processor), so that
     TRL's step never meets an image token without an image."""
-    from transformers import ProcessorMixin
-
-    token = getattr(trainer.model.config, "image_token_id", None)
-    return (
-        frozenset([token])
-        if isinstance(trainer.processing_class, ProcessorMixin) and token is not None
-        else frozenset()
-    )
+    token = policy_image_token(trainer)
+    return frozenset() if token is None else frozenset([token])
 
 
 def _read_ahead(trainer):

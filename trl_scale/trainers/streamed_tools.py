@@ -16,6 +16,7 @@ generates, so many conversations wait on the servers at once. Async tools run on
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import threading
 from dataclasses import dataclass
@@ -52,7 +53,9 @@ class TrainerView:
 
 
 class _GroupView(TrainerView):
-    """The trainer as TRL's tool loop sees it, for one prompt group in a stream thread."""
+    """The trainer as TRL's tool loop sees it, for one prompt group in a stream thread. Built by `_group_view`, an
+    instance of the trainer's own class too: TRL's loop calls `super()._prepare_inputs` for tools that answer with
+    images, which takes only an instance of TRL's class."""
 
     def __init__(self, trainer, num_rows: int, send_turns, lock: threading.Lock, episode=None, timeout=None):
         super().__init__(trainer)
@@ -70,17 +73,43 @@ class _GroupView(TrainerView):
             self._batch_environments = list(episode.names)  # the group's, not the step's
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations=1, has_tool_images=False):
-        if has_tool_images:
-            raise NotImplementedError(
-                "a streamed tool answered with an image: its features would have to be rendered into the "
-                "conversation. Fix: async_rollout_staleness=0, or tools that answer with text"
-            )
-        with_images = {"images": images} if images is not None and any(images) else {}  # each row's prompt images
+        # each row's images in the order their tokens sit: the prompt's, then those its tools answered with (TRL
+        # merges them so); the server reads no multimodal fields, it renders the images itself
+        with_images = {"images": images} if images is not None and any(images) else {}
         self._lock.release()  # other conversations run their tools while this turn generates
         try:
             return self._send_turns([list(ids) for ids in prompt_ids], **with_images)
         finally:
             self._lock.acquire()
+
+
+@functools.cache
+def _group_view_class(trainer_class: type) -> type:
+    # the view's own methods first, then the trainer's (bound to the view: they read its shadowing attributes)
+    return type(f"GroupView[{trainer_class.__name__}]", (_GroupView, trainer_class), {})
+
+
+def _group_view(trainer, *args) -> _GroupView:
+    """`_GroupView(trainer, *args)`, of a class that is also the trainer's (never initialised as a trainer: the
+    trainer's attributes are read through the view)."""
+    cls = _group_view_class(type(trainer))
+    view = object.__new__(cls)
+    _GroupView.__init__(view, trainer, *args)
+    for name in _class_values(cls) & vars(trainer).keys() - vars(view).keys():
+        setattr(view, name, getattr(trainer, name))  # the trainer's own value, not its class's default
+    return view
+
+
+@functools.cache
+def _class_values(cls: type) -> frozenset[str]:
+    """The names `cls` gives plain values (a class-level default an instance may set): a view would read those
+    from its class rather than from the trainer."""
+    return frozenset(
+        name
+        for klass in cls.__mro__
+        for name, value in vars(klass).items()
+        if not name.startswith("__") and not callable(value) and not hasattr(value, "__get__")
+    )
 
 
 def first_turn_messages(
@@ -126,7 +155,7 @@ def conversing(trainer, lock: threading.Lock | None = None, timeout: float | Non
         names = None if episode is None else episode.names
         with lock:
             completions = first_turn_messages(trainer, prompts, ids, completion_ids, names)
-            view = _GroupView(trainer, len(rows), send_turns, lock, episode, timeout)
+            view = _group_view(trainer, len(rows), send_turns, lock, episode, timeout)
             first_ids, first_logprobs = [list(c) for c in completion_ids], [list(v) for v in logprobs]
             # each row's images, as TRL's step hands them to its loop (server rollout reads no multimodal fields)
             mask, messages, completion_ids, logprobs, calls, failures, images = tool_call_loop(

@@ -1,0 +1,72 @@
+"""Tools that answer with images (TRL 1.16's multimodal tool responses), for every vision-language processor: TRL's
+step covers them only for Qwen- and Llama-style tokenizers and processors whose image processor returns model inputs
+alone. Two mends, each where TRL would otherwise fail or train on a wrong mask:
+- TRL finds the image token of the forward's token types by name (`<|image_pad|>`, `<|image|>`); another name (Gemma
+  3's `<image_soft_token>`) left it unset, so every token of a tool's image was typed text (a causal mask over the
+  image, where the model and the servers attend over it both ways). The policy's own image token is used.
+- TRL forwards the image processor's whole output, and Gemma 3's holds `num_crops` (the count of pan-and-scan crops,
+  which its processor otherwise drops), which TRL's scoring does not take: the step stopped with a TypeError."""
+
+from __future__ import annotations
+
+import torch
+
+from .feature import Feature, Patch
+
+
+def policy_image_token(trainer) -> int | None:
+    """The token a vision-language policy replaces with image features (its config's `image_token_id`), for a run
+    with a processor; None otherwise. (Not the processor's `image_token_id`: Gemma 3's names its begin-image token.)"""
+    from transformers import ProcessorMixin
+
+    token = getattr(trainer.model.config, "image_token_id", None)
+    return token if isinstance(trainer.processing_class, ProcessorMixin) else None
+
+
+class ToolImages(Feature):
+    """A run with tools (or environments, whose methods are tools) on a vision-language policy."""
+
+    name = "tool_images"
+    PATCHES = (
+        Patch(
+            "trainer._image_pad_token_id",
+            "setup, where TRL found no image token by its names (the policy's own)",
+            "never",
+            "trainers/tool_images.py",
+        ),
+    )
+
+    @classmethod
+    def build(cls, plan, arguments: dict) -> ToolImages | None:
+        with_tools = arguments.get("tools") or arguments.get("environment_factory") is not None
+        return cls() if with_tools and _vision_language(arguments) else None
+
+    def setup(self, trainer) -> None:
+        token = policy_image_token(trainer)
+        if getattr(trainer, "_image_pad_token_id", 0) is None and token is not None:
+            trainer._image_pad_token_id = token
+
+    def scoring(self, trainer, proceed, *args, **kwargs):
+        num_crops = kwargs.pop("num_crops", None)
+        if num_crops is not None and torch.as_tensor(num_crops).any():
+            raise ValueError(
+                "a tool answered with an image that the image processor cut into pan-and-scan crops (num_crops > 0): "
+                "the tool's image tokens hold the whole image only. Fix: do_pan_and_scan=False on the processor's "
+                "image processor"
+            )
+        return proceed(*args, **kwargs)
+
+
+def _vision_language(arguments: dict) -> bool:
+    """Whether the trainer's arguments name a vision-language policy: its processing class is a processor, or (none
+    given: TRL loads the model's) its config has a vision tower."""
+    from transformers import AutoConfig, ProcessorMixin
+
+    if arguments.get("processing_class") is not None:
+        return isinstance(arguments["processing_class"], ProcessorMixin)
+    model = arguments.get("model")
+    try:
+        config = model.config if hasattr(model, "config") else AutoConfig.from_pretrained(model)
+    except (OSError, ValueError, TypeError):  # TRL's constructor says what is wrong with the model
+        return False
+    return getattr(config, "vision_config", None) is not None
