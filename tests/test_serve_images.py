@@ -514,6 +514,55 @@ def test_a_tool_answering_with_an_image_sends_it_with_the_next_turn(tool_vlm, tm
     assert gaps and max(gaps) <= 1e-4, max(gaps)
 
 
+class _LookingEnvironment:
+    """An environment on the squares prompts: its reset adds to the prompt (as TRL appends what `reset()` returns),
+    and its one tool answers with an image."""
+
+    resets: list = []  # the rows' image columns, as reset() got them
+
+    def reset(self, **row) -> str:
+        type(self).resets.append(row.get("image") is not None)
+        return " count"
+
+    def tick(self) -> list:
+        """The next number word."""
+        return _looking_tick()
+
+
+@pytest.mark.parametrize("mode", ["streaming", "ordered"])
+def test_an_environment_episode_in_the_stream_takes_its_rows_images(tool_vlm, tmp_path, mode):
+    """GRPO with an `environment_factory` on image prompts over two `trl-scale serve` servers, its episodes run in the
+    stream (streaming, and ordered): each row reset with its row, its prompt (the reset's observation appended) made
+    multimodal as TRL's step makes it, its first turn sent with the row's image, and a later turn, after the
+    environment's tool answered with an image, with both. TRL's step scores the conversations as they were sampled
+    (its sampling gap <= 1e-4; learning rate 0). Red when the first turn goes without its image (no first-turn
+    render)."""
+    from trl_scale.toy.visual import squares_prompts
+
+    _LookingEnvironment.resets = []
+    servers = start_servers(tool_vlm, 2)
+    try:
+        trainer = _server_run(
+            tool_vlm, tmp_path, servers, dataset=squares_prompts(16),
+            agents={"environment_factory": _LookingEnvironment}, max_completion_length=160,
+            max_tool_calling_iterations=1, max_steps=2, async_rollout_staleness=1, async_rollout_mode=mode,
+            learning_rate=0.0, beta=0.0, generation_kwargs={"seed": 0},
+        )  # fmt: skip
+        rendered, render = [], trainer.vllm_generation.client.render
+        trainer.vllm_generation.client.render = lambda images, row: rendered.append(len(images)) or render(images, row)
+        trainer.train()
+    finally:
+        for server in servers:
+            server.stop()
+    assert len(step_logs(trainer, ("loss",))) == 2
+    assert _LookingEnvironment.resets and all(_LookingEnvironment.resets)  # each reset got its row, image included
+    # each group's first turn rendered its row's image; a later turn after the tool's image, both
+    assert rendered.count(1) >= 4 and 2 in rendered, rendered
+    assert max(e.get("tools/call_frequency", 0) for e in trainer.state.log_history) > 0
+    trl_gaps = _sampling_gaps(trainer)
+    assert len(trl_gaps) == 2 and max(trl_gaps) <= 1e-4, trl_gaps
+
+
 def test_a_streamed_rollout_func_generates_with_its_groups_images(tiny_vlm, tmp_path):
     """Streaming GRPO (staleness 1) with a `rollout_func` over two `trl-scale serve` servers, on image prompts: each
     group's call gets its prompts as TRL's step builds them (content lists holding their images) and generates

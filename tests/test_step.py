@@ -77,13 +77,16 @@ def test_trl_scales_client_serves_a_server_run_with_images_in_every_rollout_mode
     assert ordered.rollout.asynchronous.mode == "ordered" and ordered.images == ("image",)
     streaming, _ = _plan(tmp_path, **_server(async_rollout_staleness=1))
     assert streaming.rollout.asynchronous.mode == "streaming" and streaming.images == ("image",)
-    # a streamed tool conversation and a streamed rollout_func send their images (test_serve_images.py); an
-    # episode in the stream takes none yet
-    for agent in ({"tools": [len]}, {"rollout_func": lambda prompts, trainer: None}):
+    # a streamed tool conversation, a streamed rollout_func and an episode in the stream send their images
+    # (test_serve_images.py)
+    agents = (
+        {"tools": [len]},
+        {"rollout_func": lambda prompts, trainer: None},
+        {"environment_factory": CountingEnvironment},
+    )
+    for agent in agents:
         streamed, _ = _plan(tmp_path, **agent, **_server(async_rollout_staleness=1))
         assert streamed.rollout.asynchronous.mode == "streaming" and streamed.images == ("image",)
-    with pytest.raises(ValueError, match="environment_factory with asynchronous rollout: episodes run in the stream"):
-        _plan(tmp_path, environment_factory=CountingEnvironment, **_server(async_rollout_staleness=1))
     # sequence parallelism shards token rows: refused before any step, naming the fix (set after the config's own
     # checks, which need as many processes as the group)
     config = trl_scale.GRPOConfig(**cpu_args(tmp_path))

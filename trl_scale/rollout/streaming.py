@@ -237,7 +237,7 @@ class StreamingRollout:
                 choices, newest = self.send(prompt_ids, len(rows), dispatched, **with_images)
             else:
                 rows, prompt_ids, more = episode.rows, episode.prompt_ids, (episode,)
-                choices, newest = _send_each(self.send, prompt_ids, dispatched)
+                choices, newest = _send_each(self.send, prompt_ids, dispatched, episode.images, group.index)
             sent_with = newest  # (LoRA) the adapter its first turn named
             if self.converse is not None and wanted():  # its later turns, before the group finishes
                 newest = max(newest, self.converse(rows, prompt_ids, choices, *more))
@@ -418,19 +418,28 @@ class Episode(Protocol):
 
     rows: list
     prompt_ids: list[list[int]]
+    images: list | None  # each row's images (in its prompt), or None
 
     def close(self) -> None: ...
 
 
-def _send_each(send: Send, prompt_ids: list[list[int]], dispatched) -> tuple[list[dict], int]:
-    """An episode's rows, whose prompts may differ (each environment's reset): one request per run of equal prompts,
-    sent at once; the choices in row order, and the newest weights any of them can come from."""
-    runs = [(list(ids), len(rows)) for rows, ids in _groups(prompt_ids, prompt_ids)]
+def _send_each(
+    send: Send, prompt_ids: list[list[int]], dispatched, images: list | None = None, index: int = -1
+) -> tuple[list[dict], int]:
+    """An episode's rows, whose prompts may differ (each environment's reset): one request per run of equal prompts
+    with the same images (`images`: each row's), sent at once; the choices in row order, and the newest weights any
+    of them can come from. `index`: the group's, for errors."""
+    images = images or [None] * len(prompt_ids)
+    runs = []
+    for rows, ids in _groups(list(range(len(prompt_ids))), prompt_ids, image_keys(images)):
+        urls = image_urls(images[rows[0]])
+        runs.append((list(ids), len(rows), {"images": urls, "index": index} if urls else {}))
     if len(runs) == 1:
-        return send(runs[0][0], runs[0][1], dispatched)
+        ids, n, with_images = runs[0]
+        return send(ids, n, dispatched, **with_images)
     identities = [next_identity() for _ in runs]  # drawn here, in the group's thread, in row order
     with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="stream-episode") as pool:
-        sent = list(pool.map(lambda run, i: send(run[0], run[1], dispatched, i), runs, identities))
+        sent = list(pool.map(lambda run, i: send(run[0], run[1], dispatched, i, **run[2]), runs, identities))
     return [choice for choices, _ in sent for choice in choices], max(newest for _, newest in sent)
 
 

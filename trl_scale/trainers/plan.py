@@ -67,7 +67,7 @@ class RunPlan:
                 "parallelism shards token rows only, and a scoring call with images would fail at the first step. "
                 "Fix: sequence_parallel_size=1, or drop the image columns"
             )
-        rollout = _rollout_plan(config, arguments, images)
+        rollout = _rollout_plan(config, arguments)
         return cls(
             trainer=trainer,
             rollout=rollout,
@@ -94,14 +94,12 @@ class RunPlan:
         return "; ".join(parts)
 
 
-def _rollout_plan(config, arguments: dict, images: tuple[str, ...]) -> RolloutPlan:
+def _rollout_plan(config, arguments: dict) -> RolloutPlan:
     environments = arguments.get("environment_factory") is not None
     rollout_func = arguments.get("rollout_func") is not None
     server = uses_server_rollout(config)
     client: RolloutClient = "trl_scale" if server else "trainer"
     asynchronous = AsyncRollout.from_config(config) if server else AsyncRollout()
-    if images:
-        _refuse_images(images, asynchronous, arguments)
     stream_rewards = getattr(config, "stream_rewards", None)
     _refuse_unread(config, asynchronous, stream_rewards, environments, rollout_func)
     # None: an environment's rewards read its instance, which goes back to the pool when its episode ends in the
@@ -115,18 +113,6 @@ def _rollout_plan(config, arguments: dict, images: tuple[str, ...]) -> RolloutPl
         takes_groups=asynchronous.takes_groups(environments, rollout_func),
         rewards_in_stream=in_stream,
     )
-
-
-def _refuse_images(images: tuple[str, ...], asynchronous: AsyncRollout, arguments: dict) -> None:
-    """Images go through synchronous, ordered and streaming rollout, a streamed tool conversation's later turns and a
-    streamed `rollout_func`'s requests; an environment's episode run in the stream (its rows made by its reset)
-    takes none yet: refused before TRL's constructor, naming the fix."""
-    if arguments.get("environment_factory") and asynchronous.staleness:
-        raise ValueError(
-            f"this dataset has image columns {list(images)}, and environment_factory with asynchronous rollout: "
-            "episodes run in the stream take no images yet. Fix: async_rollout_staleness=0, or drop the image "
-            "columns"
-        )
 
 
 def _refuse_unread(config, asynchronous: AsyncRollout, stream_rewards, environments: bool, rollout_func: bool):

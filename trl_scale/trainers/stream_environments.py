@@ -5,10 +5,11 @@ rollout after another (`_generate_and_score_completions`). Streaming runs each p
 thread instead, as soon as the group is sent: its environments are taken from a pool (`EnvironmentPool`, one instance
 per row, never two live conversations on one instance, more made only while all are in use), reset as TRL resets them
 (the row as keyword arguments; what `reset()` returns appended to the last message), the prompts tokenized with each
-environment's tools, the group generated, TRL's tool loop run on the group's own tool tables (its instances' methods),
-its rewards computed (`environments=` its instances, `get_reward` included), and the instances given back. The step
-trains on finished conversations and calls no environment: while it runs TRL's method, each row's environment is a
-stand-in whose `reset()` does nothing (`finished_environments`).
+environment's tools (the rows' images put into them as TRL's step puts them), the group generated (with those
+images), TRL's tool loop run on the group's own tool tables (its instances' methods), its rewards computed
+(`environments=` its instances, `get_reward` included), and the instances given back. The step trains on finished
+conversations and calls no environment: while it runs TRL's method, each row's environment is a stand-in whose
+`reset()` does nothing (`finished_environments`).
 
 A method call that outlasts `environment_timeout` is abandoned: as a tool, it fails as TRL reports a failing tool (the
 conversation goes on with the error as the tool's answer); as `reset()`, it fails the run naming the environment and
@@ -27,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from ..rollout.images import multimodal_prompts, row_images
 from .construction import trl_base_class
 from .streamed_tools import TrainerView
 
@@ -136,6 +138,7 @@ class EnvironmentEpisode:
     names: list
     instances: list
     pool: EnvironmentPool
+    images: list | None = None  # each row's images as its prompt holds them (TRL's tokenization), or None
     broken: set = field(default_factory=set)  # ids of instances a call was abandoned in
     seconds: float = 0.0  # in reset() and tools
 
@@ -244,13 +247,17 @@ class EpisodeOpener:
                 with _named(names[i], instance, "reset()", prompts[i]):
                     observation = episode.bounded(instance, instance.reset, self.timeout)(**kwargs)
                 prompts[i] = with_observation(prompts[i], observation)
+            reset_rows = [{**row, "prompt": prompt} for row, prompt in zip(rows, prompts)]
+            # the image columns' images put into the prompts as TRL's step puts them (after the reset)
+            multimodal = multimodal_prompts(reset_rows, row_images(rows))
             with self.lock:
                 view = TrainerView(trainer, _batch_environments=names)  # each prompt rendered with its tools
-                episode.prompt_ids = [list(ids) for ids in self._tokenize(view, prompts)[0]]
+                prompt_ids, images, _ = self._tokenize(view, multimodal)
+            episode.prompt_ids, episode.images = [list(ids) for ids in prompt_ids], images
         except BaseException:
             episode.close()
             raise
-        episode.rows = [{**row, "prompt": prompt} for row, prompt in zip(rows, prompts)]
+        episode.rows = reset_rows  # the step makes them multimodal again, as it does every batch's
         return episode
 
     def close(self) -> None:
