@@ -563,6 +563,43 @@ def test_an_environment_episode_in_the_stream_takes_its_rows_images(tool_vlm, tm
     assert len(trl_gaps) == 2 and max(trl_gaps) <= 1e-4, trl_gaps
 
 
+class _ShowingEnvironment:
+    """An environment whose reset shows the image (content blocks, as TRL appends a list to the last message), on
+    prompts without an image column."""
+
+    def reset(self, **row) -> list:
+        return [{"type": "image", "image": _image((255, 0, 0))}]
+
+    def tick(self) -> str:
+        """The next number word."""
+        return "five"
+
+
+def test_an_environment_whose_reset_shows_an_image_streams_it(tool_vlm, tmp_path):
+    """Streaming GRPO with an environment whose `reset()` answers with an image, on text prompts: each row's first
+    turn is sent with the image its reset showed (found in its prompt, as TRL's tokenization finds it), and TRL's step
+    scores the conversations as sampled (its sampling gap <= 1e-4)."""
+    from trl_scale.toy.visual import squares_prompts
+
+    servers = start_servers(tool_vlm, 2)
+    try:
+        trainer = _server_run(
+            tool_vlm, tmp_path, servers, dataset=squares_prompts(16).remove_columns("image"),
+            agents={"environment_factory": _ShowingEnvironment}, max_completion_length=160,
+            max_tool_calling_iterations=1, max_steps=2, async_rollout_staleness=1,
+            learning_rate=0.0, beta=0.0, generation_kwargs={"seed": 0},
+        )  # fmt: skip
+        rendered, render = [], trainer.vllm_generation.client.render
+        trainer.vllm_generation.client.render = lambda images, row: rendered.append(len(images)) or render(images, row)
+        trainer.train()
+    finally:
+        for server in servers:
+            server.stop()
+    assert rendered.count(1) >= 4, rendered  # each group's first turn, with its image
+    trl_gaps = _sampling_gaps(trainer)
+    assert len(trl_gaps) == 2 and max(trl_gaps) <= 1e-4, trl_gaps
+
+
 def test_a_streamed_rollout_func_generates_with_its_groups_images(tiny_vlm, tmp_path):
     """Streaming GRPO (staleness 1) with a `rollout_func` over two `trl-scale serve` servers, on image prompts: each
     group's call gets its prompts as TRL's step builds them (content lists holding their images) and generates
