@@ -243,7 +243,7 @@ def build_tiny_qwen2_vl(output_dir: str | os.PathLike, seed: int = 0, family: st
     A small vision tower reads 7x7 patches, two frames deep, merging 2x2 patches into one image token: an image
     of grid (1, h, w) patches is ``h * w / 4`` tokens between ``<|vision_start|>`` and ``<|vision_end|>``. No processor
     is saved: Qwen2-VL's needs torchvision (for its video processor), which this machine's torch has no build of;
-    tests make ``pixel_values`` ([patches, 3*2*7*7]) and ``image_grid_thw`` themselves.
+    `toy.qwen2_vl_processor.qwen2_vl_processor(path)` builds one in code, for images only.
     """
     output_dir = os.fspath(output_dir)
     tokenizer = build_tokenizer(model_special_tokens=_QWEN2_VL_TOKENS)
