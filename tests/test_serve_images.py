@@ -529,6 +529,25 @@ class _LookingEnvironment:
         return _looking_tick()
 
 
+def _episode_run(path, tmp_path, dataset, environment, **overrides):
+    """Streaming GRPO (staleness 1) with `environment` over two `trl-scale serve` servers, learning rate 0: the
+    trainer, and how many images each render the client asked for carried."""
+    servers = start_servers(path, 2)
+    try:
+        trainer = _server_run(
+            path, tmp_path, servers, dataset=dataset, agents={"environment_factory": environment},
+            max_completion_length=160, max_tool_calling_iterations=1, max_steps=2, async_rollout_staleness=1,
+            learning_rate=0.0, beta=0.0, generation_kwargs={"seed": 0}, **overrides,
+        )  # fmt: skip
+        rendered, render = [], trainer.vllm_generation.client.render
+        trainer.vllm_generation.client.render = lambda images, row: rendered.append(len(images)) or render(images, row)
+        trainer.train()
+    finally:
+        for server in servers:
+            server.stop()
+    return trainer, rendered
+
+
 @pytest.mark.parametrize("mode", ["streaming", "ordered"])
 def test_an_environment_episode_in_the_stream_takes_its_rows_images(tool_vlm, tmp_path, mode):
     """GRPO with an `environment_factory` on image prompts over two `trl-scale serve` servers, its episodes run in the
@@ -540,20 +559,9 @@ def test_an_environment_episode_in_the_stream_takes_its_rows_images(tool_vlm, tm
     from trl_scale.toy.visual import squares_prompts
 
     _LookingEnvironment.resets = []
-    servers = start_servers(tool_vlm, 2)
-    try:
-        trainer = _server_run(
-            tool_vlm, tmp_path, servers, dataset=squares_prompts(16),
-            agents={"environment_factory": _LookingEnvironment}, max_completion_length=160,
-            max_tool_calling_iterations=1, max_steps=2, async_rollout_staleness=1, async_rollout_mode=mode,
-            learning_rate=0.0, beta=0.0, generation_kwargs={"seed": 0},
-        )  # fmt: skip
-        rendered, render = [], trainer.vllm_generation.client.render
-        trainer.vllm_generation.client.render = lambda images, row: rendered.append(len(images)) or render(images, row)
-        trainer.train()
-    finally:
-        for server in servers:
-            server.stop()
+    trainer, rendered = _episode_run(
+        tool_vlm, tmp_path, squares_prompts(16), _LookingEnvironment, async_rollout_mode=mode
+    )
     assert len(step_logs(trainer, ("loss",))) == 2
     assert _LookingEnvironment.resets and all(_LookingEnvironment.resets)  # each reset got its row, image included
     # each group's first turn rendered its row's image; a later turn after the tool's image, both
@@ -581,20 +589,9 @@ def test_an_environment_whose_reset_shows_an_image_streams_it(tool_vlm, tmp_path
     scores the conversations as sampled (its sampling gap <= 1e-4)."""
     from trl_scale.toy.visual import squares_prompts
 
-    servers = start_servers(tool_vlm, 2)
-    try:
-        trainer = _server_run(
-            tool_vlm, tmp_path, servers, dataset=squares_prompts(16).remove_columns("image"),
-            agents={"environment_factory": _ShowingEnvironment}, max_completion_length=160,
-            max_tool_calling_iterations=1, max_steps=2, async_rollout_staleness=1,
-            learning_rate=0.0, beta=0.0, generation_kwargs={"seed": 0},
-        )  # fmt: skip
-        rendered, render = [], trainer.vllm_generation.client.render
-        trainer.vllm_generation.client.render = lambda images, row: rendered.append(len(images)) or render(images, row)
-        trainer.train()
-    finally:
-        for server in servers:
-            server.stop()
+    trainer, rendered = _episode_run(
+        tool_vlm, tmp_path, squares_prompts(16).remove_columns("image"), _ShowingEnvironment
+    )
     assert rendered.count(1) >= 4, rendered  # each group's first turn, with its image
     trl_gaps = _sampling_gaps(trainer)
     assert len(trl_gaps) == 2 and max(trl_gaps) <= 1e-4, trl_gaps
