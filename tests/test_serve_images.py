@@ -514,6 +514,26 @@ def test_a_tool_answering_with_an_image_sends_it_with_the_next_turn(tool_vlm, tm
     assert gaps and max(gaps) <= 1e-4, max(gaps)
 
 
+def test_local_generation_takes_a_tool_answering_with_an_image(tool_vlm, tmp_path):
+    """TRL's local generation (no servers) with a tool that answers with an image, on the tiny Gemma 3: the turn after
+    it is generated with both images and the step trains. TRL 1.16 alone stops at that turn (it hands the image
+    processor's `num_crops` to `generate`); trl-scale's `ToolImages` drops it (red without: a ValueError)."""
+    from transformers import AutoProcessor
+
+    from trl_scale.toy.visual import squares_prompts
+
+    args = trl_scale.GRPOConfig(
+        **cpu_args(tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=96, max_steps=1)
+    )
+    trainer = trl_scale.GRPOTrainer(
+        model=tool_vlm, reward_funcs=_length_reward, args=args, train_dataset=squares_prompts(8),
+        processing_class=AutoProcessor.from_pretrained(tool_vlm), tools=[_looking_tick],
+    )  # fmt: skip
+    trainer.train()
+    (log,) = step_logs(trainer, ("loss", "tools/call_frequency"))
+    assert log["tools/call_frequency"] > 0, log
+
+
 class _LookingEnvironment:
     """An environment on the squares prompts: its reset adds to the prompt (as TRL appends what `reset()` returns),
     and its one tool answers with an image."""

@@ -5,7 +5,8 @@ alone. Two mends, each where TRL would otherwise fail or train on a wrong mask:
   3's `<image_soft_token>`) left it unset, so every token of a tool's image was typed text (a causal mask over the
   image, where the model and the servers attend over it both ways). The policy's own image token is used.
 - TRL forwards the image processor's whole output, and Gemma 3's holds `num_crops` (the count of pan-and-scan crops,
-  which its processor otherwise drops), which TRL's scoring does not take: the step stopped with a TypeError."""
+  which its processor otherwise drops), which TRL's scoring does not take (the step stopped with a TypeError) and
+  TRL's local generation hands to `generate` (which refuses it). It is dropped."""
 
 from __future__ import annotations
 
@@ -47,14 +48,25 @@ class ToolImages(Feature):
             trainer._image_pad_token_id = token
 
     def scoring(self, trainer, proceed, *args, **kwargs):
-        num_crops = kwargs.pop("num_crops", None)
-        if num_crops is not None and torch.as_tensor(num_crops).any():
-            raise ValueError(
-                "a tool answered with an image that the image processor cut into pan-and-scan crops (num_crops > 0): "
-                "the tool's image tokens hold the whole image only. Fix: do_pan_and_scan=False on the processor's "
-                "image processor"
-            )
-        return proceed(*args, **kwargs)
+        return proceed(*args, **_without_crops(kwargs))
+
+    def single_turn(self, trainer, proceed, prompt_ids, images, multimodal_fields, *args, **kwargs):
+        # TRL's local generation of a turn after a tool's image hands the same fields to `generate`
+        return proceed(prompt_ids, images, _without_crops(multimodal_fields), *args, **kwargs)
+
+
+def _without_crops(fields: dict) -> dict:
+    """`fields` without the image processor's `num_crops`, refused where an image was cut into crops."""
+    if "num_crops" not in fields:
+        return fields
+    fields = dict(fields)
+    if torch.as_tensor(fields.pop("num_crops")).any():
+        raise ValueError(
+            "a tool answered with an image that the image processor cut into pan-and-scan crops (num_crops > 0): the "
+            "tool's image tokens hold the whole image only. Fix: do_pan_and_scan=False on the processor's image "
+            "processor"
+        )
+    return fields
 
 
 def _vision_language(arguments: dict) -> bool:
