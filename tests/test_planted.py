@@ -133,7 +133,7 @@ def test_with_several_environments_reset_gets_the_row_without_its_environment_co
     opener = object.__new__(EpisodeOpener)
     opener.trainer, opener.timeout, opener.lock = trainer, 5.0, threading.Lock()
     opener.pool = EnvironmentPool(factories)
-    opener._tokenize = lambda view, prompts: ([[1] for _ in prompts],)
+    opener._tokenize = lambda view, prompts: ([[1] for _ in prompts], None, {})  # TRL's (ids, images, fields)
     rows = [{"prompt": "p", "environment": "a", "id": 1}, {"prompt": "p", "environment": "b", "id": 1}]
     episode = opener(rows)
     assert [instance.reset_with for instance in episode.instances] == [{"prompt": "p", "id": 1}] * 2

@@ -1009,33 +1009,46 @@ def _hold_requests_until_the_next_sync(trainer, monkeypatch) -> None:
     """The order in which a streaming sync lands inside a running request, forced. Left alone, the stream sends a
     batch's requests right after a sync, and on an idle machine they end before the next sync's pause (generation
     outruns a step). Here a request sent after the second sync waits until the next sync is about to pause the
-    servers (after it wrote the weights), and the pause waits until the client has a request out: its 160 tokens
-    (half a second or more) take far longer than the few milliseconds between."""
+    servers (after it wrote the weights), and the pause waits until a request it released has begun (its POST under
+    way, its start on the timeline): its 160 tokens (half a second or more) take far longer than the few milliseconds
+    between. (Waiting for any request out, as before, lost under load: one that was finishing counted, ended before
+    the resume, and the released ones began after the pause.)"""
     import threading
 
     from trl_scale.rollout.weight_sync.base import WeightSyncMode
 
     generation, paused = trainer.vllm_generation, threading.Condition()
     engine, transport = generation.ahead.engine, generation.client.transport
-    send, pause, pausing = engine.send, WeightSyncMode._pause, [0]  # the sync whose pause was called
+    send, pause, request = engine.send, WeightSyncMode._pause, transport._request
+    pausing, held, begun = [0], [0], [0]  # the sync whose pause was called; sends held now; completions begun
 
     def held_send(*args, **kwargs):
         sent_at = generation.sync_count  # the first sync's two batches (step 1 waits on them) and the last run freely
         if sent_at in (2, 3):
             with paused:
+                held[0] += 1
                 paused.wait_for(lambda: pausing[0] > sent_at, timeout=120)
+                held[0] -= 1
         return send(*args, **kwargs)
+
+    def begin(method, url, *args, **kwargs):
+        if method == "POST" and url.endswith("/v1/completions"):
+            with paused:
+                begun[0] += 1
+                paused.notify_all()
+        return request(method, url, *args, **kwargs)
 
     def pause_inside_a_request(mode, server) -> None:
         with paused:
             pausing[0] = generation.sync_count + 1
+            releasing, before = held[0], begun[0]
             paused.notify_all()
-        deadline = time.monotonic() + 60
-        while pausing[0] in (3, 4) and not transport.models_in_use() and time.monotonic() < deadline:
-            time.sleep(0.005)  # until a request it released is sent (then begun before the pause)
+            if releasing:  # until a request it released has begun (after this point: a new request)
+                paused.wait_for(lambda: begun[0] > before, timeout=60)
         pause(mode, server)
 
     engine.send = held_send
+    monkeypatch.setattr(transport, "_request", begin)
     monkeypatch.setattr(WeightSyncMode, "_pause", pause_inside_a_request)
 
 
