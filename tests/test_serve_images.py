@@ -462,10 +462,18 @@ def _decoded(url: str) -> Image.Image:
     return Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
 
 
-@pytest.mark.parametrize("staleness", [1, 0])
-def test_a_tool_answering_with_an_image_sends_it_with_the_next_turn(tool_vlm, tmp_path, staleness):
+_ROLLOUT_MODES = {
+    "streaming": {"async_rollout_staleness": 1},
+    "ordered": {"async_rollout_staleness": 1, "async_rollout_mode": "ordered"},
+    "synchronous": {"async_rollout_staleness": 0},
+}
+
+
+@pytest.mark.parametrize("mode", ["streaming", "ordered", "synchronous"])
+def test_a_tool_answering_with_an_image_sends_it_with_the_next_turn(tool_vlm, tmp_path, mode):
     """GRPO over two `trl-scale serve` servers with a tool that answers with an image, as TRL 1.16's loop takes
-    (content blocks), streaming (staleness 1: the loop runs in the stream) and synchronous: the next turn is rendered
+    (content blocks), streaming (the loop runs in the stream), ordered (first turns read ahead, later turns in the
+    step) and synchronous: the next turn is rendered
     with both images, the prompt's and the tool's, in the order their tokens sit. Streaming: every token a later turn
     samples has the policy's log-prob given both (<= 1e-4, computed here from the token ids and the images alone;
     learning rate 0). Both: TRL's step scores the whole conversations as they were sampled (its sampling gap
@@ -476,7 +484,7 @@ def test_a_tool_answering_with_an_image_sends_it_with_the_next_turn(tool_vlm, tm
     try:
         trainer = _server_run(
             tool_vlm, tmp_path, servers, dataset=squares_prompts(16), agents={"tools": [_looking_tick]},
-            max_completion_length=160, max_tool_calling_iterations=1, max_steps=2, async_rollout_staleness=staleness,
+            max_completion_length=160, max_tool_calling_iterations=1, max_steps=2, **_ROLLOUT_MODES[mode],
             learning_rate=0.0, beta=0.0, generation_kwargs={"seed": 0},
         )  # fmt: skip
         generation, turns, rendered = trainer.vllm_generation, [], []
@@ -500,7 +508,7 @@ def test_a_tool_answering_with_an_image_sends_it_with_the_next_turn(tool_vlm, tm
     # (Gemma 3's image token is not among the names TRL looks for: 8e-3 off without trl-scale's `ToolImages`)
     trl_gaps = _sampling_gaps(trainer)
     assert len(trl_gaps) == 2 and max(trl_gaps) <= 1e-4, trl_gaps
-    if staleness == 0:
+    if mode != "streaming":
         return
     assert turns and all(len(images) == 2 for _, images, _ in turns), [len(i) for _, i, _ in turns]
     from transformers import AutoModelForImageTextToText, AutoProcessor
