@@ -173,6 +173,13 @@ def _sampling_gaps(trainer) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry]
 
 
+def _recorded_renders(generation) -> list[tuple[int, int]]:
+    """Each render the client asks for from now on, as (its row, how many images it carries)."""
+    renders, render = [], generation.client.render
+    generation.client.render = lambda images, row: renders.append((row, len(images))) or render(images, row)
+    return renders
+
+
 @pytest.mark.parametrize("method", ["grpo", "rloo"])
 def test_a_vision_language_policy_trains_over_two_servers(tiny_vlm, method, tmp_path):
     """GRPO and RLOO with images over two `trl-scale serve` servers through trl-scale's client (synchronous): each
@@ -183,9 +190,7 @@ def test_a_vision_language_policy_trains_over_two_servers(tiny_vlm, method, tmp_
         trainer = _server_run(
             tiny_vlm, tmp_path, servers, method, max_steps=2, beta=0.05, generation_kwargs={"seed": 0}
         )
-        rendered = []
-        render = trainer.vllm_generation.client.render
-        trainer.vllm_generation.client.render = lambda images, row: rendered.append(row) or render(images, row)
+        rendered = _recorded_renders(trainer.vllm_generation)
         trainer.train()
     finally:
         for server in servers:
@@ -425,15 +430,14 @@ def test_a_streamed_tool_conversation_sends_its_images_with_every_turn(tool_vlm,
             max_completion_length=96, max_tool_calling_iterations=2, max_steps=2, async_rollout_staleness=1,
             learning_rate=0.0, beta=0.0, generation_kwargs={"seed": 0},
         )  # fmt: skip
-        generation, sent, rendered = trainer.vllm_generation, [], []
-        send_group, render = generation.send_group, generation.client.render
+        generation, sent, rendered = trainer.vllm_generation, [], _recorded_renders(trainer.vllm_generation)
+        send_group = generation.send_group
 
         def recorded(ids, n, dispatched=None, identity=None, images=(), *rest):
             sent.append((n, bool(images)))
             return send_group(ids, n, dispatched, identity, images, *rest)
 
         generation.send_group = recorded
-        generation.client.render = lambda images, row: rendered.append(row) or render(images, row)
         trainer.train()
     finally:
         for server in servers:
@@ -455,13 +459,6 @@ def _looking_tick() -> list:
 _looking_tick.__name__ = "tick"  # the call the tool-calling VLM was taught
 
 
-def _decoded(url: str) -> Image.Image:
-    import base64
-    import io
-
-    return Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
-
-
 _ROLLOUT_MODES = {
     "streaming": {"async_rollout_staleness": 1},
     "ordered": {"async_rollout_staleness": 1, "async_rollout_mode": "ordered"},
@@ -473,11 +470,11 @@ _ROLLOUT_MODES = {
 def test_a_tool_answering_with_an_image_sends_it_with_the_next_turn(tool_vlm, tmp_path, mode):
     """GRPO over two `trl-scale serve` servers with a tool that answers with an image, as TRL 1.16's loop takes
     (content blocks), streaming (the loop runs in the stream), ordered (first turns read ahead, later turns in the
-    step) and synchronous: the next turn is rendered
-    with both images, the prompt's and the tool's, in the order their tokens sit. Streaming: every token a later turn
-    samples has the policy's log-prob given both (<= 1e-4, computed here from the token ids and the images alone;
-    learning rate 0). Both: TRL's step scores the whole conversations as they were sampled (its sampling gap
-    <= 1e-4). Red when the turn goes without the tool's image (the server refuses the ids' extra image tokens)."""
+    step) and synchronous: the next turn is rendered with both images, the prompt's and the tool's, in the order their
+    tokens sit. Streaming: every token a later turn samples has the policy's log-prob given both (<= 1e-4, computed
+    here from the token ids and the images alone; learning rate 0). All three: TRL's step scores the whole
+    conversations as they were sampled (its sampling gap <= 1e-4). Red when the turn goes without the tool's image
+    (the server refuses the ids' extra image tokens)."""
     from trl_scale.toy.visual import squares_prompts
 
     servers = start_servers(tool_vlm, 2)
@@ -487,8 +484,8 @@ def test_a_tool_answering_with_an_image_sends_it_with_the_next_turn(tool_vlm, tm
             max_completion_length=160, max_tool_calling_iterations=1, max_steps=2, **_ROLLOUT_MODES[mode],
             learning_rate=0.0, beta=0.0, generation_kwargs={"seed": 0},
         )  # fmt: skip
-        generation, turns, rendered = trainer.vllm_generation, [], []
-        send_group, render = generation.send_group, generation.client.render
+        generation, turns, renders = trainer.vllm_generation, [], _recorded_renders(trainer.vllm_generation)
+        send_group = generation.send_group
 
         def recorded(ids, n, dispatched=None, identity=None, images=(), *rest):
             choices, version = send_group(ids, n, dispatched, identity, images, *rest)
@@ -497,13 +494,12 @@ def test_a_tool_answering_with_an_image_sends_it_with_the_next_turn(tool_vlm, tm
             return choices, version
 
         generation.send_group = recorded
-        generation.client.render = lambda images, row: rendered.append(len(images)) or render(images, row)
         trainer.train()
     finally:
         for server in servers:
             server.stop()
     assert len(step_logs(trainer, ("loss",))) == 2
-    assert 2 in rendered, rendered  # a later turn's images: the prompt's and the tool's
+    assert any(count == 2 for _, count in renders), renders  # a later turn's images: the prompt's and the tool's
     # TRL's step scores the conversations as the servers sampled them: its image token types cover the tool's image
     # (Gemma 3's image token is not among the names TRL looks for: 8e-3 off without trl-scale's `ToolImages`)
     trl_gaps = _sampling_gaps(trainer)
@@ -513,11 +509,13 @@ def test_a_tool_answering_with_an_image_sends_it_with_the_next_turn(tool_vlm, tm
     assert turns and all(len(images) == 2 for _, images, _ in turns), [len(i) for _, i, _ in turns]
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from trl_scale.serve.multimodal import decoded_image
+
     model = AutoModelForImageTextToText.from_pretrained(tool_vlm, dtype=torch.float32).eval()
     processor = AutoProcessor.from_pretrained(tool_vlm)
     gaps = []
     for ids, images, ((completion,), (sampled,)) in turns:
-        policy = _policy_logprobs(model, processor, ids, [_decoded(url) for url in images], completion)
+        policy = _policy_logprobs(model, processor, ids, [decoded_image(url, "image") for url in images], completion)
         gaps.extend(abs(a - b) for a, b in zip(policy, sampled, strict=True))
     assert gaps and max(gaps) <= 1e-4, max(gaps)
 
@@ -567,13 +565,12 @@ def _episode_run(path, tmp_path, dataset, environment, **overrides):
             max_completion_length=160, max_tool_calling_iterations=1, max_steps=2, async_rollout_staleness=1,
             learning_rate=0.0, beta=0.0, generation_kwargs={"seed": 0}, **overrides,
         )  # fmt: skip
-        rendered, render = [], trainer.vllm_generation.client.render
-        trainer.vllm_generation.client.render = lambda images, row: rendered.append(len(images)) or render(images, row)
+        renders = _recorded_renders(trainer.vllm_generation)
         trainer.train()
     finally:
         for server in servers:
             server.stop()
-    return trainer, rendered
+    return trainer, [count for _, count in renders]
 
 
 @pytest.mark.parametrize("mode", ["streaming", "ordered"])

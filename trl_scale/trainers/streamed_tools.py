@@ -158,9 +158,9 @@ def conversing(trainer, lock: threading.Lock | None = None, timeout: float | Non
             view = _group_view(trainer, len(rows), send_turns, lock, episode, timeout)
             first_ids, first_logprobs = [list(c) for c in completion_ids], [list(v) for v in logprobs]
             # each row's images, as TRL's step hands them to its loop (server rollout reads no multimodal fields)
-            images = row_images(rows) if episode is None else episode.images
-            mask, messages, completion_ids, logprobs, calls, failures, images = tool_call_loop(
-                view, prompts, ids, first_ids, completions, first_logprobs, images, {}
+            prompt_images = row_images(rows) if episode is None else episode.images
+            mask, messages, completion_ids, logprobs, calls, failures, tool_images = tool_call_loop(
+                view, prompts, ids, first_ids, completions, first_logprobs, prompt_images, {}
             )
         # the group's counts ride on its first conversation: a batch's sum is TRL's count
         return [
@@ -169,7 +169,7 @@ def conversing(trainer, lock: threading.Lock | None = None, timeout: float | Non
                 mask[i],
                 logprobs[i],
                 messages[i],
-                images[i],
+                tool_images[i],
                 calls if i == 0 else 0,
                 failures if i == 0 else 0,
             )
