@@ -9,6 +9,7 @@ PACKAGE = ROOT / "trl_scale"
 # module (or package) -> layer; a module's layer is that of its longest listed prefix.
 LAYERS = {
     "trl_scale.model_paths": 0,
+    "trl_scale.checkpoint_names": 0,
     "trl_scale.logs": 0,
     "trl_scale.numbers": 0,
     "trl_scale.net": 0,

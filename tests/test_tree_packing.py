@@ -337,3 +337,64 @@ def test_each_trainer_trains_as_with_packed_rows(method, zoo, tmp_path):
         prefill = [e for e in runs[True].state.log_history if "shared_prefill/share_ratio" in e]
         assert prefill and all(e["shared_prefill/share_ratio"] > 1.5 for e in prefill)
         assert not any("shared_prefill/share_ratio" in e for e in runs[False].state.log_history)
+
+
+def _gpt_neo(path, window: int) -> str:
+    """A tiny GPT-Neo (global then local attention): its window is `window_size`, which counts distance by index in
+    the layout it is given, not by position ids."""
+    import transformers
+
+    config = transformers.GPTNeoConfig(
+        vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=512, window_size=window,
+        attention_types=[[["global", "local"], 1]], bos_token_id=0, eos_token_id=0, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+def test_a_window_counted_in_the_layout_keeps_tries_within_it(tmp_path, caplog):
+    """GPT-Neo with a 24-token local window: the batch's rows (8 tokens at most) fit it, its trie (35 tokens) does
+    not. Tree rows would be off (1.3 in hidden state); True refuses naming the window, "auto" scores packed rows
+    with one warning. With a 256-token window the same trie is tree-packed and exact."""
+    ids, mask, labels = _batch()
+    _, rows, trees, _ = _models(_gpt_neo(tmp_path / "w24", 24))
+    with pytest.raises(ValueError, match=r"attention window \(24 tokens\) counts distance in the tree's layout"):
+        _scored(trees, ids, mask, labels)
+    _, rows, auto, config = _models(_gpt_neo(tmp_path / "w24-auto", 24), tree_packing="auto")
+    tree_forward._announced.discard("gpt_neo")
+    with caplog.at_level(logging.WARNING, logger="trl_scale"), torch.no_grad():
+        out = auto(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    expected = rows(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    assert torch.equal(out.log_probs, expected.log_probs)
+    assert config.stats.pop()["tree_packing/fraction_of_calls"] == 0.0
+    assert any("counts distance in the tree's layout" in r.getMessage() for r in caplog.records)
+    _, rows, trees, config = _models(_gpt_neo(tmp_path / "w256", 256))
+    tree_out, tree_grads = _scored(trees, ids, mask, labels)
+    rows_out, rows_grads = _scored(rows, ids, mask, labels)
+    assert config.stats.pop()["tree_packing/fraction_of_calls"] == 1.0
+    assert (tree_out.log_probs - rows_out.log_probs).abs().max().item() <= TOLERANCE
+    assert _max_diff(tree_grads, rows_grads) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("settings", "window"),
+    [
+        ({"sliding_window": 16}, 16),
+        ({"window_size": 256, "sliding_window": None}, 256),
+        ({"attention_window": [32, 64]}, 32),
+        ({"local_attention_window": 48}, 48),  # a name this code has never seen: still a window
+        ({"sliding_window": 16, "use_sliding_window": False}, None),
+        ({"sliding_window": 16, "sliding_window_pattern": 6, "max_window_layers": 2}, 16),  # layer counts: no window
+        ({}, None),
+    ],
+)
+def test_every_name_a_config_gives_its_window_is_read(settings, window):
+    import transformers
+
+    from trl_scale.scoring.tree import sliding_window_of
+
+    config = transformers.LlamaConfig(**settings)
+    for name, value in settings.items():
+        setattr(config, name, value)
+    assert sliding_window_of(config) == window

@@ -910,3 +910,36 @@ def test_a_lora_adapters_directory_stays_while_a_server_may_read_it_again(tmp_pa
     finally:
         server.stop()
         client.close()
+
+
+@pytest.mark.parametrize("weight_sync", ["nccl", "shared_dir"])
+def test_a_moe_policy_over_trl_scale_serve_gets_every_expert_at_every_sync(tmp_path, weight_sync):
+    """A tiny Qwen3-MoE: the syncs send checkpoint names (one tensor per expert and projection), and `trl-scale serve`
+    writes each into its fused expert parameters: after every sync it holds exactly the policy's weights."""
+    from trl_scale.toy import build_tiny_model
+
+    model_path = build_tiny_model(tmp_path / "moe", family="qwen3_moe")
+    (server,) = start_servers(model_path, 1)
+    try:
+        trainer = server_grpo(
+            model_path, tmp_path, [server.url], weight_sync=weight_sync, learning_rate=3e-3,
+            weight_sync_dir=str(tmp_path / "w"),
+        )  # fmt: skip
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        experts = "model.layers.0.mlp.experts.down_proj"
+        initial = dict(model.named_parameters())[experts].detach().clone()
+        generation, synced = trainer.vllm_generation, []
+        sync = generation.sync_weights
+
+        def checked_sync():
+            sync()
+            policy = weights_digest_of(list(model.named_parameters()))
+            assert _server_digest(server.url) == policy
+            synced.append(generation.syncer.version)
+
+        generation.sync_weights = checked_sync
+        trainer.train()
+        assert len(synced) == 3
+        assert (dict(model.named_parameters())[experts] - initial).abs().max() > 1e-4  # the experts moved
+    finally:
+        server.stop()

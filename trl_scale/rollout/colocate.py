@@ -24,11 +24,12 @@ import torch
 from trl.generation.vllm_generation import VLLMGeneration
 
 from ..logs import get_logger
+from .weight_names import CheckpointNamedWalk
 
 logger = get_logger(__name__)
 
 
-class ColocatedVLLMGeneration(VLLMGeneration):
+class ColocatedVLLMGeneration(CheckpointNamedWalk, VLLMGeneration):
     """TRL's `VLLMGeneration` with the engine's dtype and the weight sync above; everything else is TRL's."""
 
     def __init__(self, *args, llm_kwargs: dict | None = None, **kwargs):

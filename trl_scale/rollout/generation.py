@@ -23,6 +23,7 @@ from typing import TypeVar
 
 from trl.generation.vllm_generation import VLLMGeneration
 
+from ..checkpoint_names import conversion_model
 from ..logs import get_logger
 from ..ranks import decide_on_leader, decide_on_main, gathered
 from .ahead import CONVERSATION_KEY, READ_AHEAD_ENGINES, Converse, ReadAheadRollout
@@ -33,6 +34,7 @@ from .seeds import RequestSeeds, next_identity
 from .settings import RolloutSettings
 from .syncer import WeightSyncer
 from .weight_dir import WeightDirectory
+from .weight_names import CheckpointNamedWalk, ServerWeights, server_weights
 from .weight_sync import PolicyWeights, SyncSettings, choose_mode, weight_sync_for
 
 logger = get_logger(__name__)
@@ -47,9 +49,10 @@ class ServersFit:
     weight_sync: str
     backend: str | None
     max_model_len: int | None
+    held: ServerWeights | None = None  # the servers' weights, as their loader names them (None: not readable here)
 
 
-class ServerRolloutGeneration(VLLMGeneration):
+class ServerRolloutGeneration(CheckpointNamedWalk, VLLMGeneration):
     """TRL's generation interface over trl-scale's client. It holds a weight syncer (`syncer`: the servers'
     weights, their version and count) and, for an asynchronous run, a read-ahead rollout (`ahead`: the engine of
     its mode and what TRL's calls take from it); it makes the requests both use."""
@@ -116,7 +119,9 @@ class ServerRolloutGeneration(VLLMGeneration):
         pause_mode = "wait"  # a sync drains the servers, unless streaming, where it freezes or cuts running answers
         if self.settings.streaming:
             pause_mode = "keep" if self.settings.asynchronous.interrupt == "keep" else "abort"
-        settings = SyncSettings(self.settings.weight_sync_timeout, syncer.weight_dir, fit.backend, pause_mode)
+        settings = SyncSettings(
+            self.settings.weight_sync_timeout, syncer.weight_dir, fit.backend, pause_mode, held=fit.held
+        )
         syncer.mode = weight_sync_for(syncer.name, self.client, settings)
         self.client.versions.reader = syncer.mode.server_version
 
@@ -164,7 +169,10 @@ class ServerRolloutGeneration(VLLMGeneration):
         lengths = [r.max_model_len for r in reports if r.max_model_len]
         backend = backends.pop() if len(backends) == 1 else None
         chosen = choose_mode(mode, backend)
-        return ServersFit(chosen, backend if chosen == "nccl" else None, min(lengths) if lengths else None)
+        # what a sync must land on: the checkpoint a server loaded where it is readable here, else the policy's own
+        paths = [r.model_path for r in reports if r.reachable] + [conversion_model(model).name_or_path]
+        held = server_weights(paths)
+        return ServersFit(chosen, backend if chosen == "nccl" else None, min(lengths) if lengths else None, held)
 
     # ---- generation -------------------------------------------------------------------------------------
 

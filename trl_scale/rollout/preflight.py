@@ -43,6 +43,7 @@ class ServerReport:
     reachable: bool = False
     error: str = ""
     model: str | None = None
+    model_path: str | None = None  # the checkpoint it loaded (dev mode's vllm_config), as the server names it
     max_model_len: int | None = None
     dev_mode: bool | None = None  # None: unknown (unreachable)
     logprobs_mode: str | None = None
@@ -110,7 +111,9 @@ def inspect_server(get: Callable[[str, str], requests.Response], post: Callable,
             config = info.json().get("vllm_config") or {}
             if isinstance(config, str):
                 config = json.loads(config)
-            report.logprobs_mode = (config.get("model_config") or {}).get("logprobs_mode")
+            model_config = config.get("model_config") or {}
+            report.logprobs_mode = model_config.get("logprobs_mode")
+            report.model_path = model_config.get("model")
             device = config.get("device_config") or {}
             report.device_type = device.get("device_type") or device.get("device")
             lora = config.get("lora_config")

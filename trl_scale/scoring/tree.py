@@ -36,11 +36,35 @@ def why_not_tree(config, longest_row: int) -> str | None:
     return None
 
 
+# The names configs give an attention window in tokens (GPT-Neo's `window_size`, Longformer's `attention_window`,
+# most families' `sliding_window`; read from transformers 5.23's configs). Any other integer setting whose name holds
+# "window" counts too (a window unknown here steps tree rows aside rather than being missed), except those that name
+# something else: which layers slide (`sliding_window_pattern`, `max_window_layers`), counts of windows, vision
+# windows and the on/off switch.
+_WINDOW_NAMES = (
+    "sliding_window", "sliding_window_size", "window_size", "attention_window", "attention_window_size",
+    "keep_window_size", "local_attention_window_len",
+)  # fmt: skip
+_NOT_WINDOWS = (  # name prefixes, and "pattern" anywhere
+    "max_window", "num_windows", "n_window", "window_block", "window_kernel", "window_positional", "window_size_per",
+    "pretrained_window", "conv_window", "focal_window", "use_",
+)  # fmt: skip
+
+
 def sliding_window_of(config) -> int | None:
-    """The model's sliding attention window in tokens, or None where it attends to the whole row."""
+    """The model's narrowest attention window in tokens, or None where it attends to the whole row."""
     text = config.get_text_config()
-    window = getattr(text, "sliding_window", None)
-    return window if window is not None and getattr(text, "use_sliding_window", True) else None
+    if not getattr(text, "use_sliding_window", True):
+        return None
+    names = set(_WINDOW_NAMES) | {
+        k for k in vars(text) if "window" in k and "pattern" not in k and not k.lstrip("_").startswith(_NOT_WINDOWS)
+    }
+    windows = []
+    for name in sorted(names):
+        value = getattr(text, name, None)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        windows += [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    return min(windows) if windows else None
 
 
 @dataclass(frozen=True)

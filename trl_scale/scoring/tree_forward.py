@@ -47,6 +47,9 @@ class TreeSupport:
     kernel: str | None
     exact: bool | None = None
     reason: str = ""
+    # a window that counts distance in the tree's layout, not in the row (GPT-Neo's local attention): a trie longer
+    # than it is not exact even when each of its rows fits the window. None: no window, or one kept per row.
+    layout_window: int | None = None
 
 
 def fold_rows(
@@ -113,6 +116,9 @@ def tree_support(backbone) -> TreeSupport:
         backbone._trl_scale_tree_support = support
     if support.exact is None:
         support.exact, support.reason = probe_tree(backbone, support.kernel)
+        window = sliding_window_of(backbone.config)
+        if support.exact and window is not None and not probe_window_by_row(backbone, support.kernel, window):
+            support.layout_window = window
     return support
 
 
@@ -155,6 +161,24 @@ def probe_tree(backbone, kernel: str | None) -> tuple[bool, str]:
     prompt = torch.randint(0, vocab, (longest - 4,), generator=generator)
     rows = [torch.cat([prompt, torch.randint(0, vocab, (n,), generator=generator)]) for n in (4, 2, 3)]
     rows.append(torch.cat([prompt[:1], torch.randint(0, vocab, (3,), generator=generator)]))
+    return _tree_matches_rows(backbone, kernel, rows)
+
+
+def probe_window_by_row(backbone, kernel: str, window: int) -> bool:
+    """Whether the model's attention window counts distance within each row (position ids), not in the tree's
+    layout: rows that each fit the window, folded into a layout longer than it, match the rows alone. The rows
+    depend on the config only, so every rank runs the same forwards (they gather sharded parameters)."""
+    vocab = backbone.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, vocab, (2,), generator=generator)
+    branch = max(1, min(6, window - 2))
+    count = window // branch + 2  # the layout: 2 + count * branch tokens, past the window
+    rows = [torch.cat([prompt, torch.randint(0, vocab, (branch,), generator=generator)]) for _ in range(count)]
+    return _tree_matches_rows(backbone, kernel, rows)[0]
+
+
+def _tree_matches_rows(backbone, kernel: str, rows: list[torch.Tensor]) -> tuple[bool, str]:
+    """`rows` folded into one tree and forwarded once, against each row alone: ``(exact, reason)``."""
     tree = TreeRows.fold(rows)
     device = next(backbone.parameters()).device
     was_training = backbone.training
@@ -217,6 +241,15 @@ def planned_trees(backbone, input_ids, attention_mask, token_budget: int | None,
         return None
     tries = fold_rows(input_ids, attention_mask, token_budget)
     trees = [trie.laid_out() for trie, _ in tries]
+    window = support.layout_window
+    if window is not None and any(tree.num_tokens > window for tree in trees):
+        longest = max(tree.num_tokens for tree in trees)
+        reason = (
+            f"its attention window ({window} tokens) counts distance in the tree's layout, and this call's tree is "
+            f"{longest} tokens long (rows within the window are exact only in a layout within it)"
+        )
+        _step_aside(config.get_text_config().model_type, reason, tree_packing)
+        return None
     if tree_packing == "auto":
         hidden_size = config.get_text_config().hidden_size
         if tree_cost(trees, support.kernel, hidden_size) > _PAYS * rows_cost(lengths, hidden_size):

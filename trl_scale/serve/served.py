@@ -98,6 +98,8 @@ class ServedModel:
     engine_layout: dict | None = None  # the group it joined: rank_offset, world_size, packed, bucket bytes
     updating: bool = False  # between /start_weight_update and /finish_weight_update
     prefix_cache_resets: int = 0
+    # checkpoint name -> (the model parameter it sits in, its positions there), built at the first sync
+    _checkpoint_views: dict | None = None
     completions_generated: int = 0  # prompts x n, over every /v1/completions request answered
 
     @classmethod
@@ -124,21 +126,40 @@ class ServedModel:
         return cls(model, tokenizer, settings, name, context, processor=processor)
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy full weights in (a sync), checked by name and shape first. Once a LoRA adapter is loaded, the wrapped
-        layers' weights are named `...base_layer.weight`: updates under the base model's names go to those base
-        weights, as vLLM updates its base under adapters."""
+        """Copy full weights in (a sync), checked by name and shape first. Names are the model's own or its
+        checkpoint's (as vLLM's loader reads them: a mixture-of-experts block's experts one tensor each, where the
+        model holds them fused): a checkpoint tensor is written into the elements of the parameter it came from.
+        Once a LoRA adapter is loaded, the wrapped layers' weights are named `...base_layer.weight`: updates under
+        the base model's names go to those base weights, as vLLM updates its base under adapters."""
         expected = self.model.state_dict()
         base_names = {k.replace(".base_layer", ""): k for k in expected if ".base_layer." in k}
-        tensors = {base_names.get(name, name): tensor for name, tensor in tensors.items()}
-        unknown = sorted(set(tensors) - set(expected))
+        if self._checkpoint_views is None:
+            from ..checkpoint_names import checkpoint_views
+
+            self._checkpoint_views = checkpoint_views(self.model)
+        places = {}  # name -> (the parameter written, the flat positions written or None for all of it)
+        for name in tensors:
+            if base_names.get(name, name) in expected:
+                places[name] = (base_names.get(name, name), None)
+            elif name in self._checkpoint_views:
+                parameter, positions = self._checkpoint_views[name]
+                places[name] = (base_names.get(parameter, parameter), positions)
+        unknown = sorted(set(tensors) - set(places))
         if unknown:
             raise RequestError(400, f"unknown parameter names: {unknown[:5]}")
         for name, tensor in tensors.items():
-            if tensor.shape != expected[name].shape:
-                raise RequestError(400, f"{name}: shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}")
+            parameter, positions = places[name]
+            shape = expected[parameter].shape if positions is None else positions.shape
+            if tensor.shape != shape:
+                raise RequestError(400, f"{name}: shape {tuple(tensor.shape)}, expected {tuple(shape)}")
         with self.lock, torch.no_grad():
             for name, tensor in tensors.items():
-                expected[name].copy_(tensor)
+                parameter, positions = places[name]
+                if positions is None:
+                    expected[parameter].copy_(tensor)
+                else:
+                    target = expected[parameter].view(-1)
+                    target[positions.reshape(-1)] = tensor.reshape(-1).to(target.dtype)
 
 
 def check_language_model_head(model, loading: dict, model_path: str) -> None:

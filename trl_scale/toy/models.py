@@ -33,6 +33,7 @@ ModelFamily = Literal[
     "lfm2",
     "nemotron_h",
     "qwen3_next",
+    "qwen3_moe",
 ]
 
 # Families beyond Llama-style configs, each as (config class, keyword arguments in terms of the common sizes).
@@ -59,6 +60,13 @@ _FAMILIES = {
          "shared_expert_intermediate_size": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 2,
          "linear_key_head_dim": "head_dim", "linear_value_head_dim": "head_dim",
          "layer_types": ["linear_attention", "full_attention"]},
+    ),
+    # A mixture of experts: transformers keeps each block's experts fused (`mlp.experts.gate_up_proj`,
+    # `mlp.experts.down_proj`), its checkpoints (and vLLM's loader) name them one expert at a time.
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"head_dim": "head_dim", "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+         "decoder_sparse_step": 1, "mlp_only_layers": []},
     ),
 }  # fmt: skip
 ModelKind = Literal["causal-lm", "reward"]

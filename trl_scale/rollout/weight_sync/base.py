@@ -24,6 +24,7 @@ from ...logs import get_logger
 from ...routing import ServerState
 from ..client import RolloutClient, RolloutError
 from ..weight_dir import WeightDirectory
+from ..weight_names import ServerWeights
 
 logger = get_logger(__name__)
 
@@ -59,6 +60,8 @@ class SyncSettings:
     # lora: superseded adapters left loaded (streaming: a generation keeps the adapter it started with, up to
     # `async_rollout_staleness` syncs)
     keep_adapters: int = 0
+    # the servers' weights as their loader names them: every sync checks that each tensor it sends lands there
+    held: ServerWeights | None = None
 
 
 class WeightSyncMode(ABC):
@@ -85,6 +88,13 @@ class WeightSyncMode(ABC):
             self.settings.weight_dir.release()
 
     # ---- shared steps -----------------------------------------------------------------------------------
+
+    def _check_placement(self, sent) -> None:
+        """Every (name, shape) this sync sends lands on a weight the servers hold, and each of theirs gets one (the
+        main process, before anything is sent): a name the server's loader does not know is skipped there
+        silently, so it is refused here, named."""
+        if self.settings.held is not None:
+            self.settings.held.check(sent, f"weight sync ({self.name})")
 
     def _paused(self, servers: list[ServerState], work: Callable[[list[ServerState]], object]):
         """`/pause`, `work(paused servers)`, then `/resume` on every paused server, also when the work failed.

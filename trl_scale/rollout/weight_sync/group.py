@@ -42,6 +42,7 @@ class GroupSync(WeightSyncMode):
         params = weights.named_tensors()
         try:
             if weights.is_main:
+                self._check_placement((name, shape) for name, _, shape in metadata)
                 self.broadcast(metadata, params, version)
         finally:
             for _ in params:

@@ -48,6 +48,8 @@ class LoraSync(WeightSyncMode):
         named_elsewhere = weights.models_in_use()
         if not weights.is_main:
             return
+        if self.settings.held is not None:
+            self.settings.held.check_adapter(state)
         path = self.settings.weight_dir.new_version(version)
         config.save_pretrained(path)
         save_file(state, os.path.join(path, "adapter_model.safetensors"))

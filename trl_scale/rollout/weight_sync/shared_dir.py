@@ -22,6 +22,7 @@ class SharedDirSync(WeightSyncMode):
                 state[name] = tensor.detach().to("cpu", copy=True).contiguous()
         if not weights.is_main:
             return
+        self._check_placement((name, tensor.shape) for name, tensor in state.items())
         # A fresh directory per sync, written completely before any server reads it; this run's previous one is
         # removed once the servers have loaded it (nothing the run did not write).
         directory = self.settings.weight_dir.new_version(f"weights-{version}")
