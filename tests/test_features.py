@@ -99,6 +99,7 @@ def test_the_features_of_each_trainer_in_their_order():
         "context_length",
         "empty_rewards_warning",
         "tool_images",
+        "text_policy_tool_answers",
         "evaluation",
         "safe_checkpoint",
         "rollout_resume",

@@ -163,3 +163,50 @@ def test_the_tool_loop_leaves_the_trainers_rows_and_first_turns_as_they_were(tra
     conversations = conversing(trainer)(rows, prompt_ids, completion_ids, logprobs, scripted_turns(tokenizer))
     assert any(len(c.completion_ids) > len(first) for c, first in zip(conversations, completion_ids))  # it conversed
     assert (rows, prompt_ids, completion_ids, logprobs) == before
+
+
+def picture() -> list:
+    """A picture of the count."""
+    from PIL import Image
+
+    return [{"type": "image", "image": Image.new("RGB", (4, 4))}, {"type": "text", "text": "a picture"}]
+
+
+@pytest.fixture(scope="module")
+def picture_trainer(trainer, tmp_path_factory):
+    """A text-only policy whose tool answers with an image (TRL 1.16's content blocks)."""
+    path = trainer.model.config._name_or_path
+    return trl_scale.GRPOTrainer(
+        model=path,
+        reward_funcs=token_parity_reward,
+        args=trl_scale.GRPOConfig(**cpu_args(tmp_path_factory.mktemp("picture"), num_generations=4)),
+        train_dataset=tool_prompts(8),
+        processing_class=AutoTokenizer.from_pretrained(path),
+        tools=[picture],
+    )
+
+
+@pytest.mark.parametrize("where", ["step", "stream"])
+def test_a_tool_answering_with_an_image_to_a_text_only_policy_is_refused_naming_it(picture_trainer, where):
+    """TRL renders the blocks with the text template as the list's repr; refused in TRL's loop in the step and in
+    the streamed loop alike."""
+    tokenizer = picture_trainer.processing_class
+    rows, prompt_ids = group(picture_trainer, 0)
+    call = tokenizer.encode('<call>{"name": "picture", "arguments": {}}</call>', add_special_tokens=False)
+    completion_ids = [call + [tokenizer.eos_token_id] for _ in rows]
+    logprobs = [[-0.5] * len(ids) for ids in completion_ids]
+    turns = scripted_turns(tokenizer)
+    with pytest.raises(ValueError, match=r"tool 'picture' answered with an image, but the policy is text-only"):
+        if where == "step":
+            prompts = copy.deepcopy([row["prompt"] for row in rows])
+            ids = [list(prompt_ids) for _ in rows]
+            picture_trainer._sync_tool_dicts = [{"picture": picture} for _ in rows]
+            picture_trainer._async_tool_dicts = [{} for _ in rows]
+            picture_trainer._generate_single_turn = lambda prompt_ids, *args, **kwargs: turns(prompt_ids)
+            from trl_scale.trainers.streamed_tools import first_turn_messages
+
+            messages = first_turn_messages(picture_trainer, prompts, ids, completion_ids)
+            loop = trl.GRPOTrainer._tool_call_loop
+            loop(picture_trainer, prompts, ids, completion_ids, messages, logprobs, None, {})
+        else:
+            conversing(picture_trainer)(rows, prompt_ids, completion_ids, logprobs, turns)

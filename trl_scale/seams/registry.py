@@ -56,6 +56,15 @@ TRAINER_SEAMS: tuple[Seam, ...] = (
         "(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields)",
     ),
     Seam(
+        f"{G}._get_tool_suffix_ids",
+        OVERRIDE,
+        "trainers/adapter.py: tool_images.py TextPolicyToolAnswers",
+        "called by TRL's tool loop (and the streamed one) with a turn's trailing tool messages, each a dict with "
+        "'role', 'name' and 'content' (a string, or TRL's content blocks for a multimodal answer); returns the ids "
+        "that follow the completion",
+        "(self, tool_messages)",
+    ),
+    Seam(
         f"{G}._tool_call_loop",
         COPY,
         "trainers/streamed_tools.py (streamed tool rollouts)",
@@ -349,10 +358,11 @@ TRAINER_SEAMS: tuple[Seam, ...] = (
     ),
     Seam(
         f"{V}._iter_named_params",
-        CALL,
-        "rollout/generation.py",
-        "yields (vLLM name, whole tensor) for every weight, gathering ZeRO-3 shards and FSDP DTensors and merging "
-        "PEFT adapters, inside the gather (one tensor at a time)",
+        OVERRIDE,
+        "rollout/weight_names.py CheckpointNamedWalk (rollout/generation.py, rollout/colocate.py)",
+        "yields (model parameter name, whole tensor) for every weight, gathering ZeRO-3 shards and FSDP DTensors and "
+        "merging PEFT adapters, inside the gather (one tensor at a time); wrapped to yield checkpoint names, and "
+        "every sync path (TRL's colocated load_weights too) calls it through self",
         "(self)",
     ),
     Seam(

@@ -26,6 +26,7 @@ TRL_METHODS = {
     "scoring": "_get_per_token_logps_and_entropies",
     "single_turn": "_generate_single_turn",
     "tool_call_loop": "_tool_call_loop",
+    "tool_suffix": "_get_tool_suffix_ids",
     "tokenize_prompts": "_tokenize_prompts",
     "precompute_ref_logps": "_precompute_ref_logps",
     "batch_samples": "get_batch_samples",
@@ -139,6 +140,9 @@ class OnlineHooks(FeatureHooks):
 
     def _tool_call_loop(self, *args, **kwargs):
         return self._around("tool_call_loop", *args, **kwargs)
+
+    def _get_tool_suffix_ids(self, tool_messages):
+        return self._around("tool_suffix", tool_messages)
 
     def _tokenize_prompts(self, prompts):
         return self._around("tokenize_prompts", prompts)

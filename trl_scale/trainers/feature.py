@@ -24,6 +24,7 @@ AROUND_HOOKS = (
     "scoring",  # `_get_per_token_logps_and_entropies(model, input_ids, ...)`: log-probs of a model
     "single_turn",  # `_generate_single_turn(...)`: one turn of local generation
     "tool_call_loop",  # `_tool_call_loop(...)`: a batch's tool-calling turns
+    "tool_suffix",  # `_get_tool_suffix_ids(tool_messages)`: a turn's tool answers, as the next turn's tokens
     "tokenize_prompts",  # `_tokenize_prompts(prompts)`
     "precompute_ref_logps",  # DPO: `_precompute_ref_logps(dataset, name, batch_size)`
     "batch_samples",  # `get_batch_samples(epoch_iterator, num_batches, device)`

@@ -32,7 +32,7 @@ from .shared_prefill import SharedPrefill
 from .step_checks import ContextLength, EmptyRewardsWarning
 from .stream_rewards import StreamRewards
 from .timing import PhaseTiming
-from .tool_images import ToolImages
+from .tool_images import TextPolicyToolAnswers, ToolImages
 
 # TRL 1.16 reads `model.is_gradient_checkpointing`, which transformers 5.17 deprecates: a FutureWarning on every run
 # that no user setting causes or silences (stock TRL prints it too).
@@ -45,6 +45,7 @@ ONLINE_FEATURES = (
     ContextLength,  # checks the prompts TRL tokenizes (those of a streamed or topped-up batch too)
     EmptyRewardsWarning,  # on the rewards TRL's step gets (dynamic sampling's chosen rows')
     ToolImages,  # outside packing: the scoring calls it sees take only what the model takes
+    TextPolicyToolAnswers,
     Evaluation,  # pass@k from an evaluation batch's rewards (gathered)
     SafeCheckpoint,
     RolloutResume,

@@ -59,6 +59,9 @@ class _GroupView(TrainerView):
 
     def __init__(self, trainer, num_rows: int, send_turns, lock: threading.Lock, episode=None, timeout=None):
         super().__init__(trainer)
+        # the trainer's features hook what TRL's loop calls on the view (a tool answer's check): the adapter reads
+        # them from the instance's own attributes, which the view's are
+        self.features = vars(trainer).get("features")
         self._send_turns = send_turns
         self._lock = lock
         self._sync_tool_dicts, self._async_tool_dicts = [], []

@@ -55,6 +55,31 @@ class ToolImages(Feature):
         return proceed(prompt_ids, images, _without_crops(multimodal_fields), *args, **kwargs)
 
 
+class TextPolicyToolAnswers(Feature):
+    """A run with tools (or environments) on a text-only policy: a tool answering with content blocks that hold an
+    image (TRL 1.16's multimodal tool answers) is refused. TRL passes the blocks to the chat template, which a
+    text-only template renders as the list's repr: the policy would read Python text where an image was meant."""
+
+    name = "text_policy_tool_answers"
+
+    @classmethod
+    def build(cls, plan, arguments: dict) -> TextPolicyToolAnswers | None:
+        with_tools = arguments.get("tools") or arguments.get("environment_factory") is not None
+        return cls() if with_tools and not _vision_language(arguments) else None
+
+    def tool_suffix(self, trainer, proceed, tool_messages):
+        for message in tool_messages:
+            content = message.get("content")
+            if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in content):
+                raise ValueError(
+                    f"tool {message.get('name', '?')!r} answered with an image, but the policy is text-only (its "
+                    "processing class is a tokenizer, not a processor): its chat template would render the answer "
+                    "as the list's text. Fix: have the tool answer with text, or train a vision-language policy "
+                    "with its processor as processing_class"
+                )
+        return proceed(tool_messages)
+
+
 def _without_crops(fields: dict) -> dict:
     """`fields` without the image processor's `num_crops`, refused where an image was cut into crops."""
     if "num_crops" not in fields:
