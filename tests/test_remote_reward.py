@@ -441,7 +441,7 @@ def test_tests_not_sent_as_labels_are_refused_not_failed_over():
         server.kill()
 
 
-def test_a_tls_reward_server_serves_https(tmp_path, monkeypatch):
+def _certificate(tmp_path):
     import subprocess
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
@@ -450,10 +450,42 @@ def test_a_tls_reward_server_serves_https(tmp_path, monkeypatch):
          "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
         check=True, capture_output=True,
     )  # fmt: skip
+    return cert, key
+
+
+def test_a_tls_reward_server_serves_https(tmp_path, monkeypatch):
+    cert, key = _certificate(tmp_path)
     server = RewardServerProcess("--reward", FUNCTION, "--tls-cert", str(cert), "--tls-key", str(key), tls=True)
     monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))
     try:
         assert RemoteReward([server.url])(prompts=["p"], completions=["abc"]) == [3.0]
+        # http:// to it: the server closes the connection unanswered; the error says what to use
+        plain = server.url.replace("https://", "http://")
+        with pytest.raises(RewardServiceError, match=r"if it serves HTTPS \(--tls-cert\), use https://"):
+            RemoteReward([plain], retries=0)(prompts=["p"], completions=["abc"])
+    finally:
+        server.kill()
+
+
+def test_a_tls_reward_server_answers_others_while_a_client_holds_a_connection_idle(tmp_path, monkeypatch):
+    """One client connects and sends nothing (no TLS handshake): another is scored meanwhile, and the idle one is
+    still connected (its handshake runs in its own thread, bounded; it ran inside accept() and stalled everyone)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from trl_scale.rewards.server import HANDSHAKE_TIMEOUT
+
+    cert, key = _certificate(tmp_path)
+    server = RewardServerProcess("--reward", FUNCTION, "--tls-cert", str(cert), "--tls-key", str(key), tls=True)
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))
+    address = urlparse(server.url)
+    try:
+        with socket.create_connection((address.hostname, address.port)) as idle:
+            scored = RemoteReward([server.url], timeout=HANDSHAKE_TIMEOUT / 2, retries=0)
+            assert scored(prompts=["p"], completions=["abcd"]) == [4.0]
+            idle.setblocking(False)
+            with pytest.raises(BlockingIOError):  # nothing to read, and not closed (a closed one reads b"")
+                idle.recv(1)
     finally:
         server.kill()
 
@@ -464,6 +496,8 @@ def test_a_tls_reward_server_serves_https(tmp_path, monkeypatch):
         (["--port", "70000"], "argument --port: 70000 is not a TCP port"),
         (["--route", "get_reward"], "argument --route: 'get_reward' is not a path: routes start with '/'"),
         (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+        (["--tls-key", "k.pem"], "--tls-cert and --tls-key go together"),
+        (["--tls-cert", "nope.pem", "--tls-key", "nope.key"], "--tls-cert nope.pem: no such file"),
     ],
 )
 def test_the_reward_servers_port_route_and_tls_options_are_checked(argv, message, capsys):

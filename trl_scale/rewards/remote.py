@@ -43,6 +43,10 @@ def _error_text(error: requests.RequestException) -> str:
     text = f"{type(error).__name__}: {error}"
     if isinstance(error, requests.exceptions.SSLError) and "WRONG_VERSION_NUMBER" in str(error):
         text += " (an https:// URL to a plain-HTTP server: use http://, or serve with --tls-cert/--tls-key)"
+    elif isinstance(error, requests.exceptions.ConnectionError) and (
+        "RemoteDisconnected" in str(error) or "ConnectionResetError" in str(error)
+    ):  # what a server speaking TLS does with a plain-HTTP request: it closes the connection without an answer
+        text += " (the server closed the connection without answering: if it serves HTTPS (--tls-cert), use https://)"
     return text
 
 

@@ -125,6 +125,10 @@ class RewardHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+# Seconds a client has to finish its TLS handshake; one that sends nothing is dropped after it.
+HANDSHAKE_TIMEOUT = 10.0
+
+
 class RewardServer(ThreadingHTTPServer):
     daemon_threads = True
 
@@ -132,6 +136,26 @@ class RewardServer(ThreadingHTTPServer):
         super().__init__(address, RewardHandler)
         self.reward, self.route, self.lock, self.requests = reward, route, threading.Lock(), 0
         self.expected_authorization = f"Bearer {api_key}".encode() if api_key else None
+        self.tls = None  # an ssl.SSLContext: each connection's handshake runs in its own thread (`finish_request`)
+
+    def finish_request(self, request, client_address) -> None:
+        """In the connection's own thread: the TLS handshake first, bounded (a listening socket wrapped whole would
+        run every handshake inside `accept()`, so one client that connects and sends nothing stalled all others),
+        then the request."""
+        if self.tls is None:
+            return super().finish_request(request, client_address)
+        import ssl
+
+        request.settimeout(HANDSHAKE_TIMEOUT)
+        try:
+            secured = self.tls.wrap_socket(request, server_side=True)
+        except (ssl.SSLError, OSError):  # a client that is not speaking TLS, or never finished its handshake
+            return None
+        try:
+            secured.settimeout(None)
+            super().finish_request(secured, client_address)
+        finally:
+            secured.close()
 
 
 def _port(text: str) -> int:
@@ -204,9 +228,17 @@ def _serve_tls(server: RewardServer, cert: str | None, key: str | None) -> str:
         return "http"
     import ssl
 
+    for option, path in (("--tls-cert", cert), ("--tls-key", key)):
+        if not os.path.isfile(path):
+            raise ValueError(f"{option} {path}: no such file (give the PEM file's path)")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(cert, key)
-    server.socket = context.wrap_socket(server.socket, server_side=True)
+    try:
+        context.load_cert_chain(cert, key)
+    except ssl.SSLError as error:
+        raise ValueError(
+            f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate and its private key ({error.reason or error})"
+        ) from error
+    server.tls = context
     return "https"
 
 
