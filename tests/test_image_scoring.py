@@ -268,3 +268,15 @@ def test_a_call_with_images_packs_its_rows_with_their_images(tiny_vlm, budget):
     _check_scored_alike(expected, expected_grads, got, got_grads, fields=("log_probs",))
     hook.remove()
     assert stats.pop()["padding_free/image_calls_packed"] == 1.0 and len(forwards) == 1
+
+
+def test_tree_packing_true_is_refused_at_a_call_with_images(tiny_vlm):
+    """A call with images is packed without trees: tree_packing=True (images that reach scoring from a tool, on a
+    dataset without image columns, which the plan cannot see) is refused at the call, naming the setting."""
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm).eval()
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    assert install_packed_scoring(model, temperature=0.7, outputs=("entropy",), tree_packing=True) is not None
+    ids, mask, labels, images = _batch(processor)
+    with pytest.raises(ValueError, match=r"tree_packing=True, but this scoring call has images"), torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, **images)

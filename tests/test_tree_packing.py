@@ -398,3 +398,28 @@ def test_every_name_a_config_gives_its_window_is_read(settings, window):
     for name, value in settings.items():
         setattr(config, name, value)
     assert sliding_window_of(config) == window
+
+
+@pytest.mark.parametrize("family", ["opt", "falcon"])
+def test_tree_packing_true_on_a_family_that_cannot_pack_names_tree_packing(zoo, family):
+    """OPT and Falcon are scored with TRL's padded path (packing is not exact for them): tree_packing=True would be
+    read by nothing, and the only word was a warning suggesting padding_free=False (which the config refuses with
+    it). Refused naming tree_packing; "auto" keeps TRL's path."""
+    model = AutoModelForCausalLM.from_pretrained(zoo(family)).eval()
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    with pytest.raises(ValueError, match=r"tree_packing=True, but packed scoring is not exact .*Fix: tree_packing="):
+        install_packed_scoring(copy.deepcopy(model), temperature=0.7, tree_packing=True)
+    assert install_packed_scoring(copy.deepcopy(model), temperature=0.7, tree_packing="auto") is None
+
+
+def test_tree_packing_true_with_an_image_dataset_is_refused_before_anything_runs(tiny_vlm):
+    """A call with images is packed without trees: with image columns in the dataset, tree_packing=True is refused by
+    the plan (at a call with images too: tests/test_image_scoring.py)."""
+    from datasets import Dataset
+
+    from trl_scale.trainers.plan import RunPlan
+
+    images = Dataset.from_dict({"prompt": ["a"], "image": [None]})
+    config = trl_scale.GRPOConfig(output_dir="out", tree_packing=True, use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match=r"image columns \['image'\], and tree_packing=True"):
+        RunPlan.from_arguments("GRPOTrainer", {"args": config, "model": tiny_vlm, "train_dataset": images})

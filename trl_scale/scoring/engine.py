@@ -333,6 +333,8 @@ def install_packed_scoring(
         and not takes_images
         and not use_packing(model.base_model, settings.padding_free)
     ):
+        if settings.tree_packing is True:
+            _refuse_trees_unpacked(model.base_model)
         return None
     config = PackedScoringConfig(settings, tuple(outputs), stats or PackingStats(), sequence_parallel)
     model.forward = types.MethodType(_engine_forward(type(model), config, model.forward), model)
@@ -362,10 +364,14 @@ def _engine_forward(model_class, config: PackedScoringConfig, trl_forward):
             return packed_fused_forward(self, config, input_ids, attention_mask, labels, num_items_in_batch)
         if padded_call and use_packing(self.base_model, config.settings.padding_free, probe_now=True, width=width):
             return packed_fused_forward(self, config, input_ids, attention_mask, labels, num_items_in_batch)
+        if padded_call and config.settings.tree_packing is True:
+            _refuse_trees_unpacked(self.base_model)
         if padded_call and on_support:
             return padded_fused_forward(self, config, input_ids, attention_mask, labels, num_items_in_batch)
         if fused_lm_head and not args and not sharded and _is_padded_call(labels, shift_labels, kwargs, True):
             images = {name: kwargs[name] for name in IMAGE_KWARGS if kwargs.get(name) is not None}
+            if images and config.settings.tree_packing is True:
+                raise ValueError(TREES_WITH_IMAGES)
             config.stats.image_calls += 1
             if packs_images(self.base_model, images, config.settings.padding_free):
                 config.stats.packed_image_calls += 1
@@ -387,6 +393,25 @@ def _engine_forward(model_class, config: PackedScoringConfig, trl_forward):
         )
 
     return forward
+
+
+TREES_WITH_IMAGES = (
+    "tree_packing=True, but this scoring call has images: tree rows take text-only calls (a call with images is "
+    "scored as packed rows without trees). Fix: tree_packing='auto' (tree rows where a call has no images) or "
+    "tree_packing=False"
+)
+
+
+def _refuse_trees_unpacked(backbone) -> None:
+    """tree_packing=True on a model whose calls are not packed (packing is not exact for its family): tree rows
+    are packed rows, so the setting would act on nothing."""
+    support = packing_support(backbone)
+    if support.exact is False:
+        raise ValueError(
+            f"tree_packing=True, but packed scoring is not exact for model type '{support.model_type}' "
+            f"({support.reason}), and tree rows are packed rows: nothing would be folded. Fix: tree_packing='auto' "
+            "(folds where exact) or tree_packing=False"
+        )
 
 
 def _varlen_where_exact(model) -> None:

@@ -14,6 +14,7 @@ from typing import Literal
 from ..logs import get_logger
 from ..rollout.settings import AsyncRollout
 from .construction import image_columns, uses_server_rollout, wants_remote_reference
+from .setting_needs import refuse_unread_settings
 
 logger = get_logger(__name__)
 
@@ -57,6 +58,7 @@ class RunPlan:
         """The plan of a trainer built with these constructor arguments (TRL's, by name). A setting that nothing in
         this run would act on is a ValueError naming the field and the fix."""
         config = arguments.get("args")
+        refuse_unread_settings(config, arguments)
         images = tuple(image_columns(arguments.get("train_dataset"), arguments.get("eval_dataset")))
         if config is None:
             return cls(trainer, images=images)
@@ -66,6 +68,12 @@ class RunPlan:
                 f"this dataset has image columns {list(images)}, and sequence_parallel_size={sp_size}: sequence "
                 "parallelism shards token rows only, and a scoring call with images would fail at the first step. "
                 "Fix: sequence_parallel_size=1, or drop the image columns"
+            )
+        if images and getattr(config, "tree_packing", "auto") is True:
+            raise ValueError(
+                f"this dataset has image columns {list(images)}, and tree_packing=True: tree rows take text-only "
+                "scoring calls, and a call with images is scored as packed rows without trees, so the setting would "
+                "not be read. Fix: tree_packing='auto' (tree rows where a call has no images) or tree_packing=False"
             )
         rollout = _rollout_plan(config, arguments)
         return cls(
