@@ -71,7 +71,12 @@ SETTING_NEEDS: tuple[SettingNeed, ...] = (
             ("managed_server_gpus", 0),
             ("managed_server_gpu_ids", [0]),
             ("managed_server_placement", "ray"),
+            ("managed_server_max_restarts", 1),
+            ("managed_server_ready_timeout", 60.0),
         )
+    ),
+    SettingNeed(  # (with managed servers, the config itself asks for placement "ray")
+        "managed_server_resources", MANAGED, _managed, {"CPU": 2}, {**MANAGED_ON, "managed_server_placement": "ray"}
     ),
     SettingNeed(
         "dynamic_sampling_max_oversampling",
