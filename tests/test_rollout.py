@@ -610,9 +610,11 @@ def test_step_delay_charges_each_request_its_decoding_steps_and_overlaps_request
         server.stop()
 
 
-def test_a_seed_in_generation_kwargs_is_warned_about(tmp_path, caplog):
-    """A fixed sampling seed gives every request the same random numbers (measured: about half the learning on the
-    toy task); with streaming, vLLM 0.32's CPU worker has died resuming seeded requests. Said, with the fix."""
+def test_a_seed_in_generation_kwargs_is_warned_about_only_where_it_can_fail(tmp_path, caplog):
+    """Each request draws its own numbers from a seed (`rollout/seeds.py`), so a synchronous run is told nothing (the
+    warning said every request drew the same numbers: false since per-request seeds); with streaming, vLLM 0.32's
+    CPU worker has died resuming seeded requests: said, with the fix. A seed that is not a whole number is refused
+    naming generation_kwargs (it failed in int() inside the client)."""
     import logging
 
     from trl_scale.rollout.settings import RolloutSettings
@@ -627,11 +629,27 @@ def test_a_seed_in_generation_kwargs_is_warned_about(tmp_path, caplog):
         return [r.getMessage() for r in caplog.records if "generation_kwargs sets seed" in r.getMessage()]
 
     assert settings() == []
-    (said,) = settings(generation_kwargs={"seed": 3})
-    assert "same random numbers" in said and "Fix: drop the seed" in said and "resuming seeded" not in said
+    assert settings(generation_kwargs={"seed": 3}) == []
     (said,) = settings(generation_kwargs={"seed": 3}, async_rollout_staleness=1, async_rollout_mode="streaming",
                        vllm_server_base_urls=["http://127.0.0.1:1"])  # fmt: skip
-    assert "resuming seeded requests" in said
+    assert "resuming seeded requests" in said and "each request draws its own numbers" in said
+    assert "same random numbers" not in said
+    with pytest.raises(ValueError, match=r"generation_kwargs=\{'seed': 'three'\}: a request seed is a whole number"):
+        settings(generation_kwargs={"seed": "three"})
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        ({"seed": "three"}, r"seed='three': use a whole number"),
+        ({"seed": 1.5}, r"seed=1.5: use a whole number"),
+        ({"eval_strategy": "steps", "eval_steps": 0}, r"eval_steps=0: transformers replaces it with logging_steps"),
+    ],
+)
+def test_trainer_arguments_transformers_takes_silently_are_refused_naming_them(settings, match, tmp_path):
+    for config in (trl_scale.GRPOConfig, trl_scale.DPOConfig):
+        with pytest.raises(ValueError, match=match):
+            config(**cpu_args(tmp_path, **settings))
 
 
 def test_the_routing_policy_is_chosen_by_name_or_given_as_an_object():

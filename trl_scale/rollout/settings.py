@@ -172,6 +172,12 @@ class RolloutSettings:
             "logprobs": 0 if logprobs else None,
         }
         sampling.update(args.generation_kwargs or {})
+        seed = sampling.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(
+                f"generation_kwargs={{'seed': {seed!r}}}: a request seed is a whole number (each request draws its "
+                "own from it). Fix: an int, or no seed"
+            )
         asynchronous = asynchronous if asynchronous is not None else AsyncRollout.from_config(args)
         if sampling.get("seed") is not None:
             _warn_seeded_requests(sampling["seed"], asynchronous.streaming)
@@ -195,17 +201,15 @@ class RolloutSettings:
 
 
 def _warn_seeded_requests(seed, streaming: bool) -> None:
+    """Each request draws its own numbers (`seeds.py`: a seed per request from this one, the run's seed and the
+    request's identity), so a seed only makes runs reproducible; with streaming rollout it can meet vLLM 0.32's CPU
+    worker dying on seeded requests a sync preempted."""
     from ..logs import get_logger
 
-    crash = (
-        " With streaming rollout, vLLM 0.32's CPU worker has also died resuming seeded requests a sync had preempted "
-        "(refused by the preflight on such a server)."
-        if streaming
-        else ""
-    )
-    get_logger(__name__).warning(
-        f"generation_kwargs sets seed={seed}: every request (one per prompt group) is sampled with the same random "
-        "numbers, step after step, so the groups' answers vary less than sampling should make them (on trl-scale's "
-        f"toy task such runs learned about half as much, README 'Asynchronous rollout').{crash} Fix: drop the seed "
-        "for training runs (the trainer's own seed still fixes its data order and initialisation)"
-    )
+    if streaming:
+        get_logger(__name__).warning(
+            f"generation_kwargs sets seed={seed}: each request draws its own numbers from it (reproducible runs). "
+            "With streaming rollout, vLLM 0.32's CPU worker has died resuming seeded requests a sync had preempted "
+            "(refused by the preflight on such a server). Fix, if a server of that kind dies: drop the seed, or "
+            "async_rollout_mode='ordered' (reproducible with a seed)"
+        )

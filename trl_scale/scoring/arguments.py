@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..numbers import check_field_types, check_whole
+from ..numbers import check_field_types, check_training_arguments, check_whole
 from .logprob_head import DEFAULT_LOGPROB_CHUNK_SIZE
 
 
@@ -138,6 +138,7 @@ class ScoringArguments:
     )
 
     def __post_init__(self):
+        check_training_arguments(self)  # before transformers' own, which replaces some values silently
         self._take_sequence_parallel_size()  # before TRL's own checks, which refuse it
         sized = self.sequence_parallel_size > 1 and hasattr(self, "generation_batch_size")
         if sized:
