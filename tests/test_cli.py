@@ -282,3 +282,20 @@ def test_every_dict_field_trl_scale_adds_can_be_given_on_the_command_line():
     assert len(dict_fields) >= 7, dict_fields  # the placements, the fleet's two, vllm_llm_kwargs, reward_funcs_kwargs
     refused = {name: kind for name, kind in dict_fields.items() if str not in typing.get_args(kind)}
     assert not refused, f"dict fields the command line cannot set (type them dict | str | None): {refused}"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["grpo", "--config", "nope.yaml"], "trl-scale grpo: error: --config nope.yaml: no such file or directory"),
+        (["step", "grpo", "--config", "nope.yaml"], "step grpo: error: --config nope.yaml: no such file or directory"),
+        (["step", "rloo"], "step rloo: error: needs --config file.yaml"),
+    ],
+)
+def test_a_missing_config_file_or_none_is_a_usage_error_naming_it(argv, message, capsys, tmp_path, monkeypatch):
+    """A missing --config was a raw FileNotFoundError traceback; `step` without one spoke of bf16 (transformers'
+    checks of a config it never read)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2 and message in capsys.readouterr().err

@@ -66,6 +66,13 @@ def parse(parser, method: str, argv: list[str]):
         if "arguments are not used" in str(error):  # HfArgumentParser: an unknown field
             parser.error(f"{error}. Fix: check the field names (`trl-scale {method} --help` lists them)")
         parser.error(str(error))  # a config's own check (e.g. bf16 on a CPU machine): its message says the fix
+    except OSError as error:  # TrlParser opens --config itself
+        if getattr(error, "filename", None) is None:
+            raise
+        parser.error(
+            f"--config {error.filename}: {error.strerror.lower() if error.strerror else error}. Fix: the path of a "
+            "YAML file (relative to the working directory)"
+        )
     except Exception as error:
         import yaml
 

@@ -82,6 +82,11 @@ def config_step(method: str, argv: list[str]) -> str:
     script_type, model_config_type = import_trl_script_types()
     trainer_class, config_class = method_classes(method)
     parser = TrlParser((script_type, config_class, model_config_type), prog=f"trl-scale step {method}")
+    if not any(a == "--config" or a.startswith("--config=") for a in argv):  # else transformers' own checks speak
+        parser.error(
+            "needs --config file.yaml: the config whose step it prints (the training command's own). Fix: "
+            f"trl-scale step {method} --config your.yaml, or trl-scale step --example demo"
+        )
     _, training_args, model_args = parse(parser, method, argv)
     return describe_step(trainer_class, {"model": model_args.model_name_or_path, "args": training_args})
 
