@@ -95,3 +95,54 @@ def test_the_one_file_round_trips_and_a_legacy_checkpoint_of_other_processes_is_
     shutil.copy(two / "rollout_buffer_rank0.pt", two / "rollout_buffer_rank1.pt")
     with pytest.raises(ValueError, match=r"by 2 process\(es\).*rollout_buffer_rankN.pt.*this run has 1"):
         load_feature_states(resumed.features, resumed, str(two))
+
+
+class _Recorded:
+    """A feature that records the state it is given back."""
+
+    name = "recorded"
+
+    def __init__(self):
+        self.given = None
+
+    def load_state_dict(self, trainer, state, path):
+        self.given = (state, path)
+
+    def load_legacy_state(self, trainer, checkpoint):
+        raise AssertionError("a checkpoint with state files is read from them")
+
+
+def _rank(index: int):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(accelerator=SimpleNamespace(process_index=index))
+
+
+def test_each_rank_reads_its_own_state_file(tmp_path):
+    """Two ranks saved different states: rank 1 gets rank 1's (a data-parallel resume inside a rollout window holds
+    each rank's own buffer), never rank 0's."""
+    from trl_scale.trainers.feature import FeatureChain
+
+    for rank in (0, 1):
+        torch.save({"format": 1, "features": {"recorded": {"rank": rank}}}, state_path(str(tmp_path), rank))
+    for rank in (0, 1):
+        feature = _Recorded()
+        load_feature_states(FeatureChain((feature,)), _rank(rank), str(tmp_path))
+        assert feature.given == ({"rank": rank}, state_path(str(tmp_path), rank))
+
+
+@pytest.mark.parametrize("damage", ["half-written", "empty", "not ours"])
+def test_a_damaged_state_file_is_named_with_the_fix(tmp_path, damage):
+    from trl_scale.trainers.feature import FeatureChain
+
+    path = state_path(str(tmp_path), 0)
+    torch.save({"format": 1, "features": {"recorded": {"big": torch.arange(10_000)}}}, path)
+    data = open(path, "rb").read()
+    content = {"half-written": data[: len(data) // 2], "empty": b"", "not ours": None}[damage]
+    if content is None:
+        torch.save([1, 2, 3], path)
+    else:
+        open(path, "wb").write(content)
+    match = "is not a trl-scale state file" if damage == "not ours" else "cannot be read .*Fix: resume from an earlier"
+    with pytest.raises(ValueError, match=rf"trl_scale_state_rank0\.pt {match}"):
+        load_feature_states(FeatureChain((_Recorded(),)), _rank(0), str(tmp_path))

@@ -58,7 +58,20 @@ def load_feature_states(chain: FeatureChain, trainer, checkpoint: str) -> None:
 
     # Our own file in our own checkpoint (tensors in lists and dicts), loaded as the Trainer loads its RNG state;
     # on the CPU first, each feature moving what it needs to its device.
-    saved = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # a half-written or damaged file: torch says EOFError, RuntimeError, UnpicklingError
+        why = (str(error).splitlines() or [""])[0][:200]
+        raise ValueError(
+            f"{path} cannot be read ({type(error).__name__}: {why}): the checkpoint's trl-scale state is "
+            "damaged or was not written to its end (a run stopped while saving?). Fix: resume from an earlier "
+            "checkpoint-N, or delete this checkpoint folder"
+        ) from error
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+        raise ValueError(
+            f"{path} is not a trl-scale state file of format {FORMAT} (holds {type(saved).__name__}). Fix: resume "
+            "from a checkpoint written by trl-scale, or delete this file"
+        )
     states = saved.get("features", {})
     for feature in chain.features:
         if feature.name in states:
