@@ -166,6 +166,17 @@ def test_resume_inside_a_rollout_window_on_another_number_of_processes_is_refuse
     assert resumed.state.global_step == 1 and (checkpoint / "trl_scale_state_rank1.pt").exists()
 
 
+def test_resume_inside_a_rollout_window_with_another_window_is_refused(tiny_llama, tmp_path):
+    """Saved at step 1 of a 4-step window, resumed with steps_per_generation=2: the saved rollout is cut in 4 and TRL
+    would index it by 2 (a raw IndexError, or the wrong micro-batches). Refused before any step, naming both."""
+    run = _trainer("grpo", tiny_llama, tmp_path / "run", steps_per_generation=4, max_steps=1, save_steps=1)
+    run.train()
+    checkpoint = tmp_path / "run" / "checkpoint-1"
+    resumed = _trainer("grpo", tiny_llama, tmp_path / "resumed", steps_per_generation=2, max_steps=2)
+    with pytest.raises(ValueError, match=r"rollout window of steps_per_generation=4 \(now 2\).*Fix: resume with"):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+
+
 @pytest.mark.parametrize("damage", ["value_model", "everything_of_the_critic"])
 def test_resume_from_a_ppo_checkpoint_without_its_critic_says_what_is_missing(damage, tiny_llama, tmp_path):
     import shutil

@@ -72,6 +72,12 @@ class SafeCheckpoint(Feature):
             ) from error
 
 
+def _window(args) -> dict:
+    """The settings that cut a generation's rollout into the steps trained on it."""
+    names = ("steps_per_generation", "num_iterations", "num_ppo_epochs", "num_mini_batches")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
 class RolloutResume(Feature):
     """Checkpoints carry the rollout being trained on; a resume inside the window trains on it."""
 
@@ -83,13 +89,21 @@ class RolloutResume(Feature):
         rollout, where TRL would sample a new one and diverge from the uninterrupted run."""
         if trainer._buffered_inputs is None:
             return None
-        return {"step": trainer._step, "inputs": trainer._buffered_inputs}
+        return {"step": trainer._step, "inputs": trainer._buffered_inputs, "window": _window(trainer.args)}
 
     def load_state_dict(self, trainer, state: dict, path: str) -> None:
         from accelerate.utils import send_to_device
 
         checkpoint = os.path.dirname(path)
         check_same_processes(checkpoint, saved_ranks(checkpoint), trainer.accelerator.num_processes)
+        saved, now = state.get("window"), _window(trainer.args)
+        if saved is not None and saved != now:  # TRL indexes the buffer by step modulo its own window
+            differ = ", ".join(f"{name}={saved[name]} (now {now[name]})" for name in saved if saved[name] != now[name])
+            raise ValueError(
+                f"{checkpoint} was saved inside a rollout window of {differ}: the rollout it carries is cut for that "
+                "window, and this run would read it by another. Fix: resume with the saved values, or from a "
+                "checkpoint saved at a window's end (global_step a multiple of steps_per_generation)"
+            )
         trainer._step, trainer._buffered_inputs = (
             state["step"],
             send_to_device(state["inputs"], trainer.accelerator.device),
