@@ -92,6 +92,10 @@ EXTRA_CHECKS = {
             serve(["--help"])
         except SystemExit as done:
             assert done.code == 0
+        # a vision-language model's images arrive as data URLs, decoded with Pillow
+        from trl_scale.serve.multimodal import decoded_image
+        png = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx0gAAAABJRU5ErkJggg==")
+        assert decoded_image("data:image/png;base64," + png, "test").size == (1, 1)
     """,
     "rewards": """
         from trl_scale import CodeExecutionReward, RemoteReward
