@@ -137,6 +137,65 @@ def image_columns(*datasets) -> list[str]:
     return sorted(found)
 
 
+def names_vision_language(arguments: dict) -> bool:
+    """Whether the trainer's arguments name a vision-language policy: its processing class is a processor, or (none
+    given: TRL loads the model's) its config has a vision tower."""
+    from transformers import AutoConfig, ProcessorMixin
+
+    if arguments.get("processing_class") is not None:
+        return isinstance(arguments["processing_class"], ProcessorMixin)
+    model = arguments.get("model")
+    try:
+        config = model.config if hasattr(model, "config") else AutoConfig.from_pretrained(model)
+    except (OSError, ValueError, TypeError):  # TRL's constructor says what is wrong with the model
+        return False
+    return getattr(config, "vision_config", None) is not None
+
+
+def check_image_inputs(arguments: dict, columns: list[str]) -> None:
+    """Datasets with image columns, checked before TRL's constructor (each failed deep in TRL's step before): a
+    text-only policy, rows whose image is missing (None), and pan-and-scan crops TRL's scoring cannot take."""
+    if not columns:
+        return
+    if not names_vision_language(arguments):
+        raise ValueError(
+            f"this dataset has image columns {columns}, but the policy is text-only (its processing class is a "
+            "tokenizer, or its config has no vision tower): TRL would hand the images to the tokenizer (KeyError: "
+            "'pixel_values' at the first step). Fix: drop the image columns (dataset.remove_columns(...)), or "
+            "train a vision-language model with its processor as processing_class"
+        )
+    for name in ("train_dataset", "eval_dataset"):
+        for part, label in _named_parts(arguments.get(name), name):
+            for column in set(columns) & set(getattr(part, "column_names", None) or []):
+                missing = _missing_images(part, column)
+                if missing:
+                    raise ValueError(
+                        f"{label}'s column {column!r} has {missing} row(s) without an image (None): TRL cannot "
+                        "build their prompts (a TypeError in its step). Fix: drop them "
+                        f"(dataset.filter(lambda row: row[{column!r}] is not None)), or give each row its image"
+                    )
+    image_processor = getattr(arguments.get("processing_class"), "image_processor", None)
+    if getattr(image_processor, "do_pan_and_scan", False):
+        raise ValueError(
+            "the processor's image processor has do_pan_and_scan=True: it cuts images into crops whose count "
+            "(num_crops) TRL's scoring does not take (a TypeError at the first step). Fix: "
+            "processor.image_processor.do_pan_and_scan = False"
+        )
+
+
+def _named_parts(dataset, name: str):
+    if isinstance(dataset, dict):
+        return [(part, f"{name}[{key!r}]") for key, part in dataset.items()]
+    return [(dataset, name)] if dataset is not None else []
+
+
+def _missing_images(dataset, column: str) -> int:
+    """Rows of an Arrow-backed dataset whose image (or list of images) is None, counted from the Arrow column (no
+    image decoded; `datasets` cannot store None inside a list of images); 0 for other datasets."""
+    data = getattr(dataset, "data", None)
+    return data.column(column).null_count if hasattr(data, "column") else 0
+
+
 def with_signature_of(trl_init):
     """Give a trl-scale constructor the signature of the TRL constructor it accepts (see `trl_arguments`), so
     `inspect.signature`, IDEs and `help()` show TRL's parameters."""

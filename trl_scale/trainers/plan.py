@@ -13,7 +13,7 @@ from typing import Literal
 
 from ..logs import get_logger
 from ..rollout.settings import AsyncRollout
-from .construction import image_columns, uses_server_rollout, wants_remote_reference
+from .construction import check_image_inputs, image_columns, uses_server_rollout, wants_remote_reference
 from .setting_needs import refuse_unread_settings
 
 logger = get_logger(__name__)
@@ -60,6 +60,7 @@ class RunPlan:
         config = arguments.get("args")
         refuse_unread_settings(config, arguments)
         images = tuple(image_columns(arguments.get("train_dataset"), arguments.get("eval_dataset")))
+        check_image_inputs(arguments, list(images))
         if config is None:
             return cls(trainer, images=images)
         sp_size = getattr(config, "sequence_parallel_size", 1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .construction import names_vision_language as _vision_language
 from .feature import Feature, Patch
 
 
@@ -92,18 +93,3 @@ def _without_crops(fields: dict) -> dict:
             "processor"
         )
     return fields
-
-
-def _vision_language(arguments: dict) -> bool:
-    """Whether the trainer's arguments name a vision-language policy: its processing class is a processor, or (none
-    given: TRL loads the model's) its config has a vision tower."""
-    from transformers import AutoConfig, ProcessorMixin
-
-    if arguments.get("processing_class") is not None:
-        return isinstance(arguments["processing_class"], ProcessorMixin)
-    model = arguments.get("model")
-    try:
-        config = model.config if hasattr(model, "config") else AutoConfig.from_pretrained(model)
-    except (OSError, ValueError, TypeError):  # TRL's constructor says what is wrong with the model
-        return False
-    return getattr(config, "vision_config", None) is not None
