@@ -62,6 +62,36 @@ def test_lengths_are_bucketed_into_few_shapes():
     assert all(padded_length(n) >= n and padded_length(n) <= max(BLOCK * 2, n * 1.5 + BLOCK) for n in range(1, 9000))
 
 
+def test_small_blocks_are_classed_as_the_path_rule_classes_them_at_every_edge():
+    """With 4-token blocks, 200 random trees hit every edge of the rule (a key block whose smallest subtree ends one
+    token before the query block's end is partial, not full): the classes equal those of the dense path rule."""
+    block, hit_the_edge = 4, 0
+    for seed in range(200):
+        tree = _random_tree(seed, rows=4, prompt=6, longest=6)
+        length = -(-tree.num_tokens // block) * block
+        leave = padded_leave(tree, length)
+        q, k = torch.arange(length)[:, None], torch.arange(length)[None, :]
+        tiles = ((k <= q) & (q < leave[None, :])).view(length // block, block, length // block, block)
+        tiles = tiles.permute(0, 2, 1, 3).flatten(2)  # [q block, k block, block * block]
+        below = torch.ones(length // block, length // block, dtype=torch.bool).tril(-1)
+        full = tiles.all(-1) & below
+        partial = (tiles.any(-1) & ~tiles.all(-1) & below) | torch.eye(length // block, dtype=torch.bool)
+        got_partial, got_full = block_classes(leave, block)
+        assert torch.equal(got_full, full) and torch.equal(got_partial, partial), seed
+        per_block = leave.view(-1, block).min(1).values
+        ends = (torch.arange(length // block) + 1) * block
+        hit_the_edge += int((per_block[None, :] == ends[:, None] - 1).logical_and(below).any())
+    assert hit_the_edge > 20  # the edge the rule must get right was met, many times
+
+
+def test_a_length_of_exactly_three_blocks_times_a_power_of_two_is_its_own_bucket():
+    """3 x 2^(k-1) blocks fill their bucket with no padding; one token more takes the next bucket."""
+    for k in range(1, 8):
+        blocks = 3 * 2 ** (k - 1)
+        assert padded_length(blocks * BLOCK) == blocks * BLOCK, blocks
+        assert padded_length(blocks * BLOCK + 1) == 4 * 2 ** (k - 1) * BLOCK, blocks
+
+
 def _flex_and_padded(path):
     flex = AutoModelForCausalLM.from_pretrained(path, attn_implementation="flex_attention").eval()
     padded = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()

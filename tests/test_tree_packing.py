@@ -423,3 +423,19 @@ def test_tree_packing_true_with_an_image_dataset_is_refused_before_anything_runs
     config = trl_scale.GRPOConfig(output_dir="out", tree_packing=True, use_cpu=True, report_to="none")
     with pytest.raises(ValueError, match=r"image columns \['image'\], and tree_packing=True"):
         RunPlan.from_arguments("GRPOTrainer", {"args": config, "model": tiny_vlm, "train_dataset": images})
+
+
+def test_rows_are_folded_by_their_tokens_so_a_budget_keeps_each_prompts_rows_together():
+    """Two prompts' groups interleaved in the batch (A B A B A B A B, as TRL's sampler never lays them but a shuffled
+    or merged batch may): sorted by their tokens, a budget that holds one group makes two tries, one per prompt.
+    Folded in batch order, each trie would take rows of both prompts and share nothing (exact, but slower)."""
+    from trl_scale.scoring.tree_forward import fold_rows
+
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 90, (12,), generator=generator) for _ in range(2)]
+    ids = torch.stack(
+        [torch.cat([prompts[row % 2], torch.randint(5, 90, (2,), generator=generator)]) for row in range(8)]
+    )
+    tries = fold_rows(ids, torch.ones_like(ids), token_budget=12 + 4 * 2)
+    assert sorted(sorted(b % 2 for b, _ in members) for _, members in tries) == [[0, 0, 0, 0], [1, 1, 1, 1]]
+    assert [trie.num_tokens for trie, _ in tries] == [12 + 4 * 2, 12 + 4 * 2]
