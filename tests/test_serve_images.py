@@ -652,3 +652,31 @@ def test_a_streamed_rollout_func_generates_with_its_groups_images(tiny_vlm, tmp_
     assert calls and all(count == 2 for count in calls), calls  # each group's call: its 2 rows, with their image
     gaps = _sampling_gaps(trainer)
     assert len(gaps) == 2 and max(gaps) <= 1e-4, gaps
+
+
+def test_a_batch_where_some_rows_have_no_image_keeps_the_others_images():
+    """Rows without an image beside rows with one: the batch has images (each row its own, None where it has none);
+    only a batch where no row has one has none."""
+    from trl_scale.rollout.images import row_images
+
+    red = _image((255, 0, 0))
+    assert row_images([{"prompt": "a", "image": red}, {"prompt": "b", "image": None}]) == [[red], None]
+    assert row_images([{"prompt": "a", "images": []}, {"prompt": "b", "images": [red]}]) == [[], [red]]
+    assert row_images([{"prompt": "a", "image": None}, {"prompt": "b", "image": None}]) is None
+
+
+def test_an_episodes_rows_with_one_prompt_and_other_images_go_as_separate_requests():
+    """`_send_each` (an environment episode's first turns): one request per run of equal prompts *and* equal images;
+    two rows with one prompt and two images are two requests, each with its own image."""
+    from trl_scale.rollout.images import image_urls
+    from trl_scale.rollout.streaming import _send_each
+
+    red, blue = _image((255, 0, 0)), _image((0, 0, 255))
+    sent = []
+
+    def send(ids, n, dispatched, identity=None, images=(), index=-1):
+        sent.append((list(ids), n, tuple(images)))
+        return [{"token_ids": [1]} for _ in range(n)], 0
+
+    _send_each(send, [[5, 6], [5, 6], [5, 6]], None, [[red], [blue], [blue.copy()]])
+    assert sent == [([5, 6], 1, image_urls([red])), ([5, 6], 2, image_urls([blue]))]
