@@ -299,3 +299,23 @@ def test_a_missing_config_file_or_none_is_a_usage_error_naming_it(argv, message,
     with pytest.raises(SystemExit) as exit:
         main(argv)
     assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+class TokenizedReward:
+    """A reward class whose constructor takes a tokenizer (as RemoteReward's does)."""
+
+    def __init__(self, tokenizer=None, scale: float = 1.0):
+        self.tokenizer, self.scale = tokenizer, scale
+
+    def __call__(self, completions, **kwargs):
+        return [self.scale] * len(completions)
+
+
+def test_a_reward_classs_tokenizer_is_the_one_given_else_the_models(tiny_llama):
+    from trl_scale.cli_rewards import resolve_reward_funcs
+
+    name = f"{__name__}.TokenizedReward"
+    (given,) = resolve_reward_funcs([name], {name: {"tokenizer": "my-tokenizer", "scale": 2.0}}, tiny_llama)
+    assert given.tokenizer == "my-tokenizer" and given.scale == 2.0
+    (default,) = resolve_reward_funcs([name], {}, tiny_llama)
+    assert default.tokenizer.name_or_path == tiny_llama
