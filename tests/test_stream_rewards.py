@@ -164,6 +164,12 @@ def test_a_group_paired_with_another_groups_rows_is_refused():
         _check_pairing(groups[::-1], rows, ["a", "b", "c", "d"], [[1], [2], [3], [4]])
     with pytest.raises(RuntimeError, match="not the ones whose rewards were computed in the stream"):
         _check_pairing(groups, rows, ["a", "b", "c", "d"], [[1], [2], [4], [3]])
+    # the same rows and ids, other completions (a conversation's messages the step parsed otherwise): refused
+    with pytest.raises(RuntimeError, match="not the ones whose rewards were computed in the stream"):
+        _check_pairing(groups, rows, ["a", "b", "c", "x"], [[1], [2], [3], [4]])
+    # equal rows that are not the step's own objects (copies of another batch's): refused
+    with pytest.raises(RuntimeError, match="not the ones whose rewards were computed in the stream"):
+        _check_pairing(groups, [dict(row) for row in rows], ["a", "b", "c", "d"], [[1], [2], [3], [4]])
 
 
 def test_dynamic_sampling_reads_the_rewards_of_the_stream(tiny_llama, urls, tmp_path):
