@@ -439,3 +439,31 @@ def test_rows_are_folded_by_their_tokens_so_a_budget_keeps_each_prompts_rows_tog
     tries = fold_rows(ids, torch.ones_like(ids), token_budget=12 + 4 * 2)
     assert sorted(sorted(b % 2 for b, _ in members) for _, members in tries) == [[0, 0, 0, 0], [1, 1, 1, 1]]
     assert [trie.num_tokens for trie, _ in tries] == [12 + 4 * 2, 12 + 4 * 2]
+
+
+@pytest.mark.parametrize("dropout", ["module", "attention_float"])
+def test_a_model_drawing_dropout_steps_tree_rows_aside(zoo, dropout, caplog):
+    """A shared tree node would drop out alike for every row that reads it (each row alone draws its own): with
+    dropout active (a dropout module's p, or Llama-style attention's float rate) a call folds nothing, with one
+    warning naming dropout; True refuses naming the fix. In eval mode the same model folds."""
+    path = zoo("gpt2" if dropout == "module" else "llama")
+    _, rows, trees, config = _models(path, tree_packing="auto")
+    if dropout == "attention_float":
+        for module in trees.modules():
+            if hasattr(module, "attention_dropout"):
+                module.attention_dropout = 0.1
+    ids, mask, labels = _batch()
+    trees.train()
+    tree_forward._announced.clear()
+    with caplog.at_level(logging.WARNING, logger="trl_scale"), torch.no_grad():
+        trees(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    assert config.stats.pop()["tree_packing/fraction_of_calls"] == 0.0
+    assert any("dropout is active" in r.getMessage() for r in caplog.records)
+    trees.eval()
+    with torch.no_grad():
+        trees(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    assert config.stats.pop()["tree_packing/fraction_of_calls"] == 1.0
+    trees.train()
+    config.settings = type(config.settings)(**{**config.settings.__dict__, "tree_packing": True})
+    with pytest.raises(ValueError, match=r"dropout is active.*disable_dropout=True"), torch.no_grad():
+        trees(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
