@@ -80,8 +80,13 @@ def check_run(per_node: list[list[list[str]]], nodes: list[str], trainer_nodes: 
         assert args.vllm_server_base_urls == urls and args.weight_sync == "nccl" and args.use_vllm
 
 
-@pytest.mark.parametrize("trainer_nodes, gpus", [(1, 2), (2, 4)])
-def test_multinode_runs_each_nodes_role(trainer_nodes, gpus, tmp_path):
+@pytest.mark.parametrize(
+    "trainer_nodes, gpus, config",
+    [(1, 2, None), (2, 4, None), (1, 2, "examples/grpo_tiny_cpu.yaml")],  # the last: a config of local generation
+)
+def test_multinode_runs_each_nodes_role(trainer_nodes, gpus, config, tmp_path):
+    """Every node's command; the trainers' parsed (server rollout on whatever the config says: the recipe hands
+    them its servers)."""
     nodes = ["node-a", "node-b", "node-c"]
     per_node = [
         dry_run(
@@ -90,6 +95,7 @@ def test_multinode_runs_each_nodes_role(trainer_nodes, gpus, tmp_path):
             NODE_RANK=str(rank),
             TRAINER_NODES=str(trainer_nodes),
             GPUS_PER_NODE=str(gpus),
+            **({"CONFIG": config} if config else {}),
         )
         for rank in range(len(nodes))
     ]
