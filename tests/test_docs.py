@@ -81,6 +81,10 @@ def test_the_numbers_the_docs_state_are_the_codes():
     quickstart = " ".join((DOCS / "quickstart.md").read_text().split())
     said = f"{demo['reward_before']:.3f} → {demo['reward_after']:.3f} in {len(demo['train_rewards'])} steps"
     assert said in quickstart, said
+    from trl_scale.rewards.server import HANDSHAKE_TIMEOUT
+
+    bad_input = " ".join((DOCS / "bad-input.md").read_text().split())
+    assert f"{HANDSHAKE_TIMEOUT:g} s at most" in bad_input, HANDSHAKE_TIMEOUT
 
 
 CHROMIUM_HINT = "Debian's chromium (apt-get install chromium)"
