@@ -319,3 +319,23 @@ def test_a_reward_classs_tokenizer_is_the_one_given_else_the_models(tiny_llama):
     assert given.tokenizer == "my-tokenizer" and given.scale == 2.0
     (default,) = resolve_reward_funcs([name], {}, tiny_llama)
     assert default.tokenizer.name_or_path == tiny_llama
+
+
+def test_every_example_configs_reward_functions_resolve():
+    """Each example YAML's reward_funcs import (the Ray-cluster recipe named a reward model there, which the CLI
+    refused at start: never run until its rehearsal)."""
+    import yaml
+
+    from trl_scale.cli_rewards import _imported
+
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        for entry in yaml.safe_load(path.read_text()).get("reward_funcs") or []:
+            assert callable(_imported(entry)), (path.name, entry)
+
+
+def test_a_reward_model_given_as_a_reward_function_names_the_field_to_use(tmp_path):
+    from trl_scale.cli_rewards import resolve_reward_funcs
+
+    for entry in ("Skywork/Skywork-Reward-V2-Qwen3-0.6B", str(tmp_path)):
+        with pytest.raises(ValueError, match=r"looks like a reward model.*Fix: reward_model_name_or_path: "):
+            resolve_reward_funcs([entry], {})

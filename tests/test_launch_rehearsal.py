@@ -192,7 +192,7 @@ def _ray_recipe_run(model: str, reward_model: str, address: str, env: dict, out)
     vLLM CPU server on a `rollout` node, the critic and the reward model on `critic` ones."""
     vllm_args = "--max-model-len 512 --dtype float32 --enforce-eager"
     cli = [sys.executable, "-m", "trl_scale.cli", "ppo", "--config", RAY_CONFIG, "--model_name_or_path", model,
-           "--dataset_name", "toy:counting", "--reward_funcs", reward_model, "--output_dir", str(out),
+           "--dataset_name", "toy:counting", "--reward_model_name_or_path", reward_model, "--output_dir", str(out),
            "--dtype", "float32", "--bf16", "false", "--use_cpu", "true", "--report_to", "none",
            "--ray_address", address, "--per_device_train_batch_size", "8", "--max_completion_length", "6",
            "--max_steps", str(STEPS), "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", str(STEPS),

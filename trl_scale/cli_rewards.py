@@ -18,6 +18,11 @@ def _imported(name: str):
     registry = {"counting_reward": counting_reward}
     if name in registry:
         return registry[name]
+    if "/" in name or os.path.isdir(name):  # a path or a Hub id: a model, which TRL's scripts take elsewhere
+        raise ValueError(
+            f"reward_funcs entry {name!r} looks like a reward model (a path or a Hub id): reward_funcs takes "
+            f"functions ({sorted(registry)} or a dotted import path). Fix: reward_model_name_or_path: {name}"
+        )
     module_name, _, attribute = name.rpartition(".")
     if not module_name:
         raise ValueError(f"reward_funcs entry {name!r}: use one of {sorted(registry)} or a dotted import path")
