@@ -175,14 +175,18 @@ for extra in settings:
     for config_cls in (trl_scale.GRPOConfig, trl_scale.RLOOConfig):
         config = config_cls(**base, **extra)
         served[f"{config_cls.__name__} {sorted(extra)}"] = uses_server_rollout(config)
+import tempfile
 from datasets import Dataset
+from PIL import Image
+from trl_scale.toy import build_tiny_vlm
 from trl_scale.trainers.plan import RunPlan
 
-with_images = Dataset.from_dict({"prompt": ["count"], "image": [None]})  # the plan reads its columns
+vlm = build_tiny_vlm(tempfile.mkdtemp())  # a vision-language policy: the plan checks the images' model
+with_images = Dataset.from_dict({"prompt": ["count"], "image": [Image.new("RGB", (8, 8))]})
 
 
 def planned(**extra):
-    arguments = {"model": "toy:llama", "args": trl_scale.GRPOConfig(**base, **extra), "train_dataset": with_images}
+    arguments = {"model": vlm, "args": trl_scale.GRPOConfig(**base, **extra), "train_dataset": with_images}
     return RunPlan.from_arguments("GRPOTrainer", arguments)
 
 
