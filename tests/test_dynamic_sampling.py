@@ -280,3 +280,22 @@ def test_rloo_with_dynamic_sampling_corrects_the_chosen_rows_with_their_own_samp
     }
     weights = importance_weights(trainer, batch)
     assert torch.allclose(weights, torch.full((2,), math.exp(-3.0 + 4.0)))  # the chosen rows' -2 + -2
+
+
+def test_a_batchs_build_never_reads_an_earlier_batchs_record():
+    """`BatchRecords.building`: a build starts with no record (a batch whose generation added none, e.g. served
+    from elsewhere, must not read the previous batch's versions and sampler log-probs as its own), and keeps only
+    its own newest one afterwards."""
+    from trl_scale.rollout.record import BatchRecords, GeneratedBatch
+
+    records = BatchRecords()
+    first, second, third = (GeneratedBatch(((n, n),)) for n in range(3))
+    with records.building():
+        records.add(first)
+    assert records.newest() is first
+    with records.building():
+        assert records.newest() is None
+    with records.building():
+        records.add(second)
+        records.add(third)
+    assert records.newest() is third and records._records == [third]
