@@ -218,3 +218,24 @@ def test_the_trainer_with_vllm_installed_serves_server_mode_with_trl_scales_clie
     assert all(result["served"].values()), result["served"]
     assert result["images_alone"] is True  # trl-scale's client takes images (synchronously)
     assert result["refused"] == []  # streaming (the default with a staleness) takes images too
+
+
+@pytest.mark.parametrize("vllm_importable", [False, True])
+def test_server_mode_is_served_by_trl_scales_client_whether_or_not_vllm_is_importable(vllm_importable, monkeypatch):
+    """The install rule, beside its code (the vLLM environment's check above runs it for real, in .venv-vllm): with
+    TRL's probe saying vLLM is importable or not, server mode is trl-scale's client, and the plan says so."""
+    import importlib
+
+    import trl_scale
+    from trl_scale.trainers.construction import uses_server_rollout
+    from trl_scale.trainers.plan import RunPlan
+
+    probe = importlib.import_module("trl.import_utils")
+    monkeypatch.setattr(probe, "is_vllm_available", lambda *args, **kwargs: vllm_importable)
+    base = dict(output_dir="out", use_cpu=True, bf16=False, report_to="none", use_vllm=True, vllm_mode="server",
+                vllm_server_base_url="http://127.0.0.1:1")  # fmt: skip
+    for extra in ({}, {"async_rollout_staleness": 1}, {"weight_sync": "shared_dir"}):
+        config = trl_scale.GRPOConfig(**base, **extra)
+        assert uses_server_rollout(config)
+        plan = RunPlan.from_arguments("GRPOTrainer", {"model": "toy:llama", "args": config})
+        assert plan.rollout.client == "trl_scale"
