@@ -52,10 +52,17 @@ def _recipe_env(model: str, nodes: list[str], rank: int, **more) -> dict:
     return env
 
 
+LOGGED = ("loss", "grad_norm", "reward", "entropy")  # GRPO's loss is 0 on-policy at one iteration: its gradient is not
+
+
 def _losses(out) -> list[float]:
-    """The run's losses at full precision, from the last checkpoint's log history."""
+    """The run's figures at full precision, step by step, from the last checkpoint's log history: the loss, the
+    gradient's norm, the reward and the entropy (those a step logs)."""
     state = json.loads((out / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
-    return [entry["loss"] for entry in state["log_history"] if "loss" in entry]
+    steps = [entry for entry in state["log_history"] if "loss" in entry]
+    figures = [entry[name] for entry in steps for name in LOGGED if name in entry]
+    assert len(steps) == STEPS and any(value != 0 for value in figures), steps
+    return figures
 
 
 def _finished(processes: list[subprocess.Popen], timeout: float = 900) -> None:
@@ -137,7 +144,7 @@ def test_the_recipes_trainer_node_trains_as_the_same_run_on_one_node(server_node
     got = _losses(out)
     expected = _reference(model, url, tmp_path / "one-node", processes=1)
     print(json.dumps({"rehearsal": "trainer node + server node", "recipe": got, "one_node": expected}))
-    assert len(got) == STEPS and got == pytest.approx(expected, abs=1e-6), (got, expected)
+    assert got == pytest.approx(expected, rel=1e-5, abs=1e-6), (got, expected)
 
 
 def test_two_trainer_nodes_rendezvous_on_localhost_and_train_as_one_node_of_two_processes(server_node, tmp_path):
@@ -158,7 +165,7 @@ def test_two_trainer_nodes_rendezvous_on_localhost_and_train_as_one_node_of_two_
     got = _losses(out)
     expected = _reference(model, url, tmp_path / "one-node", processes=2)
     print(json.dumps({"rehearsal": "two trainer nodes + server node", "recipe": got, "one_node_2_procs": expected}))
-    assert len(got) == STEPS and got == pytest.approx(expected, abs=1e-6), (got, expected)
+    assert got == pytest.approx(expected, rel=1e-5, abs=1e-6), (got, expected)
 
 
 # ---- the Ray-cluster recipe: examples/ppo_ray_cluster.yaml on raylets started by `ray start` ----------------------
@@ -230,5 +237,4 @@ def test_the_ray_cluster_recipe_places_its_roles_on_two_raylets_and_trains_as_on
         finally:
             _ray("stop", "--force", env=env)
     print(json.dumps({"rehearsal": "ray cluster recipe", **losses}))
-    assert len(losses["two raylets"]) == STEPS
     assert losses["two raylets"] == pytest.approx(losses["one raylet"], abs=1e-6), losses
