@@ -2,10 +2,11 @@
 
     python scripts/design_counts.py [--step]
 
-- probes: `getattr(X, ...)` / `hasattr(X, ...)` whose object is rooted at `trainer` or `self` (a setting or a
-  collaborator asked for by duck typing);
-- config reads with a default: `getattr(ARGS, "field", default)` where ARGS is `args`, `config`, `self.args` or
-  `trainer.args` (a field read as if it might not exist);
+- probes: `getattr(X, ...)` / `hasattr(X, ...)` whose object is rooted at `trainer` or `self`, or at a name bound to
+  one of them in the same function (`view = trainer`: an alias), a setting or a collaborator asked for by duck typing;
+- config reads with a default: `getattr(ARGS, "field", default)` where ARGS is a training config by type: `args`,
+  `self.args`, `trainer.args`, or a name the function binds to one (`config = arguments.get("args")`, a parameter
+  annotated with a trainer config, `config` beside an `arguments` parameter), never a model's or PEFT's config;
 - `last_*` reads: loads of a `.last_<name>` attribute that a hook left for another (`last_hidden_state`, a model
   output, is not one);
 - trainer attributes assigned outside the constructor: `trainer.X = ...` and `setattr(trainer, ...)`;
@@ -23,8 +24,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "trl_scale"
-ARGS_NAMES = {"args", "config"}
+TRAINER_NAMES = {"trainer", "self"}
 NOT_A_MAILBOX = {"last_hidden_state"}
+CONFIG_TYPES = ("Config", "TrainingArguments", "Arguments")  # annotations naming a trainer's config
+COUNTS = ("probes", "config_reads_with_default", "last_reads", "trainer_attributes_assigned")
 
 
 def _root(node: ast.AST) -> str | None:
@@ -33,19 +36,59 @@ def _root(node: ast.AST) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
-def _is_args(node: ast.AST) -> bool:
+def _is_args_value(node: ast.AST) -> bool:
+    """`X.args`, `arguments["args"]`, `arguments.get("args")`: a trainer's config."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == "args"
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == "args"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" and node.args:
+        return isinstance(node.args[0], ast.Constant) and node.args[0].value == "args"
+    return False
+
+
+def _scope_names(function: ast.AST) -> tuple[set[str], set[str]]:
+    """The names a function binds to a trainer config, and to the trainer (aliases), from its parameters and plain
+    assignments."""
+    configs, trainers = {"args"}, set(TRAINER_NAMES)
+    if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        parameters = [*function.args.posonlyargs, *function.args.args, *function.args.kwonlyargs]
+        names = {a.arg for a in parameters}
+        for parameter in parameters:
+            annotation = ast.unparse(parameter.annotation).strip("'\"") if parameter.annotation is not None else ""
+            if annotation.endswith(CONFIG_TYPES) and "Model" not in annotation and "Peft" not in annotation:
+                configs.add(parameter.arg)
+        if "config" in names and "arguments" in names:  # the plan's and the table's (config, arguments)
+            configs.add("config")
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name, value = node.targets[0].id, node.value
+            if _is_args_value(value):
+                configs.add(name)
+            elif (
+                isinstance(value, ast.Name)
+                and value.id in TRAINER_NAMES
+                or (isinstance(value, ast.Attribute) and value.attr in ("trainer", "_trainer"))
+            ):
+                trainers.add(name)
+    return configs, trainers
+
+
+def _is_args(node: ast.AST, configs: set[str]) -> bool:
     if isinstance(node, ast.Name):
-        return node.id in ARGS_NAMES
-    return isinstance(node, ast.Attribute) and node.attr == "args" and _root(node) in {"self", "trainer"}
+        return node.id in configs
+    return isinstance(node, ast.Attribute) and node.attr == "args" and _root(node) in TRAINER_NAMES
 
 
-def _count_file(tree: ast.AST, counts: dict[str, int]) -> None:
-    for node in ast.walk(tree):
+def _count_scope(scope: ast.AST, counts: dict[str, int]) -> None:
+    """The counts of `scope`'s own statements (a nested function is a scope of its own)."""
+    configs, trainers = _scope_names(scope)
+    for node in _own_nodes(scope):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args:
             name, first = node.func.id, node.args[0]
-            if name == "getattr" and len(node.args) == 3 and _is_args(first):
+            if name == "getattr" and len(node.args) == 3 and _is_args(first, configs):
                 counts["config_reads_with_default"] += 1
-            elif name in ("getattr", "hasattr") and _root(first) in {"trainer", "self"}:
+            elif name in ("getattr", "hasattr") and _root(first) in trainers:
                 counts["probes"] += 1
             if name == "setattr" and _root(first) == "trainer":
                 counts["trainer_attributes_assigned"] += 1
@@ -63,10 +106,37 @@ def _count_file(tree: ast.AST, counts: dict[str, int]) -> None:
                         counts["trainer_attributes_assigned"] += 1
 
 
+def _own_nodes(scope: ast.AST):
+    """`scope`'s nodes, not descending into nested functions or classes (their own scopes)."""
+    stack = list(ast.iter_child_nodes(scope))
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def count_source(source: str) -> dict[str, int]:
+    """The counts of one module's source."""
+    counts = dict.fromkeys(COUNTS, 0)
+    tree = ast.parse(source)
+    for scope in [
+        tree,
+        *(
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda))
+        ),
+    ]:
+        _count_scope(scope, counts)
+    return counts
+
+
 def static_counts() -> dict[str, int]:
-    counts = dict.fromkeys(("probes", "config_reads_with_default", "last_reads", "trainer_attributes_assigned"), 0)
+    counts = dict.fromkeys(COUNTS, 0)
     for path in sorted(PACKAGE.rglob("*.py")):
-        _count_file(ast.parse(path.read_text()), counts)
+        for name, value in count_source(path.read_text()).items():
+            counts[name] += value
     return counts
 
 
