@@ -263,3 +263,23 @@ def test_the_reference_documents_every_field_trl_scale_adds(site):
         # "name (`type` ...)", or a group "a, b, c (`type`)"
         missing = [name for name in own if not re.search(rf"\b{name}(?:, \w+)* \( ?\S", text)]
         assert own and not missing, (cls.__name__, missing)
+
+
+def test_the_architecture_page_names_every_module_and_every_layer():
+    """Its module index is the code's (scripts/update_architecture_docs.py rewrites it), and its layer table names
+    every entry of the layers test's table (a package or module missing from it was missing from the page)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("update", ROOT / "scripts" / "update_architecture_docs.py")
+    update = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(update)
+    page = (DOCS / "architecture.md").read_text()
+    assert update.updated(page) == page, "stale: python scripts/update_architecture_docs.py"
+    from .test_layers import LAYERS
+
+    table = page.split("| layer | modules | may import |")[1].split("\n\n")[0]
+    for module in LAYERS:
+        name = module.removeprefix("trl_scale").lstrip(".")
+        if name and name != "cli":
+            shown = f"`{name}/`" if (ROOT / "trl_scale" / name).is_dir() else f"`{name}.py`"
+            assert shown in table, shown

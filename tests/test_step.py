@@ -70,6 +70,7 @@ def test_trl_scales_client_serves_a_server_run_with_images_in_every_rollout_mode
     from trl_scale.trainers import plan as plan_module
 
     monkeypatch.setattr(plan_module, "image_columns", lambda *datasets: ["image"])
+    monkeypatch.setattr(plan_module, "check_image_inputs", lambda *args: None)  # no real images: test_image_inputs
     plan, chain = _plan(tmp_path, use_vllm=True, vllm_mode="server")
     assert plan.rollout.client == "trl_scale" and plan.images == ("image",)
     assert "server_rollout" in chain.names() and not plan.rollout.asynchronous.staleness
@@ -180,3 +181,21 @@ def _declared_modules() -> set[str]:
 def test_every_module_that_makes_an_interception_is_named_by_a_declaration():
     undeclared = _modules_making_interceptions() - _declared_modules()
     assert not undeclared, f"interceptions no feature declares (add a Patch to the feature's PATCHES): {undeclared}"
+
+
+def test_the_page_names_exactly_the_features_built_only_where_they_act(tmp_path):
+    """docs/step.md's list of the features left out of a chain where they would not act is the code's: those of
+    GRPO's features absent from the demo's chain (a run using none of trl-scale's options)."""
+    import re
+
+    from trl_scale.cli_step import example_arguments
+    from trl_scale.trainers.plan import RunPlan
+    from trl_scale.trainers.step import chain_for
+
+    page = " ".join((ROOT / "docs" / "step.md").read_text().split())
+    listed = re.search(r"absent from the chain otherwise: ([a-z_, ]+)\.", page).group(1)
+    trainer_class, arguments = example_arguments("demo", str(tmp_path))
+    chain = chain_for(trainer_class, RunPlan.from_arguments(trainer_class.__name__, arguments), arguments)
+    absent = {kind.name for kind in trainer_class.FEATURES} - set(chain.names())
+    assert set(listed.split(", ")) == absent, (listed, absent)
+    assert "`trl`:" not in page  # the client TRL's own vLLM client was is gone: trl-scale's serves server mode

@@ -243,5 +243,5 @@ def uses_server_rollout(args) -> bool:
     """Which client serves `use_vllm=True, vllm_mode='server'`: trl-scale's, always (TRL's single
     `vllm_server_base_url` is a fleet of one: versions, the correction, streaming, the timeline), whether or not vLLM
     is importable in the trainer's environment, so one config acts the same in every environment; images included
-    (what its asynchronous modes take is the run plan's to check: `plan._refuse_images`)."""
+    (what a run with images may not combine, sequence parallelism and tree_packing=True, the run plan refuses)."""
     return bool(getattr(args, "use_vllm", False)) and getattr(args, "vllm_mode", None) == "server"

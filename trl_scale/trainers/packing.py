@@ -50,6 +50,22 @@ class PackedScoring(Feature):
             "sharding/data_parallel.py",
             sequence_parallel,
         ),
+        Patch(
+            "the policy's attention implementation (model.set_attn_implementation)",
+            "each turn of local generation, with sequence_parallel_size > 1: the model's own attention (the "
+            "sharded one expects every rank of the group with a slice of one row)",
+            "when the turn returns",
+            "trainers/packing.py",
+            sequence_parallel,
+        ),
+        Patch(
+            "each rank's random state (torch, CUDA, Python, NumPy)",
+            "setup, with sequence_parallel_size > 1: every rank of a group takes its leader's (they run the same "
+            "steps on one batch)",
+            "never",
+            "sharding/data_parallel.py",
+            sequence_parallel,
+        ),
     )
 
     def __init__(self):

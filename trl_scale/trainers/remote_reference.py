@@ -22,6 +22,12 @@ class RemoteReference(Feature):
             "when it returns",
             "trainers/online.py",
         ),
+        Patch(
+            "trainer.ref_model (the Ray reference group's handle) and trainer.beta (the config's again)",
+            "setup",
+            "never",
+            "trainers/remote_reference.py",
+        ),
     )
 
     @classmethod

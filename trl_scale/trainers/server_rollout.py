@@ -80,6 +80,14 @@ class ServerRollout(Feature):
             "trainers/stream_rollout_func.py",
             lambda plan, config: plan.rollout.rollout_func and plan.rollout.takes_groups,
         ),
+        Patch(
+            "trainer._last_loaded_step (TRL's marker of the step its weights were synced at)",
+            "each generation batch's build when the step takes streamed groups: the sync TRL would make first is "
+            "made, then marked",
+            "never (TRL's own marker, kept current)",
+            "trainers/server_rollout.py",
+            lambda plan, config: plan.rollout.takes_groups,
+        ),
     )
 
     def __init__(self, plan: RolloutPlan):

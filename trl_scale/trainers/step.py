@@ -18,6 +18,7 @@ CALL_ORDER = (
     ("generate", 2, "its completions"),
     ("single_turn", 3, "one turn of generation"),
     ("tool_call_loop", 3, "the tool-calling turns"),
+    ("tool_suffix", 4, "each turn's tool answers, as the next turn's tokens"),
     ("rewards", 2, "its rewards, per function"),
     ("scoring", 2, "log-probs: old and reference here, the policy's in the loss"),
     ("save_checkpoint", 1, "a checkpoint"),
