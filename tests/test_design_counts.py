@@ -30,7 +30,7 @@ def test_the_counter_sees_probes_through_aliases_and_configs_by_type():
     config read with a default counts (by the name `args`, a `config` bound to the arguments' args, or one annotated
     with a trainer config), a model config's does not."""
     count = _counter().count_source
-    planted = '''
+    planted = """
 def hook(trainer, arguments, model):
     getattr(trainer, "_metrics", None)
     view = trainer
@@ -45,6 +45,6 @@ def hook(trainer, arguments, model):
 def typed(config: "GRPOConfig", peft: "PeftConfig"):
     getattr(config, "seed", 0)
     getattr(peft, "r", 8)
-'''
+"""
     counts = count(planted)
     assert counts["probes"] == 2 and counts["config_reads_with_default"] == 3, counts
