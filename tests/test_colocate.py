@@ -74,3 +74,26 @@ def test_vllm_llm_kwargs_refuse_trls_own_settings_and_what_is_not_a_dict(tmp_pat
         trl_scale.RLOOConfig(**base, vllm_llm_kwargs={"seed": 3, "enforce_eager": True})
     with pytest.raises(ValueError, match=r"vllm_llm_kwargs='dtype=bf16': use a dict"):
         trl_scale.GRPOConfig(**base, vllm_llm_kwargs="dtype=bf16")
+
+
+@pytest.mark.vllm_cpu
+@pytest.mark.slow
+def test_a_mixture_of_experts_policy_colocated_syncs_every_expert(tmp_path):
+    """A tiny Qwen3-MoE (8 experts, top-2) in TRL's colocate mode: the walk under checkpoint names reaches vLLM's
+    layerwise reload (its loader's per-expert names), and the plugin re-packs the CPU experts after it; after every
+    sync the engine's log-probs equal the policy's (the experts moved between syncs)."""
+    if not _trl_scale_beside_vllm():
+        pytest.skip(f"needs trl-scale installed beside vLLM in .venv-vllm: {INSTALL_HINT}")
+    from trl_scale.toy import build_tiny_model
+    from trl_scale.toy.models import VLLM_CPU_SHAPE
+
+    model = build_tiny_model(tmp_path / "moe", family="qwen3_moe", **VLLM_CPU_SHAPE)
+    command = [str(VLLM_PYTHON), "-m", "tests.colocate_worker", str(tmp_path / "out"), model, "grpo"]
+    result = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=500)
+    lines = [json.loads(line[len("RESULT ") :]) for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert result.returncode == 0 and len(lines) == 1, (result.stdout + result.stderr)[-4000:]
+    (run,) = lines
+    assert run["steps"] == 3 and run["direct_load"] is False, run
+    assert all(sync["diff"] <= SYNC_TOLERANCE for sync in run["syncs"]), run["syncs"]
+    moved = [max(abs(a - b) for a, b in zip(s["policy"], t["policy"])) for s, t in zip(run["syncs"], run["syncs"][1:])]
+    assert all(m > 10 * SYNC_TOLERANCE for m in moved), moved
