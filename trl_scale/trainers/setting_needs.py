@@ -4,7 +4,8 @@ A setting changed from its default while what reads it is off (`weight_sync` wit
 with `padding_free=False`) would be accepted and never acted on: the user believes it acts. Each row names the
 setting, what it needs (in words, and as a test of the config and the trainer's arguments), the fix, and an example
 of both (`example`, `meets`) from which one test tries every row. A setting's default is read from its config's own
-dataclass field, never written here. Settings a config does not have are skipped (DPO has no rollout).
+dataclass field, never written here; a row is read only where its config has the setting, and every such config has
+the fields its need reads (no read with a default). Settings a config does not have are skipped (DPO has no rollout).
 """
 
 from __future__ import annotations
@@ -30,15 +31,15 @@ def _server(config, arguments) -> bool:
 
 
 def _managed(config, arguments) -> bool:
-    return (getattr(config, "managed_servers", 0) or 0) > 0
+    return (config.managed_servers or 0) > 0
 
 
 def _evaluates(config, arguments) -> bool:
     """As `eval_pass_at_k`'s own check reads it (evaluation/arguments.py): scheduled, or `do_eval` for a user who
     calls `trainer.evaluate()`; or an eval_dataset handed to the trainer."""
-    strategy = getattr(config, "eval_strategy", "no")
+    strategy = config.eval_strategy
     scheduled = str(getattr(strategy, "value", strategy)) != "no"
-    return scheduled or bool(getattr(config, "do_eval", False)) or arguments.get("eval_dataset") is not None
+    return scheduled or bool(config.do_eval) or arguments.get("eval_dataset") is not None
 
 
 SERVER = "server rollout (use_vllm=True, vllm_mode='server')"
@@ -81,21 +82,21 @@ SETTING_NEEDS: tuple[SettingNeed, ...] = (
     SettingNeed(
         "dynamic_sampling_max_oversampling",
         "dynamic sampling (dynamic_sampling=True)",
-        lambda config, arguments: bool(getattr(config, "dynamic_sampling", False)),
+        lambda config, arguments: bool(config.dynamic_sampling),
         5.0,
         {"dynamic_sampling": True},
     ),
     SettingNeed(
         "token_budget",
         "packed scoring (padding_free None or True)",
-        lambda config, arguments: getattr(config, "padding_free", None) is not False,
+        lambda config, arguments: config.padding_free is not False,
         64,
         {"padding_free": None},
     ),
     SettingNeed(
         "gradient_checkpointing_layers",
         "gradient checkpointing (gradient_checkpointing=True)",
-        lambda config, arguments: bool(getattr(config, "gradient_checkpointing", False)),
+        lambda config, arguments: bool(config.gradient_checkpointing),
         "all",
         {"gradient_checkpointing": True},
     ),
