@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import pytest
-import requests
 
 from trl_scale.rollout import RolloutClient
 from trl_scale.rollout.weight_sync import SharedDirSync
@@ -92,18 +91,13 @@ def server_node(tmp_path_factory):
 
 
 def _wait_healthy(process, url: str, timeout: float = 300) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, "the server node exited"
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{url} not healthy in {timeout}s")
+    """The server node answers `/health` (the rollout client's own wait), its recipe still running."""
+    client = RolloutClient([url])
+    try:
+        client.wait_until_ready(timeout)
+    finally:
+        client.close()
+    assert process.poll() is None, "the server node exited"
 
 
 def _on_base_weights(model: str, url: str) -> None:
