@@ -73,7 +73,8 @@ def test_a_checkpoint_of_the_earlier_format_still_resumes_each_feature(tiny_llam
     assert path == state_path(str(tmp_path / "again"), 0)
     states = torch.load(path, weights_only=False)["features"]
     assert set(states) == {"rollout_resume"}  # no top-up drawn since: nothing of dynamic sampling's to keep
-    assert _same(states["rollout_resume"], {"step": saved["step"], "inputs": saved["inputs"]})
+    window = {"steps_per_generation": 2, "num_iterations": 1}  # recorded now: a resume with another is refused
+    assert _same(states["rollout_resume"], {"step": saved["step"], "inputs": saved["inputs"], "window": window})
 
 
 def test_the_one_file_round_trips_and_a_legacy_checkpoint_of_other_processes_is_refused(tiny_llama, legacy, tmp_path):

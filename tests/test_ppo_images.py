@@ -148,8 +148,9 @@ def test_a_text_only_critic_is_refused_for_an_image_dataset(tiny_vlm, tiny_llama
             train_dataset=_image_prompts(4),
             processing_class=processor,
         )
-    # value_model=None on a text-only policy: the default critic, built from it, takes no images either
-    with pytest.raises(ValueError, match=r"but the critic \(from the policy, as value_model=None\) is a Llama"):
+    # value_model=None on a text-only policy: the policy itself takes no images, refused first (by the run plan,
+    # before the critic, built from it, would be)
+    with pytest.raises(ValueError, match=r"image columns \['image'\], but the policy is text-only"):
         trl_scale.PPOTrainer(
             model=tiny_llama,
             reward_funcs=_length_reward,

@@ -416,10 +416,11 @@ def test_tree_packing_true_with_an_image_dataset_is_refused_before_anything_runs
     """A call with images is packed without trees: with image columns in the dataset, tree_packing=True is refused by
     the plan (at a call with images too: tests/test_image_scoring.py)."""
     from datasets import Dataset
+    from PIL import Image
 
     from trl_scale.trainers.plan import RunPlan
 
-    images = Dataset.from_dict({"prompt": ["a"], "image": [None]})
+    images = Dataset.from_dict({"prompt": ["a"], "image": [Image.new("RGB", (8, 8))]})
     config = trl_scale.GRPOConfig(output_dir="out", tree_packing=True, use_cpu=True, report_to="none")
     with pytest.raises(ValueError, match=r"image columns \['image'\], and tree_packing=True"):
         RunPlan.from_arguments("GRPOTrainer", {"args": config, "model": tiny_vlm, "train_dataset": images})
