@@ -23,12 +23,19 @@ def _trainer(image_token_id=7, found=None, processor=None):
     return SimpleNamespace(model=model, processing_class=processor, _image_pad_token_id=found)
 
 
+def _built(arguments: dict):
+    """`ToolImages` as a trainer builds it: from the run plan of these constructor arguments."""
+    from trl_scale.trainers.plan import RunPlan
+
+    return ToolImages.build(RunPlan.from_arguments("GRPOTrainer", arguments), arguments)
+
+
 def test_built_for_vision_language_runs_with_tools_or_environments_only(tiny_vlm, tiny_llama):
     processor = object.__new__(_Processor)
-    assert ToolImages.build(None, {"tools": [print], "processing_class": processor}) is not None
-    assert ToolImages.build(None, {"environment_factory": object, "model": tiny_vlm}) is not None
-    assert ToolImages.build(None, {"tools": None, "processing_class": processor}) is None
-    assert ToolImages.build(None, {"tools": [print], "model": tiny_llama}) is None  # a text policy
+    assert _built({"tools": [print], "processing_class": processor}) is not None
+    assert _built({"environment_factory": object, "model": tiny_vlm}) is not None
+    assert _built({"tools": None, "processing_class": processor}) is None
+    assert _built({"tools": [print], "model": tiny_llama}) is None  # a text policy
 
 
 def test_the_policys_image_token_types_a_tools_image_where_trl_found_none():

@@ -152,12 +152,13 @@ def names_vision_language(arguments: dict) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def check_image_inputs(arguments: dict, columns: list[str]) -> None:
+def check_image_inputs(arguments: dict, columns: list[str], vision_language: bool | None) -> None:
     """Datasets with image columns, checked before TRL's constructor (each failed deep in TRL's step before): a
-    text-only policy, rows whose image is missing (None), and pan-and-scan crops TRL's scoring cannot take."""
+    text-only policy (`vision_language`, as the plan found it), rows whose image is missing (None), and pan-and-scan
+    crops TRL's scoring cannot take."""
     if not columns:
         return
-    if not names_vision_language(arguments):
+    if not vision_language:
         raise ValueError(
             f"this dataset has image columns {columns}, but the policy is text-only (its processing class is a "
             "tokenizer, or its config has no vision tower): TRL would hand the images to the tokenizer (KeyError: "

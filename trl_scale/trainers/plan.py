@@ -13,7 +13,13 @@ from typing import Literal
 
 from ..logs import get_logger
 from ..rollout.settings import AsyncRollout
-from .construction import check_image_inputs, image_columns, uses_server_rollout, wants_remote_reference
+from .construction import (
+    check_image_inputs,
+    image_columns,
+    names_vision_language,
+    uses_server_rollout,
+    wants_remote_reference,
+)
 from .setting_needs import refuse_unread_settings
 
 logger = get_logger(__name__)
@@ -49,6 +55,8 @@ class RunPlan:
     trainer: str
     rollout: RolloutPlan = RolloutPlan()
     images: tuple[str, ...] = ()  # the datasets' image columns
+    tools: bool = False  # TRL's tool loop runs: tools, or environments (whose methods are tools)
+    vision_language: bool | None = None  # a vision-language policy; None: not asked (no tools, no image columns)
     remote_reference: bool = False  # the reference model on its own Ray group
     dynamic_sampling: bool = False
     corrects_sampler_logprobs: bool = False  # RLOO's own correction of prefetched completions
@@ -60,9 +68,12 @@ class RunPlan:
         config = arguments.get("args")
         refuse_unread_settings(config, arguments)
         images = tuple(image_columns(arguments.get("train_dataset"), arguments.get("eval_dataset")))
-        check_image_inputs(arguments, list(images))
+        tools = bool(arguments.get("tools")) or arguments.get("environment_factory") is not None
+        # asked once, and only where tools or images need it (it may read the model's config from disk)
+        vision_language = names_vision_language(arguments) if tools or images else None
+        check_image_inputs(arguments, list(images), vision_language)
         if config is None:
-            return cls(trainer, images=images)
+            return cls(trainer, images=images, tools=tools, vision_language=vision_language)
         sp_size = getattr(config, "sequence_parallel_size", 1)
         if images and sp_size > 1:
             raise ValueError(
@@ -81,6 +92,8 @@ class RunPlan:
             trainer=trainer,
             rollout=rollout,
             images=images,
+            tools=tools,
+            vision_language=vision_language,
             remote_reference=wants_remote_reference(config, arguments["model"], arguments.get("peft_config")),
             dynamic_sampling=bool(getattr(config, "dynamic_sampling", False)),
             corrects_sampler_logprobs=bool(getattr(config, "corrects_sampler_logprobs", False)),

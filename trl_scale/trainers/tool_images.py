@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from .construction import names_vision_language as _vision_language
 from .feature import Feature, Patch
 
 
@@ -40,8 +39,7 @@ class ToolImages(Feature):
 
     @classmethod
     def build(cls, plan, arguments: dict) -> ToolImages | None:
-        with_tools = arguments.get("tools") or arguments.get("environment_factory") is not None
-        return cls() if with_tools and _vision_language(arguments) else None
+        return cls() if plan.tools and plan.vision_language else None
 
     def setup(self, trainer) -> None:
         token = policy_image_token(trainer)
@@ -65,8 +63,7 @@ class TextPolicyToolAnswers(Feature):
 
     @classmethod
     def build(cls, plan, arguments: dict) -> TextPolicyToolAnswers | None:
-        with_tools = arguments.get("tools") or arguments.get("environment_factory") is not None
-        return cls() if with_tools and not _vision_language(arguments) else None
+        return cls() if plan.tools and plan.vision_language is False else None
 
     def tool_suffix(self, trainer, proceed, tool_messages):
         for message in tool_messages:
