@@ -36,10 +36,9 @@ def check_training_arguments(config) -> None:
     """Fields of transformers' `TrainingArguments` it takes without a word and fails on (or replaces) later, checked
     as given (before its `__post_init__`): `seed` (a str reached `set_seed` deep in the run), `eval_steps=0`
     (replaced by `logging_steps`: evaluation every logged step, silently)."""
-    seed = getattr(config, "seed", 42)
-    if not _is_whole(seed):
-        raise ValueError(f"seed={seed!r}: use a whole number (it seeds the data order and the initialisation)")
-    if getattr(config, "eval_steps", None) is not None and _is_real(config.eval_steps) and config.eval_steps <= 0:
+    if not _is_whole(config.seed):
+        raise ValueError(f"seed={config.seed!r}: use a whole number (it seeds the data order and the initialisation)")
+    if _is_real(config.eval_steps) and config.eval_steps <= 0:
         raise ValueError(
             f"eval_steps={config.eval_steps!r}: transformers replaces it with logging_steps, so evaluation would run "
             "every logged step. Fix: eval_steps >= 1 (or a fraction of the run in (0, 1)), or leave it unset to "

@@ -2,7 +2,8 @@
 RLOO and PPO generate through it unchanged (`generate(...)` and `sync_weights()`).
 
 It is TRL's `VLLMGeneration` with the single-server `VLLMClient` replaced: the parameter walk that gathers
-ZeRO-3 shards, FSDP DTensors and merged PEFT weights under vLLM's names (`_iter_named_params`) is TRL's own.
+ZeRO-3 shards, FSDP DTensors and merged PEFT weights (`_iter_named_params`) is TRL's own, its names made the
+checkpoint's (`weight_names.CheckpointNamedWalk`).
 Weight sync modes (`weight_sync`):
 
 - `"nccl"`: one weight-transfer group over every server (vLLM's NCCL engine, which needs vLLM and CUDA in the

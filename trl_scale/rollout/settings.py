@@ -179,8 +179,8 @@ class RolloutSettings:
                 "own from it). Fix: an int, or no seed"
             )
         asynchronous = asynchronous if asynchronous is not None else AsyncRollout.from_config(args)
-        if sampling.get("seed") is not None:
-            _warn_seeded_requests(sampling["seed"], asynchronous.streaming)
+        if seed is not None:
+            _warn_seeded_requests(seed, asynchronous.streaming)
         regex = args.vllm_structured_outputs_regex
         if regex is not None:  # as TRL's client sends it (vllm_client.py:441-442), taking precedence
             sampling["structured_outputs"] = {"regex": regex}

@@ -1,8 +1,9 @@
 """The check that each tensor a weight sync sends lands on a weight the servers hold.
 
-A server (vLLM, `trl-scale serve`) loads weights by their checkpoint names, and vLLM's loader skips a name it does not
-know, silently: a sync under transformers 5's fused mixture-of-experts names never reached the experts. Syncs send
-checkpoint names (`CheckpointNamedWalk`, over `trl_scale.checkpoint_names`), and every mode checks them first against
+A server (vLLM, `trl-scale serve`) loads weights by the names its checkpoint holds; a loader may skip a name it does
+not know without a word (vLLM's reload only logs the weights it did not load). Syncs send checkpoint names, which
+every loader reads (`CheckpointNamedWalk`, over `trl_scale.checkpoint_names`: a mixture of experts' fused experts one
+tensor per expert, as `save_pretrained` writes them), and every mode checks them first against
 `ServerWeights`: the tensors the servers loaded (names and shapes from the safetensors headers of the checkpoint the
 server was started from, or the policy's own). The first tensor without a place, or held and never sent, is named.
 """

@@ -99,7 +99,7 @@ class ServedModel:
     updating: bool = False  # between /start_weight_update and /finish_weight_update
     prefix_cache_resets: int = 0
     # checkpoint name -> (the model parameter it sits in, its positions there), built at the first sync
-    _checkpoint_views: dict | None = None
+    _checkpoint_views: dict | None = field(default=None, init=False, repr=False)
     completions_generated: int = 0  # prompts x n, over every /v1/completions request answered
 
     @classmethod

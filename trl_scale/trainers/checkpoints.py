@@ -75,7 +75,8 @@ class SafeCheckpoint(Feature):
 def _window(args) -> dict:
     """The settings that cut a generation's rollout into the steps trained on it."""
     names = ("steps_per_generation", "num_iterations", "num_ppo_epochs", "num_mini_batches")
-    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    values = {name: getattr(args, name, None) for name in names}
+    return {name: value for name, value in values.items() if value is not None}
 
 
 class RolloutResume(Feature):
