@@ -10,6 +10,10 @@
 - `last_*` reads: loads of a `.last_<name>` attribute that a hook left for another (`last_hidden_state`, a model
   output, is not one);
 - trainer attributes assigned outside the constructor: `trainer.X = ...` and `setattr(trainer, ...)`;
+- trainer uses outside the holders: `trainer.X` in `trl_scale/trainers` outside the TRL facade, the adapter and the
+  trainer classes (features are handed the run, and read TRL through `run.trl`);
+- facade reads and writes: the TRL attributes the facade declares (`Read`), and its declared writes
+  (`@interception`); a facade read with a default where a family lacks the attribute (`absent=`) is a probe too;
 - files the step visits (--step): the `trl_scale` files whose code runs during one GRPO training step of the demo's
   configuration, traced with `sys.setprofile`.
 The last line printed is one JSON object.
@@ -24,10 +28,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "trl_scale"
-TRAINER_NAMES = {"trainer", "self"}
+TRAINER_NAMES = {"trainer", "self", "run", "trl"}  # the trainer, and the handles features get for it
 NOT_A_MAILBOX = {"last_hidden_state"}
 CONFIG_TYPES = ("Config", "TrainingArguments", "Arguments")  # annotations naming a trainer's config
-COUNTS = ("probes", "config_reads_with_default", "last_reads", "trainer_attributes_assigned")
+COUNTS = (
+    "probes",
+    "config_reads_with_default",
+    "last_reads",
+    "trainer_attributes_assigned",
+    "trainer_uses_outside_holders",
+    "facade_reads",
+    "facade_writes",
+)
+# the modules of `trl_scale/trainers` that may hold the trainer itself (tests/test_trl_facade.py says why)
+HOLDERS = {
+    "construction.py",
+    "trl_facade.py",
+    "adapter.py",
+    "online.py",
+    "grpo_trainer.py",
+    "rloo_trainer.py",
+    "dpo_trainer.py",
+    "ppo_trainer.py",
+}
 
 
 def _root(node: ast.AST) -> str | None:
@@ -84,6 +107,11 @@ def _count_scope(scope: ast.AST, counts: dict[str, int]) -> None:
     """The counts of `scope`'s own statements (a nested function is a scope of its own)."""
     configs, trainers = _scope_names(scope)
     for node in _own_nodes(scope):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Read":
+            counts["facade_reads"] += 1
+            counts["probes"] += any(keyword.arg == "absent" for keyword in node.keywords)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "interception":
+            counts["facade_writes"] += 1
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args:
             name, first = node.func.id, node.args[0]
             if name == "getattr" and len(node.args) == 3 and _is_args(first, configs):
@@ -132,11 +160,22 @@ def count_source(source: str) -> dict[str, int]:
     return counts
 
 
+def trainer_uses(source: str) -> int:
+    """`trainer.X` attribute uses in one module's source."""
+    return sum(
+        isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "trainer"
+        for node in ast.walk(ast.parse(source))
+    )
+
+
 def static_counts() -> dict[str, int]:
     counts = dict.fromkeys(COUNTS, 0)
     for path in sorted(PACKAGE.rglob("*.py")):
-        for name, value in count_source(path.read_text()).items():
+        source = path.read_text()
+        for name, value in count_source(source).items():
             counts[name] += value
+        if path.parent == PACKAGE / "trainers" and path.name not in HOLDERS:
+            counts["trainer_uses_outside_holders"] += trainer_uses(source)
     return counts
 
 

@@ -1,11 +1,13 @@
 """The importance-sampling ratios before TRL clips them (huggingface/trl#5231): logged beside TRL's clipped ones."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from trl_scale.rollout.correction import raw_ratio_statistics
+from trl_scale.trainers.trl_facade import TrlFacade
 
 
 def test_raw_ratios_and_the_share_clipped_per_token():
@@ -35,7 +37,6 @@ def test_raw_ratios_per_sequence():
 def test_rloo_sequence_correction_honours_clip_min(mode, low_weight):
     """RLOO's per-sequence weights through the trainer's own method: a ratio below
     `vllm_importance_sampling_clip_min` is masked or raised to it, as one above `clip_max` is; within, the ratio."""
-    from types import SimpleNamespace
 
     from trl_scale.rollout.record import RECORD_KEY, GeneratedBatch
     from trl_scale.trainers.correction import importance_weights
@@ -52,7 +53,7 @@ def test_rloo_sequence_correction_honours_clip_min(mode, low_weight):
     }
     backend = SimpleNamespace()
     trainer = rloo_correction_view(backend, clip_min=0.5, clip_max=3.0, mode=mode)
-    weights = importance_weights(trainer, batch)
+    weights = importance_weights(TrlFacade(trainer), batch)
     high_weight = 0.0 if mode == "sequence_mask" else 3.0
     assert torch.allclose(weights, torch.tensor([low_weight, 1.2, high_weight]), atol=1e-6)
     assert trainer._metrics["train"]["sampling/importance_sampling_ratio/clipped_fraction"] == [pytest.approx(2 / 3)]

@@ -8,8 +8,17 @@ import importlib.util
 
 from .helpers import ROOT
 
-# measured 2026-11-29 (after reliability round 7), counted by type and through aliases
-CEILINGS = {"probes": 58, "config_reads_with_default": 27, "last_reads": 2, "trainer_attributes_assigned": 19}
+# measured 2026-11-29 after the TRL facade, counted by type, through aliases and on the run's handles (before it,
+# counted so: probes 59, config reads 27, trainer attributes assigned 19, trainer uses outside the holders 214)
+CEILINGS = {
+    "probes": 42,
+    "config_reads_with_default": 24,
+    "last_reads": 2,
+    "trainer_attributes_assigned": 5,
+    "trainer_uses_outside_holders": 0,
+    "facade_reads": 39,
+    "facade_writes": 14,
+}
 
 
 def _counter():
@@ -48,3 +57,11 @@ def typed(config: "GRPOConfig", peft: "PeftConfig"):
 """
     counts = count(planted)
     assert counts["probes"] == 2 and counts["config_reads_with_default"] == 3, counts
+
+
+def test_the_counter_sees_a_trainer_use_and_a_facade_default():
+    """One `trainer.X` planted in a feature module counts; a facade read with a default is a probe."""
+    counter = _counter()
+    assert counter.trainer_uses("def hook(run, trainer):\n    return trainer.model, run.trl.model\n") == 1
+    counts = counter.count_source('x = Read("a", absent=None)\ny = Read("b")\n')
+    assert counts["facade_reads"] == 2 and counts["probes"] == 1

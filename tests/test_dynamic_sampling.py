@@ -15,6 +15,7 @@ from trl_scale.rollout.dynamic_sampling import CandidateRows, TopUpPrompts, choo
 from trl_scale.toy import counting_prompts
 from trl_scale.trainers.correction import importance_weights
 from trl_scale.trainers.dynamic_sampling import DynamicSampling
+from trl_scale.trainers.trl_facade import TrlFacade
 
 from .helpers import cpu_args, paired, saved_state, step_logs
 
@@ -172,17 +173,17 @@ def test_dynamic_sampling_refusals(tiny_llama, tmp_path):
         environment_factories=None,
     )
     with pytest.raises(ValueError, match="whole groups"):
-        DynamicSampling().check(two_processes)
+        DynamicSampling().check(SimpleNamespace(trl=TrlFacade(two_processes)))
     two_processes.num_generations = 1  # PPO's default
     with pytest.raises(ValueError, match="num_generations >= 2"):
-        DynamicSampling().check(two_processes)
+        DynamicSampling().check(SimpleNamespace(trl=TrlFacade(two_processes)))
     two_processes.num_generations = 3
     two_processes.environment_factories = {"env": object}
     with_environments = DynamicSampling(environments=True)  # as the run's plan builds it with environment_factory
     with pytest.raises(ValueError, match="environment_factory and synchronous rollout.*Fix: async_rollout_staleness"):
-        with_environments.check(two_processes)
-    two_processes.args.async_rollout_staleness = 1  # the stream runs the top-ups' episodes
-    with_environments.check(two_processes)
+        with_environments.check(SimpleNamespace(trl=TrlFacade(two_processes)))
+    streamed = DynamicSampling(environments=True, asynchronous=True)  # async_rollout_staleness >= 1, in the plan
+    streamed.check(SimpleNamespace(trl=TrlFacade(two_processes)))  # the stream runs the top-ups' episodes
 
 
 def test_a_resume_draws_top_ups_on_from_where_the_checkpoint_was(tiny_llama, tmp_path):
@@ -271,14 +272,17 @@ def test_rloo_with_dynamic_sampling_corrects_the_chosen_rows_with_their_own_samp
     def not_generated(prompts):
         raise AssertionError("TRL's _generate ran: the chosen rows were not served")
 
-    assert feature.generate(trainer, not_generated, ["varied", "varied"]) == chosen.generated
+    assert (
+        feature.generate(SimpleNamespace(trl=TrlFacade(trainer)), not_generated, ["varied", "varied"])
+        == chosen.generated
+    )
     batch = {
         "completion_ids": torch.ones(2, 2, dtype=torch.long),
         "completion_mask": torch.ones(2, 2),
         "old_logps": torch.tensor([-3.0, -3.0]),  # each sequence's old log-prob, summed over its 2 tokens
         RECORD_KEY: records.newest(),  # as the rollout feature hands the batch's record out
     }
-    weights = importance_weights(trainer, batch)
+    weights = importance_weights(TrlFacade(trainer), batch)
     assert torch.allclose(weights, torch.full((2,), math.exp(-3.0 + 4.0)))  # the chosen rows' -2 + -2
 
 

@@ -4,6 +4,7 @@ feature its own file) still resumes."""
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import trl_scale
 from trl_scale.toy import counting_prompts
 from trl_scale.trainers.dynamic_sampling import DynamicSampling
 from trl_scale.trainers.feature_state import load_feature_states, save_feature_states, state_path
+from trl_scale.trainers.trl_facade import TrlFacade
 
 from .helpers import cpu_args
 
@@ -63,13 +65,13 @@ def _same(a, b) -> bool:
 
 def test_a_checkpoint_of_the_earlier_format_still_resumes_each_feature(tiny_llama, legacy, tmp_path):
     trainer = _trainer(tiny_llama, tmp_path / "run")
-    load_feature_states(trainer.features, trainer, str(legacy))
+    load_feature_states(trainer.features, trainer.run, str(legacy))
     saved = torch.load(legacy / "rollout_buffer_rank0.pt", weights_only=False)
     drawn = json.loads((legacy / "dynamic_sampling_rank0.json").read_text())["drawn"]
     assert trainer._step == saved["step"] and _same(trainer._buffered_inputs, saved["inputs"])
     assert drawn > 0 and trainer.features.get(DynamicSampling).drawn_at_resume == drawn
     # saved again, it is the one file, keyed by feature name, with the same states
-    path = save_feature_states(trainer.features, trainer, str(tmp_path / "again"))
+    path = save_feature_states(trainer.features, trainer.run, str(tmp_path / "again"))
     assert path == state_path(str(tmp_path / "again"), 0)
     states = torch.load(path, weights_only=False)["features"]
     assert set(states) == {"rollout_resume"}  # no top-up drawn since: nothing of dynamic sampling's to keep
@@ -79,23 +81,23 @@ def test_a_checkpoint_of_the_earlier_format_still_resumes_each_feature(tiny_llam
 
 def test_the_one_file_round_trips_and_a_legacy_checkpoint_of_other_processes_is_refused(tiny_llama, legacy, tmp_path):
     trainer = _trainer(tiny_llama, tmp_path / "run")
-    load_feature_states(trainer.features, trainer, str(legacy))
+    load_feature_states(trainer.features, trainer.run, str(legacy))
     drawn = json.loads((legacy / "dynamic_sampling_rank0.json").read_text())["drawn"]
-    trainer.features.get(DynamicSampling).top_up_rows(trainer, 8)  # two more top-up groups drawn
-    path = save_feature_states(trainer.features, trainer, str(tmp_path / "new"))
+    trainer.features.get(DynamicSampling).top_up_rows(trainer.run.trl, 8)  # two more top-up groups drawn
+    path = save_feature_states(trainer.features, trainer.run, str(tmp_path / "new"))
     resumed = _trainer(tiny_llama, tmp_path / "resumed")
-    load_feature_states(resumed.features, resumed, str(tmp_path / "new"))
+    load_feature_states(resumed.features, resumed.run, str(tmp_path / "new"))
     assert _same(resumed._buffered_inputs, trainer._buffered_inputs)
     assert resumed.features.get(DynamicSampling).drawn_at_resume == drawn + 2
     # as if two processes had saved: refused on one, naming the files
     shutil.copy(path, state_path(str(tmp_path / "new"), 1))
     with pytest.raises(ValueError, match=r"by 2 process\(es\).*trl_scale_state_rankN.pt.*this run has 1"):
-        load_feature_states(resumed.features, resumed, str(tmp_path / "new"))
+        load_feature_states(resumed.features, resumed.run, str(tmp_path / "new"))
     two = tmp_path / "legacy"
     shutil.copytree(legacy, two, ignore=shutil.ignore_patterns("run"))
     shutil.copy(two / "rollout_buffer_rank0.pt", two / "rollout_buffer_rank1.pt")
     with pytest.raises(ValueError, match=r"by 2 process\(es\).*rollout_buffer_rankN.pt.*this run has 1"):
-        load_feature_states(resumed.features, resumed, str(two))
+        load_feature_states(resumed.features, resumed.run, str(two))
 
 
 class _Recorded:
@@ -114,9 +116,8 @@ class _Recorded:
 
 
 def _rank(index: int):
-    from types import SimpleNamespace
 
-    return SimpleNamespace(accelerator=SimpleNamespace(process_index=index))
+    return SimpleNamespace(trl=TrlFacade(SimpleNamespace(accelerator=SimpleNamespace(process_index=index))))
 
 
 def test_each_rank_reads_its_own_state_file(tmp_path):

@@ -10,6 +10,7 @@ from trl_scale.cli import main
 from trl_scale.cli_step import EXAMPLES, CountingEnvironment, example_step
 from trl_scale.trainers.plan import RunPlan
 from trl_scale.trainers.step import TRAINER_PATCHES, chain_for
+from trl_scale.trainers.trl_facade import TrlFacade
 
 from .helpers import ROOT, cpu_args
 
@@ -175,7 +176,39 @@ def _declared_modules() -> set[str]:
     }
     patches = [patch for kind in kinds for patch in kind.PATCHES]
     patches += [patch for declared in TRAINER_PATCHES.values() for patch in declared]
+    patches += [patch for _, patch in TrlFacade.interceptions()]
     return {patch.where for patch in patches}
+
+
+def _writes_the_trainer(function: ast.FunctionDef) -> bool:
+    """`trainer.X = ...` / `self._trainer.X = ...` (tuple targets too) in `function`'s body, nested ones included."""
+
+    def on_trainer(target) -> bool:
+        if isinstance(target, ast.Tuple):
+            return any(on_trainer(element) for element in target.elts)
+        return isinstance(target, ast.Attribute) and ast.unparse(target.value) in ("trainer", "self._trainer")
+
+    return any(
+        on_trainer(target) for node in ast.walk(function) if isinstance(node, ast.Assign) for target in node.targets
+    )
+
+
+def test_every_write_of_the_trl_facade_is_a_declared_interception():
+    """A method of `TrlFacade` that assigns an attribute of TRL's trainer carries its `interception` declaration
+    (so `trl-scale step` lists it); a declared one writes."""
+    tree = ast.parse((ROOT / "trl_scale" / "trainers" / "trl_facade.py").read_text())
+    facade = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrlFacade")
+    writing = {f.name for f in facade.body if isinstance(f, ast.FunctionDef) and _writes_the_trainer(f)}
+    declared = {name for name, _ in TrlFacade.interceptions()}
+    assert writing and writing == declared, (writing - declared, declared - writing)
+    others = [
+        f.name
+        for c in tree.body
+        if isinstance(c, ast.ClassDef) and c.name in ("TrlReads", "TrlCalls")
+        for f in c.body
+        if isinstance(f, ast.FunctionDef) and _writes_the_trainer(f)
+    ]
+    assert not others, f"writes outside TrlFacade's declared methods: {others}"
 
 
 def test_every_module_that_makes_an_interception_is_named_by_a_declaration():

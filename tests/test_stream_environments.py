@@ -188,14 +188,14 @@ def test_a_streamed_episode_equals_trls_step_on_the_same_turns(tool_model, tmp_p
 
     # the stream's episode on the same turns
     lock = threading.Lock()
-    opener = EpisodeOpener(trainer, timeout=30, lock=lock)
+    opener = EpisodeOpener(trainer.run.trl, timeout=30, lock=lock)
     episode = opener(rows)
     completion_ids, logprobs = first
-    conversations = conversing(trainer, lock, 30)(
+    conversations = conversing(trainer.run.trl, lock, 30)(
         episode.rows, episode.prompt_ids, completion_ids, logprobs, later, episode
     )
     choices = [{"token_ids": ids, CONVERSATION_KEY: c} for ids, c in zip(completion_ids, conversations)]
-    scored = StreamRewarder(trainer, 2)(episode.rows, episode.prompt_ids, choices, episode)
+    scored = StreamRewarder(trainer.run.trl, 2)(episode.rows, episode.prompt_ids, choices, episode)
     episode.close()
     opener.close()
 
@@ -461,14 +461,14 @@ def test_a_hung_tool_is_a_failing_tool_and_its_instance_is_discarded(tool_model,
         environment_factory=Hanging,
     )
     lock = threading.Lock()
-    opener = EpisodeOpener(trainer, timeout=0.2, lock=lock)
+    opener = EpisodeOpener(trainer.run.trl, timeout=0.2, lock=lock)
     rows = [dict(trainer.train_dataset[0]) for _ in range(GROUP)]
     episode = opener(rows)
     tokenizer = trainer.processing_class
     completion_ids, logprobs = first_turns(tokenizer)
     completion_ids[1], logprobs[1] = list(completion_ids[0]), list(logprobs[0])  # tick, not the async tock
     started = time.monotonic()
-    conversations = conversing(trainer, lock, 0.2)(
+    conversations = conversing(trainer.run.trl, lock, 0.2)(
         episode.rows, episode.prompt_ids, completion_ids, logprobs, scripted_turns(tokenizer), episode
     )
     assert time.monotonic() - started < 4  # not the 5 s each hung call would take
@@ -489,7 +489,7 @@ def test_a_failing_reset_names_the_environment_and_the_group(tool_model, tmp_pat
         processing_class=AutoTokenizer.from_pretrained(tool_model),
         environment_factory={"sync": BrokenReset, "async": AsyncCounter},
     )
-    opener = EpisodeOpener(trainer, timeout=5, lock=threading.Lock())
+    opener = EpisodeOpener(trainer.run.trl, timeout=5, lock=threading.Lock())
     rows = [dict(trainer.train_dataset[1]) for _ in range(GROUP)]
     with pytest.raises(EnvironmentFailure, match=r"environment 'sync' \(BrokenReset\): reset\(\) failed .*count two"):
         opener(rows)

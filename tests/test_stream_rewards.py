@@ -229,12 +229,12 @@ def test_the_trainer_yaml_and_the_command_line_set_the_stream_settings(tmp_path)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump({**base, "stream_rewards": True, "environment_timeout": 45}))
     (from_yaml,) = TrlParser((trl_scale.GRPOConfig,)).parse_args_and_config(["--config", str(path)])
-    assert AsyncRollout.from_config(from_yaml).rewards_in_stream and from_yaml.environment_timeout == 45
+    assert AsyncRollout.from_config(from_yaml).stream_rewards_asked and from_yaml.environment_timeout == 45
     path.write_text(yaml.safe_dump(base))
     argv = ["--config", str(path), "--stream_rewards", "true", "--stream_reward_workers", "2"]
     (from_cli,) = TrlParser((trl_scale.GRPOConfig,)).parse_args_and_config([*argv, "--environment_timeout", "30"])
     settings = AsyncRollout.from_config(from_cli)
-    assert settings.rewards_in_stream and settings.reward_workers == 2 and from_cli.environment_timeout == 30
+    assert settings.stream_rewards_asked and settings.reward_workers == 2 and from_cli.environment_timeout == 30
 
 
 def test_the_readmes_defaults_for_agents_are_the_configs():
@@ -279,6 +279,7 @@ def test_the_step_checks_its_rows_and_replays_the_streams_logs():
     from types import SimpleNamespace
 
     from trl_scale.trainers.stream_rewards import StreamRewards
+    from trl_scale.trainers.trl_facade import TrlFacade
 
     rows = [{"prompt": f"p{i}"} for i in range(4)]
     groups = [
@@ -296,11 +297,12 @@ def test_the_step_checks_its_rows_and_replays_the_streams_logs():
     def proceed(inputs, prompts, completions, completion_ids):
         return [f(prompts=prompts, completions=completions) for f in trainer.reward_funcs]
 
-    (rewards,) = StreamRewards().rewards(trainer, proceed, rows, ["p"] * 4, ["a", "b", "c", "d"], [[1], [2], [3], [4]])
+    run = SimpleNamespace(trl=TrlFacade(trainer))
+    (rewards,) = StreamRewards().rewards(run, proceed, rows, ["p"] * 4, ["a", "b", "c", "d"], [[1], [2], [3], [4]])
     assert rewards == [1.0, 0.0, 0.5, 0.25]
     assert logged == [("judge", ["x", "y"]), ("m", 1.0), ("judge", ["z", "w"]), ("m", 3.0)]
     with pytest.raises(RuntimeError, match="not the ones whose rewards were computed in the stream"):
-        StreamRewards().rewards(trainer, proceed, rows, ["p"] * 4, ["a", "b", "c", "d"], [[1], [2], [4], [3]])
+        StreamRewards().rewards(run, proceed, rows, ["p"] * 4, ["a", "b", "c", "d"], [[1], [2], [4], [3]])
 
 
 def test_reward_workers_with_ordered_environments_are_accepted_by_the_config(tmp_path):

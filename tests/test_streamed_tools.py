@@ -85,7 +85,7 @@ def in_the_step(trainer, rows, prompt_ids, completion_ids, logprobs, turns):
     trainer._async_tool_dicts = [{"tock": tock} for _ in rows]
     trainer._generate_single_turn = lambda prompt_ids, *args, **kwargs: turns(prompt_ids)
     try:
-        messages = first_turn_messages(trainer, prompts, ids, completion_ids)
+        messages = first_turn_messages(trainer.run.trl, prompts, ids, completion_ids)
         return trl.GRPOTrainer._tool_call_loop(
             trainer, prompts, ids, copy.deepcopy(completion_ids), messages, copy.deepcopy(logprobs), None, {}
         )
@@ -104,7 +104,7 @@ def test_a_streamed_group_converses_exactly_as_trls_tool_loop_in_the_step(traine
     rows, prompt_ids = group(trainer, 0)
     completion_ids, logprobs = first_turns(tokenizer, 4)
     expected = in_the_step(trainer, rows, prompt_ids, completion_ids, logprobs, scripted_turns(tokenizer))
-    conversations = conversing(trainer)(rows, prompt_ids, completion_ids, logprobs, scripted_turns(tokenizer))
+    conversations = conversing(trainer.run.trl)(rows, prompt_ids, completion_ids, logprobs, scripted_turns(tokenizer))
     streamed = streamed_conversations(conversations, completion_ids, logprobs)
     assert streamed == expected
     tool_mask, messages, _, _, calls, failures, _ = streamed
@@ -118,7 +118,7 @@ def test_groups_conversing_at_once_each_get_what_they_would_alone(trainer):
     to its conversation run alone; the lock lets go while a turn generates (eight at once take about one turn's time
     per round, not eight)."""
     tokenizer = trainer.processing_class
-    converse = conversing(trainer)
+    converse = conversing(trainer.run.trl)
     groups = [group(trainer, i) for i in range(8)]
     first = first_turns(tokenizer, 4)
     alone = [converse(rows, ids, *first, scripted_turns(tokenizer)) for rows, ids in groups]
@@ -147,7 +147,7 @@ def test_a_conversation_not_starting_with_its_batch_completion_is_refused(traine
     tokenizer = trainer.processing_class
     rows, prompt_ids = group(trainer, 0)
     completion_ids, logprobs = first_turns(tokenizer, 4)
-    conversations = conversing(trainer)(rows, prompt_ids, completion_ids, logprobs, scripted_turns(tokenizer))
+    conversations = conversing(trainer.run.trl)(rows, prompt_ids, completion_ids, logprobs, scripted_turns(tokenizer))
     with pytest.raises(RuntimeError, match="does not start with its batch's completion"):
         streamed_conversations(conversations[::-1], completion_ids, logprobs)
 
@@ -160,7 +160,7 @@ def test_the_tool_loop_leaves_the_trainers_rows_and_first_turns_as_they_were(tra
     rows, prompt_ids = group(trainer, 0)
     completion_ids, logprobs = first_turns(tokenizer, 4)
     before = copy.deepcopy((rows, prompt_ids, completion_ids, logprobs))
-    conversations = conversing(trainer)(rows, prompt_ids, completion_ids, logprobs, scripted_turns(tokenizer))
+    conversations = conversing(trainer.run.trl)(rows, prompt_ids, completion_ids, logprobs, scripted_turns(tokenizer))
     assert any(len(c.completion_ids) > len(first) for c, first in zip(conversations, completion_ids))  # it conversed
     assert (rows, prompt_ids, completion_ids, logprobs) == before
 
@@ -205,8 +205,8 @@ def test_a_tool_answering_with_an_image_to_a_text_only_policy_is_refused_naming_
             picture_trainer._generate_single_turn = lambda prompt_ids, *args, **kwargs: turns(prompt_ids)
             from trl_scale.trainers.streamed_tools import first_turn_messages
 
-            messages = first_turn_messages(picture_trainer, prompts, ids, completion_ids)
+            messages = first_turn_messages(picture_trainer.run.trl, prompts, ids, completion_ids)
             loop = trl.GRPOTrainer._tool_call_loop
             loop(picture_trainer, prompts, ids, completion_ids, messages, logprobs, None, {})
         else:
-            conversing(picture_trainer)(rows, prompt_ids, completion_ids, logprobs, turns)
+            conversing(picture_trainer.run.trl)(rows, prompt_ids, completion_ids, logprobs, turns)

@@ -179,36 +179,38 @@ def test_slow_rewards_in_a_streaming_step_hint_at_stream_rewards_once(monkeypatc
     """At the default (stream_rewards=None: rewards in the step without environments) a streaming run whose rewards
     take a quarter of the step or more is told once that the switch exists; not for the first log (start-up), not
     where rewards already stream, not when the user chose False."""
-    from types import SimpleNamespace
-
-    from trl_scale.trainers import timing
+    from trl_scale.trainers import timing as timing_module
+    from trl_scale.trainers.plan import RolloutPlan, RunPlan
     from trl_scale.trainers.timing import PhaseTiming
 
     now = [0.0]
-    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(timing_module.time, "perf_counter", lambda: now[0])
 
-    def trainer(stream_rewards=None, in_stream=False):
-        settings = SimpleNamespace(asynchronous=SimpleNamespace(rewards_in_stream=in_stream))
-        return SimpleNamespace(
-            vllm_generation=SimpleNamespace(ahead=SimpleNamespace(takes_groups=True), settings=settings),
-            args=SimpleNamespace(stream_rewards=stream_rewards),
-            environment_factories=None,
+    def timing(stream_rewards=None, in_stream=False, environments=False) -> PhaseTiming:
+        rollout = RolloutPlan(
+            client="trl_scale",
+            environments=environments,
+            takes_groups=True,
+            rewards_in_stream=in_stream,
+            stream_rewards_chosen=stream_rewards is not None,
         )
+        return PhaseTiming.build(RunPlan("GRPOTrainer", rollout=rollout), {})
 
-    def run(stamp: PhaseTiming, subject, reward_share: float, logs: int = 3):
+    def run(stamp: PhaseTiming, reward_share: float, logs: int = 3):
         for _ in range(logs):
             with stamp.timed("reward"):
                 now[0] += 10 * reward_share
             now[0] += 10 * (1 - reward_share)
-            stamp.log(subject, {"loss": 0.0})
+            stamp.log(None, {"loss": 0.0})
 
     with caplog.at_level("WARNING", logger="trl_scale"):
-        run(PhaseTiming(), trainer(), reward_share=0.1)
-        run(PhaseTiming(), trainer(stream_rewards=False), reward_share=0.5)
-        run(PhaseTiming(), trainer(in_stream=True), reward_share=0.5)
-        run(PhaseTiming(), trainer(), reward_share=0.5, logs=1)  # the first log only: start-up, not judged
+        run(timing(), reward_share=0.1)
+        run(timing(stream_rewards=False), reward_share=0.5)
+        run(timing(in_stream=True), reward_share=0.5)
+        run(timing(environments=True), reward_share=0.5)
+        run(timing(), reward_share=0.5, logs=1)  # the first log only: start-up, not judged
         assert "stream_rewards=True computes" not in caplog.text
-        run(PhaseTiming(), trainer(), reward_share=0.5)
+        run(timing(), reward_share=0.5)
     hints = [r for r in caplog.records if "stream_rewards=True computes" in r.getMessage()]
     assert len(hints) == 1 and "rewards took 50% of the last steps' time" in hints[0].getMessage()
 

@@ -10,6 +10,7 @@ import torch
 from transformers import ProcessorMixin
 
 from trl_scale.trainers.tool_images import ToolImages
+from trl_scale.trainers.trl_facade import TrlFacade
 
 
 class _Processor(ProcessorMixin):
@@ -40,13 +41,13 @@ def test_built_for_vision_language_runs_with_tools_or_environments_only(tiny_vlm
 
 def test_the_policys_image_token_types_a_tools_image_where_trl_found_none():
     trainer = _trainer(image_token_id=7)
-    ToolImages().setup(trainer)
+    ToolImages().setup(SimpleNamespace(trl=TrlFacade(trainer)))
     assert trainer._image_pad_token_id == 7
     kept = _trainer(image_token_id=7, found=3)  # TRL found one by name: its own stays
-    ToolImages().setup(kept)
+    ToolImages().setup(SimpleNamespace(trl=TrlFacade(kept)))
     assert kept._image_pad_token_id == 3
     text = _trainer(image_token_id=7, processor=object())  # a tokenizer: no images at all
-    ToolImages().setup(text)
+    ToolImages().setup(SimpleNamespace(trl=TrlFacade(text)))
     assert text._image_pad_token_id is None
 
 

@@ -124,7 +124,7 @@ def _eval_split(parser, dataset, script_args, training_args):
 
 
 def _say_processes(trainer, method: str) -> None:
-    sp_size = getattr(trainer.args, "sequence_parallel_size", 1)
+    sp_size = trainer.plan.scoring.sequence_parallel_size
     processes = trainer.accelerator.state.num_processes
     if sp_size > 1:
         trainer.accelerator.print(

@@ -24,7 +24,7 @@ class AsyncRollout:
     staleness: int = 0  # 0: synchronous
     mode: AsyncMode = "ordered"  # the read-ahead engine (with staleness >= 1)
     interrupt: Interrupt = "keep"  # streaming: a sync freezes running answers ("keep") or cuts them ("partial")
-    rewards_in_stream: bool = False  # streaming: a group's rewards are computed as soon as it finishes
+    stream_rewards_asked: bool = False  # stream_rewards=True (the run plan resolves None: `rewards_in_stream`)
     reward_workers: int = 4  # ... its synchronous reward functions on this many threads
 
     @property
@@ -54,17 +54,16 @@ class AsyncRollout:
                 f"async_rollout_interrupt={interrupt!r}: use 'keep' (running answers go on with the new weights) or "
                 "'partial' (they are cut at the sync and continued after it)"
             )
-        rewards_in_stream = args.stream_rewards  # None: decided by the trainer (environments)
         reward_workers = args.stream_reward_workers
         check_whole("stream_reward_workers", reward_workers, minimum=1, fix="use a positive whole number of threads")
-        settings = cls(staleness, mode, interrupt, rewards_in_stream is True, reward_workers)
+        settings = cls(staleness, mode, interrupt, args.stream_rewards is True, reward_workers)
         settings.check_with(args)
         return settings
 
     def unread_reward_workers(self, stream_rewards: bool | None, environments: bool) -> str | None:
         """Why `stream_reward_workers` would be read by nothing (rewards computed in the step); None where they
         size the stream's reward threads: stream_rewards=True, or None where an environment streams."""
-        if self.reward_workers == 4 or self.rewards_in_stream or (stream_rewards is None and environments):
+        if self.reward_workers == 4 or self.stream_rewards_asked or (stream_rewards is None and environments):
             return None
         return (
             f"stream_reward_workers={self.reward_workers} sizes the threads that compute rewards in the stream, and "
@@ -96,7 +95,7 @@ class AsyncRollout:
 
     def _check_stream_rewards(self, args) -> None:
         """Rewards are computed in the stream only where groups stream; the workers act only there."""
-        if self.rewards_in_stream and not self.streaming:
+        if self.stream_rewards_asked and not self.streaming:
             raise ValueError(
                 "stream_rewards=True computes each prompt group's rewards as soon as it finishes streaming; "
                 f"with async_rollout_staleness={self.staleness} and async_rollout_mode={self.mode!r} no group "

@@ -166,7 +166,7 @@ TRAINER_SEAMS: tuple[Seam, ...] = (
     Seam(
         f"{T}._prepare_inputs",
         CALL,
-        "trainers/streamed_tools.py _group_view (TRL's tool loop calls super()._prepare_inputs on the group's view, "
+        "trainers/trl_facade.py _group_view (TRL's tool loop calls super()._prepare_inputs on the group's view, "
         "an instance of the trainer's class for that call)",
         "moves a dict of tensors to the trainer's device; takes only an instance of TRL's class",
     ),

@@ -15,6 +15,8 @@ from ..rollout.record import RECORD_KEY
 from .feature import Feature, FeatureChain
 from .feature_state import load_feature_states, save_feature_states
 from .plan import RunPlan
+from .run import Run
+from .trl_facade import TrlFacade
 
 logger = get_logger(__name__)
 
@@ -43,18 +45,24 @@ class FeatureHooks:
 
     FEATURES: ClassVar[tuple[type[Feature], ...]] = ()
     features: FeatureChain
+    run: Run
 
     def _start_features(self, arguments: dict) -> RunPlan:
-        """The run's plan and the features that act in it, made from the constructor arguments before TRL's
-        constructor runs (DPO's packed scoring is asked for inside it)."""
+        """The run's plan, the features that act in it and the `Run` they are handed, made from the constructor
+        arguments before TRL's constructor runs (DPO's packed scoring is asked for inside it)."""
         self.plan = RunPlan.from_arguments(type(self).__name__, arguments)
         self.features = FeatureChain.built(self.FEATURES, self.plan, arguments)
+        self.run = Run(self.plan, TrlFacade(self), self.features, self._trl_hook)
         return self.plan
+
+    def _trl_hook(self, hook: str):
+        """TRL's own method of an around hook, bound to this trainer."""
+        return getattr(super(), TRL_METHODS[hook])
 
     def _set_up_features(self) -> None:
         """After TRL's constructor: every feature checks, then every feature sets up, in order."""
-        self.features.event("check", self)
-        self.features.event("setup", self)
+        self.features.event("check", self.run)
+        self.features.event("setup", self.run)
         if self.accelerator.is_main_process:
             logger.info(f"trl-scale plan: {self.plan.summary()}")
             for hook, names in self.features.by_hook().items():
@@ -67,17 +75,18 @@ class FeatureHooks:
 
     def _around(self, hook: str, *args, **kwargs):
         trl_method = getattr(super(), TRL_METHODS[hook])
-        return self._chain().around(hook, self, trl_method, *args, **kwargs)
-
-    def hook_below(self, feature: Feature, hook: str):
-        """`hook` as run under `feature`: the features inside it, then TRL's method."""
-        trl_method = getattr(super(), TRL_METHODS[hook])
-        return self.features.below(feature, hook, self, trl_method)
+        return self._chain().around(hook, self.__dict__.get("run"), trl_method, *args, **kwargs)
 
     def card_features(self) -> list[str]:
         """The trl-scale features this run uses, as model card tags."""
-        tags = self._chain().card_tags(self)
-        return tags + (["ray"] if getattr(self.args, "backend", "local") == "ray" else [])
+        tags = self._chain().card_tags(self.__dict__.get("run"))
+        return tags + (["ray"] if self.plan.ray_backend else [])
+
+    def _log_trace(self, run: Run) -> None:
+        """The features' hooks that ran since the last log (`HookTrace`), said on the main process."""
+        hooks = run.trace.taken()
+        if self.accelerator.is_main_process:
+            logger.info(f"trl-scale trace since the last log: {run.trace.line(hooks)}")
 
     # ---- TRL's hooks -----------------------------------------------------------------------------------------
 
@@ -86,7 +95,10 @@ class FeatureHooks:
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # training logs (not the final summary)
-            self._chain().event("log", self, logs)
+            run = self.__dict__.get("run")
+            self._chain().event("log", run, logs)
+            if run is not None:
+                self._log_trace(run)
             # trl-scale callbacks add their figures here, before the Trainer hands `logs` to report_to integrations
             # (a callback's own on_log runs after those and could not reach them).
             for callback in self.callback_handler.callbacks:
@@ -99,14 +111,15 @@ class FeatureHooks:
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        self._chain().event("save_state", self, output_dir)
-        save_feature_states(self._chain(), self, output_dir)
+        if self._chain().features:
+            self._chain().event("save_state", self.run, output_dir)
+            save_feature_states(self._chain(), self.run, output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None:
-            self._chain().event("load_state", self, checkpoint)
-            load_feature_states(self._chain(), self, checkpoint)
+        if checkpoint is not None and self._chain().features:
+            self._chain().event("load_state", self.run, checkpoint)
+            load_feature_states(self._chain(), self.run, checkpoint)
 
     def push_to_hub(self, *args, **kwargs):
         return self._around("push_to_hub", *args, **kwargs)

@@ -50,18 +50,18 @@ class SafeCheckpoint(Feature):
 
     name = "safe_checkpoint"
 
-    def save_checkpoint(self, trainer, proceed, model, trial):
+    def save_checkpoint(self, run, proceed, model, trial):
         import shutil
 
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-        run_dir = trainer._get_output_dir(trial=trial)
-        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+        run_dir = run.trl.output_dir(trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{run.trl.state.global_step}")
         existed = os.path.isdir(folder)
         try:
             return proceed(model, trial)
         except OSError as error:
-            if not existed and trainer.args.should_save:
+            if not existed and run.trl.args.should_save:
                 shutil.rmtree(folder, ignore_errors=True)
             last = get_last_checkpoint(run_dir) if os.path.isdir(run_dir) else None
             raise OSError(
@@ -84,20 +84,20 @@ class RolloutResume(Feature):
 
     name = "rollout_resume"
 
-    def state_dict(self, trainer) -> dict | None:
+    def state_dict(self, run) -> dict | None:
         """The rollout being trained on (every data-parallel rank its own): a checkpoint inside a generation window
         (`steps_per_generation` x `num_iterations` > 1, or PPO's epochs x mini-batches) then resumes on the same
         rollout, where TRL would sample a new one and diverge from the uninterrupted run."""
-        if trainer._buffered_inputs is None:
+        if run.trl.buffered_inputs is None:
             return None
-        return {"step": trainer._step, "inputs": trainer._buffered_inputs, "window": _window(trainer.args)}
+        return {"step": run.trl.buffer_step, "inputs": run.trl.buffered_inputs, "window": _window(run.trl.args)}
 
-    def load_state_dict(self, trainer, state: dict, path: str) -> None:
+    def load_state_dict(self, run, state: dict, path: str) -> None:
         from accelerate.utils import send_to_device
 
         checkpoint = os.path.dirname(path)
-        check_same_processes(checkpoint, saved_ranks(checkpoint), trainer.accelerator.num_processes)
-        saved, now = state.get("window"), _window(trainer.args)
+        check_same_processes(checkpoint, saved_ranks(checkpoint), run.trl.accelerator.num_processes)
+        saved, now = state.get("window"), _window(run.trl.args)
         if saved is not None and saved != now:  # TRL indexes the buffer by step modulo its own window
             differ = ", ".join(f"{name}={saved[name]} (now {now[name]})" for name in saved if saved[name] != now[name])
             raise ValueError(
@@ -105,20 +105,17 @@ class RolloutResume(Feature):
                 "window, and this run would read it by another. Fix: resume with the saved values, or from a "
                 "checkpoint saved at a window's end (global_step a multiple of steps_per_generation)"
             )
-        trainer._step, trainer._buffered_inputs = (
-            state["step"],
-            send_to_device(state["inputs"], trainer.accelerator.device),
-        )
+        run.trl.restore_buffered_inputs(state["step"], send_to_device(state["inputs"], run.trl.accelerator.device))
 
-    def load_legacy_state(self, trainer, checkpoint: str) -> None:
+    def load_legacy_state(self, run, checkpoint: str) -> None:
         """`rollout_buffer_rank<N>.pt`, one per rank."""
         saved = len(glob.glob(os.path.join(checkpoint, ROLLOUT_BUFFER_NAME.format(rank="*"))))
-        check_same_processes(checkpoint, saved, trainer.accelerator.num_processes, ROLLOUT_BUFFER_NAME)
-        path = os.path.join(checkpoint, ROLLOUT_BUFFER_NAME.format(rank=trainer.accelerator.process_index))
+        check_same_processes(checkpoint, saved, run.trl.accelerator.num_processes, ROLLOUT_BUFFER_NAME)
+        path = os.path.join(checkpoint, ROLLOUT_BUFFER_NAME.format(rank=run.trl.accelerator.process_index))
         if os.path.isfile(path):
             import torch
 
             # Plain "cpu" for CPU runs: under DeepSpeed the device is "cpu:0", a location torch.load cannot restore.
-            device = trainer.accelerator.device
+            device = run.trl.accelerator.device
             saved = torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=False)
-            trainer._step, trainer._buffered_inputs = saved["step"], saved["inputs"]
+            run.trl.restore_buffered_inputs(saved["step"], saved["inputs"])

@@ -85,7 +85,7 @@ def check_model_arguments(arguments: dict) -> None:
         check_model_path(reward, "reward_funcs" if not isinstance(rewards, list) else f"reward_funcs[{index}]")
 
 
-def check_train_dataset(dataset, required: tuple[str, ...], trainer: str) -> None:
+def check_train_dataset(dataset, required: tuple[str, ...], trainer_name: str) -> None:
     """Fail at construction when the training data cannot work: no rows, or a column the trainer reads is missing."""
     if dataset is None:
         return
@@ -94,7 +94,9 @@ def check_train_dataset(dataset, required: tuple[str, ...], trainer: str) -> Non
     except TypeError:  # an IterableDataset: no length to check
         size = None
     if size == 0:
-        raise ValueError(f"train_dataset is empty: {trainer} has nothing to train on. Fix: pass a dataset with rows")
+        raise ValueError(
+            f"train_dataset is empty: {trainer_name} has nothing to train on. Fix: pass a dataset with rows"
+        )
     columns = getattr(dataset, "column_names", None)
     if columns is None or isinstance(columns, dict):  # unknown (streaming) or a DatasetDict passed by mistake
         if isinstance(columns, dict):
@@ -105,8 +107,8 @@ def check_train_dataset(dataset, required: tuple[str, ...], trainer: str) -> Non
     missing = [name for name in required if name not in columns]
     if missing:
         raise ValueError(
-            f"train_dataset has no column {missing[0]!r}, which {trainer} reads (columns: {columns}). Fix: rename "
-            f"yours with dataset.rename_column(OLD, {missing[0]!r})"
+            f"train_dataset has no column {missing[0]!r}, which {trainer_name} reads (columns: {columns}). Fix: "
+            f"rename yours with dataset.rename_column(OLD, {missing[0]!r})"
         )
 
 
@@ -214,7 +216,7 @@ def with_signature_of(trl_init):
 
 def remote_reward_funcs(reward_funcs, args):
     """With backend='ray', replace each reward model in `reward_funcs` (path or object) by a function served by
-    the reward group; callables stay in the trainer."""
+    the reward group; callables stay in the trainer's process."""
     if getattr(args, "backend", "local") != "ray" or reward_funcs is None:
         return reward_funcs
     from torch import nn

@@ -43,56 +43,61 @@ class DecoderLayers(Feature):
         ),
     )
 
-    def __init__(self):
+    def __init__(self, sequence_parallel_size: int = 1):
+        self.sequence_parallel_size = sequence_parallel_size
         self.checkpointing: checkpointing.SelectiveCheckpointing | None = None
         self.compiled = False
 
-    def check(self, trainer) -> None:
-        if trainer.args.compile_decoder_layers:
+    @classmethod
+    def build(cls, plan, arguments: dict) -> DecoderLayers:
+        return cls(plan.scoring.sequence_parallel_size)
+
+    def check(self, run) -> None:
+        if run.trl.args.compile_decoder_layers:
             try:
-                decoder_layers(trainer.accelerator.unwrap_model(trainer.model))
+                decoder_layers(run.trl.accelerator.unwrap_model(run.trl.model))
             except ValueError as error:
                 raise ValueError(
                     f"compile_decoder_layers=True compiles each decoder layer, but {error}. Fix: "
                     "compile_decoder_layers=None (compiles where it can and pays) or False"
                 ) from None
 
-    def setup(self, trainer) -> None:
-        if trainer.args.compile_decoder_layers:
-            self.compile(trainer)
-        elif trainer.args.compile_decoder_layers is None:
-            trainer.add_callback(_CompileWhenItPays(self, trainer))
-        self.checkpointing = self._plan_checkpointing(trainer)
+    def setup(self, run) -> None:
+        if run.trl.args.compile_decoder_layers:
+            self.compile(run.trl)
+        elif run.trl.args.compile_decoder_layers is None:
+            run.trl.add_callback(_CompileWhenItPays(self, run.trl))
+        self.checkpointing = self._plan_checkpointing(run.trl)
 
-    def compile(self, trainer) -> None:
-        for model in (trainer.model, getattr(trainer, "ref_model", None)):
+    def compile(self, trl) -> None:
+        for model in (trl.model, trl.ref_model):
             if model is not None and not isinstance(model, RayReference):
-                compile_decoder_layers(trainer.accelerator.unwrap_model(model))
+                compile_decoder_layers(trl.accelerator.unwrap_model(model))
         self.compiled = True
 
-    def why_not_compile(self, trainer, planned_steps: int) -> str | None:
+    def why_not_compile(self, trl, planned_steps: int) -> str | None:
         from peft import PeftModel
 
-        policy = trainer.accelerator.unwrap_model(trainer.model)
+        policy = trl.accelerator.unwrap_model(trl.model)
         if isinstance(policy, PeftModel):
             return "a PEFT adapter (compiled LoRA layers were not measured)"
-        sharded = _sharded_by_layer(trainer.accelerator)
+        sharded = _sharded_by_layer(trl.accelerator)
         if sharded is not None:
             return f"{sharded} gathers parameters layer by layer (not measured compiled)"
         return why_not_compile(policy, planned_steps)
 
-    def _plan_checkpointing(self, trainer) -> checkpointing.SelectiveCheckpointing | None:
-        args = trainer.args
+    def _plan_checkpointing(self, trl) -> checkpointing.SelectiveCheckpointing | None:
+        args = trl.args
         if not args.gradient_checkpointing or args.gradient_checkpointing_layers != "auto":
             return None
-        policy = trainer.accelerator.unwrap_model(trainer.model)
+        policy = trl.accelerator.unwrap_model(trl.model)
         memory = checkpointing.device_memory(next(policy.parameters()).device)
-        reason, sharded = None, _sharded_by_layer(trainer.accelerator)
+        reason, sharded = None, _sharded_by_layer(trl.accelerator)
         if memory is None:
             reason = "not on CUDA"
         elif sharded is not None:
             reason = f"{sharded} gathers parameters layer by layer"
-        elif getattr(args, "sequence_parallel_size", 1) > 1:
+        elif self.sequence_parallel_size > 1:
             reason = "sequence parallelism"
         elif getattr(policy.config, "_attn_implementation", None) == "eager":
             reason = "eager attention keeps activations quadratic in length"
@@ -104,29 +109,29 @@ class DecoderLayers(Feature):
         logger.info("gradient_checkpointing_layers='auto': every layer checkpointed (%s)", reason)
         return None
 
-    def log(self, trainer, logs: dict[str, float]) -> None:
+    def log(self, run, logs: dict[str, float]) -> None:
         if self.checkpointing is not None and self.checkpointing.last_checkpointed is not None:
             logs["gradient_checkpointing/layers"] = float(self.checkpointing.last_checkpointed)
 
-    def card_tags(self, trainer) -> list[str]:
+    def card_tags(self, run) -> list[str]:
         return ["compiled-layers"] if self.compiled else []
 
 
 class _CompileWhenItPays(TrainerCallback):
     """`compile_decoder_layers=None`: decided when training begins, once the Trainer knows the planned steps."""
 
-    def __init__(self, feature: DecoderLayers, trainer):
+    def __init__(self, feature: DecoderLayers, trl):
         self.feature = feature
-        self.trainer = trainer
+        self.trl = trl
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.feature.compiled:
             return
-        reason = self.feature.why_not_compile(self.trainer, state.max_steps)
+        reason = self.feature.why_not_compile(self.trl, state.max_steps)
         if reason is None:
             logger.info(
                 "compile_decoder_layers=None: compiling the decoder layers (%d steps planned)", state.max_steps
             )
-            self.feature.compile(self.trainer)
+            self.feature.compile(self.trl)
         else:
             logger.info("compile_decoder_layers=None: decoder layers left uncompiled (%s)", reason)

@@ -51,17 +51,16 @@ class PreferencePackedScoring(PackedScoring):
         ),
     )
 
-    def __init__(self, padding_free: bool | None = None):
-        super().__init__()
-        self.padding_free = padding_free  # the user's value, read before TRL's constructor hides it
+    def __init__(self, padding_free: bool | None = None, sequence_parallel_size: int = 1):
+        super().__init__(sequence_parallel_size)
+        self.padding_free = padding_free  # the user's value, read by the plan before TRL's constructor hides it
 
     @classmethod
     def build(cls, plan, arguments: dict) -> Feature:
-        config = arguments.get("args")
-        return cls(getattr(config, "padding_free", None) if config is not None else None)
+        return cls(plan.scoring.padding_free, plan.scoring.sequence_parallel_size)
 
-    def request(self, trainer) -> PackingRequest:
-        outputs = ("entropy", "mean_logits", "is_top1") + (("log_sum_sq_probs",) if trainer.use_weighting else ())
+    def request(self, trl) -> PackingRequest:
+        outputs = ("entropy", "mean_logits", "is_top1") + (("log_sum_sq_probs",) if trl.use_weighting else ())
         return PackingRequest(1.0, outputs, self.padding_free)
 
 

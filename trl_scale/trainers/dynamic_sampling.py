@@ -39,10 +39,15 @@ class DynamicSampling(Feature):
     @classmethod
     def build(cls, plan, arguments: dict) -> DynamicSampling | None:
         rollout = plan.rollout
-        return cls(rollout.server, rollout.takes_groups, rollout.environments) if plan.dynamic_sampling else None
+        if not plan.dynamic_sampling:
+            return None
+        return cls(rollout.server, rollout.takes_groups, rollout.environments, bool(rollout.asynchronous.staleness))
 
-    def __init__(self, server: bool = False, streamed: bool = False, environments: bool = False):
+    def __init__(
+        self, server: bool = False, streamed: bool = False, environments: bool = False, asynchronous: bool = False
+    ):
         self.server = server  # trl-scale's client generates: its records follow the rows
+        self.asynchronous = asynchronous  # async_rollout_staleness >= 1
         self.streamed = streamed  # the step's rows are finished prompt groups from the stream: top-ups join it
         self.environments = environments  # TRL's environment_factory
         self.top_up: TopUpPrompts | None = None
@@ -53,19 +58,19 @@ class DynamicSampling(Feature):
         self.rewards_of_chosen = Handoff("dynamic sampling's chosen rewards (for TRL's _calculate_rewards)")
 
     @staticmethod
-    def active(trainer) -> bool:
-        return trainer.model.training  # built only with dynamic_sampling=True; evaluation batches stay TRL's
+    def active(trl) -> bool:
+        return trl.model.training  # built only with dynamic_sampling=True; evaluation batches stay TRL's
 
-    def check(self, trainer) -> None:
+    def check(self, run) -> None:
         """Construction-time refusals (each names the fix)."""
-        args = trainer.args
-        if self.environments and not getattr(args, "async_rollout_staleness", 0):
+        args = run.trl.args
+        if self.environments and not self.asynchronous:
             raise ValueError(
                 "dynamic_sampling=True with environment_factory and synchronous rollout: the top-up rounds generate "
                 "outside TRL's step, which is where it resets the environments. Fix: async_rollout_staleness=1 (or "
                 "more; the stream runs each group's episode, a top-up's too), or dynamic_sampling=False"
             )
-        size = trainer.num_generations
+        size = run.trl.num_generations
         if size < 2:  # PPO's default: one completion per prompt
             raise ValueError(
                 f"dynamic_sampling=True drops prompt groups whose completions all get the same reward; with "
@@ -82,10 +87,10 @@ class DynamicSampling(Feature):
 
     # ---- the rounds ------------------------------------------------------------------------------------------
 
-    def generate_and_score(self, trainer, proceed, inputs):
-        if not self.active(trainer):
+    def generate_and_score(self, run, proceed, inputs):
+        if not self.active(run.trl):
             return proceed(inputs)
-        served = self.sample(trainer, inputs)
+        served = self.sample(run, inputs)
         self.generated.give(served)
         self.rewards_of_chosen.give(served)
         try:
@@ -94,57 +99,57 @@ class DynamicSampling(Feature):
             self.generated.clear()
             self.rewards_of_chosen.clear()
 
-    def sample(self, trainer, inputs: list) -> CandidateRows:
+    def sample(self, run, inputs: list) -> CandidateRows:
         """The rows to train: this batch's groups with a signal, topped up while some process lacks groups and the
         budget allows, filled with groups without a signal when it does not."""
-        size = trainer.num_generations
+        size = run.trl.num_generations
         needed = len(inputs) // size
-        budget = max(needed, math.floor(trainer.args.dynamic_sampling_max_oversampling * needed))
-        rounds = [self.candidate_round(trainer, inputs)]
-        signal = self._signal(trainer, rounds[0])
+        budget = max(needed, math.floor(run.trl.args.dynamic_sampling_max_oversampling * needed))
+        rounds = [self.candidate_round(run, inputs)]
+        signal = self._signal(run.trl, rounds[0])
         generated = needed
-        accelerator = trainer.accelerator
+        accelerator = run.trl.accelerator
         while True:
             missing = torch.tensor([max(0, needed - sum(signal))], device=accelerator.device)
             more = min(int(accelerator.gather(missing).max().item()), budget - generated)
             if more <= 0:  # every process has its groups (or the budget is spent): the same decision everywhere
                 break
-            rounds.append(self.top_up_round(trainer, more * size))
-            signal += self._signal(trainer, rounds[-1])
+            rounds.append(self.top_up_round(run, more * size))
+            signal += self._signal(run.trl, rounds[-1])
             generated += more
         groups, filled = choose_groups(signal, needed)
-        self._log(trainer, needed, generated, sum(not has for has in signal), filled)
+        self._log(run.trl, needed, generated, sum(not has for has in signal), filled)
         return CandidateRows.joined(rounds).select([g * size + j for g in groups for j in range(size)])
 
-    def top_up_round(self, trainer, num_rows: int) -> CandidateRows:
+    def top_up_round(self, run, num_rows: int) -> CandidateRows:
         """New prompt groups: generated now (a synchronous run), or, streaming, joining the stream, and the next
         finished groups (not necessarily those) taken, within the staleness bound as every streamed group."""
         if not self.streamed:
-            return self.candidate_round(trainer, self.top_up_rows(trainer, num_rows))
-        ahead = trainer.vllm_generation.ahead
-        streamed = ahead.take_streamed(num_rows, new_rows=self.top_up_rows(trainer, num_rows))
+            return self.candidate_round(run, self.top_up_rows(run.trl, num_rows))
+        ahead = run.trl.vllm_generation.ahead
+        streamed = ahead.take_streamed(num_rows, new_rows=self.top_up_rows(run.trl, num_rows))
         with ahead.serving(streamed):
-            return self.candidate_round(trainer, streamed.rows)
+            return self.candidate_round(run, streamed.rows)
 
-    def top_up_rows(self, trainer, num_rows: int) -> list[dict]:
+    def top_up_rows(self, trl, num_rows: int) -> list[dict]:
         if self.top_up is None:
             self.top_up = TopUpPrompts(
-                trainer.train_dataset, trainer.num_generations, trainer.args.seed, trainer.accelerator.process_index
+                trl.train_dataset, trl.num_generations, trl.args.seed, trl.accelerator.process_index
             )
             self.top_up.drawn = self.drawn_at_resume
-        return self.top_up.draw(num_rows // trainer.num_generations)
+        return self.top_up.draw(num_rows // trl.num_generations)
 
-    def candidate_round(self, trainer, rows: list) -> CandidateRows:
+    def candidate_round(self, run, rows: list) -> CandidateRows:
         """`rows` generated and scored by what runs under this feature (TRL's `_generate`, whatever the backend, and
         TRL's `_calculate_rewards`; trl-scale's checks run on the served rewards of the chosen rows), kept row by
         row."""
         prompts = [row["prompt"] for row in rows]
         if self.environments:  # streamed episodes: TRL renders and parses
             # each prompt with its environment's tools, named per row as its own step names them
-            trainer._batch_environments = [
-                row.get("environment") if trainer._multi_environment else None for row in rows
-            ]
-        generated = trainer.hook_below(self, "generate")(prompts)
+            run.trl.set_batch_environments(
+                [row.get("environment") if run.trl.multi_environment else None for row in rows]
+            )
+        generated = run.below(self, "generate")(prompts)
         if len(generated) == 8:  # GRPO (and PPO): ids, completion ids, tool mask, completions, logprobs, extra, ...
             completion_ids, completions, extra_fields = generated[1], generated[3], generated[5]
         elif len(generated) == 3:  # RLOO: prompt ids, completion ids, completions
@@ -156,21 +161,21 @@ class DynamicSampling(Feature):
             )
         for i, row in enumerate(rows):  # as TRL merges a rollout_func's extra fields before the rewards
             row.update({key: values[i] for key, values in extra_fields.items() if isinstance(values, list)})
-        gathered = trainer.hook_below(self, "rewards")(rows, prompts, completions, completion_ids)
-        start = trainer.accelerator.process_index * len(rows)
-        per_row = {f"extra:{column}": list(values) for column, values in trainer._pending_extra_logs.items()}
-        trainer._pending_extra_logs.clear()  # the chosen rows' columns are handed to TRL's step again
-        record = trainer.vllm_generation.records.newest() if self.server else None
+        gathered = run.below(self, "rewards")(rows, prompts, completions, completion_ids)
+        start = run.trl.accelerator.process_index * len(rows)
+        per_row = {f"extra:{column}": list(values) for column, values in run.trl.pending_extra_logs.items()}
+        run.trl.pending_extra_logs.clear()  # the chosen rows' columns are handed to TRL's step again
+        record = run.trl.vllm_generation.records.newest() if self.server else None
         if record is not None and len(record) == len(rows):
             per_row[RECORD_ROW] = [record.rows(i, i + 1) for i in range(len(rows))]
         return CandidateRows(rows, tuple(generated), gathered[start : start + len(rows)], per_row)
 
-    def _signal(self, trainer, candidates: CandidateRows) -> list[bool]:
-        return groups_with_signal(candidates.rewards, trainer.reward_weights, trainer.num_generations).tolist()
+    def _signal(self, trl, candidates: CandidateRows) -> list[bool]:
+        return groups_with_signal(candidates.rewards, trl.reward_weights, trl.num_generations).tolist()
 
-    def _log(self, trainer, needed: int, generated: int, without_signal: int, filled: int) -> None:
-        metrics = trainer._metrics["train"]
-        accelerator = trainer.accelerator
+    def _log(self, trl, needed: int, generated: int, without_signal: int, filled: int) -> None:
+        metrics = trl.metrics("train")
+        accelerator = trl.accelerator
         counts = accelerator.gather(
             torch.tensor([[needed, generated, without_signal, filled]], device=accelerator.device)
         )
@@ -182,7 +187,7 @@ class DynamicSampling(Feature):
             self.warned_budget = True
             logger.warning(
                 f"dynamic sampling: after {generated_all} groups (dynamic_sampling_max_oversampling="
-                f"{trainer.args.dynamic_sampling_max_oversampling} x {needed_all}) only {needed_all - filled_all} had "
+                f"{trl.args.dynamic_sampling_max_oversampling} x {needed_all}) only {needed_all - filled_all} had "
                 f"rewards that differ; the batch is filled with {filled_all} without (zero advantage). Raise "
                 "dynamic_sampling_max_oversampling, or make the task's rewards finer. Said once; "
                 "dynamic_sampling/filled_without_signal logs it every step."
@@ -190,7 +195,7 @@ class DynamicSampling(Feature):
 
     # ---- TRL's step, answered from the chosen rows -----------------------------------------------------------
 
-    def generate(self, trainer, proceed, prompts):
+    def generate(self, run, proceed, prompts):
         served = self.generated.take_if_given()
         if served is None:
             return proceed(prompts)
@@ -200,30 +205,30 @@ class DynamicSampling(Feature):
                 "is not the one trl-scale was built on (see trl_scale/seams)"
             )
         if RECORD_ROW in served.per_row:  # the step's record: the chosen rows' parts, in their order
-            trainer.vllm_generation.records.add(GeneratedBatch.joined(served.per_row[RECORD_ROW]))
+            run.trl.vllm_generation.records.add(GeneratedBatch.joined(served.per_row[RECORD_ROW]))
         return served.generated
 
-    def rewards(self, trainer, proceed, inputs, prompts, completions, completion_ids_list):
+    def rewards(self, run, proceed, inputs, prompts, completions, completion_ids_list):
         served = self.rewards_of_chosen.take_if_given()
         if served is None:
             return proceed(inputs, prompts, completions, completion_ids_list)
         for key, values in served.per_row.items():
             if key.startswith("extra:"):
-                trainer._pending_extra_logs[key.removeprefix("extra:")].extend(values)
-        return trainer.accelerator.gather(served.rewards)
+                run.trl.pending_extra_logs[key.removeprefix("extra:")].extend(values)
+        return run.trl.accelerator.gather(served.rewards)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
 
-    def state_dict(self, trainer) -> dict | None:
+    def state_dict(self, run) -> dict | None:
         """How many top-up prompts were drawn: a resume draws the next ones."""
         return {"drawn": self.top_up.drawn} if self.top_up is not None else None
 
-    def load_state_dict(self, trainer, state: dict, path: str) -> None:
+    def load_state_dict(self, run, state: dict, path: str) -> None:
         self.drawn_at_resume, self.top_up = state["drawn"], None
 
-    def load_legacy_state(self, trainer, checkpoint: str) -> None:
+    def load_legacy_state(self, run, checkpoint: str) -> None:
         """`dynamic_sampling_rank<N>.json`."""
-        path = os.path.join(checkpoint, TOP_UP_STATE_NAME.format(rank=trainer.accelerator.process_index))
+        path = os.path.join(checkpoint, TOP_UP_STATE_NAME.format(rank=run.trl.accelerator.process_index))
         if os.path.isfile(path):
             with open(path) as f:
                 self.drawn_at_resume = json.load(f)["drawn"]

@@ -14,20 +14,20 @@ from .feature import Feature
 class Evaluation(Feature):
     name = "evaluation"
 
-    def rewards(self, trainer, proceed, *args):
+    def rewards(self, run, proceed, *args):
         rewards_per_func = proceed(*args)
-        if not trainer.model.training:
-            log_pass_rates(trainer, rewards_per_func)
+        if not run.trl.model.training:
+            log_pass_rates(run.trl, rewards_per_func)
         return rewards_per_func
 
 
-def log_pass_rates(trainer, rewards_per_func) -> None:
+def log_pass_rates(trl, rewards_per_func) -> None:
     """Each reward function's pass@k over this evaluation batch (every process's rows: TRL's reward call gathers
     them, each prompt's `num_generations_eval` completions consecutive), into TRL's eval metrics."""
-    args = trainer.args
-    group_size = trainer.num_generations_eval
+    args = trl.args
+    group_size = trl.num_generations_eval
     ks = args.pass_at_ks()
     columns = rewards_per_func.detach().float().cpu().T.tolist()
-    for name, rewards in zip(trainer.reward_func_names, columns, strict=True):
+    for name, rewards in zip(trl.reward_func_names, columns, strict=True):
         for k, rate in pass_rates(rewards, group_size, ks, args.eval_success_threshold).items():
-            trainer._metrics["eval"][f"rewards/{name}/pass@{k}"].append(rate)
+            trl.metrics("eval")[f"rewards/{name}/pass@{k}"].append(rate)

@@ -2,9 +2,10 @@
 
 Every feature is one object with one small interface: events (`check`, `setup`, `log`, `save_state`, `load_state`,
 `card_tags`) it is told of, and "around" hooks, each given `proceed` (what runs inside it: the next feature, then
-TRL's own method) and the hook's arguments. A feature overrides only the hooks it needs; the adapter
-(`trainers/adapter.py`) overrides each of TRL's hooks once and runs the chain, in the order the trainer's `FEATURES`
-lists (outermost first).
+TRL's own method) and the hook's arguments. Hooks and events are handed the `Run` (`trainers/run.py`), never the
+trainer: TRL's attributes are read and written through `run.trl` (`trainers/trl_facade.py`). A feature overrides
+only the hooks it needs; the adapter (`trainers/adapter.py`) overrides each of TRL's hooks once and runs the chain,
+in the order the trainer's `FEATURES` lists (outermost first).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 if TYPE_CHECKING:
     from .plan import RunPlan
+    from .run import Run
 
 # The around hooks: a feature method of this name wraps the adapter's trainer method of the same meaning.
 AROUND_HOOKS = (
@@ -54,7 +56,7 @@ class Patch:
 
 
 def sequence_parallel(plan: RunPlan, config) -> bool:
-    return getattr(config, "sequence_parallel_size", 1) > 1
+    return plan.scoring.sequence_parallel_size > 1
 
 
 class Feature:
@@ -70,36 +72,36 @@ class Feature:
         before TRL's constructor runs), or None where it would not act: the chain holds only the features that do."""
         return cls()
 
-    def check(self, trainer) -> None:
+    def check(self, run) -> None:
         """After TRL's constructor, before any feature sets up: refuse a setting that cannot work (every feature
         checks before any starts a server or a Ray group)."""
 
-    def setup(self, trainer) -> None:
+    def setup(self, run) -> None:
         """After TRL's constructor: install what the feature needs (features set up in the chain's order)."""
 
-    def log(self, trainer, logs: dict[str, float]) -> None:
+    def log(self, run, logs: dict[str, float]) -> None:
         """Add figures to a training log (`logs` has "loss"), before `report_to` integrations get it."""
 
-    def save_state(self, trainer, output_dir: str) -> None:
+    def save_state(self, run, output_dir: str) -> None:
         """A checkpoint is being saved into `output_dir` (after TRL's optimizer and scheduler): files that are not
         state (the timeline's); state goes through `state_dict`."""
 
-    def load_state(self, trainer, checkpoint: str) -> None:
+    def load_state(self, run, checkpoint: str) -> None:
         """Resuming from `checkpoint` (after TRL loaded its optimizer and scheduler), before any feature's state is
         loaded."""
 
-    def state_dict(self, trainer) -> dict | None:
+    def state_dict(self, run) -> dict | None:
         """What resumes this feature exactly, saved with every checkpoint in this rank's one state file, under the
         feature's name (`feature_state`); None: nothing to save now."""
         return None
 
-    def load_state_dict(self, trainer, state: dict, path: str) -> None:
+    def load_state_dict(self, run, state: dict, path: str) -> None:
         """Resuming: this feature's saved `state` (from the file at `path`), which it checks against this run."""
 
-    def load_legacy_state(self, trainer, checkpoint: str) -> None:
+    def load_legacy_state(self, run, checkpoint: str) -> None:
         """Resuming from a checkpoint of a trl-scale before the one state file (each feature its own files)."""
 
-    def card_tags(self, trainer) -> list[str]:
+    def card_tags(self, run) -> list[str]:
         """The model card's tags for this feature, where it is in use."""
         return []
 
@@ -139,34 +141,38 @@ class FeatureChain:
     def get(self, kind: type[F]) -> F | None:
         return next((feature for feature in self.features if isinstance(feature, kind)), None)
 
-    def around(self, hook: str, trainer, innermost: Callable, *args: Any, **kwargs: Any) -> Any:
+    def around(self, hook: str, run: Run | None, innermost: Callable, *args: Any, **kwargs: Any) -> Any:
         """`hook` through every feature that takes it, outermost first, then `innermost` (TRL's method)."""
-        return self.below(None, hook, trainer, innermost)(*args, **kwargs)
+        return self.below(None, hook, run, innermost)(*args, **kwargs)
 
-    def below(self, feature: Feature | None, hook: str, trainer, innermost: Callable) -> Callable:
+    def below(self, feature: Feature | None, hook: str, run: Run | None, innermost: Callable) -> Callable:
         """The chain of `hook` under `feature` (all of it for None): what a feature calls to run the hook without
         itself and the features outside it (dynamic sampling's rounds compute rewards as TRL's step would)."""
         position = -1 if feature is None else self.features.index(feature)
         takers = [f for index, f in enumerate(self.features) if index > position and _takes(f, hook)]
         call = innermost
         for taker in reversed(takers):
-            call = _bound(getattr(taker, hook), trainer, call)
+            call = _bound(taker, hook, run, call)
         return call
 
-    def event(self, name: str, trainer, *args: Any) -> None:
+    def event(self, name: str, run: Run, *args: Any) -> None:
         for feature in self.features:
-            getattr(feature, name)(trainer, *args)
+            getattr(feature, name)(run, *args)
 
-    def card_tags(self, trainer) -> list[str]:
-        return [tag for feature in self.features for tag in feature.card_tags(trainer)]
+    def card_tags(self, run: Run) -> list[str]:
+        return [tag for feature in self.features for tag in feature.card_tags(run)]
 
     def patches(self) -> list[tuple[str, Patch]]:
         """Every interception the chain's features declare, with the feature's name, in the chain's order."""
         return [(feature.name, patch) for feature in self.features for patch in feature.PATCHES]
 
 
-def _bound(method: Callable, trainer, proceed: Callable) -> Callable:
+def _bound(feature: Feature, hook: str, run: Run | None, proceed: Callable) -> Callable:
+    method = getattr(feature, hook)
+
     def call(*args, **kwargs):
-        return method(trainer, proceed, *args, **kwargs)
+        if run is not None:
+            run.trace.entered(feature.name, hook)
+        return method(run, proceed, *args, **kwargs)
 
     return call

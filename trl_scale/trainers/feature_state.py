@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import glob
 import os
+from typing import TYPE_CHECKING
 
 from ..sharding.data_parallel import writes_group_files
 from .feature import FeatureChain
+
+if TYPE_CHECKING:
+    from .run import Run
 
 STATE_NAME = "trl_scale_state_rank{rank}.pt"
 FORMAT = 1
@@ -26,33 +30,33 @@ def saved_ranks(checkpoint: str) -> int:
     return len(glob.glob(state_path(checkpoint, "*")))
 
 
-def save_feature_states(chain: FeatureChain, trainer, output_dir: str) -> str | None:
+def save_feature_states(chain: FeatureChain, run: Run, output_dir: str) -> str | None:
     """Every feature's state, one file for this rank (under sequence parallelism, one per group: its ranks hold the
     same state). Nothing is written where no feature has state."""
     states = {}
     for feature in chain.features:
-        state = feature.state_dict(trainer)
+        state = feature.state_dict(run)
         if state is not None:
             states[feature.name] = state
-    if not states or not writes_group_files(trainer.accelerator):
+    if not states or not writes_group_files(run.trl.accelerator):
         return None
     import torch
 
     # Ranks other than the main one get here while it may still be writing the model: the folder it creates may not
     # exist yet (transformers' own per-rank RNG file makes it the same way).
     os.makedirs(output_dir, exist_ok=True)
-    path = state_path(output_dir, trainer.accelerator.process_index)
+    path = state_path(output_dir, run.trl.accelerator.process_index)
     torch.save({"format": FORMAT, "features": states}, path)
     return path
 
 
-def load_feature_states(chain: FeatureChain, trainer, checkpoint: str) -> None:
+def load_feature_states(chain: FeatureChain, run: Run, checkpoint: str) -> None:
     """Each feature given its saved state (from this rank's file), or, in a checkpoint of an earlier trl-scale, left
     to read its own files."""
-    path = state_path(checkpoint, trainer.accelerator.process_index)
+    path = state_path(checkpoint, run.trl.accelerator.process_index)
     if not os.path.isfile(path):
         for feature in chain.features:
-            feature.load_legacy_state(trainer, checkpoint)
+            feature.load_legacy_state(run, checkpoint)
         return
     import torch
 
@@ -75,4 +79,4 @@ def load_feature_states(chain: FeatureChain, trainer, checkpoint: str) -> None:
     states = saved.get("features", {})
     for feature in chain.features:
         if feature.name in states:
-            feature.load_state_dict(trainer, states[feature.name], path)
+            feature.load_state_dict(run, states[feature.name], path)

@@ -15,12 +15,12 @@ from ..ranks import broadcast_from_main, run_on_main
 logger = get_logger(__name__)
 
 
-def policy_path(trainer) -> str:
+def policy_path(trl) -> str:
     """Where the servers load the policy from: `managed_server_model`, else the path the policy was loaded from."""
-    args = trainer.args
+    args = trl.args
     if args.managed_server_model:
         return _absolute_if_local(args.managed_server_model)
-    model = trainer.accelerator.unwrap_model(trainer.model)
+    model = trl.accelerator.unwrap_model(trl.model)
     if hasattr(model, "get_base_model"):  # PEFT: the servers hold the base model (weight_sync='lora' adds adapters)
         model = model.get_base_model()
     path = getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "")
@@ -38,8 +38,8 @@ def _absolute_if_local(path: str) -> str:
     return os.path.abspath(path) if os.path.isdir(path) else path
 
 
-def fleet_spec(trainer) -> FleetSpec:
-    args = trainer.args
+def fleet_spec(trl) -> FleetSpec:
+    args = trl.args
     gpus = args.managed_server_gpus
     if gpus is None:
         import torch
@@ -70,7 +70,7 @@ def fleet_spec(trainer) -> FleetSpec:
         )
     return FleetSpec(
         num_servers=args.managed_servers,
-        model=policy_path(trainer),
+        model=policy_path(trl),
         server_args=list(args.managed_server_args or []),
         env=dict(args.managed_server_env or {}),
         gpus_per_server=gpus,
@@ -97,8 +97,8 @@ def _this_python() -> str:
     return sys.executable
 
 
-def launcher_for(trainer, spec: FleetSpec):
-    args = trainer.args
+def launcher_for(trl, spec: FleetSpec):
+    args = trl.args
     if args.managed_server_placement == "ray":
         from ..distributed.ray_backend import init_ray
         from ..fleet.ray_hosts import RayLauncher
@@ -108,20 +108,20 @@ def launcher_for(trainer, spec: FleetSpec):
     return LocalLauncher(spec)
 
 
-def start_managed_servers(trainer) -> tuple[ServerFleet | None, list[str]]:
+def start_managed_servers(trl) -> tuple[ServerFleet | None, list[str]]:
     """Start the fleet on the main process; every rank gets the URLs, or the main process's exception (the same
     type and message on every rank, whatever the number of processes)."""
 
     def start() -> ServerFleet:
-        spec = fleet_spec(trainer)
+        spec = fleet_spec(trl)
         logger.info(
             "starting %d vLLM server(s) (%s) for %s with %s",
             spec.num_servers,
-            trainer.args.managed_server_placement,
+            trl.args.managed_server_placement,
             spec.model,
             spec.python,
         )
-        fleet = ServerFleet(spec, launcher_for(trainer, spec))
+        fleet = ServerFleet(spec, launcher_for(trl, spec))
         fleet.start()  # stops what it started when it fails
         return fleet
 

@@ -12,12 +12,12 @@ TRL_SCALE_TAG = "trl-scale"
 _CARD_KWARGS = ("language", "license", "finetuned_from", "tasks", "dataset_tags", "dataset", "dataset_args")
 
 
-def _hub_error(trainer, action: str, error: Exception) -> RuntimeError:
+def _hub_error(trl, action: str, error: Exception) -> RuntimeError:
     return RuntimeError(
         f"{action} failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). Nothing "
-        f"is lost: the model and checkpoints stay in output_dir={trainer.args.output_dir!r}. Fix: log in "
+        f"is lost: the model and checkpoints stay in output_dir={trl.args.output_dir!r}. Fix: log in "
         "(`hf auth login`) or set HF_TOKEN with write access, check hub_model_id, then call "
-        "trainer.push_to_hub() again"
+        "the trainer's push_to_hub() again"
     )
 
 
@@ -28,24 +28,24 @@ class ModelCard(Feature):
 
     name = "model_card"
 
-    def init_hf_repo(self, trainer, proceed, token: str | None = None, private: bool | None = None):
+    def init_hf_repo(self, run, proceed, token: str | None = None, private: bool | None = None):
         # transformers' signature: `push_to_hub(private=...)` on a run configured with push_to_hub=False calls it so
         try:
             return proceed(token=token, private=private)
         except Exception as error:  # before any training: say why, and how to fix it
-            raise _hub_error(trainer, "creating the Hub repo for push_to_hub=True", error) from error
+            raise _hub_error(run.trl, "creating the Hub repo for push_to_hub=True", error) from error
 
-    def push_to_hub(self, trainer, proceed, *args, **kwargs):
+    def push_to_hub(self, run, proceed, *args, **kwargs):
         try:
             return proceed(*args, **kwargs)
         except Exception as error:
             # The push can fail before its own save (creating the repo): save here, so the message below holds.
-            trainer.save_model(trainer.args.output_dir, _internal_call=True)
-            raise _hub_error(trainer, "push_to_hub", error) from error
+            run.trl.save_model(run.trl.args.output_dir)
+            raise _hub_error(run.trl, "push_to_hub", error) from error
 
     def create_model_card(
         self,
-        trainer,
+        run,
         proceed,
         model_name: str | None = None,
         dataset_name: str | None = None,
@@ -56,16 +56,16 @@ class ModelCard(Feature):
         if unknown:
             raise TypeError(f"create_model_card got unexpected arguments {sorted(unknown)}; known: {_CARD_KWARGS}")
         tags = [tags] if isinstance(tags, str) else list(tags or [])
-        features = trainer.card_features()
+        features = run.trl.card_features()
         tags += [TRL_SCALE_TAG, *features]
         dataset_name = dataset_name or kwargs.get("dataset")
         proceed(model_name=model_name, dataset_name=dataset_name, tags=tags)
-        if not trainer.is_world_process_zero():
+        if not run.trl.is_world_process_zero():
             return
 
         from huggingface_hub import ModelCard
 
-        path = os.path.join(trainer.args.output_dir, "README.md")
+        path = os.path.join(run.trl.args.output_dir, "README.md")
         if not os.path.exists(path):
             return
         card = ModelCard.load(path)

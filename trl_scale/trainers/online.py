@@ -110,10 +110,10 @@ class OnlineTrainerMixin(OnlineHooks):
             colocated(self, config),
         ):
             super().__init__(**arguments)
-        check_added_reward_funcs(self)
-        check_environment_resets(self)
-        if getattr(self, "rollout_func", None) is not None:
-            self.rollout_func = checked_rollout_func(self.rollout_func)
+        check_added_reward_funcs(self.run.trl)
+        check_environment_resets(self.run.trl)
+        if self.run.trl.rollout_func is not None:
+            self.run.trl.set_rollout_func(checked_rollout_func(self.run.trl.rollout_func))
         self._set_up_features()
 
     @property
@@ -124,12 +124,12 @@ class OnlineTrainerMixin(OnlineHooks):
 
     def close_rollout_servers(self) -> None:
         """Stop the managed vLLM servers now (they stop by themselves when this process exits, however it does)."""
-        close_servers(self)
+        close_servers(self.run.trl)
 
     def close_rollout(self) -> None:
         """Done generating: the managed servers stop and the rollout client's threads end (the CLI calls it before
         its processes leave)."""
-        close_servers(self)
-        generation = getattr(self, "vllm_generation", None)
+        close_servers(self.run.trl)
+        generation = self.run.trl.vllm_generation
         if hasattr(generation, "close"):
             generation.close()

@@ -4,13 +4,11 @@ patched, sequence parallelism around it, and its figures in the logs."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 from contextlib import contextmanager
 from typing import NamedTuple
 
 from ..distributed.roles import RayReference
 from ..scoring import PackingStats, ScoringSettings, install_packed_scoring, packing_support
-from .construction import trl_base_class
 from .feature import Feature, Patch, sequence_parallel
 
 
@@ -68,56 +66,61 @@ class PackedScoring(Feature):
         ),
     )
 
-    def __init__(self):
+    def __init__(self, sequence_parallel_size: int = 1):
+        self.sequence_parallel_size = sequence_parallel_size
         self.stats: PackingStats | None = None  # while packing is installed and on
         self.packed_backbone = None  # (the policy's backbone, padding_free) where the engine is installed
         self.installed = False
         self.sequence_parallel = None  # the SP group, once enabled
         self.plain_attention: str | None = None  # what local generation runs with under SP
 
-    def request(self, trainer) -> PackingRequest:
+    @classmethod
+    def build(cls, plan, arguments: dict) -> PackedScoring:
+        return cls(plan.scoring.sequence_parallel_size)
+
+    def request(self, trl) -> PackingRequest:
         """What this trainer family scores (an online trainer's; DPO's is its own), asked when the engine is
         installed, after TRL built the models."""
-        return PackingRequest(trainer.temperature, ("entropy",), trainer.args.padding_free)
+        return PackingRequest(trl.temperature, ("entropy",), trl.args.padding_free)
 
-    def setup(self, trainer) -> None:
-        self.install(trainer)
+    def setup(self, run) -> None:
+        self.install(run.trl)
 
-    def install(self, trainer) -> None:
+    def install(self, trl) -> None:
         """Pack once (TRL's forwards where `padding_free=False`). The layers are compiled after this, by
         `DecoderLayers` (packing's probe would otherwise compile its own small shapes)."""
-        request = self.request(trainer)
+        request = self.request(trl)
         if not (self.installed or request.padding_free is False):
-            self._install_engine(trainer, request)
+            self._install_engine(trl, request)
 
-    def _install_engine(self, trainer, request: PackingRequest) -> None:
+    def _install_engine(self, trl, request: PackingRequest) -> None:
         self.installed = True
         from peft import PeftModel
 
         stats = PackingStats()
         # One settings object for the policy and its reference. (DPO keeps its own padding_free apart from TRL's
         # flag: the request's value stands.)
-        settings = ScoringSettings.from_config(trainer.args, request.temperature)
+        settings = ScoringSettings.from_config(trl.args, request.temperature)
         settings = dataclasses.replace(settings, padding_free=request.padding_free)
-        policy = trainer.accelerator.unwrap_model(trainer.model)
+        policy = trl.accelerator.unwrap_model(trl.model)
         if isinstance(policy, PeftModel):
             policy = policy.get_base_model()
-        reference = getattr(trainer, "ref_model", None)
-        group = self._sequence_parallel_group(trainer, policy, reference)
+        reference = trl.ref_model
+        group = self._sequence_parallel_group(trl, policy, reference)
         outputs = request.policy_outputs
         packed = install_packed_scoring(policy, settings, outputs=outputs, stats=stats, sequence_parallel=group)
         if reference is not None and not isinstance(reference, RayReference):
-            unwrapped = trainer.accelerator.unwrap_model(reference)
+            unwrapped = trl.accelerator.unwrap_model(reference)
             install_packed_scoring(unwrapped, settings, stats=stats, sequence_parallel=group)
         self.stats = stats if packed is not None else None
         # read by the card: whether rows pack (a vision-language model keeps the engine for its image calls alone
         # where its text packing is not exact), known once the first scoring call probed the model
         self.packed_backbone = (policy.base_model, settings.padding_free) if packed is not None else None
 
-    def _sequence_parallel_group(self, trainer, policy, reference):
+    def _sequence_parallel_group(self, trl, policy, reference):
         """Ulysses attention on the policy and the reference (`sequence_parallel_size` > 1), after the refusals;
         None without sequence parallelism."""
-        sp_size = getattr(trainer.args, "sequence_parallel_size", 1)
+        sp_size = self.sequence_parallel_size
         if sp_size <= 1:
             return None
         from ..scoring.sequence_parallel import enable_sequence_parallel
@@ -126,37 +129,37 @@ class PackedScoring(Feature):
         self.plain_attention = policy.config._attn_implementation
         group = self.sequence_parallel = enable_sequence_parallel(policy, sp_size)
         if reference is not None:
-            enable_sequence_parallel(trainer.accelerator.unwrap_model(reference), sp_size)
+            enable_sequence_parallel(trl.accelerator.unwrap_model(reference), sp_size)
         # the group is one data-parallel rank: TRL sees world / sp processes (data, slices, gathers)
-        share_batches_within_groups(trainer.accelerator, sp_size)
+        share_batches_within_groups(trl.accelerator, sp_size)
         draw_like_group_leader(group.group, group.rank)
-        generation = getattr(trainer, "vllm_generation", None)
+        generation = trl.vllm_generation
         if hasattr(generation, "share_with"):
             generation.share_with(group.group, group.rank)
         return group
 
-    def generate_and_score(self, trainer, proceed, inputs):
+    def generate_and_score(self, run, proceed, inputs):
         """TRL's module-level `gather` / `gather_object` (rewards, logs) with one copy per sequence-parallel group
         while TRL builds a batch (nothing changes without sequence parallelism)."""
-        with self._data_parallel_gathers(trainer):
+        with self._data_parallel_gathers(run.trl):
             return proceed(inputs)
 
     @contextmanager
-    def _data_parallel_gathers(self, trainer):
+    def _data_parallel_gathers(self, trl):
         from ..sharding.data_parallel import data_parallel_gathers
 
-        with data_parallel_gathers(trainer.accelerator, sys.modules[trl_base_class(trainer).__module__]):
+        with data_parallel_gathers(trl.accelerator, trl.trl_module):
             yield
 
-    def single_turn(self, trainer, proceed, *args, **kwargs):
+    def single_turn(self, run, proceed, *args, **kwargs):
         """Local generation under sequence parallelism: with the model's own attention (only scoring is sharded).
         Every rank of the group generates (ZeRO-3 gathers parameters collectively), and all take rank 0's
         completions: they train on one batch."""
-        if self.plain_attention is None or getattr(trainer, "use_vllm", False):
+        if self.plain_attention is None or run.trl.use_vllm:
             return proceed(*args, **kwargs)
         from ..ranks import decide_on_leader
 
-        model = trainer.accelerator.unwrap_model(trainer.model)
+        model = run.trl.accelerator.unwrap_model(run.trl.model)
         sharded = model.config._attn_implementation
         model.set_attn_implementation(self.plain_attention)
         try:
@@ -165,16 +168,16 @@ class PackedScoring(Feature):
             model.set_attn_implementation(sharded)
         return decide_on_leader(lambda: generated, self.sequence_parallel.group)
 
-    def precompute_ref_logps(self, trainer, proceed, dataset, name: str, batch_size: int):
+    def precompute_ref_logps(self, run, proceed, dataset, name: str, batch_size: int):
         # DPO precomputes the reference log-probs inside TRL's constructor: packed as the policy will be.
-        self.install(trainer)
+        self.install(run.trl)
         return proceed(dataset, name, batch_size)
 
-    def log(self, trainer, logs: dict[str, float]) -> None:
+    def log(self, run, logs: dict[str, float]) -> None:
         if self.stats is not None:
             logs.update(self.stats.pop())
 
-    def card_tags(self, trainer) -> list[str]:
+    def card_tags(self, run) -> list[str]:
         if self.packed_backbone is None:
             return []
         backbone, padding_free = self.packed_backbone

@@ -41,11 +41,35 @@ class RolloutPlan:
     rollout_func: bool = False  # TRL's rollout_func
     takes_groups: bool = False  # the stream's engine runs: the step takes finished prompt groups whole
     rewards_in_stream: bool = False  # stream_rewards resolved: each group's rewards computed as it finishes
+    stream_rewards_chosen: bool = False  # the user set stream_rewards (None, the default, is resolved here)
 
     @property
     def server(self) -> bool:
         """trl-scale's client serves rollout."""
         return self.client == "trl_scale"
+
+
+@dataclass(frozen=True)
+class ScoringPlan:
+    """How the policy is scored and generated with in the trainer, resolved: tree packing, sequence parallelism,
+    and whether TRL generates locally (transformers' `generate`)."""
+
+    tree_packing: bool | Literal["auto"] = "auto"
+    sequence_parallel_size: int = 1  # ranks that score one packed row together (Ulysses); 1: none
+    local_generation: bool = False  # TRL generates in the trainer with transformers (use_vllm=False)
+    continuous_batching: bool = False  # TRL's local generation through `generate_batch`, not `generate`
+    padding_free: bool | None = None  # the config's padding_free as given (DPO's: TRL's constructor turns it off)
+
+    @classmethod
+    def from_config(cls, config) -> ScoringPlan:
+        # DPO's config has no generation fields, and TRL's own configs none of trl-scale's: read once, here
+        return cls(
+            tree_packing=getattr(config, "tree_packing", "auto"),
+            sequence_parallel_size=getattr(config, "sequence_parallel_size", 1),
+            local_generation=hasattr(config, "use_vllm") and not config.use_vllm,
+            continuous_batching=bool(getattr(config, "use_transformers_continuous_batching", False)),
+            padding_free=getattr(config, "padding_free", None),
+        )
 
 
 @dataclass(frozen=True)
@@ -60,9 +84,12 @@ class RunPlan:
     remote_reference: bool = False  # the reference model on its own Ray group
     dynamic_sampling: bool = False
     corrects_sampler_logprobs: bool = False  # RLOO's own correction of prefetched completions
+    scoring: ScoringPlan = ScoringPlan()
+    timeline: bool = False  # rollout_timeline: the run's phases drawn and saved
+    ray_backend: bool = False  # backend="ray"
 
     @classmethod
-    def from_arguments(cls, trainer: str, arguments: dict) -> RunPlan:
+    def from_arguments(cls, trainer_name: str, arguments: dict) -> RunPlan:
         """The plan of a trainer built with these constructor arguments (TRL's, by name). A setting that nothing in
         this run would act on is a ValueError naming the field and the fix."""
         config = arguments.get("args")
@@ -73,15 +100,16 @@ class RunPlan:
         vision_language = names_vision_language(arguments) if tools or images else None
         check_image_inputs(arguments, list(images), vision_language)
         if config is None:
-            return cls(trainer, images=images, tools=tools, vision_language=vision_language)
-        sp_size = getattr(config, "sequence_parallel_size", 1)
+            return cls(trainer_name, images=images, tools=tools, vision_language=vision_language)
+        scoring = ScoringPlan.from_config(config)
+        sp_size = scoring.sequence_parallel_size
         if images and sp_size > 1:
             raise ValueError(
                 f"this dataset has image columns {list(images)}, and sequence_parallel_size={sp_size}: sequence "
                 "parallelism shards token rows only, and a scoring call with images would fail at the first step. "
                 "Fix: sequence_parallel_size=1, or drop the image columns"
             )
-        if images and getattr(config, "tree_packing", "auto") is True:
+        if images and scoring.tree_packing is True:
             raise ValueError(
                 f"this dataset has image columns {list(images)}, and tree_packing=True: tree rows take text-only "
                 "scoring calls, and a call with images is scored as packed rows without trees, so the setting would "
@@ -89,7 +117,7 @@ class RunPlan:
             )
         rollout = _rollout_plan(config, arguments)
         return cls(
-            trainer=trainer,
+            trainer=trainer_name,
             rollout=rollout,
             images=images,
             tools=tools,
@@ -97,6 +125,9 @@ class RunPlan:
             remote_reference=wants_remote_reference(config, arguments["model"], arguments.get("peft_config")),
             dynamic_sampling=bool(getattr(config, "dynamic_sampling", False)),
             corrects_sampler_logprobs=bool(getattr(config, "corrects_sampler_logprobs", False)),
+            scoring=scoring,
+            timeline=bool(getattr(config, "rollout_timeline", False)),
+            ray_backend=getattr(config, "backend", "local") == "ray",
         )
 
     def summary(self) -> str:
@@ -134,6 +165,7 @@ def _rollout_plan(config, arguments: dict) -> RolloutPlan:
         rollout_func=rollout_func,
         takes_groups=asynchronous.takes_groups(environments, rollout_func),
         rewards_in_stream=in_stream,
+        stream_rewards_chosen=stream_rewards is not None,
     )
 
 

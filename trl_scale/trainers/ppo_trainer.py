@@ -166,7 +166,7 @@ class PPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         self._rewards_per_func.clear()
         # beta != 0 while TRL scores the batch: it then computes the reference log-probs (model, or disabled adapter)
-        with overridden(self, beta=self.args.kl_coef):
+        with self.run.trl.beta_replaced(self.args.kl_coef):
             batch = super()._generate_and_score_completions(inputs)
         rewards_per_func = self._rewards_per_func.take()
         args = self.args

@@ -22,44 +22,37 @@ class RemoteReference(Feature):
             "when it returns",
             "trainers/online.py",
         ),
-        Patch(
-            "trainer.ref_model (the Ray reference group's handle) and trainer.beta (the config's again)",
-            "setup",
-            "never",
-            "trainers/remote_reference.py",
-        ),
     )
 
     @classmethod
     def build(cls, plan, arguments: dict) -> RemoteReference | None:
         return cls() if plan.remote_reference else None  # decided by the plan (a PEFT policy needs none)
 
-    def setup(self, trainer) -> None:
-        trainer.beta = trainer.args.beta
-        trainer.ref_model = start_remote_reference(trainer)
+    def setup(self, run) -> None:
+        run.trl.use_remote_reference(start_remote_reference(run.trl))
 
-    def scoring(self, trainer, proceed, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+    def scoring(self, run, proceed, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         if isinstance(model, RayReference):  # TRL passes the image inputs by name, with `num_images`
             images = RowImages.from_kwargs(kwargs, input_ids.size(0))
             return model.logps(input_ids, attention_mask, logits_to_keep, images), None, None
         return proceed(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
 
 
-def start_remote_reference(trainer) -> RayReference:
+def start_remote_reference(trl) -> RayReference:
     """The reference on its group, loaded as TRL would load it: from the policy's path, in the policy's dtype and
     attention implementation, scored with the same head (temperature, fp32 cast, packing)."""
     from trl.trainer.utils import get_config_model_id
 
-    args = trainer.args
+    args = trl.args
     init_kwargs = args.model_init_kwargs or {}
-    model = trainer.model
+    model = trl.model
     dtype = init_kwargs.get("dtype", model.dtype)
-    mixed = {"bf16": "bfloat16", "fp16": "float16"}.get(str(trainer.accelerator.mixed_precision))
+    mixed = {"bf16": "bfloat16", "fp16": "float16"}.get(str(trl.accelerator.mixed_precision))
     settings = ReferenceWorkerSettings(
         dtype=str(dtype).removeprefix("torch."),  # "auto" passes through, as TRL passes it
         attn_implementation=init_kwargs.get("attn_implementation", plain_attention(model.config._attn_implementation)),
-        scoring=ScoringSettings.from_config(args, trainer.temperature),
+        scoring=ScoringSettings.from_config(args, trl.temperature),
         autocast_dtype=mixed,
     )
-    model_path = get_config_model_id(trainer.accelerator.unwrap_model(model).config)
+    model_path = get_config_model_id(trl.accelerator.unwrap_model(model).config)
     return start_reference(model_path, settings, args)

@@ -106,16 +106,18 @@ def checked_reward_funcs(reward_funcs):
     return [checked_reward_func(f, get_callable_name(f)) if _checked_here(f) else f for f in funcs]
 
 
-def check_added_reward_funcs(trainer) -> None:
+def check_added_reward_funcs(trl) -> None:
     """The reward functions TRL adds inside its constructor (an environment's `get_reward`, one per class), checked
     as the user's are: an environment returning `inf` or `"1.0"` stops the step naming it, instead of training on
     zeroed advantages or failing deep in TRL."""
-    trainer.reward_funcs = [
-        checked_reward_func(f, f"{name}.get_reward" if getattr(f, "__name__", "") == "get_reward" else name)
-        if _checked_here(f)
-        else f
-        for f, name in zip(trainer.reward_funcs, trainer.reward_func_names)
-    ]
+    trl.set_reward_funcs(
+        [
+            checked_reward_func(f, f"{name}.get_reward" if getattr(f, "__name__", "") == "get_reward" else name)
+            if _checked_here(f)
+            else f
+            for f, name in zip(trl.reward_funcs, trl.reward_func_names)
+        ]
+    )
 
 
 def _checked_reset(instance) -> None:
@@ -140,12 +142,12 @@ def _checked_reset(instance) -> None:
     instance.reset = checked
 
 
-def check_environment_resets(trainer) -> None:
+def check_environment_resets(trl) -> None:
     """Every environment TRL makes (its probes, already pooled, and each made later) with `reset` checked."""
-    factories = getattr(trainer, "environment_factories", None)
+    factories = trl.environment_factories
     if not factories:
         return
-    for pool in getattr(trainer, "_environment_pool", {}).values():
+    for pool in trl.environment_pool.values():
         for instance in pool:
             _checked_reset(instance)
 
@@ -157,4 +159,4 @@ def check_environment_resets(trainer) -> None:
 
         return make
 
-    trainer.environment_factories = {name: checked_factory(f) for name, f in factories.items()}
+    trl.set_environment_factories({name: checked_factory(f) for name, f in factories.items()})

@@ -45,8 +45,8 @@ def checked_rollout_func(function):
         return function
 
     @functools.wraps(function)
-    def checked(prompts, trainer):
-        output = function(prompts, trainer)
+    def checked(prompts, trl_trainer):  # TRL hands the user's function its trainer
+        output = function(prompts, trl_trainer)
         if isinstance(output, dict):
             check_rollout_output(output)
         return output

@@ -34,17 +34,17 @@ def claimed_weight_dir(args, run_id: str) -> WeightDirectory | None:
     return weight_dir
 
 
-def image_tokens(trainer) -> frozenset[int]:
+def image_tokens(trl) -> frozenset[int]:
     """The token ids a completion must not hold (an answer that samples one is drawn again): a vision-language
     policy's image token, which TRL's local generation suppresses (`suppress_tokens`, for a processor), so that
     TRL's step never meets an image token without an image."""
-    token = policy_image_token(trainer)
+    token = policy_image_token(trl)
     return frozenset() if token is None else frozenset([token])
 
 
-def _read_ahead(trainer):
+def _read_ahead(trl):
     """The read-ahead engine: None in a synchronous run, and on a sequence-parallel group's other ranks."""
-    ahead = trainer.vllm_generation.ahead
+    ahead = trl.vllm_generation.ahead
     return ahead.engine if ahead is not None else None
 
 
@@ -60,160 +60,131 @@ class ServerRollout(Feature):
             "when it returns",
             "trainers/online.py",
         ),
-        Patch(
-            "trainer.vllm_generation, use_vllm, vllm_mode",
-            "setup: trl-scale's client stands in for TRL's",
-            "never",
-            "trainers/server_rollout.py",
-        ),
-        Patch(
-            "trainer.environment_factories, trainer._environment_pool",
-            "a streamed batch's step, with environments",
-            "at the step's end",
-            "trainers/stream_environments.py",
-            lambda plan, config: plan.rollout.environments and plan.rollout.takes_groups,
-        ),
-        Patch(
-            "trainer.rollout_func",
-            "a streamed batch's step, with a rollout_func (answers TRL's one call)",
-            "after that call, or at the step's end",
-            "trainers/stream_rollout_func.py",
-            lambda plan, config: plan.rollout.rollout_func and plan.rollout.takes_groups,
-        ),
-        Patch(
-            "trainer._last_loaded_step (TRL's marker of the step its weights were synced at)",
-            "each generation batch's build when the step takes streamed groups: the sync TRL would make first is "
-            "made, then marked",
-            "never (TRL's own marker, kept current)",
-            "trainers/server_rollout.py",
-            lambda plan, config: plan.rollout.takes_groups,
-        ),
     )
 
-    def __init__(self, plan: RolloutPlan):
+    def __init__(self, plan: RolloutPlan, corrects_sampler_logprobs: bool = False):
         self.plan = plan  # TRL's vLLM stays off while TRL's constructor runs, and this client stands in
+        self.corrects_sampler_logprobs = corrects_sampler_logprobs  # RLOO's own correction
         self.lookahead = None  # the epoch's batch iterator, read ahead (async rollout)
         self.episodes = None  # streaming with environments: the pool and its episodes
 
     @classmethod
     def build(cls, plan: RunPlan, arguments: dict) -> ServerRollout | None:
-        return cls(plan.rollout) if plan.rollout.server else None
+        return cls(plan.rollout, plan.corrects_sampler_logprobs) if plan.rollout.server else None
 
-    def setup(self, trainer) -> None:
-        trainer.rollout_fleet = None
-        trainer.vllm_generation = self._client(trainer)
-        trainer.use_vllm = True
-        trainer.vllm_mode = "server"
-        trainer._last_loaded_step = -1
+    def setup(self, run) -> None:
+        run.trl.set_rollout_fleet(None)
+        run.trl.install_rollout_client(self._client(run.trl))
         if self.plan.asynchronous.staleness:
-            self._enable_async(trainer)
+            self._enable_async(run.trl)
 
-    def _urls(self, trainer) -> list[str]:
+    def _urls(self, trl) -> list[str]:
         from ..rollout.urls import check_server_urls
 
-        args = trainer.args
+        args = trl.args
         if args.managed_servers:
             from .fleet import start_managed_servers
 
-            trainer.rollout_fleet, managed_urls = start_managed_servers(trainer)
+            fleet, managed_urls = start_managed_servers(trl)
+            trl.set_rollout_fleet(fleet)
             return managed_urls + list(args.vllm_server_base_urls or [])
         if args.vllm_server_base_urls:
             return args.vllm_server_base_urls  # checked by the config
         url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"  # TRL's own
         return check_server_urls([url], field="vllm_server_base_url")
 
-    def _client(self, trainer):
+    def _client(self, trl):
         from ..rollout import RolloutClient, ServerRolloutGeneration
         from ..rollout.settings import RolloutSettings
 
-        args = trainer.args
+        args = trl.args
         run_id = broadcast_from_main(uuid.uuid4().hex[:8])  # one id on every rank: it names the weight versions
         # Claimed before any server starts: a directory another run uses, or one not writable, fails here.
         weight_dir = run_on_main(lambda: claimed_weight_dir(args, run_id))
         try:
             client = RolloutClient(
-                self._urls(trainer),
+                self._urls(trl),
                 request_timeout=args.rollout_request_timeout,
                 api_key=args.rollout_api_key,
                 max_inflight_per_server=args.rollout_max_inflight_per_server,
                 generation_timeout=args.rollout_generation_timeout or 120.0 + 0.25 * args.max_completion_length,
                 load_timeout=args.weight_load_timeout,
-                redraw_tokens=image_tokens(trainer),
+                redraw_tokens=image_tokens(trl),
             )
             # GRPO and PPO: TRL's correction (TRL asks for the log-probs whenever it has one); RLOO: trl-scale's,
             # for prefetched completions only (a synchronous RLOO run asks for none, as TRL's)
-            trl_correction = getattr(trainer, "vllm_importance_sampling_correction", None)
-            correction = bool(getattr(args, "corrects_sampler_logprobs", trl_correction or False))
+            trl_correction = trl.importance_sampling_correction
+            correction = self.corrects_sampler_logprobs or bool(trl_correction)
             asks_logprobs = trl_correction is not None or correction
             settings = RolloutSettings.from_config(
                 args, self.plan.asynchronous, logprobs=asks_logprobs, require_logprobs=correction, run_id=run_id
             )
             return ServerRolloutGeneration(
-                trainer.model,
-                trainer.accelerator,
-                trainer.processing_class,
+                trl.model,
+                trl.accelerator,
+                trl.processing_class,
                 client,
                 settings,
                 weight_dir=weight_dir,
-                fleet=trainer.rollout_fleet,
+                fleet=trl.rollout_fleet,
             )
         except BaseException:  # no server outlives a trainer that never got built, no lock a directory
-            close_servers(trainer)
+            close_servers(trl)
             if weight_dir is not None:
                 weight_dir.release()
             raise
 
-    def _enable_async(self, trainer) -> None:
-        generation, plan = trainer.vllm_generation, self.plan
+    def _enable_async(self, trl) -> None:
+        generation, plan = trl.vllm_generation, self.plan
         environments, streaming = plan.environments, plan.takes_groups  # whole groups, later turns in them
         lock = threading.Lock()  # the tokenizer's and the tool loops' (see streamed_tools)
-        timeout = trainer.args.environment_timeout
-        self.episodes = EpisodeOpener(trainer, timeout, lock) if environments else None
-        tokenize = _no_prompt_ids if environments else (lambda prompts: trainer._tokenize_prompts(prompts)[0])
+        timeout = trl.args.environment_timeout
+        self.episodes = EpisodeOpener(trl, timeout, lock) if environments else None
+        tokenize = _no_prompt_ids if environments else (lambda prompts: trl.tokenize_prompts(prompts)[0])
         generation.enable_async(
             tokenize,  # with environments a group's prompts are made when it is sent (each reset())
-            stream_groups_per_batch(trainer) if streaming else None,
-            converse=conversing(trainer, lock, timeout) if streaming and getattr(trainer, "tools", None) else None,
-            reward=StreamRewarder(trainer, plan.asynchronous.reward_workers) if plan.rewards_in_stream else None,
+            stream_groups_per_batch(trl) if streaming else None,
+            converse=conversing(trl, lock, timeout) if streaming and trl.tools else None,
+            reward=StreamRewarder(trl, plan.asynchronous.reward_workers) if plan.rewards_in_stream else None,
             open_episode=self.episodes,
-            rollout=rolling_out(trainer) if plan.rollout_func else None,
+            rollout=rolling_out(trl) if plan.rollout_func else None,
         )
 
     # ---- the step -------------------------------------------------------------------------------------------
 
-    def generate_and_score(self, trainer, proceed, inputs):
+    def generate_and_score(self, run, proceed, inputs):
         """Streaming: the rows trained are the finished prompt groups, taken at the weights just synced, in place of
         the rows TRL read (those were read ahead and streamed already). An evaluation batch (TRL's `evaluate`) is
         generated now, at the current weights, through the router, never from or into what is read ahead. The
         batch carries its record (`rollout.record`) out, to the features outside this one."""
-        generation = trainer.vllm_generation
+        generation = run.trl.vllm_generation
         with generation.records.building() as records:
-            batch = self._built(trainer, generation, proceed, inputs)
+            batch = self._built(run.trl, generation, proceed, inputs)
         record = records.newest()
         if record is not None and len(record) == batch["completion_ids"].size(0):
             batch[RECORD_KEY] = record
         return batch
 
-    def _built(self, trainer, generation, proceed, inputs):
-        if not trainer.model.training and self.plan.asynchronous.staleness:  # an evaluation: generated now
+    def _built(self, trl, generation, proceed, inputs):
+        if not trl.model.training and self.plan.asynchronous.staleness:  # an evaluation: generated now
             with generation.ahead.evaluating():
                 return proceed(inputs)
-        if not self.plan.takes_groups or not trainer.model.training:
+        if not self.plan.takes_groups or not trl.model.training:
             return proceed(inputs)
-        if trainer.state.global_step != trainer._last_loaded_step:  # TRL's sync, done first: the batch is after it
+        if trl.state.global_step != trl.weights_synced_at_step:  # TRL's sync, done first: the batch is after it
             generation.sync_weights()
-            trainer._last_loaded_step = trainer.state.global_step
+            trl.mark_synced()
         streamed = generation.ahead.take_streamed(len(inputs))
-        with generation.ahead.serving(streamed), finished_environments(trainer), replayed_rollouts(trainer, streamed):
+        with generation.ahead.serving(streamed), finished_environments(trl), replayed_rollouts(trl, streamed):
             return proceed(streamed.rows)
 
-    def tool_call_loop(self, trainer, proceed, prompts, prompt_ids, completion_ids, completions, logprobs, *rest):
+    def tool_call_loop(self, run, proceed, prompts, prompt_ids, completion_ids, completions, logprobs, *rest):
         """Tool-using rollouts, asynchronous. Streaming: each conversation's later turns were generated in the stream
         with its first (`streamed_tools`); the batch takes them whole, its version span covering every turn. Ordered
         (prefetch): the first turn was prefetched, the later ones are generated now with the weights this batch
         trains at, so a conversation that called a tool spans (its first turn's first version, the current one).
         Each token keeps the sampler log-prob of the weights that drew it."""
-        records = trainer.vllm_generation.records
+        records = run.trl.vllm_generation.records
         record = records.newest()
         conversations = record.conversations if record is not None else None
         if conversations and all(c is not None for c in conversations) and len(conversations) == len(prompt_ids):
@@ -221,7 +192,7 @@ class ServerRollout(Feature):
         called = [bool(completion[0].get("tool_calls")) for completion in completions]
         result = proceed(prompts, prompt_ids, completion_ids, completions, logprobs, *rest)
         if record is not None and len(record) == len(called):
-            now = trainer.vllm_generation.sync_count
+            now = run.trl.vllm_generation.sync_count
             spans = [
                 (first, max(newest, now)) if tool else (first, newest)
                 for (first, newest), tool in zip(record.version_spans, called)
@@ -229,16 +200,16 @@ class ServerRollout(Feature):
             records.replace_newest(record.with_spans(spans))
         return result
 
-    def batch_samples(self, trainer, proceed, epoch_iterator, num_batches, device):
+    def batch_samples(self, run, proceed, epoch_iterator, num_batches, device):
         """With async rollout, the epoch's batch iterator is read ahead so upcoming generation batches are known
         (also after `skip_first_batches` on resume: whatever iterator the epoch uses is wrapped)."""
-        reader = _read_ahead(trainer)
+        reader = _read_ahead(run.trl)
         if reader is not None:
             from ..rollout.lookahead import LookaheadIterator
 
             if self.lookahead is None or self.lookahead.source is not epoch_iterator:
-                args, state = trainer.args, trainer.state
-                every = args.steps_per_generation * trainer.num_iterations
+                args, state = run.trl.args, run.trl.state
+                every = args.steps_per_generation * run.trl.num_iterations
                 # No generation past the last step: it would run on the servers for nothing and outlive train().
                 ga = args.gradient_accumulation_steps
                 remaining = (state.max_steps - state.global_step) * ga
@@ -249,14 +220,14 @@ class ServerRollout(Feature):
 
     # ---- the run ----------------------------------------------------------------------------------------------
 
-    def train(self, trainer, proceed, *args, **kwargs):
-        generation = trainer.vllm_generation
+    def train(self, run, proceed, *args, **kwargs):
+        generation = run.trl.vllm_generation
         if generation.ahead is not None:
             generation.ahead.open()  # a second train() reads ahead again (the first closed it at its end)
         try:
             return proceed(*args, **kwargs)
         except BaseException:  # an exception or Ctrl-C: no server outlives the run that failed
-            close_servers(trainer)
+            close_servers(run.trl)
             raise
         finally:  # no copy of the model left behind (in /tmp or weight_sync_dir), however the run ended
             if self.episodes is not None:
@@ -265,46 +236,46 @@ class ServerRollout(Feature):
                 generation.ahead.close()  # answers still generating were not needed
             generation.syncer.release_weight_dir()
 
-    def log(self, trainer, logs: dict[str, float]) -> None:
-        generation = trainer.vllm_generation  # trl-scale's client: this process's requests, by server
+    def log(self, run, logs: dict[str, float]) -> None:
+        generation = run.trl.vllm_generation  # trl-scale's client: this process's requests, by server
         busy = generation.client.busy_fractions()
         logs.update({f"rollout/busy_fraction/server{i}": fraction for i, fraction in enumerate(busy)})
-        if _read_ahead(trainer) is not None:
+        if _read_ahead(run.trl) is not None:
             logs.update(generation.ahead.metrics(generation.client.answers_continued))
-        if getattr(trainer, "rollout_fleet", None) is not None:
-            logs.update(trainer.rollout_fleet.metrics())
+        if run.trl.rollout_fleet is not None:
+            logs.update(run.trl.rollout_fleet.metrics())
         if self.episodes is not None:
             logs.update(self.episodes.metrics())
 
     # ---- checkpoints: the stream's prompt groups -------------------------------------------------------------
 
-    def state_dict(self, trainer) -> dict | None:
+    def state_dict(self, run) -> dict | None:
         """The read-ahead engine's state (streaming: the prompt groups read and not yet trained, generating,
         finished or queued), each rank its own, so that a resume trains each once and reads on past them (see
         `rollout.streaming`)."""
-        read_ahead = _read_ahead(trainer)
+        read_ahead = _read_ahead(run.trl)
         noted = self.lookahead.noted_ahead() if self.lookahead is not None else 0
         state = read_ahead.state(noted) if read_ahead is not None else None
         if state is None:
             return None
-        return {**state, "group_size": trainer.num_generations}  # the groups are cut at it: a resume must use it
+        return {**state, "group_size": run.trl.num_generations}  # the groups are cut at it: a resume must use it
 
-    def load_state_dict(self, trainer, state: dict, path: str) -> None:
-        read_ahead = _read_ahead(trainer)
+    def load_state_dict(self, run, state: dict, path: str) -> None:
+        read_ahead = _read_ahead(run.trl)
         if read_ahead is not None:
-            check_stream_group_size(state, trainer.num_generations, f"{path} (its {self.name} entry)")
+            check_stream_group_size(state, run.trl.num_generations, f"{path} (its {self.name} entry)")
             read_ahead.restore(state)
 
-    def load_legacy_state(self, trainer, checkpoint: str) -> None:
+    def load_legacy_state(self, run, checkpoint: str) -> None:
         """`rollout_stream_rank<N>.pt`."""
-        read_ahead = _read_ahead(trainer)
-        path = os.path.join(checkpoint, STREAM_STATE_NAME.format(rank=trainer.accelerator.process_index))
+        read_ahead = _read_ahead(run.trl)
+        path = os.path.join(checkpoint, STREAM_STATE_NAME.format(rank=run.trl.accelerator.process_index))
         if read_ahead is None or not os.path.isfile(path):
             return
         import torch
 
         state = torch.load(path, map_location="cpu", weights_only=False)
-        check_stream_group_size(state, trainer.num_generations, path)
+        check_stream_group_size(state, run.trl.num_generations, path)
         read_ahead.restore(state)
 
 
@@ -312,12 +283,12 @@ def _no_prompt_ids(prompts: list) -> list[list[int]]:
     return [[] for _ in prompts]
 
 
-def stream_groups_per_batch(trainer) -> int:
+def stream_groups_per_batch(trl) -> int:
     """Prompt groups in this process's generation batch. Each process streams its own rows, so that batch must hold
     whole groups (TRL's sampler keeps a prompt's copies together; accelerate hands each process consecutive rows)."""
-    args = trainer.args
+    args = trl.args
     rows = args.per_device_train_batch_size * args.steps_per_generation
-    group = trainer.num_generations or 1
+    group = trl.num_generations or 1
     if rows % group:
         raise ValueError(
             f"async_rollout_mode='streaming' streams whole prompt groups, but this process's generation batch of "
@@ -328,7 +299,7 @@ def stream_groups_per_batch(trainer) -> int:
     return rows // group
 
 
-def close_servers(trainer) -> None:
+def close_servers(trl) -> None:
     """Stop the managed vLLM servers now (they stop by themselves when the process exits, however it does)."""
-    if getattr(trainer, "rollout_fleet", None) is not None:
-        trainer.rollout_fleet.close()
+    if trl.rollout_fleet is not None:
+        trl.rollout_fleet.close()

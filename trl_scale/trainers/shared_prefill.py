@@ -11,15 +11,15 @@ from .feature import Feature, Patch
 logger = get_logger(__name__)
 
 
-def _collective_forwards(trainer) -> str | None:
+def _collective_forwards(trl) -> str | None:
     """Why a forward of the policy during generation is collective (each rank must run as many as the others), or
     None. A rank whose rows repeat would run one forward more than a rank whose rows do not."""
-    if getattr(trainer, "is_fsdp_enabled", False):
+    if trl.is_fsdp_enabled:
         return "FSDP gathers parameters in every forward"
-    if getattr(trainer, "is_deepspeed_enabled", False) and not trainer.args.ds3_gather_for_generation:
+    if trl.is_deepspeed_enabled and not trl.args.ds3_gather_for_generation:
         from trl.distributed import DistributedBackend
 
-        if DistributedBackend(trainer.accelerator).is_zero3:
+        if DistributedBackend(trl.accelerator).is_zero3:
             return "ZeRO-3 with ds3_gather_for_generation=False gathers parameters in every forward"
     return None
 
@@ -37,25 +37,23 @@ class SharedPrefill(Feature):
         ),
     )
 
-    def __init__(self, tree_packing):
+    def __init__(self, tree_packing, continuous_batching: bool = False):
         self.tree_packing = tree_packing
+        self.continuous_batching = continuous_batching
         self.stats = PrefillStats()
         self.model = None  # the policy whose generate is wrapped; None where the sharing steps aside
 
     @classmethod
     def build(cls, plan, arguments):
-        config = arguments.get("args")
-        if config is None or getattr(config, "use_vllm", False):
+        scoring = plan.scoring
+        if not scoring.local_generation or scoring.tree_packing is False:
             return None
-        tree_packing = getattr(config, "tree_packing", "auto")
-        if tree_packing is False or plan.rollout.client != "trainer":
-            return None
-        return cls(tree_packing)
+        return cls(scoring.tree_packing, scoring.continuous_batching)
 
-    def check(self, trainer) -> None:
-        model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-        reason = _collective_forwards(trainer) or why_not_shared(model, trainer.generation_config, {}, training=True)
-        if getattr(trainer.args, "use_transformers_continuous_batching", False):
+    def check(self, run) -> None:
+        model = run.trl.accelerator.unwrap_model(run.trl.model_wrapped)
+        reason = _collective_forwards(run.trl) or why_not_shared(model, run.trl.generation_config, {}, training=True)
+        if self.continuous_batching:
             reason = "use_transformers_continuous_batching=True (generate_batch, not generate)"
         if reason is None:
             self.model = model
@@ -67,8 +65,8 @@ class SharedPrefill(Feature):
             )
         logger.warning(f"trl-scale: local generation prefills every row's prompt ({reason}); scoring still shares it")
 
-    def single_turn(self, trainer, proceed, *args, **kwargs):
-        if self.model is None or getattr(trainer, "use_vllm", False):
+    def single_turn(self, run, proceed, *args, **kwargs):
+        if self.model is None or run.trl.use_vllm:
             return proceed(*args, **kwargs)
         model, generate = self.model, self.model.generate
 
@@ -87,8 +85,8 @@ class SharedPrefill(Feature):
             else:
                 model.generate = before
 
-    def log(self, trainer, logs: dict[str, float]) -> None:
+    def log(self, run, logs: dict[str, float]) -> None:
         logs.update(self.stats.pop())
 
-    def card_tags(self, trainer) -> list[str]:
+    def card_tags(self, run) -> list[str]:
         return ["shared-prefill"] if self.model is not None else []

@@ -7,6 +7,7 @@ from __future__ import annotations
 from .adapter import TRL_METHODS
 from .feature import EVENTS, FeatureChain, Patch
 from .plan import RunPlan
+from .trl_facade import TrlFacade
 
 # TRL's hooks in the order a run calls them, with their depth (what runs inside what).
 CALL_ORDER = (
@@ -26,7 +27,8 @@ CALL_ORDER = (
     ("init_hf_repo", 0, ""),
     ("create_model_card", 0, ""),
 )
-# Interceptions a trainer makes itself (not a feature's): colocated generation (online trainers), PPO's KL term.
+# Interceptions a trainer makes itself (not a feature's, nor TRL's attributes, which `TrlFacade` declares):
+# colocated generation (online trainers), PPO's KL coefficient while TRL builds.
 COLOCATED_GENERATION = Patch(
     "VLLMGeneration in TRL's trainer module",
     "while TRL's constructor runs, with vllm_mode='colocate' (trl-scale's ColocatedVLLMGeneration)",
@@ -34,45 +36,15 @@ COLOCATED_GENERATION = Patch(
     "rollout/colocate.py",
     lambda plan, config: bool(config.use_vllm) and config.vllm_mode == "colocate",
 )
-ONLINE_PATCHES = (
-    COLOCATED_GENERATION,
-    Patch(
-        "trainer.reward_funcs (the get_reward TRL adds for environments, wrapped in trl-scale's checks)",
-        "after TRL's constructor, with an environment_factory",
-        "never",
-        "trainers/reward_checks.py",
-        lambda plan, config: plan.rollout.environments,
-    ),
-    Patch(
-        "trainer.environment_factories (each instance's reset() checked)",
-        "after TRL's constructor, with an environment_factory",
-        "never",
-        "trainers/reward_checks.py",
-        lambda plan, config: plan.rollout.environments,
-    ),
-    Patch(
-        "trainer.rollout_func (its output checked)",
-        "after TRL's constructor, with a rollout_func",
-        "never",
-        "trainers/online.py",
-        lambda plan, config: plan.rollout.rollout_func,
-    ),
-)
 TRAINER_PATCHES = {
-    "GRPOTrainer": ONLINE_PATCHES,
-    "RLOOTrainer": ONLINE_PATCHES,
+    "GRPOTrainer": (COLOCATED_GENERATION,),
+    "RLOOTrainer": (COLOCATED_GENERATION,),
     "PPOTrainer": (
-        *ONLINE_PATCHES,
+        COLOCATED_GENERATION,
         Patch(
             "config.beta (kl_coef)",
             "while TRL's constructor runs: TRL builds the reference that the reward's KL penalty needs",
             "when it returns",
-            "trainers/ppo_trainer.py",
-        ),
-        Patch(
-            "trainer.beta (kl_coef)",
-            "each generation batch's build: TRL scores the reference log-probs",
-            "when the build returns",
             "trainers/ppo_trainer.py",
         ),
     ),
@@ -108,7 +80,11 @@ def describe_step(trainer_class: type, arguments: dict) -> str:
         takers = chain.names(event)
         lines.append(f"  {event}: {', '.join(takers) if takers else '-'}")
     config = arguments.get("args")
-    declared = [("trainer", patch) for patch in trainer_patches(trainer_class)] + chain.patches()
+    declared = (
+        [("trainer", patch) for patch in trainer_patches(trainer_class)]
+        + [(f"trl.{method}", patch) for method, patch in TrlFacade.interceptions()]
+        + chain.patches()
+    )
     patches = [(name, patch) for name, patch in declared if patch.made_in(plan, config)]
     lines += ["", "interceptions in force (outside TRL's hooks):"]
     for name, patch in patches:

@@ -11,8 +11,8 @@ from .feature import Feature
 logger = get_logger(__name__)
 
 
-def context_length(trainer) -> int | None:
-    config = trainer.accelerator.unwrap_model(trainer.model).config.get_text_config()
+def context_length(trl) -> int | None:
+    config = trl.accelerator.unwrap_model(trl.model).config.get_text_config()
     return getattr(config, "max_position_embeddings", None)
 
 
@@ -22,19 +22,19 @@ class ContextLength(Feature):
 
     name = "context_length"
 
-    def check(self, trainer) -> None:
-        context = context_length(trainer)
-        if context is not None and trainer.args.max_completion_length >= context:
+    def check(self, run) -> None:
+        context = context_length(run.trl)
+        if context is not None and run.trl.args.max_completion_length >= context:
             raise ValueError(
-                f"max_completion_length={trainer.args.max_completion_length} leaves no room for a prompt in this "
+                f"max_completion_length={run.trl.args.max_completion_length} leaves no room for a prompt in this "
                 f"model's context of {context} tokens (max_position_embeddings). Fix: lower max_completion_length"
             )
 
-    def tokenize_prompts(self, trainer, proceed, prompts: list):
+    def tokenize_prompts(self, run, proceed, prompts: list):
         prompt_ids, *rest = proceed(prompts)
-        completion = trainer.args.max_completion_length
-        limits = [(context_length(trainer), "the model's context", "max_position_embeddings")]
-        served = getattr(getattr(trainer, "vllm_generation", None), "server_max_model_len", None)
+        completion = run.trl.args.max_completion_length
+        limits = [(context_length(run.trl), "the model's context", "max_position_embeddings")]
+        served = run.trl.vllm_generation.server_max_model_len if run.plan.rollout.server else None
         if served is not None:  # vLLM would answer 400 for the whole batch
             limits.append((served, "the rollout servers' context", "their --max-model-len"))
         limits = [limit for limit in limits if limit[0] is not None]
@@ -60,13 +60,13 @@ class EmptyRewardsWarning(Feature):
     def __init__(self):
         self.warned = False
 
-    def rewards(self, trainer, proceed, *args):
+    def rewards(self, run, proceed, *args):
         rewards_per_func = proceed(*args)
         if not self.warned and torch.isnan(rewards_per_func).all():
             self.warned = True
-            if trainer.accelerator.is_main_process:
+            if run.trl.accelerator.is_main_process:
                 logger.warning(
-                    f"trl-scale: every reward function ({', '.join(trainer.reward_func_names)}) returned None or NaN "
+                    f"trl-scale: every reward function ({', '.join(run.trl.reward_func_names)}) returned None or NaN "
                     f"for all {rewards_per_func.size(0)} completions of this batch: there is nothing to learn from "
                     "(zero advantages, no gradient), and the step trains on nothing. Fix: make at least one reward "
                     "function return a float for these completions (None means 'does not apply to this one'). Said "

@@ -29,8 +29,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..rollout.images import multimodal_prompts, row_images
-from .construction import trl_base_class
-from .streamed_tools import TrainerView
 
 EMPTY_PROMPT = [{"role": "user", "content": ""}]  # TRL's prompt for an environment's row that has none
 
@@ -218,23 +216,25 @@ def with_observation(prompt: list, observation) -> list:
 class EpisodeOpener:
     """The stream's `open_episode`: a group's environments taken from the pool and reset, its prompts tokenized."""
 
-    def __init__(self, trainer, timeout: float, lock: threading.Lock):
-        self.trainer = trainer
+    def __init__(self, trl, timeout: float, lock: threading.Lock):
+        self.trl = trl
         self.timeout = timeout
         self.lock = lock  # the tokenizer's: shared with the streamed tool loops
-        self.group_size = trainer.num_generations
+        self.group_size = trl.num_generations
+        self.multi_environment = trl.multi_environment
+        # taken now: a streamed batch's step replaces TRL's factories while the stream opens the next episodes
+        self.factory_names = list(trl.environment_factories)
         # TRL's probe instances stay TRL's (an evaluation in the step uses them): the stream makes its own
-        self.pool = EnvironmentPool(trainer.environment_factories)
-        self._tokenize = trl_base_class(trainer)._tokenize_prompts
+        self.pool = EnvironmentPool(trl.environment_factories)
+        self._tokenize = trl.trl_method("_tokenize_prompts")
 
     def __call__(self, rows: list) -> EnvironmentEpisode:
-        trainer = self.trainer
-        names = [row.get("environment") if trainer._multi_environment else None for row in rows]
-        unknown = {name for name in names if name not in trainer.environment_factories}
+        names = [row.get("environment") if self.multi_environment else None for row in rows]
+        unknown = {name for name in names if name not in self.factory_names}
         if unknown:  # TRL's check, on the group
             raise ValueError(
                 f"Example has `environment={sorted(unknown, key=str)[0]!r}`, which is not among the environments "
-                f"passed to `environment_factory`. Expected one of: {list(trainer.environment_factories)}."
+                f"passed to `environment_factory`. Expected one of: {self.factory_names}."
             )
         episode = EnvironmentEpisode([], [], names, [], self.pool)
         prompts = [row.get("prompt", EMPTY_PROMPT) for row in rows]
@@ -243,7 +243,7 @@ class EpisodeOpener:
                 with _named(name, None, "its factory", prompts[0]):
                     episode.instances.append(self.pool.acquire(name))
             for i, (row, instance) in enumerate(zip(rows, episode.instances)):
-                kwargs = {k: v for k, v in row.items() if k != "environment"} if trainer._multi_environment else row
+                kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi_environment else row
                 with _named(names[i], instance, "reset()", prompts[i]):
                     observation = episode.bounded(instance, instance.reset, self.timeout)(**kwargs)
                 prompts[i] = with_observation(prompts[i], observation)
@@ -251,7 +251,7 @@ class EpisodeOpener:
             # the image columns' images put into the prompts as TRL's step puts them (after the reset)
             multimodal = multimodal_prompts(reset_rows, row_images(rows))
             with self.lock:
-                view = TrainerView(trainer, _batch_environments=names)  # each prompt rendered with its tools
+                view = self.trl.view(_batch_environments=names)  # each prompt rendered with its tools
                 prompt_ids, images, _ = self._tokenize(view, multimodal)
             episode.prompt_ids, episode.images = [list(ids) for ids in prompt_ids], images
         except BaseException:
@@ -289,16 +289,11 @@ class _Finished:
 
 
 @contextmanager
-def finished_environments(trainer):
+def finished_environments(trl):
     """Within the block (a streamed batch's step), TRL draws stand-ins for the rows' environments, not instances."""
-    factories = getattr(trainer, "environment_factories", None)
+    factories = trl.environment_factories
     if factories is None:
         yield
         return
-    pool = trainer._environment_pool
-    trainer.environment_factories = {name: _Finished for name in factories}
-    trainer._environment_pool = {name: [] for name in factories}
-    try:
+    with trl.environments_replaced({name: _Finished for name in factories}, {name: [] for name in factories}):
         yield
-    finally:
-        trainer.environment_factories, trainer._environment_pool = factories, pool

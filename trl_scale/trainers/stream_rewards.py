@@ -26,8 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..rollout.ahead import CONVERSATION_KEY
-from .construction import trl_base_class
-from .feature import Feature, Patch
+from .feature import Feature
 from .reward_checks import RewardFunctionError
 from .streamed_tools import decoded_completions, first_turn_messages
 
@@ -64,26 +63,26 @@ class _Calls:
             self.metrics.append((name, value))
 
 
-def trl_completions(trainer, prompts: list, prompt_ids: list, completion_ids: list[list[int]], episode=None) -> list:
+def trl_completions(trl, prompts: list, prompt_ids: list, completion_ids: list[list[int]], episode=None) -> list:
     """What TRL's `_generate` hands the reward functions for these first-turn completions: GRPO (and PPO) parse
     them as their `_generate` does; RLOO decodes them (its `_generate` never parses tool calls)."""
-    if hasattr(trl_base_class(trainer), "_tool_call_loop"):
+    if trl.has_trl_method("_tool_call_loop"):
         if episode is not None:  # each row its own prompt, rendered with its environment's tools
-            return first_turn_messages(trainer, prompts, prompt_ids, completion_ids, episode.names)
-        return first_turn_messages(trainer, prompts, [list(prompt_ids) for _ in completion_ids], completion_ids)
-    return decoded_completions(trainer, prompts, completion_ids)
+            return first_turn_messages(trl, prompts, prompt_ids, completion_ids, episode.names)
+        return first_turn_messages(trl, prompts, [list(prompt_ids) for _ in completion_ids], completion_ids)
+    return decoded_completions(trl, prompts, completion_ids)
 
 
 class StreamRewarder:
     """The stream's `score`: one finished prompt group's rewards (see the module's docstring)."""
 
-    def __init__(self, trainer, workers: int):
+    def __init__(self, trl, workers: int):
         from torch import nn
         from trl.trainer.utils import is_async_callable
 
-        self.trainer = trainer
-        functions = list(trainer.reward_funcs)  # the step swaps the trainer's list while it replays: kept here
-        names = list(trainer.reward_func_names)
+        self.trl = trl
+        functions = list(trl.reward_funcs)  # the step swaps the trainer's list while it replays: kept here
+        names = list(trl.reward_func_names)
         self.columns = tuple(i for i, f in enumerate(functions) if not isinstance(f, nn.Module))
         self.functions = [(functions[i], names[i], is_async_callable(functions[i])) for i in self.columns]
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward")
@@ -99,11 +98,11 @@ class StreamRewarder:
             completions = [copy.deepcopy(c.messages) for c in conversations]
         else:
             completion_ids = [list(choice["token_ids"]) for choice in choices]
-            completions = trl_completions(self.trainer, prompts, prompt_ids, completion_ids, episode)
+            completions = trl_completions(self.trl, prompts, prompt_ids, completion_ids, episode)
         calls = _Calls()
         keys = [key for key in rows[0] if key not in ("prompt", "completion", "completion_ids")]
         arguments = {key: [row[key] for row in rows] for key in keys}  # as TRL's _calculate_rewards builds them
-        arguments.update(trainer_state=self.trainer.state, log_extra=calls.log_extra, log_metric=calls.log_metric)
+        arguments.update(trainer_state=self.trl.state, log_extra=calls.log_extra, log_metric=calls.log_metric)
         if episode is not None:  # the group's live instances, as TRL passes the batch's (get_reward reads them)
             arguments["environments"] = list(episode.instances)
         arguments.update(prompts=prompts, completions=completions, completion_ids=completion_ids)
@@ -133,7 +132,7 @@ class StreamRewarder:
             async def gathered():
                 return await asyncio.gather(*(function(**arguments) for _, function in asynchronous))
 
-            results = asyncio.run_coroutine_threadsafe(gathered(), self.trainer.async_loop).result()
+            results = asyncio.run_coroutine_threadsafe(gathered(), self.trl.async_loop).result()
             outputs.update((index, result) for (index, _), result in zip(asynchronous, results))
         outputs.update((index, future.result()) for index, future in pending.items())
         count = len(arguments["completion_ids"])
@@ -174,40 +173,29 @@ class StreamRewards(Feature):
     """TRL's `_calculate_rewards` for a streamed batch, answered from the rewards computed in the stream."""
 
     name = "stream_rewards"
-    PATCHES = (
-        Patch(
-            "trainer.reward_funcs",
-            "TRL's reward call for a streamed batch (replayed from the stream's rewards)",
-            "when the call returns",
-            "trainers/stream_rewards.py",
-        ),
-    )
 
     @classmethod
     def build(cls, plan, arguments: dict) -> StreamRewards | None:
         return cls() if plan.rollout.rewards_in_stream else None
 
-    def rewards(self, trainer, proceed, inputs, prompts, completions, completion_ids_list):
-        scored = trainer.vllm_generation.ahead.streamed_rewards()
+    def rewards(self, run, proceed, inputs, prompts, completions, completion_ids_list):
+        scored = run.trl.vllm_generation.ahead.streamed_rewards()
         if not scored:
             return proceed(inputs, prompts, completions, completion_ids_list)
         _check_pairing(scored, inputs, completions, completion_ids_list)
         columns = scored[0].columns
         for group in scored:
             for column, values in group.extra_logs:
-                trainer._log_completion_extra(column, values)
+                run.trl.log_completion_extra(column, values)
             for name, value in group.metrics:
-                trainer._log_metric(name, value)
-        functions = list(trainer.reward_funcs)
+                run.trl.log_metric(name, value)
+        functions = list(run.trl.reward_funcs)
         replayed = list(functions)
         for k, index in enumerate(columns):
             column = [row[k] for group in scored for row in group.values]
             replayed[index] = _replay([math.nan if value is None else value for value in column])
-        trainer.reward_funcs = replayed  # TRL's own method assembles them (and scores a reward model kept here)
-        try:
+        with run.trl.reward_funcs_replaced(replayed):  # TRL's own method assembles them (a reward model scores here)
             return proceed(inputs, prompts, completions, completion_ids_list)
-        finally:
-            trainer.reward_funcs = functions
 
 
 def _check_pairing(scored: list[GroupRewards], inputs, completions, completion_ids_list) -> None:

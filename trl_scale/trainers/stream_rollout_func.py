@@ -23,14 +23,13 @@ from contextlib import contextmanager
 from ..rollout.generation import generate_output
 from ..rollout.images import image_urls, multimodal_prompts, row_images
 from ..rollout.record import GeneratedBatch
-from .streamed_tools import TrainerView
 
 ROLLOUT_KEY = "trl_scale_rollout"  # a streamed choice's row of its group's rollout_func output
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
 
 
 class GroupGeneration:
-    """What a streamed `rollout_func` sees as `trainer.vllm_generation`: TRL's `generate` for one prompt group's
+    """What a streamed `rollout_func` sees as the trainer's `vllm_generation`: TRL's `generate` for one prompt group's
     prompts, each unique prompt one request through the stream (no gathering across ranks: each rank's stream sends
     its own groups). Other attributes are the trainer's generation's (sampling settings, ...)."""
 
@@ -60,13 +59,15 @@ class GroupGeneration:
         )
 
 
-def rolling_out(trainer):
-    """The stream's `rollout` hook: the user's `rollout_func` for one group, on a view of the trainer (see module)."""
+def rolling_out(trl):
+    """The stream's `rollout` hook: the user's `rollout_func` for one group, on a view of the trainer (see module).
+    The function is taken now: the step replaces TRL's attribute while it replays a batch, as the stream goes on."""
+    function = trl.rollout_func
 
     def rollout(rows: list, send, dispatched) -> tuple[list[dict], int]:
         prompts = copy.deepcopy(multimodal_prompts(rows, row_images(rows)))  # as TRL's step builds them (a copy)
-        generation = GroupGeneration(trainer.vllm_generation, send, dispatched)
-        output = trainer.rollout_func(prompts, TrainerView(trainer, vllm_generation=generation))
+        generation = GroupGeneration(trl.vllm_generation, send, dispatched)
+        output = function(prompts, trl.view(vllm_generation=generation))
         missing = sorted(set(REQUIRED) - set(output))
         if missing:
             raise ValueError(f"rollout_func must return keys {missing} in its output dict.")  # TRL's words
@@ -86,26 +87,27 @@ def rolling_out(trainer):
 
 
 @contextmanager
-def replayed_rollouts(trainer, streamed):
+def replayed_rollouts(trl, streamed):
     """Within the block (a streamed batch's step), TRL's `rollout_func` call answers from the streamed groups' outputs,
     in the batch's row order, once; the prompts asked for must be the batch's. Each extra key becomes one value per
     row (a group's scalar, broadcast by TRL, stays that group's)."""
-    function = getattr(trainer, "rollout_func", None)
-    if function is None or not streamed.choices or ROLLOUT_KEY not in streamed.choices[0]:
+    if trl.rollout_func is None or not streamed.choices or ROLLOUT_KEY not in streamed.choices[0]:
         yield
         return
     rows = [choice[ROLLOUT_KEY] for choice in streamed.choices]
-    generation = trainer.vllm_generation
+    generation = trl.vllm_generation
 
-    def replay(prompts, _trainer):
-        if copy.deepcopy(prompts) != multimodal_prompts(streamed.rows, row_images(streamed.rows)):
-            raise RuntimeError("streamed rollout_func: TRL asked for other prompts than the streamed batch's")
-        trainer.rollout_func = function  # answers one call
-        generation.records.add(GeneratedBatch(tuple(streamed.spans)))  # TRL's rollout_func path calls no generate()
-        return {key: [row[key] for row in rows] for key in rows[0]}
+    def replaying(restore):
+        def replay(prompts, _trainer):
+            if copy.deepcopy(prompts) != multimodal_prompts(streamed.rows, row_images(streamed.rows)):
+                raise RuntimeError("streamed rollout_func: TRL asked for other prompts than the streamed batch's")
+            restore()  # answers one call
+            generation.records.add(
+                GeneratedBatch(tuple(streamed.spans))
+            )  # TRL's rollout_func path calls no generate()
+            return {key: [row[key] for row in rows] for key in rows[0]}
 
-    trainer.rollout_func = replay
-    try:
+        return replay
+
+    with trl.rollout_func_replaced(replaying):
         yield
-    finally:
-        trainer.rollout_func = function

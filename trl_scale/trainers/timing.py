@@ -33,7 +33,8 @@ class PhaseTiming(Feature):
     name = "phase_timing"
     PATCHES = (Patch("accelerator.backward", "setup (timed as the backward phase)", "never", "trainers/timing.py"),)
 
-    def __init__(self, timeline: bool = False):
+    def __init__(self, timeline: bool = False, may_hint: bool = False):
+        self.may_hint = may_hint  # where rewards computed in the step may be slow enough to hint at the switch
         self.seconds: defaultdict[str, float] = defaultdict(float)
         self.timeline = Timeline() if timeline else None
         self.clock = PhaseClock(self.timeline)
@@ -47,9 +48,12 @@ class PhaseTiming(Feature):
 
     @classmethod
     def build(cls, plan, arguments: dict) -> PhaseTiming:
-        return cls(bool(getattr(arguments.get("args"), "rollout_timeline", False)))
+        rollout = plan.rollout
+        # the hint on slow rewards: a streamed step computing them, stream_rewards left at None, no environments
+        may_hint = rollout.takes_groups and not (rollout.rewards_in_stream or rollout.stream_rewards_chosen)
+        return cls(plan.timeline, may_hint and not rollout.environments)
 
-    def check(self, trainer) -> None:
+    def check(self, run) -> None:
         if self.timeline is None:
             return
         try:
@@ -60,23 +64,23 @@ class PhaseTiming(Feature):
                 "'trl-scale[timeline]' (or matplotlib), or rollout_timeline=False"
             ) from error
 
-    def setup(self, trainer) -> None:
-        trainer.add_callback(StepClock(self))
-        generation = getattr(trainer, "vllm_generation", None)
+    def setup(self, run) -> None:
+        run.trl.add_callback(StepClock(self))
+        generation = run.trl.vllm_generation
         if hasattr(generation, "phase"):
             generation.phase = self.clock.phase
         transport = getattr(getattr(generation, "client", None), "transport", None)
         if self.timeline is not None and hasattr(transport, "timeline"):
             transport.timeline = self.timeline
         # The backward has no hook of TRL's or the Trainer's: the accelerator's, on this trainer's accelerator only.
-        backward = trainer.accelerator.backward
+        backward = run.trl.accelerator.backward
 
         @functools.wraps(backward)
         def timed_backward(*args, **kwargs):
             with self.clock.phase("backward"):
                 return backward(*args, **kwargs)
 
-        trainer.accelerator.backward = timed_backward
+        run.trl.accelerator.backward = timed_backward
 
     @contextmanager
     def timed(self, phase: str):
@@ -90,19 +94,19 @@ class PhaseTiming(Feature):
             if phase == "reward":
                 self.reward_seconds += seconds
 
-    def generate(self, trainer, proceed, prompts):
+    def generate(self, run, proceed, prompts):
         with self.timed("generate"):
             return proceed(prompts)
 
-    def rewards(self, trainer, proceed, *args):
+    def rewards(self, run, proceed, *args):
         with self.timed("reward"):
             return proceed(*args)
 
-    def scoring(self, trainer, proceed, *args, **kwargs):
+    def scoring(self, run, proceed, *args, **kwargs):
         with self.timed("score"):
             return proceed(*args, **kwargs)
 
-    def train(self, trainer, proceed, *args, **kwargs):
+    def train(self, run, proceed, *args, **kwargs):
         self.train_began = time.perf_counter()
         self.clock.start()
         try:
@@ -110,15 +114,15 @@ class PhaseTiming(Feature):
         finally:
             self.clock.stop()
             if self.timeline is not None:
-                self.write(trainer, draw=True)
+                self.write(run.trl, draw=True)
 
-    def log(self, trainer, logs: dict[str, float]) -> None:
+    def log(self, run, logs: dict[str, float]) -> None:
         if self.first_step_seconds is not None and not self._first_step_logged:
             logs["time/to_first_step_s"] = self.first_step_seconds
             self._first_step_logged = True
-        self._hint_slow_rewards(trainer)
+        self._hint_slow_rewards()
 
-    def _hint_slow_rewards(self, trainer) -> None:
+    def _hint_slow_rewards(self) -> None:
         """Once: where rewards computed in the step (streaming, `stream_rewards=None`, no environment) take a large
         share of the steps since the last log, say that the switch exists and what it changes. The default stays
         (a reward function may look across the whole batch); the first log's interval (start-up) is not judged."""
@@ -127,15 +131,7 @@ class PhaseTiming(Feature):
         if self._hinted or since is None or now <= since[0]:
             return
         share = (self.reward_seconds - since[1]) / (now - since[0])
-        generation = getattr(trainer, "vllm_generation", None)
-        asynchronous = getattr(getattr(generation, "settings", None), "asynchronous", None)
-        in_step = (
-            getattr(getattr(generation, "ahead", None), "takes_groups", False)
-            and not getattr(asynchronous, "rewards_in_stream", True)
-            and getattr(trainer.args, "stream_rewards", False) is None
-            and getattr(trainer, "environment_factories", None) is None
-        )
-        if in_step and share >= SLOW_REWARD_SHARE:
+        if self.may_hint and share >= SLOW_REWARD_SHARE:
             self._hinted = True
             logger.warning(
                 "rewards took %.0f%% of the last steps' time, computed in the step once the stream's groups arrive "
@@ -146,27 +142,27 @@ class PhaseTiming(Feature):
                 100 * share,
             )
 
-    def save_state(self, trainer, output_dir: str) -> None:
+    def save_state(self, run, output_dir: str) -> None:
         if self.timeline is not None:
-            self.write(trainer, draw=False)
+            self.write(run.trl, draw=False)
 
     def step_ended(self, step: int) -> None:
         record = self.clock.step_end(step)
         if record is not None and self.first_step_seconds is None and self.train_began is not None:
             self.first_step_seconds = record.end - self.train_began
 
-    def write(self, trainer, draw: bool) -> None:
+    def write(self, trl, draw: bool) -> None:
         """The trace (each rank its own file) and, on the main process when `draw`, the PNG. A failure to write is
         logged, never raised: the run's own outcome stands."""
-        directory = os.path.join(trainer.args.output_dir, "timeline")
-        rank = trainer.accelerator.process_index
+        directory = os.path.join(trl.args.output_dir, "timeline")
+        rank = trl.accelerator.process_index
         try:
-            self._draw_outages(getattr(trainer, "rollout_fleet", None))
+            self._draw_outages(trl.rollout_fleet)
             self.timeline.write(os.path.join(directory, "trace.json" if rank == 0 else f"trace-rank{rank}.json"))
             if draw and rank == 0:
                 from ..timeline.render import render_png
 
-                history = trainer.state.log_history
+                history = trl.state.log_history
                 rewards = [(e["step"], e["reward"]) for e in history if "reward" in e and "step" in e]
                 render_png(self.timeline, self.clock.steps, rewards, os.path.join(directory, "timeline.png"))
         except Exception as error:  # a full disk must not turn a finished run into a failed one

@@ -12,44 +12,36 @@ from __future__ import annotations
 
 import torch
 
-from .feature import Feature, Patch
+from .feature import Feature
 
 
-def policy_image_token(trainer) -> int | None:
+def policy_image_token(trl) -> int | None:
     """The token a vision-language policy replaces with image features (its config's `image_token_id`), for a run
     with a processor; None otherwise. (Not the processor's `image_token_id`: Gemma 3's names its begin-image token.)"""
     from transformers import ProcessorMixin
 
-    token = getattr(trainer.model.config, "image_token_id", None)
-    return token if isinstance(trainer.processing_class, ProcessorMixin) else None
+    token = getattr(trl.model.config, "image_token_id", None)
+    return token if isinstance(trl.processing_class, ProcessorMixin) else None
 
 
 class ToolImages(Feature):
     """A run with tools (or environments, whose methods are tools) on a vision-language policy."""
 
     name = "tool_images"
-    PATCHES = (
-        Patch(
-            "trainer._image_pad_token_id",
-            "setup, where TRL found no image token by its names (the policy's own)",
-            "never",
-            "trainers/tool_images.py",
-        ),
-    )
 
     @classmethod
     def build(cls, plan, arguments: dict) -> ToolImages | None:
         return cls() if plan.tools and plan.vision_language else None
 
-    def setup(self, trainer) -> None:
-        token = policy_image_token(trainer)
-        if getattr(trainer, "_image_pad_token_id", 0) is None and token is not None:
-            trainer._image_pad_token_id = token
+    def setup(self, run) -> None:
+        token = policy_image_token(run.trl)
+        if run.trl.image_pad_token_id is None and token is not None:
+            run.trl.set_image_pad_token_id(token)
 
-    def scoring(self, trainer, proceed, *args, **kwargs):
+    def scoring(self, run, proceed, *args, **kwargs):
         return proceed(*args, **_without_crops(kwargs))
 
-    def single_turn(self, trainer, proceed, prompt_ids, images, multimodal_fields, *args, **kwargs):
+    def single_turn(self, run, proceed, prompt_ids, images, multimodal_fields, *args, **kwargs):
         # TRL's local generation of a turn after a tool's image hands the same fields to `generate`
         return proceed(prompt_ids, images, _without_crops(multimodal_fields), *args, **kwargs)
 
@@ -65,7 +57,7 @@ class TextPolicyToolAnswers(Feature):
     def build(cls, plan, arguments: dict) -> TextPolicyToolAnswers | None:
         return cls() if plan.tools and plan.vision_language is False else None
 
-    def tool_suffix(self, trainer, proceed, tool_messages):
+    def tool_suffix(self, run, proceed, tool_messages):
         for message in tool_messages:
             content = message.get("content")
             if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in content):
