@@ -90,6 +90,30 @@ def streaming_timeline(directory: Path, out: str) -> str | None:
     return render_png(timeline, recorded_steps(timeline), rewards, out)
 
 
+def mismatch_servers(path: Path, out: str) -> str:
+    """Each server's KL per token (log scale) in the newest mismatch probe against real vLLM, with the budget."""
+    record = json.loads(path.read_text().splitlines()[-1])
+    names = list(record["servers"])
+    values = [max(record["servers"][name]["kl"], 1e-12) for name in names]
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(7, 3.0))
+    colors = ["tab:red" if value > record["default_budget"] else "tab:green" for value in values]
+    axis.bar(range(len(names)), values, color=colors)
+    axis.axhline(record["default_budget"], color="black", linestyle="--", linewidth=1)
+    axis.annotate(f"default budget {record['default_budget']:g}", (-0.4, record["default_budget"]),
+                  ha="left", va="bottom", fontsize=8)  # fmt: skip
+    axis.set_yscale("log")
+    served_by = {"fp32": "fp32 (vLLM)", "bf16": "bfloat16 (trl-scale serve)"}
+    served_by["other_revision"] = "other revision (vLLM)"
+    axis.set_xticks(range(len(names)), [served_by.get(name, name) for name in names])
+    axis.set_ylabel("KL per token, nats (log scale)")
+    axis.set_title("The mismatch probe before step 1: three servers of one policy, an fp32 trainer", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
+
+
 def draw_all(directory: str) -> list[str]:
     """Every picture the docs show, into `directory`."""
     os.makedirs(directory, exist_ok=True)
@@ -98,6 +122,7 @@ def draw_all(directory: str) -> list[str]:
         agents_streaming(RESULTS / "agents_cpu.jsonl", os.path.join(directory, "agents-streaming.png")),
         demo_rewards(RESULTS / "demo_cpu.json", os.path.join(directory, "demo-rewards.png")),
         streaming_timeline(RESULTS / "timeline_streaming", os.path.join(directory, "timeline.png")),
+        mismatch_servers(RESULTS / "mismatch_cpu.jsonl", os.path.join(directory, "mismatch-servers.png")),
     ]
 
 

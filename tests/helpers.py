@@ -255,6 +255,16 @@ def start_servers(model_path, count, *extra_per_server):
     return [s.wait_ready() for s in servers]
 
 
+def reload_checkpoint(urls, model_path) -> None:
+    """Each server back on the checkpoint's weights: a module's shared servers hold what its earlier runs synced, and
+    a LoRA run sends only its adapter, which lands on that base (the mismatch gate measures it, and stops the run)."""
+    import requests
+
+    body = {"method": "reload_weights", "kwargs": {"weights_path": model_path}}
+    for url in urls:
+        requests.post(f"{url}/collective_rpc", json=body, timeout=120).raise_for_status()
+
+
 def server_grpo(model_path, out, urls, **overrides):
     """A small GRPO run generating on `urls` (server rollout): 3 steps of 8 completions, 4 per prompt. Fields in
     `overrides` go to GRPOConfig, except `peft_config`, `eval_dataset` and `reward_funcs`, which go to the trainer."""

@@ -93,6 +93,7 @@ PICTURED = (
     "agents",
     "quickstart",
     "timeline",
+    "mismatch",
 )  # the pages showing pictures drawn at the build (benchmarks/charts.py)
 
 

@@ -1,8 +1,7 @@
 """The features' state in checkpoints (`trainers/feature_state.py`): one file per rank keyed by feature name, each
 feature checking its own dict; a checkpoint in the format written before that file existed (trl-scale 1581e27: each
-feature its own file) still resumes."""
+feature its own file) is refused, naming it and the fix."""
 
-import json
 import shutil
 from types import SimpleNamespace
 
@@ -40,17 +39,14 @@ def _trainer(model_path, out):
 
 
 @pytest.fixture(scope="module")
-def legacy(tiny_llama, tmp_path_factory):
-    """A checkpoint folder holding what 1581e27 saved inside a rollout window, in its format: the rollout buffer as
-    `torch.save({"step", "inputs"})` in `rollout_buffer_rank0.pt` (its `RolloutResume.save_state`) and the top-ups
-    drawn as `{"drawn": n}` in `dynamic_sampling_rank0.json` (its `DynamicSampling.save_state`), from one step."""
-    folder = tmp_path_factory.mktemp("legacy-checkpoint")
+def saved(tiny_llama, tmp_path_factory):
+    """A checkpoint's feature states, saved inside a rollout window after one step (a rollout buffer and top-ups
+    drawn), with the trainer that saved them."""
+    folder = tmp_path_factory.mktemp("checkpoint")
     trainer = _trainer(tiny_llama, folder / "run")
     trainer.train()
-    torch.save({"step": trainer._step, "inputs": trainer._buffered_inputs}, folder / "rollout_buffer_rank0.pt")
-    drawn = trainer.features.get(DynamicSampling).top_up.drawn
-    (folder / "dynamic_sampling_rank0.json").write_text(json.dumps({"drawn": drawn}))
-    return folder
+    save_feature_states(trainer.features, trainer.run, str(folder))
+    return folder, trainer
 
 
 def _same(a, b) -> bool:
@@ -63,41 +59,39 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def test_a_checkpoint_of_the_earlier_format_still_resumes_each_feature(tiny_llama, legacy, tmp_path):
-    trainer = _trainer(tiny_llama, tmp_path / "run")
-    load_feature_states(trainer.features, trainer.run, str(legacy))
-    saved = torch.load(legacy / "rollout_buffer_rank0.pt", weights_only=False)
-    drawn = json.loads((legacy / "dynamic_sampling_rank0.json").read_text())["drawn"]
-    assert trainer._step == saved["step"] and _same(trainer._buffered_inputs, saved["inputs"])
-    assert drawn > 0 and trainer.features.get(DynamicSampling).drawn_at_resume == drawn
-    # saved again, it is the one file, keyed by feature name, with the same states
-    path = save_feature_states(trainer.features, trainer.run, str(tmp_path / "again"))
-    assert path == state_path(str(tmp_path / "again"), 0)
-    states = torch.load(path, weights_only=False)["features"]
-    assert set(states) == {"rollout_resume"}  # no top-up drawn since: nothing of dynamic sampling's to keep
-    window = {"steps_per_generation": 2, "num_iterations": 1}  # recorded now: a resume with another is refused
-    assert _same(states["rollout_resume"], {"step": saved["step"], "inputs": saved["inputs"], "window": window})
-
-
-def test_the_one_file_round_trips_and_a_legacy_checkpoint_of_other_processes_is_refused(tiny_llama, legacy, tmp_path):
-    trainer = _trainer(tiny_llama, tmp_path / "run")
-    load_feature_states(trainer.features, trainer.run, str(legacy))
-    drawn = json.loads((legacy / "dynamic_sampling_rank0.json").read_text())["drawn"]
-    trainer.features.get(DynamicSampling).top_up_rows(trainer.run.trl, 8)  # two more top-up groups drawn
-    path = save_feature_states(trainer.features, trainer.run, str(tmp_path / "new"))
+def test_the_one_file_round_trips_and_a_checkpoint_of_other_processes_is_refused(tiny_llama, saved, tmp_path):
+    folder, trainer = saved
+    drawn = trainer.features.get(DynamicSampling).top_up.drawn
+    states = torch.load(state_path(str(folder), 0), weights_only=False)["features"]
+    window = {"steps_per_generation": 2, "num_iterations": 1}  # recorded: a resume with another is refused
+    assert _same(
+        states["rollout_resume"], {"step": trainer._step, "inputs": trainer._buffered_inputs, "window": window}
+    )
+    assert drawn > 0 and states["dynamic_sampling"] == {"drawn": drawn}
     resumed = _trainer(tiny_llama, tmp_path / "resumed")
-    load_feature_states(resumed.features, resumed.run, str(tmp_path / "new"))
-    assert _same(resumed._buffered_inputs, trainer._buffered_inputs)
-    assert resumed.features.get(DynamicSampling).drawn_at_resume == drawn + 2
+    load_feature_states(resumed.features, resumed.run, str(folder))
+    assert resumed._step == trainer._step and _same(resumed._buffered_inputs, trainer._buffered_inputs)
+    assert resumed.features.get(DynamicSampling).drawn_at_resume == drawn
     # as if two processes had saved: refused on one, naming the files
-    shutil.copy(path, state_path(str(tmp_path / "new"), 1))
+    two = tmp_path / "two"
+    shutil.copytree(folder, two, ignore=shutil.ignore_patterns("run"))
+    shutil.copy(state_path(str(two), 0), state_path(str(two), 1))
     with pytest.raises(ValueError, match=r"by 2 process\(es\).*trl_scale_state_rankN.pt.*this run has 1"):
-        load_feature_states(resumed.features, resumed.run, str(tmp_path / "new"))
-    two = tmp_path / "legacy"
-    shutil.copytree(legacy, two, ignore=shutil.ignore_patterns("run"))
-    shutil.copy(two / "rollout_buffer_rank0.pt", two / "rollout_buffer_rank1.pt")
-    with pytest.raises(ValueError, match=r"by 2 process\(es\).*rollout_buffer_rankN.pt.*this run has 1"):
         load_feature_states(resumed.features, resumed.run, str(two))
+
+
+@pytest.mark.parametrize(
+    "earlier", ["rollout_buffer_rank0.pt", "rollout_stream_rank0.pt", "dynamic_sampling_rank0.json"]
+)
+def test_a_checkpoint_of_the_earlier_format_is_refused_naming_it(tiny_llama, tmp_path, earlier):
+    """What trl-scale 1581e27 saved (each feature its own file, for one day) is not read: resumed without it, the
+    run would silently drop its rollout; it is named with the fix instead."""
+    trainer = _trainer(tiny_llama, tmp_path / "run")
+    (tmp_path / earlier).write_bytes(b"")
+    with pytest.raises(ValueError, match=rf"\({earlier}, .*trl-scale 1581e27.*Fix: resume with trl-scale 1581e27"):
+        load_feature_states(trainer.features, trainer.run, str(tmp_path))
+    (tmp_path / earlier).unlink()
+    load_feature_states(trainer.features, trainer.run, str(tmp_path))  # no state at all: nothing to restore
 
 
 class _Recorded:
@@ -110,9 +104,6 @@ class _Recorded:
 
     def load_state_dict(self, trainer, state, path):
         self.given = (state, path)
-
-    def load_legacy_state(self, trainer, checkpoint):
-        raise AssertionError("a checkpoint with state files is read from them")
 
 
 def _rank(index: int):

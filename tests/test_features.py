@@ -104,6 +104,7 @@ def test_the_features_of_each_trainer_in_their_order():
         "safe_checkpoint",
         "rollout_resume",
         "model_card",
+        "mismatch_gate",
         "server_rollout",
         "packed_scoring",
         "decoder_layers",

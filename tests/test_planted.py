@@ -126,14 +126,11 @@ def test_with_several_environments_reset_gets_the_row_without_its_environment_co
     stream's episodes must too (an environment's reset(**row) may take no such argument)."""
     import threading
 
-    from trl_scale.trainers.stream_environments import EnvironmentPool, EpisodeOpener
+    from trl_scale.trainers.stream_environments import EpisodeOpener
 
     factories = {"a": _Recorded, "b": _Recorded}
-    trainer = SimpleNamespace(_multi_environment=True, environment_factories=factories)
-    opener = object.__new__(EpisodeOpener)
-    opener.trainer, opener.timeout, opener.lock = trainer, 5.0, threading.Lock()
-    opener.pool = EnvironmentPool(factories)
-    opener._tokenize = lambda view, prompts: ([[1] for _ in prompts], None, {})  # TRL's (ids, images, fields)
+    tokenize = lambda names, prompts: ([[1] for _ in prompts], None, {})  # noqa: E731 (TRL's: ids, images, fields)
+    opener = EpisodeOpener(factories, True, tokenize, 5.0, threading.Lock())
     rows = [{"prompt": "p", "environment": "a", "id": 1}, {"prompt": "p", "environment": "b", "id": 1}]
     episode = opener(rows)
     assert [instance.reset_with for instance in episode.instances] == [{"prompt": "p", "id": 1}] * 2

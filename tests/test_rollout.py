@@ -26,6 +26,7 @@ from .helpers import (
     group_sync,
     push,
     push_weights,
+    reload_checkpoint,
     server_grpo,
     server_rloo_or_ppo,
     start_servers,
@@ -449,6 +450,7 @@ def test_a_sync_without_a_directory_leaves_no_copy_of_the_weights(servers, tiny_
     from peft import LoraConfig
 
     peft = {"peft_config": LoraConfig(r=4, target_modules=["q_proj", "v_proj"])} if weight_sync == "lora" else {}
+    reload_checkpoint([s.url for s in servers], tiny_llama)  # the base a LoRA adapter lands on
     trainer = server_grpo(tiny_llama, tmp_path, [s.url for s in servers], weight_sync=weight_sync, max_steps=2, **peft)
     made = []
     mode = trainer.vllm_generation.syncer.mode

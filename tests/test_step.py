@@ -23,7 +23,7 @@ def _plan(tmp_path, trainer=trl_scale.GRPOTrainer, config_class=trl_scale.GRPOCo
     config = config_class(**cpu_args(tmp_path, **fields))
     arguments = {"model": "toy:llama", "args": config, **arguments}
     plan = RunPlan.from_arguments(trainer.__name__, arguments)
-    return plan, chain_for(trainer, plan, arguments)
+    return plan, chain_for(trainer, plan)
 
 
 def _server(**fields):
@@ -228,7 +228,7 @@ def test_the_page_names_exactly_the_features_built_only_where_they_act(tmp_path)
     page = " ".join((ROOT / "docs" / "step.md").read_text().split())
     listed = re.search(r"absent from the chain otherwise: ([a-z_, ]+)\.", page).group(1)
     trainer_class, arguments = example_arguments("demo", str(tmp_path))
-    chain = chain_for(trainer_class, RunPlan.from_arguments(trainer_class.__name__, arguments), arguments)
+    chain = chain_for(trainer_class, RunPlan.from_arguments(trainer_class.__name__, arguments))
     absent = {kind.name for kind in trainer_class.FEATURES} - set(chain.names())
     assert set(listed.split(", ")) == absent, (listed, absent)
     assert "`trl`:" not in page  # the client TRL's own vLLM client was is gone: trl-scale's serves server mode

@@ -188,7 +188,7 @@ def test_a_streamed_episode_equals_trls_step_on_the_same_turns(tool_model, tmp_p
 
     # the stream's episode on the same turns
     lock = threading.Lock()
-    opener = EpisodeOpener(trainer.run.trl, timeout=30, lock=lock)
+    opener = EpisodeOpener.of(trainer.run.trl, timeout=30, lock=lock)
     episode = opener(rows)
     completion_ids, logprobs = first
     conversations = conversing(trainer.run.trl, lock, 30)(
@@ -461,7 +461,7 @@ def test_a_hung_tool_is_a_failing_tool_and_its_instance_is_discarded(tool_model,
         environment_factory=Hanging,
     )
     lock = threading.Lock()
-    opener = EpisodeOpener(trainer.run.trl, timeout=0.2, lock=lock)
+    opener = EpisodeOpener.of(trainer.run.trl, timeout=0.2, lock=lock)
     rows = [dict(trainer.train_dataset[0]) for _ in range(GROUP)]
     episode = opener(rows)
     tokenizer = trainer.processing_class
@@ -489,7 +489,7 @@ def test_a_failing_reset_names_the_environment_and_the_group(tool_model, tmp_pat
         processing_class=AutoTokenizer.from_pretrained(tool_model),
         environment_factory={"sync": BrokenReset, "async": AsyncCounter},
     )
-    opener = EpisodeOpener(trainer.run.trl, timeout=5, lock=threading.Lock())
+    opener = EpisodeOpener.of(trainer.run.trl, timeout=5, lock=threading.Lock())
     rows = [dict(trainer.train_dataset[1]) for _ in range(GROUP)]
     with pytest.raises(EnvironmentFailure, match=r"environment 'sync' \(BrokenReset\): reset\(\) failed .*count two"):
         opener(rows)

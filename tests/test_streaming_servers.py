@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, TrainerCallback
 import trl_scale
 from trl_scale.toy import TOY_WORDS
 
-from .helpers import cpu_args, record_generations, saved_state, start_servers, token_parity_reward
+from .helpers import cpu_args, record_generations, reload_checkpoint, saved_state, start_servers, token_parity_reward
 
 pytest.importorskip("fastapi")
 
@@ -172,6 +172,7 @@ def test_lora_streams_each_group_on_the_adapter_it_was_sent_with(servers, tiny_l
     from peft import LoraConfig
 
     recorder = TrainedIds()
+    reload_checkpoint([s.url for s in servers], tiny_llama)  # the base the adapters land on (earlier runs synced)
     lora = LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
     trainer = streaming_run(
         "grpo", tiny_llama, tmp_path, [s.url for s in servers], recorder, async_rollout_staleness=staleness,

@@ -194,7 +194,7 @@ def test_slow_rewards_in_a_streaming_step_hint_at_stream_rewards_once(monkeypatc
             rewards_in_stream=in_stream,
             stream_rewards_chosen=stream_rewards is not None,
         )
-        return PhaseTiming.build(RunPlan("GRPOTrainer", rollout=rollout), {})
+        return PhaseTiming.build(RunPlan("GRPOTrainer", rollout=rollout))
 
     def run(stamp: PhaseTiming, reward_share: float, logs: int = 3):
         for _ in range(logs):

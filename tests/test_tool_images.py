@@ -28,7 +28,7 @@ def _built(arguments: dict):
     """`ToolImages` as a trainer builds it: from the run plan of these constructor arguments."""
     from trl_scale.trainers.plan import RunPlan
 
-    return ToolImages.build(RunPlan.from_arguments("GRPOTrainer", arguments), arguments)
+    return ToolImages.build(RunPlan.from_arguments("GRPOTrainer", arguments))
 
 
 def test_built_for_vision_language_runs_with_tools_or_environments_only(tiny_vlm, tiny_llama):

@@ -79,7 +79,7 @@ def test_feature_hooks_take_the_run():
     }
     wrong = []
     for kind in kinds:
-        for hook in (*AROUND_HOOKS, *EVENTS, "load_legacy_state"):
+        for hook in (*AROUND_HOOKS, *EVENTS):
             method = vars(kind).get(hook)
             if method is not None:
                 first = ast.parse(ast.unparse(ast.parse(_source(method)))).body[0].args.args[1].arg

@@ -15,7 +15,7 @@ from transformers import TrainerCallback
 
 from trl_scale.rollout.weight_dir import LOCK_NAME, RUN_PREFIX, WeightDirectory
 
-from .helpers import server_grpo, subprocess_env
+from .helpers import reload_checkpoint, server_grpo, subprocess_env
 
 
 def _user_files(directory) -> dict[str, str]:
@@ -38,6 +38,7 @@ def test_a_sync_touches_nothing_it_did_not_write(servers, tiny_llama, tmp_path, 
     directory = tmp_path / "sync"
     before = _user_files(directory)
     peft = {"peft_config": LoraConfig(r=4, target_modules=["q_proj", "v_proj"])} if weight_sync == "lora" else {}
+    reload_checkpoint([s.url for s in servers], tiny_llama)  # the base a LoRA adapter lands on
     trainer = server_grpo(
         tiny_llama,
         tmp_path / "out",

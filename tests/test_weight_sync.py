@@ -525,7 +525,8 @@ def test_the_client_waits_for_servers_still_loading_and_names_those_that_never_c
 
 
 def test_a_prompts_completions_go_as_one_request_with_n(shared_server, tiny_llama, tmp_path, monkeypatch):
-    trainer = server_grpo(tiny_llama, tmp_path, [shared_server.url], max_steps=1)
+    # the mismatch probe's request is another request (tests/test_mismatch.py): only TRL's generation counted here
+    trainer = server_grpo(tiny_llama, tmp_path, [shared_server.url], max_steps=1, rollout_mismatch_budget=None)
     recorder = Recorder(monkeypatch)  # generation only (construction's preflight sends a probe)
     trainer.train()
     completions = [body for _, url, body, _, _ in recorder.calls if url.endswith("/v1/completions")]

@@ -2,7 +2,7 @@
 
     trl-scale grpo|rloo|dpo|ppo --config file.yaml [--field value ...]
     trl-scale serve --model PATH [--host 127.0.0.1] [--port N] [--api-key KEY] [--token-delay S]
-    trl-scale check-servers URL... [--weight-sync MODE] [--max-completion-length N] [--json]
+    trl-scale check-servers URL... [--weight-sync MODE] [--max-completion-length N] [--model PATH] [--json]
     trl-scale rollout {rejection-sample,eval} --servers URL... --tokenizer PATH --dataset D --reward-funcs F
     trl-scale demo [--max-steps N] [--family llama|qwen2]
     trl-scale step grpo|rloo|dpo|ppo --config file.yaml | --example demo   (the step a config runs, printed)
@@ -337,7 +337,7 @@ USAGE = (
     "usage: trl-scale {grpo,rloo,dpo,ppo} --config file.yaml [--field value ...]\n"
     "       trl-scale serve --model PATH [--host 127.0.0.1] [--port N]\n"
     "       trl-scale reward-server [--reward code|module:function] [--host 127.0.0.1] [--port N] [--api-key KEY]\n"
-    "       trl-scale check-servers URL... [--weight-sync MODE] [--max-completion-length N] [--json]\n"
+    "       trl-scale check-servers URL... [--weight-sync MODE] [--max-completion-length N] [--model PATH] [--json]\n"
     "       trl-scale rollout {rejection-sample,eval} --servers URL... --tokenizer PATH --dataset D --reward-funcs F\n"
     "       trl-scale demo [options]\n"
     "       trl-scale step {grpo,rloo,dpo,ppo} --config file.yaml | --example {demo,streaming-environments}"
@@ -361,6 +361,10 @@ def check_servers(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=float, default=1.0, help="checks the log-prob mode against it")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--json", action="store_true", help="one JSON list of rows instead of the table")
+    parser.add_argument(
+        "--model", default=None, help="a local policy: each server's sampler measured against it (the mismatch probe)"
+    )
+    parser.add_argument("--mismatch-budget", type=float, default=None, help="with --model: a problem past it")
     args = parser.parse_args(argv)
     try:  # the URLs a trainer would accept, no others
         urls = check_server_urls(args.urls, field="URL")
@@ -378,15 +382,45 @@ def check_servers(argv: list[str]) -> int:
         sampling={"temperature": args.temperature},
     )
     errors, warnings = all_problems(reports, needs)
+    figures = _mismatch(urls, args) if args.model and not errors else []
     if args.json:
-        print(json.dumps([r.row() for r in reports]))
+        by_url = {f.server: f for f in figures}
+        rows = [{**r.row(), **({"mismatch KL": by_url[r.url].kl} if r.url in by_url else {})} for r in reports]
+        print(json.dumps(rows))
     else:
         print(format_table(reports))
+        if figures:
+            from .mismatch import format_figures
+
+            print("\nmismatch against " + args.model + ":\n" + format_figures(figures))
+    if args.mismatch_budget is not None:
+        from .mismatch import verdict
+
+        errors += [line for f in figures if (line := verdict(f, args.mismatch_budget))]
     for line in errors:
         print(f"problem: {line}", file=sys.stderr)
     for line in warnings:
         print(f"warning: {line}", file=sys.stderr)
     return 1 if errors else 0
+
+
+def _mismatch(urls: list[str], args) -> list:
+    """`check-servers --model`: each server's sampler against the local model (`trl_scale.mismatch.local`)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .mismatch.local import probe_prompts, scored_figures
+    from .rollout.client import RolloutClient
+    from .rollout.mismatch_probe import sample_each_server
+
+    prompts = probe_prompts(AutoTokenizer.from_pretrained(args.model))
+    client = RolloutClient(urls, request_timeout=60, api_key=args.api_key, generation_timeout=120)
+    try:
+        samples = sample_each_server(client, prompts, {"max_tokens": 16, "temperature": args.temperature})
+    finally:
+        client.close()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    return scored_figures(model, prompts, samples, args.temperature)
 
 
 def main(argv: list[str] | None = None) -> int:

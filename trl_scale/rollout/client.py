@@ -85,7 +85,35 @@ def joined(cut: dict, rest: dict) -> dict:
     return whole
 
 
-class RolloutClient:
+class FleetMembership:
+    """Which servers a client routes over, changed while it runs: a managed server that moved, one the mismatch gate
+    drops. (`servers` is the list the rotation and the version book share; `_lock` guards it.)"""
+
+    servers: list[ServerState]
+
+    def replace_url(self, old: str, new: str) -> None:
+        """A server that moved (a managed server restarted on another node): the new address, on no version (out of
+        the rotation until a weight sync reaches it)."""
+        with self._lock:
+            for server in self.servers:
+                if server.url == old.rstrip("/"):
+                    server.url, server.version, server.unchecked = new.rstrip("/"), None, True
+                    server.world_size = 0
+            self.transport.forget(old.rstrip("/"))
+
+    def retire(self, url: str) -> None:
+        """Take the server at `url` out of the fleet for the rest of the run (the mismatch gate's "drop"): nothing is
+        routed to it, and weight syncs leave it out. The last server is never retired."""
+        with self._lock:
+            kept = [server for server in self.servers if server.url != url.rstrip("/")]
+            if not kept:
+                raise RolloutError(f"{url} is the last rollout server: retiring it would leave none")
+            self.servers[:] = kept  # the rotation and the version book share this list
+            self._busy_read = ([server.busy_until(time.monotonic()) for server in kept], time.monotonic())
+            self._lock.notify_all()
+
+
+class RolloutClient(FleetMembership):
     """Routes completion requests over the servers and fails them over; holds the servers' routing state, the
     request threads, the version book (`versions`) and the HTTP transport (`transport`)."""
 
@@ -101,6 +129,7 @@ class RolloutClient:
         load_timeout: float = 900.0,
         routing: RoutingPolicy | str = "latency",
         redraw_tokens: frozenset[int] = frozenset(),
+        timeline=None,
     ):
         """`redraw_tokens`: token ids a completion must not hold; an answer that samples one is drawn again (a
         vision-language policy's image token: TRL's step cannot pair it with an image, and TRL's local generation
@@ -121,7 +150,7 @@ class RolloutClient:
         # Enough threads that the in-flight cap, not the pool, bounds the requests on the wire (+ weight-sync calls).
         workers = max_workers or max(32, len(self.servers) * (max_inflight_per_server + 2))
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout")
-        self.transport = Transport(api_key, workers, request_timeout)
+        self.transport = Transport(api_key, workers, request_timeout, timeline)
         self.versions = VersionBook(self.servers, self._lock, self.weight_version)
         # A trainer waits through refused connections (a starting vLLM refuses them while its model loads); commands
         # that talk to running servers (`trl-scale rollout`) set this to fail at once.
@@ -320,16 +349,6 @@ class RolloutClient:
                 return response.json()["features"]
             errors.append(f"{server.url}: {response.status_code}")
         raise RolloutError(f"no rollout server rendered the images of row {row}: {errors[-3:]}")
-
-    def replace_url(self, old: str, new: str) -> None:
-        """A server that moved (a managed server restarted on another node): the new address, on no version (out of
-        the rotation until a weight sync reaches it)."""
-        with self._lock:
-            for server in self.servers:
-                if server.url == old.rstrip("/"):
-                    server.url, server.version, server.unchecked = new.rstrip("/"), None, True
-                    server.world_size = 0
-            self.transport.forget(old.rstrip("/"))
 
     def _any_may_return(self, deadline: float) -> bool:
         with self._lock:

@@ -60,8 +60,8 @@ class ServerRolloutGeneration(CheckpointNamedWalk, VLLMGeneration):
 
     ahead: ReadAheadRollout | None = None  # asynchronous rollout (`enable_async`); None: synchronous
     shared_with = None  # the sequence-parallel group's process group: its rank 0 generates for it (`share_with`)
-    # The trainer's phase clock (`trl_scale.timeline.PhaseClock.phase`), where the timeline or phase timing is kept:
-    # a weight sync and a wait for streamed groups are phases of the trainer's time.
+    # The trainer's phase clock (`trl_scale.timeline.PhaseClock.phase`, given by the constructor): a weight sync and a
+    # wait for streamed groups are phases of the trainer's time.
     phase = staticmethod(lambda name: nullcontext())
 
     def __init__(
@@ -73,7 +73,10 @@ class ServerRolloutGeneration(CheckpointNamedWalk, VLLMGeneration):
         settings: RolloutSettings,
         weight_dir: WeightDirectory | None = None,
         fleet=None,
+        phase=None,
     ):
+        if phase is not None:
+            self.phase = phase
         self.client = client
         self.settings = settings
         self.fleet = fleet  # managed servers (main process only): checked before each batch and sync
@@ -240,7 +243,8 @@ class ServerRolloutGeneration(CheckpointNamedWalk, VLLMGeneration):
         converses = ahead is not None and ahead.converses
         conversations = tuple(choice.get(CONVERSATION_KEY) for choice in choices) if converses else None
         # TRL's RLOO drops the log-probs `generate` returns: its trl-scale correction reads them from the record
-        self.records.add(GeneratedBatch(tuple(spans), tuple(logprobs), conversations))
+        servers = tuple(choice.get(SERVER_KEY) for choice in choices)
+        self.records.add(GeneratedBatch(tuple(spans), tuple(logprobs), conversations, servers))
         return generate_output(prompts, choices, completion_ids, logprobs)
 
     def turn_outputs(self, choices: list[dict]) -> tuple[list[list[int]], list[list[float]]]:

@@ -25,6 +25,7 @@ class GeneratedBatch:
     version_spans: tuple[tuple[int, int], ...]  # (first, newest possible) sync counts of its tokens' weights
     sampler_logprobs: tuple[list[float], ...] = ()  # the sampler's log-prob of each of its tokens (NaN: none asked)
     conversations: tuple | None = None  # a streamed tool-using group's whole conversation, per completion
+    servers: tuple[str | None, ...] = ()  # the server that drew each completion (its first turn), where known
 
     @property
     def versions(self) -> list[int]:
@@ -41,7 +42,8 @@ class GeneratedBatch:
         """The record of rows `start:stop`."""
         conversations = self.conversations[start:stop] if self.conversations is not None else None
         logprobs = self.sampler_logprobs[start:stop] if self.sampler_logprobs else ()
-        return GeneratedBatch(self.version_spans[start:stop], logprobs, conversations)
+        servers = self.servers[start:stop] if self.servers else ()
+        return GeneratedBatch(self.version_spans[start:stop], logprobs, conversations, servers)
 
     @staticmethod
     def joined(records: Sequence[GeneratedBatch]) -> GeneratedBatch:
@@ -49,7 +51,9 @@ class GeneratedBatch:
         spans = tuple(span for record in records for span in record.version_spans)
         with_logprobs = all(len(record.sampler_logprobs) == len(record) for record in records)
         logprobs = tuple(row for record in records for row in record.sampler_logprobs) if with_logprobs else ()
-        return GeneratedBatch(spans, logprobs)
+        with_servers = all(len(record.servers) == len(record) for record in records)
+        servers = tuple(url for record in records for url in record.servers) if with_servers else ()
+        return GeneratedBatch(spans, logprobs, servers=servers)
 
 
 class BatchRecords:

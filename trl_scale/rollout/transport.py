@@ -16,7 +16,7 @@ from ..routing import ServerState
 
 
 class Transport:
-    def __init__(self, api_key: str | None, pool_size: int, request_timeout: float):
+    def __init__(self, api_key: str | None, pool_size: int, request_timeout: float, timeline=None):
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.request_timeout = request_timeout
         self.session = requests.Session()
@@ -26,7 +26,7 @@ class Transport:
         self._model_names: dict[str, str] = {}
         # The rollout timeline (`trl_scale.timeline.Timeline`), when one is recorded: each completion request and
         # each control call (a sync's pause, weight load, resume) as a span on its server's lane.
-        self.timeline = None
+        self.timeline = timeline
         # Completion requests out now, by the model they name: a LoRA adapter's directory stays while one names it
         # (vLLM reads an adapter it evicted again from its directory, and a missing one kills its engine).
         self._out_by_model: Counter[str] = Counter()

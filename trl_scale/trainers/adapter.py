@@ -12,6 +12,7 @@ from typing import ClassVar
 
 from ..logs import get_logger
 from ..rollout.record import RECORD_KEY
+from ..timeline import PhaseClock, Timeline
 from .feature import Feature, FeatureChain
 from .feature_state import load_feature_states, save_feature_states
 from .plan import RunPlan
@@ -51,8 +52,9 @@ class FeatureHooks:
         """The run's plan, the features that act in it and the `Run` they are handed, made from the constructor
         arguments before TRL's constructor runs (DPO's packed scoring is asked for inside it)."""
         self.plan = RunPlan.from_arguments(type(self).__name__, arguments)
-        self.features = FeatureChain.built(self.FEATURES, self.plan, arguments)
-        self.run = Run(self.plan, TrlFacade(self), self.features, self._trl_hook)
+        self.features = FeatureChain.built(self.FEATURES, self.plan)
+        clock = PhaseClock(Timeline() if self.plan.timeline else None)
+        self.run = Run(self.plan, TrlFacade(self), self.features, self._trl_hook, clock)
         return self.plan
 
     def _trl_hook(self, hook: str):

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import glob
 import os
 
 from .feature import Feature
 from .feature_state import STATE_NAME, saved_ranks
-
-ROLLOUT_BUFFER_NAME = "rollout_buffer_rank{rank}.pt"
-STREAM_STATE_NAME = "rollout_stream_rank{rank}.pt"
 
 
 def check_stream_group_size(state: dict, num_generations: int, path: str) -> None:
@@ -106,16 +102,3 @@ class RolloutResume(Feature):
                 "checkpoint saved at a window's end (global_step a multiple of steps_per_generation)"
             )
         run.trl.restore_buffered_inputs(state["step"], send_to_device(state["inputs"], run.trl.accelerator.device))
-
-    def load_legacy_state(self, run, checkpoint: str) -> None:
-        """`rollout_buffer_rank<N>.pt`, one per rank."""
-        saved = len(glob.glob(os.path.join(checkpoint, ROLLOUT_BUFFER_NAME.format(rank="*"))))
-        check_same_processes(checkpoint, saved, run.trl.accelerator.num_processes, ROLLOUT_BUFFER_NAME)
-        path = os.path.join(checkpoint, ROLLOUT_BUFFER_NAME.format(rank=run.trl.accelerator.process_index))
-        if os.path.isfile(path):
-            import torch
-
-            # Plain "cpu" for CPU runs: under DeepSpeed the device is "cpu:0", a location torch.load cannot restore.
-            device = run.trl.accelerator.device
-            saved = torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=False)
-            run.trl.restore_buffered_inputs(saved["step"], saved["inputs"])

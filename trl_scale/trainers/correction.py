@@ -76,7 +76,7 @@ class SequenceCorrection(Feature):
     name = "sequence_correction"
 
     @classmethod
-    def build(cls, plan, arguments: dict) -> SequenceCorrection | None:
+    def build(cls, plan) -> SequenceCorrection | None:
         return cls() if plan.corrects_sampler_logprobs else None
 
     def generate_and_score(self, run, proceed, inputs):

@@ -49,7 +49,7 @@ class DecoderLayers(Feature):
         self.compiled = False
 
     @classmethod
-    def build(cls, plan, arguments: dict) -> DecoderLayers:
+    def build(cls, plan) -> DecoderLayers:
         return cls(plan.scoring.sequence_parallel_size)
 
     def check(self, run) -> None:

@@ -56,7 +56,7 @@ class PreferencePackedScoring(PackedScoring):
         self.padding_free = padding_free  # the user's value, read by the plan before TRL's constructor hides it
 
     @classmethod
-    def build(cls, plan, arguments: dict) -> Feature:
+    def build(cls, plan) -> Feature:
         return cls(plan.scoring.padding_free, plan.scoring.sequence_parallel_size)
 
     def request(self, trl) -> PackingRequest:

@@ -11,9 +11,7 @@ generation and rewards gather across processes).
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import torch
 
@@ -25,7 +23,6 @@ from .handoff import Handoff
 
 logger = get_logger(__name__)
 
-TOP_UP_STATE_NAME = "dynamic_sampling_rank{rank}.json"
 # Each candidate row keeps its completion's part of the rollout's record (`rollout.record`: version spans for the
 # streaming metrics, sampler log-probs for RLOO's correction); the chosen rows' parts make the step's record.
 RECORD_ROW = "generation:record"
@@ -37,7 +34,7 @@ class DynamicSampling(Feature):
     name = "dynamic_sampling"
 
     @classmethod
-    def build(cls, plan, arguments: dict) -> DynamicSampling | None:
+    def build(cls, plan) -> DynamicSampling | None:
         rollout = plan.rollout
         if not plan.dynamic_sampling:
             return None
@@ -225,11 +222,3 @@ class DynamicSampling(Feature):
 
     def load_state_dict(self, run, state: dict, path: str) -> None:
         self.drawn_at_resume, self.top_up = state["drawn"], None
-
-    def load_legacy_state(self, run, checkpoint: str) -> None:
-        """`dynamic_sampling_rank<N>.json`."""
-        path = os.path.join(checkpoint, TOP_UP_STATE_NAME.format(rank=run.trl.accelerator.process_index))
-        if os.path.isfile(path):
-            with open(path) as f:
-                self.drawn_at_resume = json.load(f)["drawn"]
-            self.top_up = None

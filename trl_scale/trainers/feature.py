@@ -11,12 +11,12 @@ in the order the trainer's `FEATURES` lists (outermost first).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+from .interception import Patch
 
 if TYPE_CHECKING:
     from .plan import RunPlan
-    from .run import Run
 
 # The around hooks: a feature method of this name wraps the adapter's trainer method of the same meaning.
 AROUND_HOOKS = (
@@ -39,22 +39,6 @@ AROUND_HOOKS = (
 EVENTS = ("check", "setup", "log", "save_state", "load_state", "state_dict", "load_state_dict", "card_tags")
 
 
-@dataclass(frozen=True)
-class Patch:
-    """Something outside TRL's hooks that a feature replaces: declared by the feature that makes it, so that the
-    printed step (`trl-scale step`) shows every interception in force. `where` names the module that makes it (a
-    test checks that every module making one is named by a declaration)."""
-
-    target: str  # what is replaced, e.g. "model.forward"
-    when: str  # when it is put in place
-    undone: str  # when it is undone ("never": for the run)
-    where: str  # the module (path under trl_scale/) that makes it
-    in_force: Callable[[RunPlan, Any], bool] | None = None  # given the plan and config: made at all (None: always)
-
-    def made_in(self, plan: RunPlan, config) -> bool:
-        return self.in_force is None or config is None or self.in_force(plan, config)
-
-
 def sequence_parallel(plan: RunPlan, config) -> bool:
     return plan.scoring.sequence_parallel_size > 1
 
@@ -67,9 +51,10 @@ class Feature:
     PATCHES: ClassVar[tuple[Patch, ...]] = ()  # the interceptions outside TRL's hooks this feature makes
 
     @classmethod
-    def build(cls, plan: RunPlan, arguments: dict) -> Feature | None:
-        """The feature for a run with this plan (built from the trainer's constructor arguments, TRL's, by name,
-        before TRL's constructor runs), or None where it would not act: the chain holds only the features that do."""
+    def build(cls, plan: RunPlan) -> Feature | None:
+        """The feature for a run with this plan (the run's settings, read once from the constructor's arguments
+        before TRL's constructor runs; a feature never sees the arguments themselves), or None where it would not
+        act: the chain holds only the features that do. Live handles come later, with the run, at `setup`."""
         return cls()
 
     def check(self, run) -> None:
@@ -97,9 +82,6 @@ class Feature:
 
     def load_state_dict(self, run, state: dict, path: str) -> None:
         """Resuming: this feature's saved `state` (from the file at `path`), which it checks against this run."""
-
-    def load_legacy_state(self, run, checkpoint: str) -> None:
-        """Resuming from a checkpoint of a trl-scale before the one state file (each feature its own files)."""
 
     def card_tags(self, run) -> list[str]:
         """The model card's tags for this feature, where it is in use."""
@@ -129,9 +111,9 @@ class FeatureChain:
         return [feature.name for feature in self.features if hook is None or _takes(feature, hook)]
 
     @classmethod
-    def built(cls, kinds: Iterable[type[Feature]], plan: RunPlan, arguments: dict) -> FeatureChain:
+    def built(cls, kinds: Iterable[type[Feature]], plan: RunPlan) -> FeatureChain:
         """The chain of `kinds` (a trainer's `FEATURES`) for a run with this plan: only the features that act."""
-        features = (kind.build(plan, arguments) for kind in kinds)
+        features = (kind.build(plan) for kind in kinds)
         return cls(feature for feature in features if feature is not None)
 
     def by_hook(self) -> dict[str, list[str]]:
@@ -141,11 +123,11 @@ class FeatureChain:
     def get(self, kind: type[F]) -> F | None:
         return next((feature for feature in self.features if isinstance(feature, kind)), None)
 
-    def around(self, hook: str, run: Run | None, innermost: Callable, *args: Any, **kwargs: Any) -> Any:
+    def around(self, hook: str, run, innermost: Callable, *args: Any, **kwargs: Any) -> Any:
         """`hook` through every feature that takes it, outermost first, then `innermost` (TRL's method)."""
         return self.below(None, hook, run, innermost)(*args, **kwargs)
 
-    def below(self, feature: Feature | None, hook: str, run: Run | None, innermost: Callable) -> Callable:
+    def below(self, feature: Feature | None, hook: str, run, innermost: Callable) -> Callable:
         """The chain of `hook` under `feature` (all of it for None): what a feature calls to run the hook without
         itself and the features outside it (dynamic sampling's rounds compute rewards as TRL's step would)."""
         position = -1 if feature is None else self.features.index(feature)
@@ -155,11 +137,11 @@ class FeatureChain:
             call = _bound(taker, hook, run, call)
         return call
 
-    def event(self, name: str, run: Run, *args: Any) -> None:
+    def event(self, name: str, run, *args: Any) -> None:
         for feature in self.features:
             getattr(feature, name)(run, *args)
 
-    def card_tags(self, run: Run) -> list[str]:
+    def card_tags(self, run) -> list[str]:
         return [tag for feature in self.features for tag in feature.card_tags(run)]
 
     def patches(self) -> list[tuple[str, Patch]]:
@@ -167,7 +149,7 @@ class FeatureChain:
         return [(feature.name, patch) for feature in self.features for patch in feature.PATCHES]
 
 
-def _bound(feature: Feature, hook: str, run: Run | None, proceed: Callable) -> Callable:
+def _bound(feature: Feature, hook: str, run, proceed: Callable) -> Callable:
     method = getattr(feature, hook)
 
     def call(*args, **kwargs):

@@ -1,8 +1,9 @@
 """The features' state in a checkpoint: one file per (data-parallel) rank, keyed by feature name.
 
 Each feature gives what resumes it exactly (`Feature.state_dict`, None for nothing) and checks its own dict when it
-gets it back (`Feature.load_state_dict`: the group size, the number of processes). A checkpoint written before this
-file existed holds each feature's own files in its own format; those are still read (`Feature.load_legacy_state`).
+gets it back (`Feature.load_state_dict`: the group size, the number of processes). A checkpoint of the format before
+this file (trl-scale 1581e27, one day: each feature its own file) is refused, naming it, rather than resumed without
+its rollout.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
 
 STATE_NAME = "trl_scale_state_rank{rank}.pt"
 FORMAT = 1
+# what trl-scale 1581e27 saved instead, one file per feature and rank
+EARLIER_FILES = ("rollout_buffer_rank*.pt", "rollout_stream_rank*.pt", "dynamic_sampling_rank*.json")
 
 
 def state_path(directory: str, rank: int | str) -> str:
@@ -51,12 +54,18 @@ def save_feature_states(chain: FeatureChain, run: Run, output_dir: str) -> str |
 
 
 def load_feature_states(chain: FeatureChain, run: Run, checkpoint: str) -> None:
-    """Each feature given its saved state (from this rank's file), or, in a checkpoint of an earlier trl-scale, left
-    to read its own files."""
+    """Each feature given its saved state (from this rank's file); nothing where the checkpoint holds none (saved at
+    a window's end, or by TRL)."""
     path = state_path(checkpoint, run.trl.accelerator.process_index)
     if not os.path.isfile(path):
-        for feature in chain.features:
-            feature.load_legacy_state(run, checkpoint)
+        earlier = sorted(name for pattern in EARLIER_FILES for name in glob.glob(os.path.join(checkpoint, pattern)))
+        if earlier:
+            raise ValueError(
+                f"{checkpoint} holds trl-scale state in the format before one state file per rank "
+                f"({os.path.basename(earlier[0])}, ...: trl-scale 1581e27), which this trl-scale does not read; "
+                "resumed without it, the run would drop the rollout it saved. Fix: resume with trl-scale 1581e27, "
+                "or delete those files to resume from the checkpoint's step with a new rollout (as TRL resumes)"
+            )
         return
     import torch
 

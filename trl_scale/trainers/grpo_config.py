@@ -9,6 +9,7 @@ from trl import GRPOConfig as _TRLGRPOConfig
 from ..distributed.arguments import DistributedArguments
 from ..evaluation import EvaluationArguments
 from ..fleet.arguments import ManagedServerArguments
+from ..mismatch import MismatchArguments
 from ..rollout.arguments import RolloutArguments
 from ..rollout.dynamic_sampling import DynamicSamplingArguments
 from ..scoring.arguments import ScoringArguments
@@ -22,6 +23,7 @@ class GRPOConfig(
     EvaluationArguments,
     DistributedArguments,
     ManagedServerArguments,
+    MismatchArguments,
     RolloutArguments,
     DynamicSamplingArguments,
     ScoringArguments,
@@ -32,6 +34,7 @@ class GRPOConfig(
         ScoringArguments,
         RolloutArguments,
         ManagedServerArguments,
+        MismatchArguments,
         DynamicSamplingArguments,
         DistributedArguments,
         EvaluationArguments,

@@ -23,6 +23,7 @@ from .decoder_layers import DecoderLayers
 from .dynamic_sampling import DynamicSampling
 from .evaluation import Evaluation
 from .hub import ModelCard
+from .mismatch_gate import MismatchGate
 from .packing import PackedScoring
 from .remote_reference import RemoteReference
 from .reward_checks import check_added_reward_funcs, check_environment_resets, checked_reward_funcs
@@ -50,6 +51,7 @@ ONLINE_FEATURES = (
     SafeCheckpoint,
     RolloutResume,
     ModelCard,
+    MismatchGate,  # outside the rollout: the first batch's sync and the probe before it is generated or taken
     ServerRollout,  # streaming swaps the batch's rows first; set up before packing (sequence parallelism shares it)
     PackedScoring,  # its sequence-parallel gathers cover dynamic sampling's rounds, which call TRL's reward gathers
     DecoderLayers,  # compiled after packing's probe; checkpointed layers planned by memory

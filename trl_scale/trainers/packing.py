@@ -75,7 +75,7 @@ class PackedScoring(Feature):
         self.plain_attention: str | None = None  # what local generation runs with under SP
 
     @classmethod
-    def build(cls, plan, arguments: dict) -> PackedScoring:
+    def build(cls, plan) -> PackedScoring:
         return cls(plan.scoring.sequence_parallel_size)
 
     def request(self, trl) -> PackingRequest:

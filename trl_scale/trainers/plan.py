@@ -9,9 +9,10 @@ not act are left out of the chain, and a setting no feature would act on is refu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ..logs import get_logger
+from ..mismatch import MismatchSettings
 from ..rollout.settings import AsyncRollout
 from .construction import (
     check_image_inputs,
@@ -21,6 +22,9 @@ from .construction import (
     wants_remote_reference,
 )
 from .setting_needs import refuse_unread_settings
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
 
 logger = get_logger(__name__)
 
@@ -61,7 +65,7 @@ class ScoringPlan:
     padding_free: bool | None = None  # the config's padding_free as given (DPO's: TRL's constructor turns it off)
 
     @classmethod
-    def from_config(cls, config) -> ScoringPlan:
+    def from_config(cls, config: TrainingArguments) -> ScoringPlan:
         # DPO's config has no generation fields, and TRL's own configs none of trl-scale's: read once, here
         return cls(
             tree_packing=getattr(config, "tree_packing", "auto"),
@@ -87,6 +91,7 @@ class RunPlan:
     scoring: ScoringPlan = ScoringPlan()
     timeline: bool = False  # rollout_timeline: the run's phases drawn and saved
     ray_backend: bool = False  # backend="ray"
+    mismatch: MismatchSettings = MismatchSettings()  # the mismatch gate (server rollout)
 
     @classmethod
     def from_arguments(cls, trainer_name: str, arguments: dict) -> RunPlan:
@@ -128,6 +133,7 @@ class RunPlan:
             scoring=scoring,
             timeline=bool(getattr(config, "rollout_timeline", False)),
             ray_backend=getattr(config, "backend", "local") == "ray",
+            mismatch=MismatchSettings.from_config(config),
         )
 
     def summary(self) -> str:

@@ -25,7 +25,7 @@ class RemoteReference(Feature):
     )
 
     @classmethod
-    def build(cls, plan, arguments: dict) -> RemoteReference | None:
+    def build(cls, plan) -> RemoteReference | None:
         return cls() if plan.remote_reference else None  # decided by the plan (a PEFT policy needs none)
 
     def setup(self, run) -> None:

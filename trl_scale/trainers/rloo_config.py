@@ -10,6 +10,7 @@ from trl import RLOOConfig as _TRLRLOOConfig
 from ..distributed.arguments import DistributedArguments
 from ..evaluation import EvaluationArguments
 from ..fleet.arguments import ManagedServerArguments
+from ..mismatch import MismatchArguments
 from ..numbers import check_field_types
 from ..rollout.arguments import RolloutArguments
 from ..rollout.dynamic_sampling import DynamicSamplingArguments
@@ -67,6 +68,7 @@ class RLOOConfig(
     RLOOCorrectionArguments,
     DistributedArguments,
     ManagedServerArguments,
+    MismatchArguments,
     RolloutArguments,
     DynamicSamplingArguments,
     ScoringArguments,
@@ -77,6 +79,7 @@ class RLOOConfig(
         ScoringArguments,
         RolloutArguments,
         ManagedServerArguments,
+        MismatchArguments,
         DynamicSamplingArguments,
         RLOOCorrectionArguments,
         DistributedArguments,

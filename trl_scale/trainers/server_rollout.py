@@ -4,7 +4,6 @@ stream's state in checkpoints."""
 
 from __future__ import annotations
 
-import os
 import threading
 import uuid
 
@@ -12,7 +11,7 @@ from ..logs import get_logger
 from ..ranks import broadcast_from_main, run_on_main
 from ..rollout.record import RECORD_KEY
 from ..rollout.weight_dir import WeightDirectory
-from .checkpoints import STREAM_STATE_NAME, check_stream_group_size
+from .checkpoints import check_stream_group_size
 from .feature import Feature, Patch
 from .plan import RolloutPlan, RunPlan
 from .stream_environments import EpisodeOpener, finished_environments
@@ -69,12 +68,12 @@ class ServerRollout(Feature):
         self.episodes = None  # streaming with environments: the pool and its episodes
 
     @classmethod
-    def build(cls, plan: RunPlan, arguments: dict) -> ServerRollout | None:
+    def build(cls, plan: RunPlan) -> ServerRollout | None:
         return cls(plan.rollout, plan.corrects_sampler_logprobs) if plan.rollout.server else None
 
     def setup(self, run) -> None:
         run.trl.set_rollout_fleet(None)
-        run.trl.install_rollout_client(self._client(run.trl))
+        run.trl.install_rollout_client(self._client(run.trl, run.clock))
         if self.plan.asynchronous.staleness:
             self._enable_async(run.trl)
 
@@ -93,7 +92,8 @@ class ServerRollout(Feature):
         url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"  # TRL's own
         return check_server_urls([url], field="vllm_server_base_url")
 
-    def _client(self, trl):
+    def _client(self, trl, clock):
+        """trl-scale's client and generation for this run, given the run's phase clock and timeline."""
         from ..rollout import RolloutClient, ServerRolloutGeneration
         from ..rollout.settings import RolloutSettings
 
@@ -110,6 +110,7 @@ class ServerRollout(Feature):
                 generation_timeout=args.rollout_generation_timeout or 120.0 + 0.25 * args.max_completion_length,
                 load_timeout=args.weight_load_timeout,
                 redraw_tokens=image_tokens(trl),
+                timeline=clock.timeline,
             )
             # GRPO and PPO: TRL's correction (TRL asks for the log-probs whenever it has one); RLOO: trl-scale's,
             # for prefetched completions only (a synchronous RLOO run asks for none, as TRL's)
@@ -127,6 +128,7 @@ class ServerRollout(Feature):
                 settings,
                 weight_dir=weight_dir,
                 fleet=trl.rollout_fleet,
+                phase=clock.phase,
             )
         except BaseException:  # no server outlives a trainer that never got built, no lock a directory
             close_servers(trl)
@@ -139,7 +141,7 @@ class ServerRollout(Feature):
         environments, streaming = plan.environments, plan.takes_groups  # whole groups, later turns in them
         lock = threading.Lock()  # the tokenizer's and the tool loops' (see streamed_tools)
         timeout = trl.args.environment_timeout
-        self.episodes = EpisodeOpener(trl, timeout, lock) if environments else None
+        self.episodes = EpisodeOpener.of(trl, timeout, lock) if environments else None
         tokenize = _no_prompt_ids if environments else (lambda prompts: trl.tokenize_prompts(prompts)[0])
         generation.enable_async(
             tokenize,  # with environments a group's prompts are made when it is sent (each reset())
@@ -265,18 +267,6 @@ class ServerRollout(Feature):
         if read_ahead is not None:
             check_stream_group_size(state, run.trl.num_generations, f"{path} (its {self.name} entry)")
             read_ahead.restore(state)
-
-    def load_legacy_state(self, run, checkpoint: str) -> None:
-        """`rollout_stream_rank<N>.pt`."""
-        read_ahead = _read_ahead(run.trl)
-        path = os.path.join(checkpoint, STREAM_STATE_NAME.format(rank=run.trl.accelerator.process_index))
-        if read_ahead is None or not os.path.isfile(path):
-            return
-        import torch
-
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        check_stream_group_size(state, run.trl.num_generations, path)
-        read_ahead.restore(state)
 
 
 def _no_prompt_ids(prompts: list) -> list[list[int]]:

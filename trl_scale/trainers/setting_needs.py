@@ -36,7 +36,7 @@ def _managed(config, arguments) -> bool:
 
 def _evaluates(config, arguments) -> bool:
     """As `eval_pass_at_k`'s own check reads it (evaluation/arguments.py): scheduled, or `do_eval` for a user who
-    calls `trainer.evaluate()`; or an eval_dataset handed to the trainer."""
+    calls the trainer's `evaluate()`; or an eval_dataset handed to the trainer's constructor."""
     strategy = config.eval_strategy
     scheduled = str(getattr(strategy, "value", strategy)) != "no"
     return scheduled or bool(config.do_eval) or arguments.get("eval_dataset") is not None
@@ -48,6 +48,14 @@ MANAGED = "managed servers (managed_servers >= 1)"
 MANAGED_ON = {"use_vllm": True, "vllm_mode": "server", "managed_servers": 1}
 
 SETTING_NEEDS: tuple[SettingNeed, ...] = (
+    *(
+        SettingNeed(name, SERVER, _server, value, SERVER_ON)
+        for name, value in (
+            ("rollout_mismatch_budget", 0.5),
+            ("rollout_mismatch_action", "warn"),
+            ("rollout_mismatch_prompts", 2),
+        )
+    ),
     SettingNeed(
         "vllm_server_base_urls", SERVER, _server, ["http://127.0.0.1:8000"], {"use_vllm": True, "vllm_mode": "server"}
     ),

@@ -44,7 +44,7 @@ class SharedPrefill(Feature):
         self.model = None  # the policy whose generate is wrapped; None where the sharing steps aside
 
     @classmethod
-    def build(cls, plan, arguments):
+    def build(cls, plan):
         scoring = plan.scoring
         if not scoring.local_generation or scoring.tree_packing is False:
             return None

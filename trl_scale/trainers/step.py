@@ -56,16 +56,16 @@ def trainer_patches(trainer_class: type) -> tuple[Patch, ...]:
     return next((TRAINER_PATCHES[k.__name__] for k in trainer_class.__mro__ if k.__name__ in TRAINER_PATCHES), ())
 
 
-def chain_for(trainer_class: type, plan: RunPlan, arguments: dict) -> FeatureChain:
+def chain_for(trainer_class: type, plan: RunPlan) -> FeatureChain:
     """The features a trainer of `trainer_class` would run with this plan (as its constructor builds them)."""
-    return FeatureChain.built(trainer_class.FEATURES, plan, arguments)
+    return FeatureChain.built(trainer_class.FEATURES, plan)
 
 
 def describe_step(trainer_class: type, arguments: dict) -> str:
     """The printed step of a `trainer_class` built with `arguments` (TRL's constructor arguments, by name; no model is
     loaded and no server reached: the plan and the features are built, not set up)."""
     plan = RunPlan.from_arguments(trainer_class.__name__, arguments)
-    chain = chain_for(trainer_class, plan, arguments)
+    chain = chain_for(trainer_class, plan)
     lines = [f"{trainer_class.__name__}: {plan.summary()}", "", "hooks, in call order (features outermost first):"]
     for hook, depth, meaning in CALL_ORDER:
         method = TRL_METHODS[hook]

@@ -24,6 +24,7 @@ import functools
 import inspect
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -216,17 +217,36 @@ def with_observation(prompt: list, observation) -> list:
 class EpisodeOpener:
     """The stream's `open_episode`: a group's environments taken from the pool and reset, its prompts tokenized."""
 
-    def __init__(self, trl, timeout: float, lock: threading.Lock):
-        self.trl = trl
+    def __init__(
+        self,
+        factories: dict,
+        multi_environment: bool,
+        tokenize: Callable,
+        timeout: float,
+        lock: threading.Lock,
+        group_size: int = 1,
+    ):
+        """`tokenize(names, prompts)`: TRL's prompt rendering, each prompt with its row's environment's tools
+        (`names`), as TRL's `_tokenize_prompts` returns it; `of(trl, ...)` makes one from the TRL facade."""
         self.timeout = timeout
         self.lock = lock  # the tokenizer's: shared with the streamed tool loops
-        self.group_size = trl.num_generations
-        self.multi_environment = trl.multi_environment
+        self.group_size = group_size  # completions per prompt: the stream's episodes are whole groups
+        self.multi_environment = multi_environment
         # taken now: a streamed batch's step replaces TRL's factories while the stream opens the next episodes
-        self.factory_names = list(trl.environment_factories)
+        self.factory_names = list(factories)
         # TRL's probe instances stay TRL's (an evaluation in the step uses them): the stream makes its own
-        self.pool = EnvironmentPool(trl.environment_factories)
-        self._tokenize = trl.trl_method("_tokenize_prompts")
+        self.pool = EnvironmentPool(factories)
+        self._tokenize = tokenize
+
+    @classmethod
+    def of(cls, trl, timeout: float, lock: threading.Lock) -> EpisodeOpener:
+        """The opener of a run, from the TRL facade: its factories, and TRL's rendering on a view of the trainer."""
+        render = trl.trl_method("_tokenize_prompts")
+
+        def tokenize(names: list, prompts: list):
+            return render(trl.view(_batch_environments=names), prompts)
+
+        return cls(trl.environment_factories, trl.multi_environment, tokenize, timeout, lock, trl.num_generations)
 
     def __call__(self, rows: list) -> EnvironmentEpisode:
         names = [row.get("environment") if self.multi_environment else None for row in rows]
@@ -251,8 +271,7 @@ class EpisodeOpener:
             # the image columns' images put into the prompts as TRL's step puts them (after the reset)
             multimodal = multimodal_prompts(reset_rows, row_images(rows))
             with self.lock:
-                view = self.trl.view(_batch_environments=names)  # each prompt rendered with its tools
-                prompt_ids, images, _ = self._tokenize(view, multimodal)
+                prompt_ids, images, _ = self._tokenize(names, multimodal)  # each prompt rendered with its tools
             episode.prompt_ids, episode.images = [list(ids) for ids in prompt_ids], images
         except BaseException:
             episode.close()

@@ -175,7 +175,7 @@ class StreamRewards(Feature):
     name = "stream_rewards"
 
     @classmethod
-    def build(cls, plan, arguments: dict) -> StreamRewards | None:
+    def build(cls, plan) -> StreamRewards | None:
         return cls() if plan.rollout.rewards_in_stream else None
 
     def rewards(self, run, proceed, inputs, prompts, completions, completion_ids_list):

@@ -47,7 +47,7 @@ def first_turn_messages(
     from trl.chat_template_utils import parse_response  # what TRL's _generate calls
     from trl.data_utils import is_conversational
 
-    tokenizer = getattr(trl.processing_class, "tokenizer", trl.processing_class)  # TRL's _tokenizer
+    tokenizer = trl.tokenizer
     templated = getattr(tokenizer, "response_template", None) or getattr(tokenizer, "response_schema", None)
     if templated is None or not is_conversational({"prompt": prompts[0]}):
         return decoded_completions(trl, prompts, completion_ids)

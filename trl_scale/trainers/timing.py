@@ -35,9 +35,11 @@ class PhaseTiming(Feature):
 
     def __init__(self, timeline: bool = False, may_hint: bool = False):
         self.may_hint = may_hint  # where rewards computed in the step may be slow enough to hint at the switch
+        self.wants_timeline = timeline  # rollout_timeline
         self.seconds: defaultdict[str, float] = defaultdict(float)
-        self.timeline = Timeline() if timeline else None
-        self.clock = PhaseClock(self.timeline)
+        # the run's clock and timeline (`Run.clock`), taken at setup; a clock of its own until then
+        self.clock = PhaseClock()
+        self.timeline: Timeline | None = None
         self.train_began: float | None = None
         self.first_step_seconds: float | None = None  # from train() to the end of the first step
         self._first_step_logged = False
@@ -47,14 +49,14 @@ class PhaseTiming(Feature):
         self._hinted = False
 
     @classmethod
-    def build(cls, plan, arguments: dict) -> PhaseTiming:
+    def build(cls, plan) -> PhaseTiming:
         rollout = plan.rollout
         # the hint on slow rewards: a streamed step computing them, stream_rewards left at None, no environments
         may_hint = rollout.takes_groups and not (rollout.rewards_in_stream or rollout.stream_rewards_chosen)
         return cls(plan.timeline, may_hint and not rollout.environments)
 
     def check(self, run) -> None:
-        if self.timeline is None:
+        if not self.wants_timeline:
             return
         try:
             import matplotlib  # noqa: F401
@@ -65,13 +67,9 @@ class PhaseTiming(Feature):
             ) from error
 
     def setup(self, run) -> None:
+        # the rollout client was given the same clock and timeline when it was built (`ServerRollout`)
+        self.clock, self.timeline = run.clock, run.clock.timeline
         run.trl.add_callback(StepClock(self))
-        generation = run.trl.vllm_generation
-        if hasattr(generation, "phase"):
-            generation.phase = self.clock.phase
-        transport = getattr(getattr(generation, "client", None), "transport", None)
-        if self.timeline is not None and hasattr(transport, "timeline"):
-            transport.timeline = self.timeline
         # The backward has no hook of TRL's or the Trainer's: the accelerator's, on this trainer's accelerator only.
         backward = run.trl.accelerator.backward
 

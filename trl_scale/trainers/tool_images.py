@@ -30,7 +30,7 @@ class ToolImages(Feature):
     name = "tool_images"
 
     @classmethod
-    def build(cls, plan, arguments: dict) -> ToolImages | None:
+    def build(cls, plan) -> ToolImages | None:
         return cls() if plan.tools and plan.vision_language else None
 
     def setup(self, run) -> None:
@@ -54,7 +54,7 @@ class TextPolicyToolAnswers(Feature):
     name = "text_policy_tool_answers"
 
     @classmethod
-    def build(cls, plan, arguments: dict) -> TextPolicyToolAnswers | None:
+    def build(cls, plan) -> TextPolicyToolAnswers | None:
         return cls() if plan.tools and plan.vision_language is False else None
 
     def tool_suffix(self, run, proceed, tool_messages):

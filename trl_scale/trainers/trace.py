@@ -1,5 +1,5 @@
-"""`HookTrace`: which features' hooks ran, and how often, since the last training log (Composer's per-batch trace of
-`<algorithm>/<event>`).
+"""Which features' hooks ran, and how often, since the last training log (`HookTrace`; Composer's per-batch trace
+of `<algorithm>/<event>`).
 
 A feature is built only where it acts (`Feature.build`), but some decide per call (an evaluation batch, a batch with
 no images): the trace is what shows, every log, which hooks each feature entered. The adapter logs it at

@@ -1,4 +1,4 @@
-"""`TrlFacade`: the one place outside the trainer classes and the adapter that reads or writes TRL's trainer.
+"""The one place outside the trainer classes and the adapter that reads or writes TRL's trainer (`TrlFacade`).
 
 Features never hold the trainer: they are handed a `Run` (`trainers/run.py`) whose `trl` is this facade. Each TRL
 attribute trl-scale reads is declared here once (`Read`: its TRL name, and what it answers where a trainer family
@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from .construction import trl_base_class
-from .feature import Patch
+from .interception import Patch
 
 if TYPE_CHECKING:
     from .plan import RunPlan
@@ -85,6 +85,7 @@ class TrlReads:
     # ---- reads: TRL's online trainers ------------------------------------------------------------------------
     generation_config = Read("local generation's GenerationConfig")
     temperature = Read("the sampling temperature (the log-probs' too)")
+    tokenizer = Read("the tokenizer (a processor's own, for a vision-language policy)", "_tokenizer")
     num_generations = Read("completions per prompt")
     num_generations_eval = Read("completions per prompt in evaluation")
     num_iterations = Read("optimizer passes per generation batch")
@@ -147,6 +148,23 @@ class TrlCalls(TrlReads):
     def tokenize_prompts(self, prompts: list):
         """The trainer's `_tokenize_prompts` (through the features that hook it)."""
         return self._trainer._tokenize_prompts(prompts)
+
+    def policy_logps(self, input_ids, attention_mask, logits_to_keep: int, base: bool = False):
+        """The policy's log-probs of each row's last `logits_to_keep` tokens, as TRL scores them (its method, through
+        the features that hook it: the packed engine), without gradients; `base`: a PEFT policy's adapter off."""
+        import contextlib
+
+        import torch
+
+        trainer = self._trainer
+        adapter_off = contextlib.nullcontext()
+        if base:
+            adapter_off = trainer.accelerator.unwrap_model(trainer.model).disable_adapter()
+        with torch.no_grad(), adapter_off:
+            scored = trainer._get_per_token_logps_and_entropies(
+                trainer.model, input_ids, attention_mask, logits_to_keep, batch_size=input_ids.size(0)
+            )
+        return scored[0]
 
     def trl_method(self, name: str) -> Callable:
         """TRL's own `name`, unbound (the stream calls it on a view of the trainer)."""
@@ -213,9 +231,9 @@ class TrlFacade(TrlCalls):
     @interception(
         "trainer._last_loaded_step (TRL's marker of the step its weights were synced at)",
         "each generation batch's build when the step takes streamed groups: the sync TRL would make first is made, "
-        "then marked",
+        "then marked; and before the first batch, where the mismatch gate measures the servers after that sync",
         "never (TRL's own marker, kept current)",
-        lambda plan, config: plan.rollout.takes_groups,
+        lambda plan, config: plan.rollout.takes_groups or (plan.rollout.server and plan.mismatch.budget is not None),
     )
     def mark_synced(self) -> None:
         self._trainer._last_loaded_step = self.state.global_step

@@ -1,0 +1,217 @@
+"""The mismatch gate as a trainer feature: before the first training batch is built, every rollout server samples
+completions of that batch's first prompts, the trainer scores the same tokens with the policy (TRL's scoring, the
+packed engine), and a server whose sampler is further from the policy than `rollout_mismatch_budget` stops the run,
+is warned of, or leaves the fleet (`rollout_mismatch_action`). Figures: `trl_scale.mismatch`."""
+
+from __future__ import annotations
+
+import time
+
+from ..logs import get_logger
+from ..mismatch import MismatchFigures, format_figures, mismatch_figures, verdict
+from ..mismatch.arguments import MismatchSettings
+from ..ranks import broadcast_from_main, decide_on_main, gathered
+from ..rollout.record import RECORD_KEY
+from .feature import Feature
+
+logger = get_logger(__name__)
+
+# The probe's completions are cut at this many tokens: enough to measure, a small share of a first step
+PROBE_TOKENS = 32
+
+
+class MismatchGate(Feature):
+    """Server rollout with `rollout_mismatch_budget` set (the default): the probe before the first batch."""
+
+    name = "mismatch_gate"
+
+    def __init__(self, settings: MismatchSettings, text_only: bool = True, environments: bool = False):
+        self.settings = settings
+        self.environments = environments  # TRL renders each prompt with its row's environment's tools
+        self.text_only = text_only  # image prompts need their images on the server: not probed (said once)
+        self.probed = False
+        self.figures: list[MismatchFigures] = []  # per server, in the fleet's order at the probe
+        self.seconds = 0.0  # the probe's wall time (sampling and scoring; the sync is TRL's own first one)
+        self._logged = False
+        self.labels: dict[str, int] = {}  # server URL -> its number in the logs (`rollout/mismatch/server<i>/...`)
+        self.latest: dict[str, MismatchFigures] = {}  # each server's figures of the newest step that measured it
+        self._warned: set[str] = set()
+
+    @classmethod
+    def build(cls, plan) -> MismatchGate | None:
+        settings = plan.mismatch
+        if not plan.rollout.server or settings.budget is None:
+            return None
+        return cls(settings, text_only=not plan.images, environments=plan.rollout.environments)
+
+    def generate_and_score(self, run, proceed, inputs):
+        training = run.trl.model.training
+        if not self.probed and training:
+            self.probed = True
+            self._probe(run, inputs)
+        batch = proceed(inputs)
+        if training:
+            self._observe(run, batch)
+        return batch
+
+    def _observe(self, run, batch: dict) -> None:
+        """Every step: each server's figures from the tokens it drew with the weights just synced (the sampler's
+        log-probs against TRL's old log-probs of the same tokens, both already computed), checked against the
+        budget: a server whose weights a sync did not reach is caught at the step after it."""
+        record = batch.get(RECORD_KEY)
+        sampling, old = batch.get("sampling_per_token_logps"), batch.get("old_per_token_logps")
+        if sampling is None or old is None:
+            return  # not measurable (the same on every rank): RLOO (sequence log-probs), or no correction asked for
+        mask = batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
+        now = run.trl.vllm_generation.sync_count
+        rows: dict[str, tuple[list, list]] = {}  # empty where this rank's record does not pair (every rank gathers)
+        paired = record is not None and len(record.servers) == sampling.size(0)
+        for i, (url, (first, _)) in enumerate(zip(record.servers, record.version_spans) if paired else ()):
+            if url is None or first != now:  # drawn with older weights: staleness, not the server's mismatch
+                continue
+            kept = mask[i].bool()
+            sampler, policy = rows.setdefault(url, ([], []))
+            sampler.append(sampling[i][kept].float().tolist())
+            policy.append(old[i][kept].float().tolist())
+        merged: dict[str, tuple[list, list]] = {}
+        for per_rank in gathered(rows):
+            for url, (sampler, policy) in per_rank.items():
+                merged.setdefault(url, ([], []))[0].extend(sampler)
+                merged[url][1].extend(policy)
+        args = run.trl.args
+        clip_max, clip_min = args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_clip_min
+        past = []
+        for url, (sampler, policy) in merged.items():
+            if sum(map(len, sampler)) == 0:
+                continue
+            figures = mismatch_figures(url, sampler, policy, clip_max, clip_min)
+            self.latest[url] = figures
+            line = verdict(figures, self.settings.budget)
+            if line is not None and url not in self._warned:
+                past.append(f"{line} (at step {run.trl.state.global_step}, weights of sync {now})")
+        if past:
+            self._warned.update(line.split(": ", 1)[0] for line in past)
+            self._act(run.trl.vllm_generation.client, past)
+
+    def _probe(self, run, inputs: list) -> None:
+        trl = run.trl
+        rows = _first_rows(inputs, self.settings.prompts)
+        prompts = [row["prompt"] for row in rows]
+        if not self.text_only or not prompts:
+            why = "its prompts hold images" if not self.text_only else "its rows hold no prompt"
+            logger.warning(f"trl-scale: the mismatch probe was not run ({why}); rollout_mismatch_budget is unchecked")
+            return
+        generation = trl.vllm_generation
+        if trl.state.global_step != trl.weights_synced_at_step:  # the sync TRL makes first: measured after it
+            generation.sync_weights()
+            trl.mark_synced()
+        started = time.perf_counter()
+        if self.environments:  # as TRL renders them in a step: each with its row's environment's tools
+            names = [row.get("environment") if trl.multi_environment else None for row in rows]
+            prompt_ids = trl.trl_method("_tokenize_prompts")(trl.view(_batch_environments=names), prompts)[0]
+        else:
+            prompt_ids = trl.tokenize_prompts(prompts)[0]
+        sampling = {
+            **generation.settings.sampling,
+            "max_tokens": min(PROBE_TOKENS, generation.settings.max_completion_length),
+        }
+        samples = decide_on_main(
+            lambda: sample_each_server(generation.client, prompt_ids, sampling, generation.syncer.lora_name)
+        )
+        self.figures = self._measured(run, prompt_ids, samples)
+        for figures in self.figures:
+            self._label(figures.server)  # numbered in the fleet's order
+        self.seconds = time.perf_counter() - started
+        past = broadcast_from_main([line for f in self.figures if (line := verdict(f, self.settings.budget))])
+        if trl.accelerator.is_main_process:
+            logger.info("trl-scale mismatch probe (before step 1):\n" + format_figures(self.figures))
+        if past:
+            self._act(generation.client, past)
+
+    def _measured(self, run, prompt_ids: list, samples: dict) -> list[MismatchFigures]:
+        """Each server's figures: its samples scored by the policy in one call (and by the base model, LoRA)."""
+        import torch
+        from accelerate.utils import is_peft_model
+
+        trl = run.trl
+        rows = [
+            (list(prompt_ids[p]), ids, logprobs, url)
+            for url, per_prompt in samples.items()
+            for p, choices in enumerate(per_prompt)
+            for ids, logprobs in choices
+        ]
+        pad = trl.tokenizer.pad_token_id or 0
+        width_prompt = max(len(r[0]) for r in rows)
+        width = max(1, max(len(r[1]) for r in rows))
+        input_ids = torch.full((len(rows), width_prompt + width), pad, dtype=torch.long)
+        mask = torch.zeros_like(input_ids)
+        for i, (prompt, ids, _, _) in enumerate(rows):
+            input_ids[i, width_prompt - len(prompt) : width_prompt] = torch.tensor(prompt)
+            input_ids[i, width_prompt : width_prompt + len(ids)] = torch.tensor(ids, dtype=torch.long)
+            mask[i, width_prompt - len(prompt) : width_prompt + len(ids)] = 1
+        device = trl.accelerator.device
+        policy = trl.policy_logps(input_ids.to(device), mask.to(device), width).float().cpu()
+        base = None
+        if is_peft_model(trl.accelerator.unwrap_model(trl.model)):
+            base = trl.policy_logps(input_ids.to(device), mask.to(device), width, base=True).float().cpu()
+        args = trl.args
+        clip_max, clip_min = args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_clip_min
+        figures = []
+        for url in samples:
+            own = [i for i, row in enumerate(rows) if row[3] == url]
+            sampler = [rows[i][2] for i in own]
+            scored = [policy[i, : len(rows[i][1])].tolist() for i in own]
+            base_scored = [base[i, : len(rows[i][1])].tolist() for i in own] if base is not None else None
+            figures.append(mismatch_figures(url, sampler, scored, clip_max, clip_min, base_scored))
+        return figures
+
+    def _act(self, client, past: list[str]) -> None:
+        action, listed = self.settings.action, "\n  - ".join(past)
+        if action == "error" or (action == "drop" and len(past) >= len(client.servers)):
+            left = "" if action == "error" else " (rollout_mismatch_action='drop', and no server would be left)"
+            raise ValueError(
+                f"the rollout servers' samplers are not the policy{left}:\n  - {listed}\nFix: start each named "
+                "server with the policy's model, revision, tokenizer and dtype; or raise rollout_mismatch_budget, or "
+                "rollout_mismatch_action='warn' / 'drop'"
+            )
+        if action == "drop":
+            for line in past:
+                client.retire(line.split(": ", 1)[0])
+            logger.warning(
+                f"trl-scale: rollout servers dropped from the fleet (rollout_mismatch_action='drop'):\n  - {listed}"
+            )
+        else:
+            logger.warning(
+                f"trl-scale: rollout servers past rollout_mismatch_budget (training goes on):\n  - {listed}"
+            )
+
+    def log(self, run, logs: dict[str, float]) -> None:
+        if self.figures and not self._logged:  # the probe's figures, in the first training log
+            self._logged = True
+            for figures in self.figures:
+                logs.update(figures.as_logs(f"rollout/mismatch_probe/{self._label(figures.server)}"))
+            logs["rollout/mismatch_probe/seconds"] = self.seconds
+        for url, figures in self.latest.items():  # the newest step's, per server
+            logs.update(figures.as_logs(f"rollout/mismatch/{self._label(url)}"))
+        self.latest = {}
+
+    def _label(self, url: str) -> str:
+        return f"server{self.labels.setdefault(url, len(self.labels))}"
+
+
+def _first_rows(inputs: list, count: int) -> list[dict]:
+    """The rows of the first `count` distinct prompts of a batch (a group's copies are one)."""
+    rows: list[dict] = []
+    for row in inputs:
+        prompt = row.get("prompt") if isinstance(row, dict) else None
+        if prompt is not None and all(prompt != kept["prompt"] for kept in rows):
+            rows.append(row)
+        if len(rows) == count:
+            break
+    return rows
+
+
+def sample_each_server(client, prompt_ids, sampling, model):
+    from ..rollout.mismatch_probe import sample_each_server as sampled
+
+    return sampled(client, [list(ids) for ids in prompt_ids], sampling, model)
