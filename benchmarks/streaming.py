@@ -111,7 +111,7 @@ def run(
             weight_sync_timeout=300,
             generation_kwargs={"ignore_eos": True},
             dynamic_sampling=dynamic,
-            dynamic_sampling_max_oversampling=4.0,
+            **({"dynamic_sampling_max_oversampling": 4.0} if dynamic else {}),  # read only with dynamic sampling
             rollout_timeline=timeline,
         ),
         train_dataset=counting_prompts(4096, seed=0),
