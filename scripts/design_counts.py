@@ -40,7 +40,7 @@ COUNTS = (
     "facade_reads",
     "facade_writes",
 )
-# the modules of `trl_scale/trainers` that may hold the trainer itself (tests/test_trl_facade.py says why)
+# the modules of `trl_scale/trainers` that may hold the trainer itself (tests/test_trl_facade.py checks it)
 HOLDERS = {
     "construction.py",
     "trl_facade.py",

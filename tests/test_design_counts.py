@@ -14,7 +14,7 @@ CEILINGS = {
     "probes": 41,
     "config_reads_with_default": 20,
     "last_reads": 2,
-    "trainer_attributes_assigned": 5,
+    "trainer_attributes_assigned": 3,
     "trainer_uses_outside_holders": 0,
     "facade_reads": 41,
     "facade_writes": 14,

@@ -181,16 +181,25 @@ def _declared_modules() -> set[str]:
 
 
 def _writes_the_trainer(function: ast.FunctionDef) -> bool:
-    """`trainer.X = ...` / `self._trainer.X = ...` (tuple targets too) in `function`'s body, nested ones included."""
+    """`trainer.X = ...` / `self._trainer.X = ...` (tuple targets too) in `function`'s body, nested ones included,
+    or `overridden(self._trainer, X=...)` (construction's swap, restored on exit)."""
 
     def on_trainer(target) -> bool:
         if isinstance(target, ast.Tuple):
             return any(on_trainer(element) for element in target.elts)
         return isinstance(target, ast.Attribute) and ast.unparse(target.value) in ("trainer", "self._trainer")
 
-    return any(
-        on_trainer(target) for node in ast.walk(function) if isinstance(node, ast.Assign) for target in node.targets
-    )
+    def swaps_trainer(node) -> bool:
+        return (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) == "overridden"
+            and bool(node.args)
+            and ast.unparse(node.args[0]) == "self._trainer"
+        )
+
+    nodes = list(ast.walk(function))
+    assigned = any(on_trainer(t) for node in nodes if isinstance(node, ast.Assign) for t in node.targets)
+    return assigned or any(swaps_trainer(node) for node in nodes)
 
 
 def test_every_write_of_the_trl_facade_is_a_declared_interception():

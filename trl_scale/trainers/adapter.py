@@ -75,13 +75,17 @@ class FeatureHooks:
         one with `object.__new__` and set TRL's attributes by hand): its hooks are then TRL's methods."""
         return self.__dict__.get("features") or FeatureChain(())
 
+    def _run(self) -> Run | None:
+        """The trainer's run; none on a trainer built without trl-scale's constructor (see `_chain`)."""
+        return self.__dict__.get("run")
+
     def _around(self, hook: str, *args, **kwargs):
         trl_method = getattr(super(), TRL_METHODS[hook])
-        return self._chain().around(hook, self.__dict__.get("run"), trl_method, *args, **kwargs)
+        return self._chain().around(hook, self._run(), trl_method, *args, **kwargs)
 
     def card_features(self) -> list[str]:
         """The trl-scale features this run uses, as model card tags."""
-        tags = self._chain().card_tags(self.__dict__.get("run"))
+        tags = self._chain().card_tags(self._run())
         return tags + (["ray"] if self.plan.ray_backend else [])
 
     def _log_trace(self, run: Run) -> None:
@@ -97,7 +101,7 @@ class FeatureHooks:
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # training logs (not the final summary)
-            run = self.__dict__.get("run")
+            run = self._run()
             self._chain().event("log", run, logs)
             if run is not None:
                 self._log_trace(run)

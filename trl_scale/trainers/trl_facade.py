@@ -15,10 +15,10 @@ import inspect
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
-from .construction import trl_base_class
+from .construction import overridden, trl_base_class
 from .interception import Patch
 
 if TYPE_CHECKING:
@@ -244,14 +244,8 @@ class TrlFacade(TrlCalls):
         "when the call returns",
         lambda plan, config: plan.rollout.rewards_in_stream,
     )
-    @contextmanager
-    def reward_funcs_replaced(self, functions: list) -> Iterator[None]:
-        trainer = self._trainer
-        kept, trainer.reward_funcs = trainer.reward_funcs, functions
-        try:
-            yield
-        finally:
-            trainer.reward_funcs = kept
+    def reward_funcs_replaced(self, functions: list) -> AbstractContextManager[None]:
+        return overridden(self._trainer, reward_funcs=functions)
 
     @interception(
         "trainer.reward_funcs (the get_reward TRL adds for environments, wrapped in trl-scale's checks)",
@@ -277,15 +271,8 @@ class TrlFacade(TrlCalls):
         "at the step's end",
         _streamed("environments"),
     )
-    @contextmanager
-    def environments_replaced(self, factories: dict, pool: dict) -> Iterator[None]:
-        trainer = self._trainer
-        kept = trainer.environment_factories, trainer._environment_pool
-        trainer.environment_factories, trainer._environment_pool = factories, pool
-        try:
-            yield
-        finally:
-            trainer.environment_factories, trainer._environment_pool = kept
+    def environments_replaced(self, factories: dict, pool: dict) -> AbstractContextManager[None]:
+        return overridden(self._trainer, environment_factories=factories, _environment_pool=pool)
 
     @interception(
         "trainer.rollout_func (its output checked)",
@@ -361,14 +348,8 @@ class TrlFacade(TrlCalls):
         "when the build returns",
         lambda plan, config: hasattr(config, "kl_coef"),
     )
-    @contextmanager
-    def beta_replaced(self, beta: float) -> Iterator[None]:
-        trainer = self._trainer
-        kept, trainer.beta = trainer.beta, beta
-        try:
-            yield
-        finally:
-            trainer.beta = kept
+    def beta_replaced(self, beta: float) -> AbstractContextManager[None]:
+        return overridden(self._trainer, beta=beta)
 
     @classmethod
     def interceptions(cls) -> list[tuple[str, Patch]]:
