@@ -160,13 +160,23 @@ def test_drop_trains_on_the_servers_that_pass_and_says_so_once(mixed_servers, po
     assert len(said) == 1 and wrong in said[0].getMessage()
 
 
-def test_warn_goes_on_with_every_server(mixed_servers, policy, tmp_path, caplog):
+def test_warn_goes_on_with_every_server_and_says_so_once_per_server(mixed_servers, policy, tmp_path, caplog):
+    """The probe warns of the wrong server; the steps after, which measure it again on the tokens it draws, do not
+    warn of it a second time."""
+    from trl_scale.routing import routing_policy
+
     good, _, wrong = (s.url for s in mixed_servers)
-    trainer = server_grpo(policy, tmp_path, [good, wrong], max_steps=1, rollout_mismatch_action="warn")
+    trainer = server_grpo(policy, tmp_path, [good, wrong], max_steps=2, rollout_mismatch_action="warn")
+    # each step's two requests, sent together, go one to each server: the wrong one draws tokens every step
+    trainer.vllm_generation.client.rotation.policy = routing_policy("least_outstanding")
     with caplog.at_level(logging.WARNING, logger="trl_scale"):
         trainer.train()
-    assert trainer.state.global_step == 1 and len(trainer.vllm_generation.client.servers) == 2
-    assert "past rollout_mismatch_budget (training goes on)" in caplog.text
+    assert trainer.state.global_step == 2 and len(trainer.vllm_generation.client.servers) == 2
+    warned = [
+        r.getMessage() for r in caplog.records if "past rollout_mismatch_budget (training goes on)" in r.getMessage()
+    ]
+    assert len(warned) == 1 and wrong in warned[0], warned
+    assert all("rollout/mismatch/server1/kl" in log for log in trainer.state.log_history if "loss" in log)
 
 
 def test_a_server_a_sync_did_not_reach_is_caught_at_the_step_after_it(mixed_servers, policy, tmp_path, monkeypatch):

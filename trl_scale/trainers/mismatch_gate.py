@@ -35,7 +35,7 @@ class MismatchGate(Feature):
         self._logged = False
         self.labels: dict[str, int] = {}  # server URL -> its number in the logs (`rollout/mismatch/server<i>/...`)
         self.latest: dict[str, MismatchFigures] = {}  # each server's figures of the newest step that measured it
-        self._warned: set[str] = set()
+        self._warned: set[str] = set()  # servers already reported past the budget (by the probe or a step)
 
     @classmethod
     def build(cls, plan) -> MismatchGate | None:
@@ -80,7 +80,7 @@ class MismatchGate(Feature):
                 merged[url][1].extend(policy)
         args = run.trl.args
         clip_max, clip_min = args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_clip_min
-        past = []
+        past: dict[str, str] = {}  # server URL -> its verdict
         for url, (sampler, policy) in merged.items():
             if sum(map(len, sampler)) == 0:
                 continue
@@ -88,9 +88,8 @@ class MismatchGate(Feature):
             self.latest[url] = figures
             line = verdict(figures, self.settings.budget)
             if line is not None and url not in self._warned:
-                past.append(f"{line} (at step {run.trl.state.global_step}, weights of sync {now})")
+                past[url] = f"{line} (at step {run.trl.state.global_step}, weights of sync {now})"
         if past:
-            self._warned.update(line.split(": ", 1)[0] for line in past)
             self._act(run.trl.vllm_generation.client, past)
 
     def _probe(self, run, inputs: list) -> None:
@@ -122,7 +121,9 @@ class MismatchGate(Feature):
         for figures in self.figures:
             self._label(figures.server)  # numbered in the fleet's order
         self.seconds = time.perf_counter() - started
-        past = broadcast_from_main([line for f in self.figures if (line := verdict(f, self.settings.budget))])
+        past = broadcast_from_main(
+            {f.server: line for f in self.figures if (line := verdict(f, self.settings.budget)) is not None}
+        )
         if trl.accelerator.is_main_process:
             logger.info("trl-scale mismatch probe (before step 1):\n" + format_figures(self.figures))
         if past:
@@ -165,8 +166,10 @@ class MismatchGate(Feature):
             figures.append(mismatch_figures(url, sampler, scored, clip_max, clip_min, base_scored))
         return figures
 
-    def _act(self, client, past: list[str]) -> None:
-        action, listed = self.settings.action, "\n  - ".join(past)
+    def _act(self, client, past: dict[str, str]) -> None:
+        """`past`: each server past the budget -> its verdict. Each is said (or dropped) once in the run."""
+        self._warned.update(past)
+        action, listed = self.settings.action, "\n  - ".join(past.values())
         if action == "error" or (action == "drop" and len(past) >= len(client.servers)):
             left = "" if action == "error" else " (rollout_mismatch_action='drop', and no server would be left)"
             raise ValueError(
@@ -175,8 +178,8 @@ class MismatchGate(Feature):
                 "rollout_mismatch_action='warn' / 'drop'"
             )
         if action == "drop":
-            for line in past:
-                client.retire(line.split(": ", 1)[0])
+            for url in past:
+                client.retire(url)
             logger.warning(
                 f"trl-scale: rollout servers dropped from the fleet (rollout_mismatch_action='drop'):\n  - {listed}"
             )
