@@ -79,7 +79,7 @@ def run_trainer(options) -> None:
 
         def __call__(self, completion_ids, id, **kwargs):
             generation = self.trainer.vllm_generation
-            step, spans = self.trainer.state.global_step + 1, list(generation.records.newest().version_spans)
+            step, spans = self.trainer.state.global_step + 1, list(generation.steps.newest_record().version_spans)
             emit("trained", step=step, ids=list(id), spans=spans, sync=generation.sync_count)
             return [sum(t % 2 for t in ids) / max(1, len(ids)) for ids in completion_ids]
 

@@ -103,8 +103,9 @@ def _is_args(node: ast.AST, configs: set[str]) -> bool:
     return isinstance(node, ast.Attribute) and node.attr == "args" and _root(node) in TRAINER_NAMES
 
 
-def _count_scope(scope: ast.AST, counts: dict[str, int]) -> None:
-    """The counts of `scope`'s own statements (a nested function is a scope of its own)."""
+def _count_scope(scope: ast.AST, counts: dict[str, int], where: list[int] | None = None) -> None:
+    """The counts of `scope`'s own statements (a nested function is a scope of its own); `where` collects the
+    lines of its config reads with a default."""
     configs, trainers = _scope_names(scope)
     for node in _own_nodes(scope):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Read":
@@ -116,6 +117,8 @@ def _count_scope(scope: ast.AST, counts: dict[str, int]) -> None:
             name, first = node.func.id, node.args[0]
             if name == "getattr" and len(node.args) == 3 and _is_args(first, configs):
                 counts["config_reads_with_default"] += 1
+                if where is not None:
+                    where.append(node.lineno)
             elif name in ("getattr", "hasattr") and _root(first) in trainers:
                 counts["probes"] += 1
             if name == "setattr" and _root(first) == "trainer":
@@ -144,8 +147,8 @@ def _own_nodes(scope: ast.AST):
             stack.extend(ast.iter_child_nodes(node))
 
 
-def count_source(source: str) -> dict[str, int]:
-    """The counts of one module's source."""
+def count_source(source: str, where: list[int] | None = None) -> dict[str, int]:
+    """The counts of one module's source (`where`: see `_count_scope`)."""
     counts = dict.fromkeys(COUNTS, 0)
     tree = ast.parse(source)
     for scope in [
@@ -156,8 +159,19 @@ def count_source(source: str) -> dict[str, int]:
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda))
         ),
     ]:
-        _count_scope(scope, counts)
+        _count_scope(scope, counts, where)
     return counts
+
+
+def config_reads_with_default() -> list[str]:
+    """Where a training config is read with a default (`path:line`): a family lacking the field, resolved once by
+    the run plan (`trainers/plan.py`) and nowhere else."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines: list[int] = []
+        count_source(path.read_text(), lines)
+        found += [f"{path.relative_to(ROOT)}:{line}" for line in sorted(lines)]
+    return found
 
 
 def trainer_uses(source: str) -> int:

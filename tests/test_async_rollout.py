@@ -32,7 +32,7 @@ def _grpo(model_path, out, urls, **overrides):
 
 def _record_versions(trainer):
     """Per generated batch: the sync count when it was trained on, and the versions its completions came from."""
-    return record_generations(trainer, lambda generation: generation.records.newest().versions)
+    return record_generations(trainer, lambda generation: generation.steps.newest_record().versions)
 
 
 def test_staleness_0_is_the_synchronous_run(servers, tiny_llama, tmp_path):
@@ -248,7 +248,7 @@ def test_rloo_async_weights_each_sequence_by_its_importance_ratio(servers, tiny_
 
     def recording(self, inputs):
         batch = score(self, inputs)  # TRL's batch, before trl-scale's correction
-        seen.append((batch["advantages"].clone(), list(self.vllm_generation.records.newest().sampler_logprobs)))
+        seen.append((batch["advantages"].clone(), list(self.vllm_generation.steps.newest_record().sampler_logprobs)))
         return batch
 
     monkeypatch.setattr(trl.RLOOTrainer, "_generate_and_score_completions", recording)

@@ -249,7 +249,8 @@ def test_rloo_with_dynamic_sampling_corrects_the_chosen_rows_with_their_own_samp
     weighted with another row's ratio."""
     import math
 
-    from trl_scale.rollout.record import RECORD_KEY, BatchRecords, GeneratedBatch
+    from trl_scale.rollout.record import RECORD_KEY, GeneratedBatch
+    from trl_scale.rollout.step_state import StepState
     from trl_scale.trainers.dynamic_sampling import RECORD_ROW
 
     from .helpers import rloo_correction_view
@@ -262,44 +263,48 @@ def test_rloo_with_dynamic_sampling_corrects_the_chosen_rows_with_their_own_samp
 
     # the batch's own group (sampler log-probs -1 per token) had no signal; the top-up's (-2 per token) is chosen
     chosen = CandidateRows.joined([round_of("flat", -1.0), round_of("varied", -2.0)]).select([2, 3])
-    records = BatchRecords()
-    records.add(GeneratedBatch(((0, 0),) * 2, ([-9.0, -9.0],) * 2))  # the last round's call left other values
-    backend = SimpleNamespace(records=records)
-    trainer = rloo_correction_view(backend, clip_min=None, clip_max=100.0, mode="sequence_truncate")
+    step = StepState()
+    step.records.add(GeneratedBatch(((0, 0),) * 2, ([-9.0, -9.0],) * 2))  # the last round's call left other values
+    trainer = rloo_correction_view(SimpleNamespace(), clip_min=None, clip_max=100.0, mode="sequence_truncate")
     feature = DynamicSampling(server=True)
-    feature.generated.give(chosen)
+    step.chosen_completions.give(chosen)
 
     def not_generated(prompts):
         raise AssertionError("TRL's _generate ran: the chosen rows were not served")
 
     assert (
-        feature.generate(SimpleNamespace(trl=TrlFacade(trainer)), not_generated, ["varied", "varied"])
+        feature.generate(SimpleNamespace(trl=TrlFacade(trainer), step=step), not_generated, ["varied", "varied"])
         == chosen.generated
     )
     batch = {
         "completion_ids": torch.ones(2, 2, dtype=torch.long),
         "completion_mask": torch.ones(2, 2),
         "old_logps": torch.tensor([-3.0, -3.0]),  # each sequence's old log-prob, summed over its 2 tokens
-        RECORD_KEY: records.newest(),  # as the rollout feature hands the batch's record out
+        RECORD_KEY: step.records.newest(),  # as the rollout feature hands the batch's record out
     }
     weights = importance_weights(TrlFacade(trainer), batch)
     assert torch.allclose(weights, torch.full((2,), math.exp(-3.0 + 4.0)))  # the chosen rows' -2 + -2
 
 
 def test_a_batchs_build_never_reads_an_earlier_batchs_record():
-    """`BatchRecords.building`: a build starts with no record (a batch whose generation added none, e.g. served
-    from elsewhere, must not read the previous batch's versions and sampler log-probs as its own), and keeps only
-    its own newest one afterwards."""
-    from trl_scale.rollout.record import BatchRecords, GeneratedBatch
+    """`StepScope.opened`: a build starts with a state of its own (a batch whose generation added no record, e.g.
+    served from elsewhere, must not read the previous batch's versions and sampler log-probs as its own, nor take
+    its streamed batch or chosen rows); a frame inside the open build shares its state; the last closed build's
+    records stay readable afterwards."""
+    from trl_scale.rollout.record import GeneratedBatch
+    from trl_scale.rollout.step_state import StepScope
 
-    records = BatchRecords()
+    steps = StepScope()
     first, second, third = (GeneratedBatch(((n, n),)) for n in range(3))
-    with records.building():
-        records.add(first)
-    assert records.newest() is first
-    with records.building():
-        assert records.newest() is None
-    with records.building():
-        records.add(second)
-        records.add(third)
-    assert records.newest() is third and records._records == [third]
+    with steps.opened() as state:
+        state.records.add(first)
+        state.chosen_rewards.give("left behind by a failed step")
+    assert steps.current is None and steps.newest_record() is first
+    with steps.opened() as state:
+        assert state.records.newest() is None and state.chosen_rewards.take_if_given() is None
+        with steps.opened() as inner:
+            assert inner is state
+    with steps.opened() as state:
+        state.records.add(second)
+        state.records.add(third)
+    assert steps.newest_record() is third

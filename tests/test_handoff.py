@@ -3,7 +3,7 @@ and a missing or doubled value stops the run naming the hand-off instead of trai
 
 import pytest
 
-from trl_scale.trainers.handoff import Handoff
+from trl_scale.handoff import Handoff
 
 
 def test_a_value_is_taken_once():

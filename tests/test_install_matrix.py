@@ -163,7 +163,7 @@ VLLM_ENVIRONMENT_CHECKS = """
 import json
 import trl_scale
 from trl.import_utils import is_vllm_available
-from trl_scale.trainers.construction import uses_server_rollout
+from trl_scale.trainers.plan import uses_server_rollout
 
 assert is_vllm_available()  # TRL's own server mode could run here: trl-scale's client must serve anyway
 base = dict(output_dir="out", use_cpu=True, bf16=False, report_to="none", use_vllm=True, vllm_mode="server",
@@ -227,8 +227,7 @@ def test_server_mode_is_served_by_trl_scales_client_whether_or_not_vllm_is_impor
     import importlib
 
     import trl_scale
-    from trl_scale.trainers.construction import uses_server_rollout
-    from trl_scale.trainers.plan import RunPlan
+    from trl_scale.trainers.plan import RunPlan, uses_server_rollout
 
     probe = importlib.import_module("trl.import_utils")
     monkeypatch.setattr(probe, "is_vllm_available", lambda *args, **kwargs: vllm_importable)

@@ -24,6 +24,7 @@ LAYERS = {
     "trl_scale.evaluation": 0,
     "trl_scale.timeline": 0,
     "trl_scale.mismatch": 0,
+    "trl_scale.handoff": 0,
     "trl_scale.critic": 2,
     "trl_scale.rollout": 2,
     "trl_scale.distributed": 2,

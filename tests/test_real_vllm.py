@@ -214,8 +214,8 @@ def _record_run(trainer) -> tuple[dict, list]:
     def recording_score(inputs):
         batch = score(inputs)
         tensors = {k: v.clone() for k, v in batch.items() if torch.is_tensor(v)}
-        spans = list(generation.records.newest().version_spans)
-        batches.append((tensors, generation.records.newest().versions, spans, generation.sync_count))
+        spans = list(generation.steps.newest_record().version_spans)
+        batches.append((tensors, generation.steps.newest_record().versions, spans, generation.sync_count))
         return batch
 
     generation.sync_weights = recording_sync
@@ -770,8 +770,8 @@ def test_rloo_async_against_real_vllm_is_corrected_with_the_servers_log_probs(fl
         seen.append(
             (
                 batch["advantages"].clone(),
-                list(generation.records.newest().sampler_logprobs),
-                list(generation.records.newest().version_spans),
+                list(generation.steps.newest_record().sampler_logprobs),
+                list(generation.steps.newest_record().version_spans),
             )
         )
         return batch

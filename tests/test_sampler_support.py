@@ -117,19 +117,22 @@ def test_the_engine_scores_the_sampled_tokens_on_the_kept_support(tiny_llama, pa
 
 
 def test_the_config_decides_where_the_support_applies(tmp_path):
+    """The run plan reads where the support applies, once (`ScoringPlan.sampler_support`)."""
+    from trl_scale.trainers.plan import ScoringPlan
+
     vllm = dict(use_vllm=True, vllm_mode="server", vllm_server_base_urls=["http://127.0.0.1:1"])
     config = trl_scale.GRPOConfig(**cpu_args(tmp_path, top_p=0.9, top_k=5, **vllm))
-    assert ScoringSettings.from_config(config).sampler_support == SamplerSupport(top_k=5, top_p=0.9)
+    assert ScoringPlan.from_config(config).sampler_support == SamplerSupport(top_k=5, top_p=0.9)
     # generation_kwargs are sent last, so they win, as in the request
     config = trl_scale.GRPOConfig(**cpu_args(tmp_path, top_p=0.9, generation_kwargs={"top_p": 0.5}, **vllm))
-    assert ScoringSettings.from_config(config).sampler_support == SamplerSupport(top_p=0.5)
+    assert ScoringPlan.from_config(config).sampler_support == SamplerSupport(top_p=0.5)
     for off in (
         dict(top_p=0.9, logprobs_on_sampler_support=False, **vllm),  # TRL's numbers
         dict(top_p=0.9, vllm_importance_sampling_correction=False, **vllm),  # no sampler log-probs compared
         dict(top_p=0.9),  # no vLLM: transformers' own sampling
         dict(**vllm),  # nothing truncated
     ):
-        assert ScoringSettings.from_config(trl_scale.GRPOConfig(**cpu_args(tmp_path, **off))).sampler_support is None
+        assert ScoringPlan.from_config(trl_scale.GRPOConfig(**cpu_args(tmp_path, **off))).sampler_support is None
     with pytest.raises(ValueError, match=r"\['repetition_penalty'\] changed its logits.*logprobs_on_sampler_support"):
         trl_scale.GRPOConfig(**cpu_args(tmp_path, top_p=0.9, repetition_penalty=1.2, **vllm))
     trl_scale.GRPOConfig(**cpu_args(tmp_path, repetition_penalty=1.2, **vllm))  # no truncation: nothing to refuse

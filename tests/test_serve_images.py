@@ -235,7 +235,7 @@ def test_a_vision_language_policy_reads_ahead_over_two_servers(tiny_vlm, tmp_pat
 
         def generated(prompts):
             out = generate(prompts)
-            record = generation.records.newest()
+            record = generation.steps.newest_record()
             for row, ((first, newest), sampled) in enumerate(zip(record.version_spans, record.sampler_logprobs)):
                 images = [part["image"] for part in prompts[row][0]["content"] if part["type"] == "image"]
                 assert image_urls(images) in {urls for _, urls in rendered}  # its group's images went to a server

@@ -330,7 +330,7 @@ def _ordered_env_run(tool_model, urls, out, delayed: bool, **overrides):
         return complete(prompt, n, model, **sampling)
 
     client.complete = recorded_complete
-    versions = record_generations(trainer, lambda generation: list(generation.records.newest().version_spans))
+    versions = record_generations(trainer, lambda generation: list(generation.steps.newest_record().version_spans))
     trainer.train()
     return trainer, trained, versions
 

@@ -278,7 +278,9 @@ def test_the_step_checks_its_rows_and_replays_the_streams_logs():
     stream (`log_extra`, `log_metric`) reaches TRL's logs, in the batch's order."""
     from types import SimpleNamespace
 
+    from trl_scale.rollout.step_state import StepState
     from trl_scale.trainers.stream_rewards import StreamRewards
+    from trl_scale.trainers.trace import HookTrace
     from trl_scale.trainers.trl_facade import TrlFacade
 
     rows = [{"prompt": f"p{i}"} for i in range(4)]
@@ -288,7 +290,6 @@ def test_the_step_checks_its_rows_and_replays_the_streams_logs():
     ]
     logged = []
     trainer = SimpleNamespace(
-        vllm_generation=SimpleNamespace(ahead=SimpleNamespace(streamed_rewards=lambda: groups)),
         reward_funcs=[token_parity_reward],
         _log_completion_extra=lambda column, values: logged.append((column, values)),
         _log_metric=lambda name, value: logged.append((name, value)),
@@ -297,10 +298,12 @@ def test_the_step_checks_its_rows_and_replays_the_streams_logs():
     def proceed(inputs, prompts, completions, completion_ids):
         return [f(prompts=prompts, completions=completions) for f in trainer.reward_funcs]
 
-    run = SimpleNamespace(trl=TrlFacade(trainer))
+    run = SimpleNamespace(trl=TrlFacade(trainer), step=StepState(), trace=HookTrace())
+    run.step.streamed_rewards.give(groups)
     (rewards,) = StreamRewards().rewards(run, proceed, rows, ["p"] * 4, ["a", "b", "c", "d"], [[1], [2], [3], [4]])
     assert rewards == [1.0, 0.0, 0.5, 0.25]
     assert logged == [("judge", ["x", "y"]), ("m", 1.0), ("judge", ["z", "w"]), ("m", 3.0)]
+    run.step.streamed_rewards.give(groups)
     with pytest.raises(RuntimeError, match="not the ones whose rewards were computed in the stream"):
         StreamRewards().rewards(run, proceed, rows, ["p"] * 4, ["a", "b", "c", "d"], [[1], [2], [4], [3]])
 

@@ -74,7 +74,7 @@ class Checked(TrainedIds):
     def __call__(self, completion_ids, id, first_length, rollout_id, **kwargs):
         assert list(rollout_id) == list(id)  # each row got its own group's scalar
         assert all(0 < n <= len(c) for n, c in zip(first_length, completion_ids))
-        self.spans.append((self.generation.sync_count, list(self.generation.records.newest().version_spans)))
+        self.spans.append((self.generation.sync_count, list(self.generation.steps.newest_record().version_spans)))
         return super().__call__(completion_ids, id)
 
 

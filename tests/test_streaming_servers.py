@@ -122,7 +122,7 @@ def slow_first_attempts(trainer, ids: set[int], seconds: float | None = None) ->
 
 def versions_recorder(trainer):
     """Per generated batch: the sync count when it was trained, and each completion's (first, newest) span."""
-    return record_generations(trainer, lambda generation: list(generation.records.newest().version_spans))
+    return record_generations(trainer, lambda generation: list(generation.steps.newest_record().version_spans))
 
 
 def check_once_each(trainer, recorder, group: int) -> set[int]:
@@ -312,7 +312,7 @@ def test_dynamic_sampling_tops_up_from_the_stream_within_the_bound(servers, tiny
     def recording_rewards(inputs, prompts, completions, completion_ids_list):
         generation = trainer.vllm_generation
         trained.append(
-            (generation.sync_count, [r["id"] for r in inputs], list(generation.records.newest().version_spans))
+            (generation.sync_count, [r["id"] for r in inputs], list(generation.steps.newest_record().version_spans))
         )
         return type(trainer)._calculate_rewards(trainer, inputs, prompts, completions, completion_ids_list)
 
@@ -433,7 +433,7 @@ def test_a_streaming_runs_timeline_accounts_for_its_steps_with_token_ages_and_bu
         lambda generation: [
             (span, len(lp))
             for span, lp in zip(
-                generation.records.newest().version_spans, generation.records.newest().sampler_logprobs
+                generation.steps.newest_record().version_spans, generation.steps.newest_record().sampler_logprobs
             )
         ],
     )

@@ -1,9 +1,9 @@
 """Generation ahead of the trainer (asynchronous rollout): the prefetch (`prefetch.py`, "ordered") and the stream
 (`streaming`), on the servers' client. `ServerRolloutGeneration` holds a `ReadAheadRollout` (its `ahead`) for an
 asynchronous run and gives the engines its requests (`send_group`, `request_spanned`); TRL's `generate` call for a
-batch is answered from a streamed batch within `serving`. Tool-using rollouts stream whole conversations: a group's
-later turns are sent right after its first (`converse`), each choice then carrying its conversation
-(`CONVERSATION_KEY`)."""
+batch is answered from a streamed batch the step's state serves (`StepState.serve`). Tool-using rollouts stream whole
+conversations: a group's later turns are sent right after its first (`converse`), each choice then carrying its
+conversation (`CONVERSATION_KEY`)."""
 
 from __future__ import annotations
 
@@ -118,8 +118,8 @@ READ_AHEAD_ENGINES: dict[str, Callable[..., ReadAhead]] = {"ordered": _ordered, 
 class ReadAheadRollout:
     """Generation ahead of the trainer, held by TRL's generation interface (`ServerRolloutGeneration.ahead`) for an
     asynchronous run: the read-ahead engine of its mode, built from `READ_AHEAD_ENGINES` (keyed by the engine's
-    name: "ordered", "streaming"), and what TRL's calls take from it (a streamed batch within `serving`, its rewards,
-    an evaluation's requests sent now within `evaluating`)."""
+    name: "ordered", "streaming"), and an evaluation's requests sent now (`evaluating`). A streamed batch taken
+    here answers TRL's calls through the step's state (`StepState.serve`)."""
 
     def __init__(self, engine: ReadAhead | None, converses: bool, before_take: Callable[[], None], phase):
         self.engine = engine  # None on a sequence-parallel group's other ranks (`share_with`)
@@ -128,8 +128,6 @@ class ReadAheadRollout:
         self.shared_with = None  # the sequence-parallel group: its rank 0 reads ahead for it
         self._before_take = before_take  # the fleet checked and the servers' versions refreshed
         self._phase = phase  # the trainer's phase clock, as the generation has it when called
-        self._serving = None  # a streamed batch TRL's next generate() call is answered from
-        self._serving_rewards = None  # ... and its groups' rewards (computed in the stream), for the next reward call
         self.evaluating_now = False  # generate calls are an evaluation's (`evaluating`)
 
     @property
@@ -166,35 +164,6 @@ class ReadAheadRollout:
             yield
         finally:
             self.evaluating_now = False
-
-    @contextmanager
-    def serving(self, streamed):
-        """Within the block, TRL's `generate` call for this batch is answered from the streamed groups (their
-        prompts must be the ones asked for), and its reward call from their rewards (`streamed_rewards`)."""
-        self._serving, self._serving_rewards = streamed, streamed.rewards
-        try:
-            yield
-        finally:
-            self._serving = self._serving_rewards = None
-
-    @property
-    def serves_now(self) -> bool:
-        return self._serving is not None
-
-    def served(self, prompts) -> tuple[list[dict], list[tuple[int, int]]]:
-        """The streamed batch's choices and version spans, for TRL's one generate call within `serving`."""
-        streamed, self._serving = self._serving, None  # answers one call
-        if [list(p) for p in prompts] != streamed.prompt_ids:
-            raise RuntimeError(
-                "streaming rollout: TRL asked for completions of other prompts than the streamed batch's: TRL's hook "
-                "order is not the one trl-scale was built on (see trl_scale/seams)"
-            )
-        return streamed.choices, list(streamed.spans)
-
-    def streamed_rewards(self) -> list | None:
-        """The served batch's rewards, computed in the stream (one per group, in order), once; None without."""
-        rewards, self._serving_rewards = self._serving_rewards, None
-        return rewards
 
     def metrics(self, answers_continued: int) -> dict[str, float]:
         """The engine's counts (see `StreamingRollout.metrics`) and, streaming, the cut answers continued."""

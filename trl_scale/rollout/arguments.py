@@ -237,6 +237,12 @@ class RolloutArguments:
         },
     )
 
+    @property
+    def sampler_logprobs_corrected(self) -> bool:
+        """Whether the servers' log-probs feed an importance-sampling correction: TRL's (GRPO, PPO); RLOO's config
+        says when its own does."""
+        return bool(self.vllm_importance_sampling_correction)
+
     def __post_init__(self):
         super().__post_init__()
         self._validate_rollout_arguments()
@@ -247,7 +253,9 @@ class RolloutArguments:
 
         if hasattr(self, "top_p"):
             check_sampling(self)
-        SamplerSupport.from_config(self)  # a truncation the trainer cannot repeat fails here, not at the first step
+        # a truncation the trainer cannot repeat fails here, not at the first step (as `trainers.plan.ScoringPlan`)
+        if self.logprobs_on_sampler_support and self.use_vllm and self.sampler_logprobs_corrected:
+            SamplerSupport.from_config(self)
         self.vllm_llm_kwargs = check_llm_kwargs(dict_field(self.vllm_llm_kwargs, "vllm_llm_kwargs")) or None
         if self.vllm_server_base_urls is not None:
             from .urls import check_server_urls

@@ -30,9 +30,10 @@ from ..ranks import decide_on_leader, decide_on_main, gathered
 from .ahead import CONVERSATION_KEY, READ_AHEAD_ENGINES, Converse, ReadAheadRollout
 from .client import SERVER_KEY, RolloutClient, RolloutError
 from .images import image_keys, image_urls
-from .record import BatchRecords, GeneratedBatch
+from .record import GeneratedBatch
 from .seeds import RequestSeeds, next_identity
 from .settings import RolloutSettings
+from .step_state import StepScope
 from .syncer import WeightSyncer
 from .weight_dir import WeightDirectory
 from .weight_names import CheckpointNamedWalk, ServerWeights, server_weights
@@ -74,6 +75,7 @@ class ServerRolloutGeneration(CheckpointNamedWalk, VLLMGeneration):
         weight_dir: WeightDirectory | None = None,
         fleet=None,
         phase=None,
+        steps: StepScope | None = None,
     ):
         if phase is not None:
             self.phase = phase
@@ -88,7 +90,8 @@ class ServerRolloutGeneration(CheckpointNamedWalk, VLLMGeneration):
         # would turn NaN into a ratio of 1, silently switching the correction off).
         self.require_logprobs = settings.require_logprobs
         self.server_max_model_len: int | None = None
-        self.records = BatchRecords()  # one per generated batch: its versions, sampler log-probs, conversations
+        # the run's step states: a batch's record goes to its build's, a streamed batch is taken from it
+        self.steps = steps if steps is not None else StepScope()
         # a seed per request where generation_kwargs has one (`seeds.py`); batches numbered in the trainer's thread
         self.seeds = RequestSeeds.from_config(
             settings.sampling.get("seed"), settings.run_seed, getattr(accelerator, "process_index", 0)
@@ -233,9 +236,10 @@ class ServerRolloutGeneration(CheckpointNamedWalk, VLLMGeneration):
         """Each rank sends its own prompts. With async rollout, a batch prefetched at most `staleness` syncs ago
         is served from its request, then the next batches are requested with the weights just synced."""
         images = images if images is not None and any(row for row in images) else None
-        ahead = self.ahead
-        if ahead is not None and ahead.serves_now:  # streaming: each group's images went with its request
-            choices, spans = ahead.served(prompts)
+        ahead, state = self.ahead, self.steps.current
+        streamed = state.streamed.take_if_given() if state is not None else None
+        if streamed is not None:  # streaming: each group's images went with its request
+            choices, spans = streamed.answer(prompts)
         else:  # under sequence parallelism, one request per group: its ranks train on the same batch
             choices, spans = decide_on_leader(lambda: self._generated_choices(prompts, images), self.shared_with)
         completion_ids, logprobs = self.turn_outputs(choices)
@@ -244,7 +248,8 @@ class ServerRolloutGeneration(CheckpointNamedWalk, VLLMGeneration):
         conversations = tuple(choice.get(CONVERSATION_KEY) for choice in choices) if converses else None
         # TRL's RLOO drops the log-probs `generate` returns: its trl-scale correction reads them from the record
         servers = tuple(choice.get(SERVER_KEY) for choice in choices)
-        self.records.add(GeneratedBatch(tuple(spans), tuple(logprobs), conversations, servers))
+        if state is not None:
+            state.records.add(GeneratedBatch(tuple(spans), tuple(logprobs), conversations, servers))
         return generate_output(prompts, choices, completion_ids, logprobs)
 
     def turn_outputs(self, choices: list[dict]) -> tuple[list[list[int]], list[list[float]]]:

@@ -3,14 +3,14 @@
 TRL's `vllm_generation.generate` returns token ids and log-probs; a trl-scale batch also has, per completion, the
 weight versions its tokens were drawn with, the sampler's log-probs of its tokens (TRL's RLOO drops them), and, for a
 streamed tool-using group, its whole conversation. `ServerRolloutGeneration.generate` adds a `GeneratedBatch` to its
-`BatchRecords` for each batch it generates; the trainer's rollout feature opens the records for one training batch's
-build and hands that batch's record out with the batch (`RECORD_KEY`), where the features that need it read it.
+record for each batch it generates to the records of the build it is part of (`StepState.records`,
+`rollout.step_state`); the trainer's rollout feature hands that batch's record out with the batch (`RECORD_KEY`),
+where the features that need it read it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 # The key under which a built batch carries its record out of the rollout feature, to the features outside it (the
@@ -57,9 +57,9 @@ class GeneratedBatch:
 
 
 class BatchRecords:
-    """The records of the batches a generation interface produced since the current training batch's build began,
-    newest last (dynamic sampling's rounds generate several; the step trains on the newest, or on the one a feature
-    assembled and added)."""
+    """The records of the batches generated in one training batch's build (`StepState.records`), newest last
+    (dynamic sampling's rounds generate several; the step trains on the newest, or on the one a feature assembled
+    and added)."""
 
     def __init__(self) -> None:
         self._records: list[GeneratedBatch] = []
@@ -73,12 +73,3 @@ class BatchRecords:
     def replace_newest(self, record: GeneratedBatch) -> None:
         """A later stage of the same batch (the tool loop's turns widen its version spans)."""
         self._records[-1] = record
-
-    @contextmanager
-    def building(self) -> Iterator[BatchRecords]:
-        """One training batch's build: it starts with no record (none of an earlier batch can be read as its own)."""
-        self._records.clear()
-        try:
-            yield self
-        finally:
-            del self._records[:-1]  # the batch's own record is kept for readers after the build (tests, chaos runs)

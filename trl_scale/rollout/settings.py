@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..numbers import check_whole
-from ..scoring.sampler_support import SamplerSupport
 
 WeightSyncName = Literal["auto", "nccl", "shared_dir", "lora"]
 AsyncMode = Literal["ordered", "streaming"]
@@ -156,10 +155,17 @@ class RolloutSettings:
 
     @classmethod
     def from_config(
-        cls, args, asynchronous: AsyncRollout | None = None, *, logprobs: bool, require_logprobs: bool, run_id: str
+        cls,
+        args,
+        asynchronous: AsyncRollout | None = None,
+        *,
+        logprobs: bool,
+        require_logprobs: bool,
+        run_id: str,
+        on_sampler_support: bool = False,
     ) -> RolloutSettings:
-        """The client's settings from the config's fields, with the asynchronous settings the run's plan read (None:
-        read here from the config)."""
+        """The client's settings from the config's fields, with what the run's plan read: the asynchronous settings
+        (None: read here from the config) and whether the trainer scores on the sampler's support."""
         sampling = {
             "max_tokens": args.max_completion_length,
             "temperature": args.temperature,
@@ -194,7 +200,7 @@ class RolloutSettings:
             managed=bool(args.managed_servers),
             run_id=run_id,
             run_seed=args.seed or 0,
-            on_sampler_support=SamplerSupport.from_config(args) is not None,
+            on_sampler_support=on_sampler_support,
             asynchronous=asynchronous,
         )
 

@@ -83,6 +83,15 @@ class StreamedBatch:
     spans: list[tuple[int, int]]
     rewards: list | None = None  # with `reward`: each chosen group's rewards, in the batch's group order
 
+    def answer(self, prompts) -> tuple[list[dict], list[tuple[int, int]]]:
+        """The choices and version spans answering TRL's generate call for `prompts` (which must be the batch's)."""
+        if [list(p) for p in prompts] != self.prompt_ids:
+            raise RuntimeError(
+                "streaming rollout: TRL asked for completions of other prompts than the streamed batch's: TRL's "
+                "hook order is not the one trl-scale was built on (see trl_scale/seams)"
+            )
+        return self.choices, list(self.spans)
+
 
 # send(prompt_ids, n, dispatched) -> (choices, newest version): blocking; calls dispatched() right before each
 # request goes on the wire (again on a failover), so the group's version is taken when it is sent, not queued.

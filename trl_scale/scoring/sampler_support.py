@@ -39,14 +39,10 @@ class SamplerSupport:
     @classmethod
     def from_config(cls, args) -> SamplerSupport | None:
         """The truncation an online trainer's vLLM samples with (its fields, then `generation_kwargs`, as the
-        request is built), when its log-probs feed the importance-sampling correction and
-        `logprobs_on_sampler_support` is on; None otherwise. Refuses what changes the support in a way the trainer
-        cannot repeat from its own logits (penalties that depend on the text so far, logit biases)."""
-        corrects = getattr(
-            args, "corrects_sampler_logprobs", getattr(args, "vllm_importance_sampling_correction", False)
-        )
-        if not (getattr(args, "logprobs_on_sampler_support", False) and getattr(args, "use_vllm", False) and corrects):
-            return None
+        request is built), where it truncates; None otherwise. The caller asks only where the sampler's log-probs
+        feed an importance-sampling correction and `logprobs_on_sampler_support` is on (the run plan decides it:
+        `ScoringPlan`). Refuses what changes the support in a way the trainer cannot repeat from its own logits
+        (penalties that depend on the text so far, logit biases)."""
         sampling = {"top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p}
         sampling.update({k: v for k, v in (args.generation_kwargs or {}).items() if k in sampling})
         support = cls.from_sampling(sampling["top_k"], sampling["top_p"], sampling["min_p"])

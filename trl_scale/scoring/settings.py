@@ -82,16 +82,23 @@ class ScoringSettings:
     tree_packing: bool | str = "auto"  # rows sharing a prefix forwarded as one trie (see `tree_forward`)
 
     @classmethod
-    def from_config(cls, args, temperature: float = 1.0) -> ScoringSettings:
-        """From a trl-scale config (`ScoringArguments` fields; GRPO's `cast_lm_head_to_fp32` where it has one; an
-        online trainer's sampling truncation where `logprobs_on_sampler_support` asks for it)."""
+    def from_config(
+        cls,
+        args,
+        temperature: float = 1.0,
+        sampler_support: SamplerSupport | None = None,
+        cast_lm_head_to_fp32: bool = False,
+    ) -> ScoringSettings:
+        """From a trl-scale config (`ScoringArguments` fields), with what the run plan resolved for the family:
+        GRPO's `cast_lm_head_to_fp32`, an online trainer's sampling truncation where `logprobs_on_sampler_support`
+        asks for it (`trainers.plan.ScoringPlan`)."""
         return cls(
             padding_free=args.padding_free,
             token_budget=args.token_budget,
             logprob_chunk_size=args.logprob_chunk_size,
             temperature=temperature,
-            cast_lm_head_to_fp32=getattr(args, "cast_lm_head_to_fp32", False),
-            sampler_support=SamplerSupport.from_config(args),
+            cast_lm_head_to_fp32=cast_lm_head_to_fp32,
+            sampler_support=sampler_support,
             tree_packing=args.tree_packing,
         )
 

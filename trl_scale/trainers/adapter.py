@@ -90,9 +90,9 @@ class FeatureHooks:
 
     def _log_trace(self, run: Run) -> None:
         """The features' hooks that ran since the last log (`HookTrace`), said on the main process."""
-        hooks = run.trace.taken()
+        hooks, aside = run.trace.taken_with_asides()
         if self.accelerator.is_main_process:
-            logger.info(f"trl-scale trace since the last log: {run.trace.line(hooks)}")
+            logger.info(f"trl-scale trace since the last log: {run.trace.line(hooks, aside)}")
 
     # ---- TRL's hooks -----------------------------------------------------------------------------------------
 
@@ -141,7 +141,11 @@ class OnlineHooks(FeatureHooks):
     """GRPO, RLOO and PPO: an online step's hooks."""
 
     def _generate_and_score_completions(self, inputs):
-        batch = self._around("generate_and_score", inputs)
+        run = self._run()
+        if run is None:
+            return super()._generate_and_score_completions(inputs)
+        with run.steps.opened():  # the batch's data (`StepState`) lives as long as this outermost frame
+            batch = self._around("generate_and_score", inputs)
         batch.pop(RECORD_KEY, None)  # the rollout's record, for the features only: TRL's batch is TRL's
         return batch
 

@@ -68,13 +68,6 @@ class SafeCheckpoint(Feature):
             ) from error
 
 
-def _window(args) -> dict:
-    """The settings that cut a generation's rollout into the steps trained on it."""
-    names = ("steps_per_generation", "num_iterations", "num_ppo_epochs", "num_mini_batches")
-    values = {name: getattr(args, name, None) for name in names}
-    return {name: value for name, value in values.items() if value is not None}
-
-
 class RolloutResume(Feature):
     """Checkpoints carry the rollout being trained on; a resume inside the window trains on it."""
 
@@ -86,14 +79,15 @@ class RolloutResume(Feature):
         rollout, where TRL would sample a new one and diverge from the uninterrupted run."""
         if run.trl.buffered_inputs is None:
             return None
-        return {"step": run.trl.buffer_step, "inputs": run.trl.buffered_inputs, "window": _window(run.trl.args)}
+        window = dict(run.plan.generation_window)
+        return {"step": run.trl.buffer_step, "inputs": run.trl.buffered_inputs, "window": window}
 
     def load_state_dict(self, run, state: dict, path: str) -> None:
         from accelerate.utils import send_to_device
 
         checkpoint = os.path.dirname(path)
         check_same_processes(checkpoint, saved_ranks(checkpoint), run.trl.accelerator.num_processes)
-        saved, now = state.get("window"), _window(run.trl.args)
+        saved, now = state.get("window"), dict(run.plan.generation_window)
         if saved is not None and saved != now:  # TRL indexes the buffer by step modulo its own window
             differ = ", ".join(f"{name}={saved[name]} (now {now[name]})" for name in saved if saved[name] != now[name])
             raise ValueError(

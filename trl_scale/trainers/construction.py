@@ -8,10 +8,7 @@ import inspect
 import os
 from contextlib import contextmanager
 
-from ..logs import get_logger
 from ..model_paths import check_model_path
-
-logger = get_logger(__name__)
 
 
 def config_docstring(method: str, *sections) -> str:
@@ -215,9 +212,9 @@ def with_signature_of(trl_init):
 
 
 def remote_reward_funcs(reward_funcs, args):
-    """With backend='ray', replace each reward model in `reward_funcs` (path or object) by a function served by
-    the reward group; callables stay in the trainer's process."""
-    if getattr(args, "backend", "local") != "ray" or reward_funcs is None:
+    """Replace each reward model in `reward_funcs` (path or object) by a function served by the reward group (the
+    caller asks only with backend='ray'); callables stay in the trainer's process."""
+    if reward_funcs is None:
         return reward_funcs
     from torch import nn
 
@@ -225,26 +222,3 @@ def remote_reward_funcs(reward_funcs, args):
 
     funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
     return [start_reward_model(f, args) if isinstance(f, (str, nn.Module)) else f for f in funcs]
-
-
-def wants_remote_reference(args, model, peft_config) -> bool:
-    """Whether the reference goes to its own Ray group: backend='ray', a reference_placement, a KL term that needs a
-    reference, and no PEFT (a PEFT policy's reference is its disabled adapter, which costs no extra model)."""
-    if getattr(args, "backend", "local") != "ray" or getattr(args, "reference_placement", None) is None:
-        return False
-    if args.beta == 0.0:
-        return False
-    from accelerate.utils import is_peft_model
-
-    if peft_config is not None or (not isinstance(model, str) and is_peft_model(model)):
-        logger.warning("reference_placement is unused: a PEFT policy's reference is the policy without its adapter")
-        return False
-    return True
-
-
-def uses_server_rollout(args) -> bool:
-    """Which client serves `use_vllm=True, vllm_mode='server'`: trl-scale's, always (TRL's single
-    `vllm_server_base_url` is a fleet of one: versions, the correction, streaming, the timeline), whether or not vLLM
-    is importable in the trainer's environment, so one config acts the same in every environment; images included
-    (what a run with images may not combine, sequence parallelism and tree_packing=True, the run plan refuses)."""
-    return bool(getattr(args, "use_vllm", False)) and getattr(args, "vllm_mode", None) == "server"

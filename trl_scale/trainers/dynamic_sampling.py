@@ -19,7 +19,6 @@ from ..logs import get_logger
 from ..rollout.dynamic_sampling import CandidateRows, TopUpPrompts, choose_groups, groups_with_signal
 from ..rollout.record import GeneratedBatch
 from .feature import Feature
-from .handoff import Handoff
 
 logger = get_logger(__name__)
 
@@ -32,6 +31,7 @@ class DynamicSampling(Feature):
     """Drops zero-variance prompt groups and tops the generation batch up (`dynamic_sampling=True`)."""
 
     name = "dynamic_sampling"
+    STEPS_ASIDE = {"generate_and_score": "on an evaluation batch (TRL's own)"}
 
     @classmethod
     def build(cls, plan) -> DynamicSampling | None:
@@ -50,9 +50,6 @@ class DynamicSampling(Feature):
         self.top_up: TopUpPrompts | None = None
         self.drawn_at_resume = 0
         self.warned_budget = False
-        # the chosen rows, handed to TRL's `_generate` and `_calculate_rewards` inside the step (each once)
-        self.generated = Handoff("dynamic sampling's chosen completions (for TRL's _generate)")
-        self.rewards_of_chosen = Handoff("dynamic sampling's chosen rewards (for TRL's _calculate_rewards)")
 
     @staticmethod
     def active(trl) -> bool:
@@ -85,16 +82,15 @@ class DynamicSampling(Feature):
     # ---- the rounds ------------------------------------------------------------------------------------------
 
     def generate_and_score(self, run, proceed, inputs):
-        if not self.active(run.trl):
+        if not self.active(run.trl):  # an evaluation batch: TRL's
+            run.trace.stepped_aside(self.name, "generate_and_score")
             return proceed(inputs)
         served = self.sample(run, inputs)
-        self.generated.give(served)
-        self.rewards_of_chosen.give(served)
-        try:
-            return proceed(served.rows)
-        finally:  # a step that failed leaves nothing for the next
-            self.generated.clear()
-            self.rewards_of_chosen.clear()
+        # the chosen rows answer TRL's `_generate` and `_calculate_rewards` inside the step (each once); the step's
+        # state closes with the build, so a step that failed leaves nothing for the next
+        run.step.chosen_completions.give(served)
+        run.step.chosen_rewards.give(served)
+        return proceed(served.rows)
 
     def sample(self, run, inputs: list) -> CandidateRows:
         """The rows to train: this batch's groups with a signal, topped up while some process lacks groups and the
@@ -125,8 +121,8 @@ class DynamicSampling(Feature):
             return self.candidate_round(run, self.top_up_rows(run.trl, num_rows))
         ahead = run.trl.vllm_generation.ahead
         streamed = ahead.take_streamed(num_rows, new_rows=self.top_up_rows(run.trl, num_rows))
-        with ahead.serving(streamed):
-            return self.candidate_round(run, streamed.rows)
+        run.step.serve(streamed)
+        return self.candidate_round(run, streamed.rows)
 
     def top_up_rows(self, trl, num_rows: int) -> list[dict]:
         if self.top_up is None:
@@ -162,7 +158,7 @@ class DynamicSampling(Feature):
         start = run.trl.accelerator.process_index * len(rows)
         per_row = {f"extra:{column}": list(values) for column, values in run.trl.pending_extra_logs.items()}
         run.trl.pending_extra_logs.clear()  # the chosen rows' columns are handed to TRL's step again
-        record = run.trl.vllm_generation.records.newest() if self.server else None
+        record = run.step.records.newest() if self.server else None
         if record is not None and len(record) == len(rows):
             per_row[RECORD_ROW] = [record.rows(i, i + 1) for i in range(len(rows))]
         return CandidateRows(rows, tuple(generated), gathered[start : start + len(rows)], per_row)
@@ -193,7 +189,7 @@ class DynamicSampling(Feature):
     # ---- TRL's step, answered from the chosen rows -----------------------------------------------------------
 
     def generate(self, run, proceed, prompts):
-        served = self.generated.take_if_given()
+        served = run.step.chosen_completions.take_if_given()
         if served is None:
             return proceed(prompts)
         if list(prompts) != [row["prompt"] for row in served.rows]:
@@ -202,11 +198,11 @@ class DynamicSampling(Feature):
                 "is not the one trl-scale was built on (see trl_scale/seams)"
             )
         if RECORD_ROW in served.per_row:  # the step's record: the chosen rows' parts, in their order
-            run.trl.vllm_generation.records.add(GeneratedBatch.joined(served.per_row[RECORD_ROW]))
+            run.step.records.add(GeneratedBatch.joined(served.per_row[RECORD_ROW]))
         return served.generated
 
     def rewards(self, run, proceed, inputs, prompts, completions, completion_ids_list):
-        served = self.rewards_of_chosen.take_if_given()
+        served = run.step.chosen_rewards.take_if_given()
         if served is None:
             return proceed(inputs, prompts, completions, completion_ids_list)
         for key, values in served.per_row.items():

@@ -49,6 +49,8 @@ class Feature:
 
     name: ClassVar[str] = "feature"
     PATCHES: ClassVar[tuple[Patch, ...]] = ()  # the interceptions outside TRL's hooks this feature makes
+    # hook -> when the feature, built, steps aside on a call of it (`run.trace.stepped_aside`: the trace counts it)
+    STEPS_ASIDE: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def build(cls, plan: RunPlan) -> Feature | None:
@@ -143,6 +145,10 @@ class FeatureChain:
 
     def card_tags(self, run) -> list[str]:
         return [tag for feature in self.features for tag in feature.card_tags(run)]
+
+    def steps_aside(self) -> list[tuple[str, str, str]]:
+        """(feature, hook, when) for every per-call decision the chain's features declare, in the chain's order."""
+        return [(f.name, hook, when) for f in self.features for hook, when in f.STEPS_ASIDE.items()]
 
     def patches(self) -> list[tuple[str, Patch]]:
         """Every interception the chain's features declare, with the feature's name, in the chain's order."""

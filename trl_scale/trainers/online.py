@@ -102,7 +102,9 @@ class OnlineTrainerMixin(OnlineHooks):
         server, remote_reference = plan.rollout.server, plan.remote_reference
         if server and config.weight_sync == "lora":
             check_lora_sync(arguments)
-        reward_funcs = remote_reward_funcs(arguments.get("reward_funcs"), config)
+        reward_funcs = arguments.get("reward_funcs")
+        if plan.ray_backend:
+            reward_funcs = remote_reward_funcs(reward_funcs, config)
         arguments["reward_funcs"] = checked_reward_funcs(reward_funcs)
         # With server rollout, TRL's vLLM path stays off while it builds: no vLLM import, no CUDA-only communicator.
         # With a remote reference, TRL builds none (beta=0 while it builds) and the reference group stands in.

@@ -10,6 +10,7 @@ from typing import NamedTuple
 from ..distributed.roles import RayReference
 from ..scoring import PackingStats, ScoringSettings, install_packed_scoring, packing_support
 from .feature import Feature, Patch, sequence_parallel
+from .plan import ScoringPlan
 
 
 class PackingRequest(NamedTuple):
@@ -27,6 +28,7 @@ class PackedScoring(Feature):
     (`sequence_parallel_size` > 1) on the same forwards; `padding_free/*` figures in the logs."""
 
     name = "packed_scoring"
+    STEPS_ASIDE = {"single_turn": "without sequence parallelism, or where vLLM generates (only scoring is sharded)"}
     PATCHES = (
         Patch(
             "model.forward",
@@ -66,8 +68,9 @@ class PackedScoring(Feature):
         ),
     )
 
-    def __init__(self, sequence_parallel_size: int = 1):
+    def __init__(self, sequence_parallel_size: int = 1, scoring: ScoringPlan | None = None):
         self.sequence_parallel_size = sequence_parallel_size
+        self.scoring = scoring or ScoringPlan()  # the plan's (the family's head cast, the sampler's support)
         self.stats: PackingStats | None = None  # while packing is installed and on
         self.packed_backbone = None  # (the policy's backbone, padding_free) where the engine is installed
         self.installed = False
@@ -76,7 +79,7 @@ class PackedScoring(Feature):
 
     @classmethod
     def build(cls, plan) -> PackedScoring:
-        return cls(plan.scoring.sequence_parallel_size)
+        return cls(plan.scoring.sequence_parallel_size, plan.scoring)
 
     def request(self, trl) -> PackingRequest:
         """What this trainer family scores (an online trainer's; DPO's is its own), asked when the engine is
@@ -100,7 +103,10 @@ class PackedScoring(Feature):
         stats = PackingStats()
         # One settings object for the policy and its reference. (DPO keeps its own padding_free apart from TRL's
         # flag: the request's value stands.)
-        settings = ScoringSettings.from_config(trl.args, request.temperature)
+        scoring = self.scoring
+        settings = ScoringSettings.from_config(
+            trl.args, request.temperature, scoring.sampler_support, scoring.cast_lm_head_to_fp32
+        )
         settings = dataclasses.replace(settings, padding_free=request.padding_free)
         policy = trl.accelerator.unwrap_model(trl.model)
         if isinstance(policy, PeftModel):
@@ -156,6 +162,7 @@ class PackedScoring(Feature):
         Every rank of the group generates (ZeRO-3 gathers parameters collectively), and all take rank 0's
         completions: they train on one batch."""
         if self.plain_attention is None or run.trl.use_vllm:
+            run.trace.stepped_aside(self.name, "single_turn")
             return proceed(*args, **kwargs)
         from ..ranks import decide_on_leader
 

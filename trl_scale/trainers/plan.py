@@ -14,13 +14,8 @@ from typing import TYPE_CHECKING, Literal
 from ..logs import get_logger
 from ..mismatch import MismatchSettings
 from ..rollout.settings import AsyncRollout
-from .construction import (
-    check_image_inputs,
-    image_columns,
-    names_vision_language,
-    uses_server_rollout,
-    wants_remote_reference,
-)
+from ..scoring.sampler_support import SamplerSupport
+from .construction import check_image_inputs, image_columns, names_vision_language
 from .setting_needs import refuse_unread_settings
 
 if TYPE_CHECKING:
@@ -63,6 +58,15 @@ class ScoringPlan:
     local_generation: bool = False  # TRL generates in the trainer with transformers (use_vllm=False)
     continuous_batching: bool = False  # TRL's local generation through `generate_batch`, not `generate`
     padding_free: bool | None = None  # the config's padding_free as given (DPO's: TRL's constructor turns it off)
+    cast_lm_head_to_fp32: bool = False  # GRPO's: the head in fp32 (the other families have no such field)
+    sampler_support: SamplerSupport | None = None  # the sampler's truncation the policy is scored on, where asked
+
+    @staticmethod
+    def _sampler_support(config: TrainingArguments) -> SamplerSupport | None:
+        """Where the sampler's log-probs feed an importance-sampling correction (`sampler_logprobs_corrected`: TRL's,
+        or RLOO's own) and `logprobs_on_sampler_support` is on with vLLM: the truncation it samples with."""
+        on = getattr(config, "logprobs_on_sampler_support", False) and config.use_vllm  # a rollout config's fields
+        return SamplerSupport.from_config(config) if on and config.sampler_logprobs_corrected else None
 
     @classmethod
     def from_config(cls, config: TrainingArguments) -> ScoringPlan:
@@ -73,6 +77,8 @@ class ScoringPlan:
             local_generation=hasattr(config, "use_vllm") and not config.use_vllm,
             continuous_batching=bool(getattr(config, "use_transformers_continuous_batching", False)),
             padding_free=getattr(config, "padding_free", None),
+            cast_lm_head_to_fp32=bool(getattr(config, "cast_lm_head_to_fp32", False)),
+            sampler_support=cls._sampler_support(config),
         )
 
 
@@ -92,6 +98,8 @@ class RunPlan:
     timeline: bool = False  # rollout_timeline: the run's phases drawn and saved
     ray_backend: bool = False  # backend="ray"
     mismatch: MismatchSettings = MismatchSettings()  # the mismatch gate (server rollout)
+    # the settings that cut a generation's rollout into the steps trained on it, those the family has (name, value)
+    generation_window: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def from_arguments(cls, trainer_name: str, arguments: dict) -> RunPlan:
@@ -134,6 +142,7 @@ class RunPlan:
             timeline=bool(getattr(config, "rollout_timeline", False)),
             ray_backend=getattr(config, "backend", "local") == "ray",
             mismatch=MismatchSettings.from_config(config),
+            generation_window=_generation_window(config),
         )
 
     def summary(self) -> str:
@@ -151,6 +160,12 @@ class RunPlan:
             if on
         ]
         return "; ".join(parts)
+
+
+def _generation_window(config: TrainingArguments) -> tuple[tuple[str, int], ...]:
+    names = ("steps_per_generation", "num_iterations", "num_ppo_epochs", "num_mini_batches")
+    values = ((name, getattr(config, name, None)) for name in names)
+    return tuple((name, value) for name, value in values if value is not None)
 
 
 def _rollout_plan(config, arguments: dict) -> RolloutPlan:
@@ -218,3 +233,26 @@ def _check_streamed_rollout_func(config, stream_rewards, environments: bool) -> 
             "dynamic_sampling=True with a streamed rollout_func: the top-up rounds generate without it. Fix: "
             "dynamic_sampling=False, or async_rollout_staleness=0"
         )
+
+
+def wants_remote_reference(args, model, peft_config) -> bool:
+    """Whether the reference goes to its own Ray group: backend='ray', a reference_placement, a KL term that needs a
+    reference, and no PEFT (a PEFT policy's reference is its disabled adapter, which costs no extra model)."""
+    if getattr(args, "backend", "local") != "ray" or getattr(args, "reference_placement", None) is None:
+        return False
+    if args.beta == 0.0:
+        return False
+    from accelerate.utils import is_peft_model
+
+    if peft_config is not None or (not isinstance(model, str) and is_peft_model(model)):
+        logger.warning("reference_placement is unused: a PEFT policy's reference is the policy without its adapter")
+        return False
+    return True
+
+
+def uses_server_rollout(args) -> bool:
+    """Which client serves `use_vllm=True, vllm_mode='server'`: trl-scale's, always (TRL's single
+    `vllm_server_base_url` is a fleet of one: versions, the correction, streaming, the timeline), whether or not vLLM
+    is importable in the trainer's environment, so one config acts the same in every environment; images included
+    (what a run with images may not combine, sequence parallelism and tree_packing=True, the run plan refuses)."""
+    return bool(getattr(args, "use_vllm", False)) and getattr(args, "vllm_mode", None) == "server"

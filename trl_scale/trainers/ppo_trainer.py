@@ -27,10 +27,10 @@ from ..critic.holders import (
     CRITIC_DEEPSPEED_DIR,
     CRITIC_OPTIMIZER_NAME,
 )
+from ..handoff import Handoff
 from ..model_paths import check_model_path
 from .construction import image_columns, overridden
 from .grpo_trainer import GRPOTrainer
-from .handoff import Handoff
 from .hub import TRL_SCALE_TAG
 from .packing import PackedScoring
 from .ppo_config import PPOConfig
@@ -115,7 +115,6 @@ class PPOTrainer(GRPOTrainer):
         sequence_parallel = self.features.get(PackedScoring).sequence_parallel
         if sequence_parallel is not None:
             self._shard_critic_sequences(sequence_parallel)
-        self._rewards_per_func = Handoff("PPOTrainer's rewards_per_func (from _calculate_rewards)")
         self._critic_update = Handoff("PPOTrainer's pending critic update (from _compute_loss)")
 
     def _shard_critic_sequences(self, sequence_parallel) -> None:
@@ -160,15 +159,15 @@ class PPOTrainer(GRPOTrainer):
                 "needs a score for every completion (a critic cannot learn from a missing return). Fix: return a "
                 "float for every completion (e.g. 0.0 for unparsable output)."
             )
-        self._rewards_per_func.give(rewards_per_func)  # TRL's code between here and the caller drops them
+        self.run.step.rewards_per_func.give(rewards_per_func)  # TRL's code between here and the caller drops them
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs):
-        self._rewards_per_func.clear()
+        # The step's state opens here, outside the adapter's frame: this one reads the rewards after TRL's returns.
         # beta != 0 while TRL scores the batch: it then computes the reference log-probs (model, or disabled adapter)
-        with self.run.trl.beta_replaced(self.args.kl_coef):
+        with self.run.steps.opened() as step, self.run.trl.beta_replaced(self.args.kl_coef):
             batch = super()._generate_and_score_completions(inputs)
-        rewards_per_func = self._rewards_per_func.take()
+            rewards_per_func = step.rewards_per_func.take()
         args = self.args
         device = self.accelerator.device
         prompt_ids, completion_ids = batch["prompt_ids"], batch["completion_ids"]

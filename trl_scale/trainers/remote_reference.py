@@ -29,7 +29,7 @@ class RemoteReference(Feature):
         return cls() if plan.remote_reference else None  # decided by the plan (a PEFT policy needs none)
 
     def setup(self, run) -> None:
-        run.trl.use_remote_reference(start_remote_reference(run.trl))
+        run.trl.use_remote_reference(start_remote_reference(run.trl, run.plan.scoring))
 
     def scoring(self, run, proceed, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         if isinstance(model, RayReference):  # TRL passes the image inputs by name, with `num_images`
@@ -38,7 +38,7 @@ class RemoteReference(Feature):
         return proceed(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
 
 
-def start_remote_reference(trl) -> RayReference:
+def start_remote_reference(trl, scoring) -> RayReference:
     """The reference on its group, loaded as TRL would load it: from the policy's path, in the policy's dtype and
     attention implementation, scored with the same head (temperature, fp32 cast, packing)."""
     from trl.trainer.utils import get_config_model_id
@@ -51,7 +51,9 @@ def start_remote_reference(trl) -> RayReference:
     settings = ReferenceWorkerSettings(
         dtype=str(dtype).removeprefix("torch."),  # "auto" passes through, as TRL passes it
         attn_implementation=init_kwargs.get("attn_implementation", plain_attention(model.config._attn_implementation)),
-        scoring=ScoringSettings.from_config(args, trl.temperature),
+        scoring=ScoringSettings.from_config(
+            args, trl.temperature, scoring.sampler_support, scoring.cast_lm_head_to_fp32
+        ),
         autocast_dtype=mixed,
     )
     model_path = get_config_model_id(trl.accelerator.unwrap_model(model).config)

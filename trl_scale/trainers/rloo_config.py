@@ -51,6 +51,10 @@ class RLOOCorrectionArguments:
         """The servers' log-probs feed this run's correction: only prefetched (stale) completions are corrected."""
         return bool(self.vllm_importance_sampling_correction and getattr(self, "async_rollout_staleness", 0))
 
+    @property
+    def sampler_logprobs_corrected(self) -> bool:
+        return self.corrects_sampler_logprobs
+
     def __post_init__(self):
         super().__post_init__()
         check_field_types(self, RLOOCorrectionArguments)

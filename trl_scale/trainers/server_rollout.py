@@ -61,19 +61,22 @@ class ServerRollout(Feature):
         ),
     )
 
-    def __init__(self, plan: RolloutPlan, corrects_sampler_logprobs: bool = False):
+    def __init__(self, plan: RolloutPlan, corrects_sampler_logprobs: bool = False, on_sampler_support: bool = False):
         self.plan = plan  # TRL's vLLM stays off while TRL's constructor runs, and this client stands in
         self.corrects_sampler_logprobs = corrects_sampler_logprobs  # RLOO's own correction
+        self.on_sampler_support = on_sampler_support  # the trainer scores on the sampler's support (the plan's)
         self.lookahead = None  # the epoch's batch iterator, read ahead (async rollout)
         self.episodes = None  # streaming with environments: the pool and its episodes
 
     @classmethod
     def build(cls, plan: RunPlan) -> ServerRollout | None:
-        return cls(plan.rollout, plan.corrects_sampler_logprobs) if plan.rollout.server else None
+        if not plan.rollout.server:
+            return None
+        return cls(plan.rollout, plan.corrects_sampler_logprobs, plan.scoring.sampler_support is not None)
 
     def setup(self, run) -> None:
         run.trl.set_rollout_fleet(None)
-        run.trl.install_rollout_client(self._client(run.trl, run.clock))
+        run.trl.install_rollout_client(self._client(run.trl, run.clock, run.steps))
         if self.plan.asynchronous.staleness:
             self._enable_async(run.trl)
 
@@ -92,8 +95,9 @@ class ServerRollout(Feature):
         url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"  # TRL's own
         return check_server_urls([url], field="vllm_server_base_url")
 
-    def _client(self, trl, clock):
-        """trl-scale's client and generation for this run, given the run's phase clock and timeline."""
+    def _client(self, trl, clock, steps):
+        """trl-scale's client and generation for this run, given the run's phase clock and timeline and its step
+        states."""
         from ..rollout import RolloutClient, ServerRolloutGeneration
         from ..rollout.settings import RolloutSettings
 
@@ -118,7 +122,12 @@ class ServerRollout(Feature):
             correction = self.corrects_sampler_logprobs or bool(trl_correction)
             asks_logprobs = trl_correction is not None or correction
             settings = RolloutSettings.from_config(
-                args, self.plan.asynchronous, logprobs=asks_logprobs, require_logprobs=correction, run_id=run_id
+                args,
+                self.plan.asynchronous,
+                logprobs=asks_logprobs,
+                require_logprobs=correction,
+                run_id=run_id,
+                on_sampler_support=self.on_sampler_support,
             )
             return ServerRolloutGeneration(
                 trl.model,
@@ -129,6 +138,7 @@ class ServerRollout(Feature):
                 weight_dir=weight_dir,
                 fleet=trl.rollout_fleet,
                 phase=clock.phase,
+                steps=steps,
             )
         except BaseException:  # no server outlives a trainer that never got built, no lock a directory
             close_servers(trl)
@@ -160,14 +170,14 @@ class ServerRollout(Feature):
         generated now, at the current weights, through the router, never from or into what is read ahead. The
         batch carries its record (`rollout.record`) out, to the features outside this one."""
         generation = run.trl.vllm_generation
-        with generation.records.building() as records:
-            batch = self._built(run.trl, generation, proceed, inputs)
-        record = records.newest()
+        batch = self._built(run, generation, proceed, inputs)
+        record = run.step.records.newest()
         if record is not None and len(record) == batch["completion_ids"].size(0):
             batch[RECORD_KEY] = record
         return batch
 
-    def _built(self, trl, generation, proceed, inputs):
+    def _built(self, run, generation, proceed, inputs):
+        trl = run.trl
         if not trl.model.training and self.plan.asynchronous.staleness:  # an evaluation: generated now
             with generation.ahead.evaluating():
                 return proceed(inputs)
@@ -177,7 +187,8 @@ class ServerRollout(Feature):
             generation.sync_weights()
             trl.mark_synced()
         streamed = generation.ahead.take_streamed(len(inputs))
-        with generation.ahead.serving(streamed), finished_environments(trl), replayed_rollouts(trl, streamed):
+        run.step.serve(streamed)
+        with finished_environments(trl), replayed_rollouts(trl, streamed, run.step):
             return proceed(streamed.rows)
 
     def tool_call_loop(self, run, proceed, prompts, prompt_ids, completion_ids, completions, logprobs, *rest):
@@ -186,8 +197,7 @@ class ServerRollout(Feature):
         (prefetch): the first turn was prefetched, the later ones are generated now with the weights this batch
         trains at, so a conversation that called a tool spans (its first turn's first version, the current one).
         Each token keeps the sampler log-prob of the weights that drew it."""
-        records = run.trl.vllm_generation.records
-        record = records.newest()
+        record = run.step.records.newest()
         conversations = record.conversations if record is not None else None
         if conversations and all(c is not None for c in conversations) and len(conversations) == len(prompt_ids):
             return streamed_conversations(list(conversations), completion_ids, logprobs)
@@ -199,7 +209,7 @@ class ServerRollout(Feature):
                 (first, max(newest, now)) if tool else (first, newest)
                 for (first, newest), tool in zip(record.version_spans, called)
             ]
-            records.replace_newest(record.with_spans(spans))
+            run.step.records.replace_newest(record.with_spans(spans))
         return result
 
     def batch_samples(self, run, proceed, epoch_iterator, num_batches, device):

@@ -14,8 +14,6 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .construction import uses_server_rollout
-
 
 @dataclass(frozen=True)
 class SettingNeed:
@@ -27,7 +25,7 @@ class SettingNeed:
 
 
 def _server(config, arguments) -> bool:
-    return uses_server_rollout(config)
+    return config.use_vllm and config.vllm_mode == "server"  # as the plan's `uses_server_rollout`, on a rollout config
 
 
 def _managed(config, arguments) -> bool:

@@ -28,6 +28,7 @@ class SharedPrefill(Feature):
     """Each repeated prompt of a local generation batch prefilled once, its KV cache copied to its G rows."""
 
     name = "shared_prefill"
+    STEPS_ASIDE = {"single_turn": "where vLLM generates, or for a policy it does not prefill for"}
     PATCHES = (
         Patch(
             "model.generate",
@@ -67,6 +68,7 @@ class SharedPrefill(Feature):
 
     def single_turn(self, run, proceed, *args, **kwargs):
         if self.model is None or run.trl.use_vllm:
+            run.trace.stepped_aside(self.name, "single_turn")
             return proceed(*args, **kwargs)
         model, generate = self.model, self.model.generate
 

@@ -4,6 +4,7 @@ in force. `trl-scale step` prints it; `docs/step.md` holds it for the demo's con
 
 from __future__ import annotations
 
+from ..rollout.step_state import SERVE_CALLERS, STEP_FIELDS
 from .adapter import TRL_METHODS
 from .feature import EVENTS, FeatureChain, Patch
 from .plan import RunPlan
@@ -61,6 +62,40 @@ def chain_for(trainer_class: type, plan: RunPlan) -> FeatureChain:
     return FeatureChain.built(trainer_class.FEATURES, plan)
 
 
+def _step_fields(chain: FeatureChain, plan: RunPlan) -> list[str]:
+    """The `StepState` fields this run writes, each with its writers and readers in this run."""
+    present = {type(feature).__name__ for feature in chain.features}
+    if plan.rollout.server:  # trl-scale's generation interface, and the streamed rollout function it replays
+        present |= {"ServerRolloutGeneration", "stream_rollout_func"}
+    serve = [name for name in SERVE_CALLERS if _owner(name) in present]
+    present |= {"StepScope"} | ({"StepState"} if serve else set())
+
+    def here(names: tuple[str, ...]) -> list[str]:
+        return [_short(name) for name in names if _owner(name) in present]
+
+    lines = []
+    for field in STEP_FIELDS:
+        writers = here(field.writers)
+        if writers:
+            lines.append(f"  {field.name}: {field.holds}")
+            lines.append(f"    written by {', '.join(writers)}; read by {', '.join(here(field.readers))}")
+    if serve:
+        lines.append(f"  (StepState.serve is called by {', '.join(_short(name) for name in serve)})")
+    return lines
+
+
+def _owner(qualified: str) -> str:
+    """The class of `layer.module.Class.function`, or the module of `layer.module.function`."""
+    parts = qualified.split(".")
+    return parts[2] if len(parts) > 3 else parts[1]
+
+
+def _short(qualified: str) -> str:
+    """`trainers.dynamic_sampling.DynamicSampling.generate` -> `DynamicSampling.generate`."""
+    parts = qualified.split(".")
+    return ".".join(parts[2:]) if len(parts) > 3 else ".".join(parts[1:])
+
+
 def describe_step(trainer_class: type, arguments: dict) -> str:
     """The printed step of a `trainer_class` built with `arguments` (TRL's constructor arguments, by name; no model is
     loaded and no server reached: the plan and the features are built, not set up)."""
@@ -79,6 +114,11 @@ def describe_step(trainer_class: type, arguments: dict) -> str:
     for event in EVENTS:
         takers = chain.names(event)
         lines.append(f"  {event}: {', '.join(takers) if takers else '-'}")
+    asides = chain.steps_aside()
+    lines += ["", "per call (the trace at every training log counts the calls each of these stepped aside on):"]
+    lines += [f"  {name} on {hook}: steps aside {when}" for name, hook, when in asides] or ["  none"]
+    lines += ["", "a generation batch's data (StepState: opened by the outermost generate_and_score, closed after):"]
+    lines += _step_fields(chain, plan) or ["  none"]
     config = arguments.get("args")
     declared = (
         [("trainer", patch) for patch in trainer_patches(trainer_class)]

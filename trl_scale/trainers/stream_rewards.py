@@ -173,14 +173,16 @@ class StreamRewards(Feature):
     """TRL's `_calculate_rewards` for a streamed batch, answered from the rewards computed in the stream."""
 
     name = "stream_rewards"
+    STEPS_ASIDE = {"rewards": "on a batch not streamed (an evaluation's): TRL computes its rewards"}
 
     @classmethod
     def build(cls, plan) -> StreamRewards | None:
         return cls() if plan.rollout.rewards_in_stream else None
 
     def rewards(self, run, proceed, inputs, prompts, completions, completion_ids_list):
-        scored = run.trl.vllm_generation.ahead.streamed_rewards()
-        if not scored:
+        scored = run.step.streamed_rewards.take_if_given()
+        if not scored:  # a batch not streamed (an evaluation's): TRL computes its rewards
+            run.trace.stepped_aside(self.name, "rewards")
             return proceed(inputs, prompts, completions, completion_ids_list)
         _check_pairing(scored, inputs, completions, completion_ids_list)
         columns = scored[0].columns

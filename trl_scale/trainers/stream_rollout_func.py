@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from ..rollout.generation import generate_output
 from ..rollout.images import image_urls, multimodal_prompts, row_images
 from ..rollout.record import GeneratedBatch
+from ..rollout.step_state import StepState
 
 ROLLOUT_KEY = "trl_scale_rollout"  # a streamed choice's row of its group's rollout_func output
 REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
@@ -87,24 +88,22 @@ def rolling_out(trl):
 
 
 @contextmanager
-def replayed_rollouts(trl, streamed):
+def replayed_rollouts(trl, streamed, state: StepState):
     """Within the block (a streamed batch's step), TRL's `rollout_func` call answers from the streamed groups' outputs,
-    in the batch's row order, once; the prompts asked for must be the batch's. Each extra key becomes one value per
+    in the batch's row order, once (its record added to the build's `state.records`); the prompts asked for must be the
+    batch's. Each extra key becomes one value per
     row (a group's scalar, broadcast by TRL, stays that group's)."""
     if trl.rollout_func is None or not streamed.choices or ROLLOUT_KEY not in streamed.choices[0]:
         yield
         return
     rows = [choice[ROLLOUT_KEY] for choice in streamed.choices]
-    generation = trl.vllm_generation
 
     def replaying(restore):
         def replay(prompts, _trainer):
             if copy.deepcopy(prompts) != multimodal_prompts(streamed.rows, row_images(streamed.rows)):
                 raise RuntimeError("streamed rollout_func: TRL asked for other prompts than the streamed batch's")
             restore()  # answers one call
-            generation.records.add(
-                GeneratedBatch(tuple(streamed.spans))
-            )  # TRL's rollout_func path calls no generate()
+            state.records.add(GeneratedBatch(tuple(streamed.spans)))  # TRL's rollout_func path calls no generate()
             return {key: [row[key] for row in rows] for key in rows[0]}
 
         return replay

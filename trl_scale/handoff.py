@@ -1,6 +1,7 @@
-"""A value one TRL hook produces and a later hook consumes, where TRL's own code runs between them and no return
-value can carry it (PPO's rewards: `_calculate_rewards` returns into TRL's `_generate_and_score_completions`; the
-critic's pending update: `_compute_loss` returns into TRL's `training_step`, whose backward it overlaps)."""
+"""A value one hook produces and a later hook consumes, where TRL's own code runs between them and no return value
+can carry it (a step's data, `rollout.step_state`; PPO's rewards: `_calculate_rewards` returns into TRL's
+`_generate_and_score_completions`; the critic's pending update: `_compute_loss` returns into TRL's `training_step`,
+whose backward it overlaps)."""
 
 from __future__ import annotations
 
