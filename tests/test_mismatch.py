@@ -160,6 +160,47 @@ def test_drop_trains_on_the_servers_that_pass_and_says_so_once(mixed_servers, po
     assert len(said) == 1 and wrong in said[0].getMessage()
 
 
+@pytest.mark.parametrize("action", ["warn", "drop"])
+def test_the_probe_runs_beside_the_first_batch_unless_a_server_may_be_dropped(
+    mixed_servers, policy, tmp_path, monkeypatch, action
+):
+    """The probe's requests go while the first batch generates (the trainer waits only for what is left of them,
+    and for scoring): forced here, the probe's sampling waits for the batch's first request, which comes only if the
+    probe does not hold the batch back. With `rollout_mismatch_action='drop'` the probe runs first instead (a server
+    to drop must draw none of the batch): its sampling is over before the batch's first request."""
+    import threading
+
+    from trl_scale.trainers import mismatch_gate
+
+    urls = [s.url for s in mixed_servers[:2]]
+    trainer = server_grpo(policy, tmp_path, urls, max_steps=1, rollout_mismatch_action=action)
+    batch_sent, probe_done, order = threading.Event(), threading.Event(), []
+    client = trainer.vllm_generation.client
+    generate, sample = client.generate, mismatch_gate.sample_each_server
+
+    def first_batch(*args, **kwargs):
+        order.append("batch sent" if not probe_done.is_set() else "batch sent after the probe")
+        batch_sent.set()
+        return generate(*args, **kwargs)
+
+    def probe(*args):
+        if action == "warn":
+            order.append("probe waited" if batch_sent.wait(timeout=120) else "probe held the batch back")
+        try:
+            return sample(*args)
+        finally:
+            probe_done.set()
+
+    monkeypatch.setattr(client, "generate", first_batch)
+    monkeypatch.setattr(mismatch_gate, "sample_each_server", probe)
+    trainer.train()
+    assert trainer.state.global_step == 1
+    if action == "warn":
+        assert order[:2] == ["batch sent", "probe waited"], order
+    else:
+        assert order[0] == "batch sent after the probe", order
+
+
 def test_warn_goes_on_with_every_server_and_says_so_once_per_server(mixed_servers, policy, tmp_path, caplog):
     """The probe warns of the wrong server; the steps after, which measure it again on the tokens it draws, do not
     warn of it a second time."""

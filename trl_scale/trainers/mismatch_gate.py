@@ -1,11 +1,15 @@
-"""The mismatch gate as a trainer feature: before the first training batch is built, every rollout server samples
-completions of that batch's first prompts, the trainer scores the same tokens with the policy (TRL's scoring, the
-packed engine), and a server whose sampler is further from the policy than `rollout_mismatch_budget` stops the run,
-is warned of, or leaves the fleet (`rollout_mismatch_action`). Figures: `trl_scale.mismatch`."""
+"""The mismatch gate as a trainer feature: as the first training batch is built, every rollout server samples
+completions of that batch's first prompts (sent beside the batch's own requests), the trainer scores the same tokens
+with the policy (TRL's scoring, the packed engine) before the first optimizer step, and a server whose sampler is
+further from the policy than `rollout_mismatch_budget` stops the run, is warned of, or leaves the fleet
+(`rollout_mismatch_action`; to drop a server, the probe runs before the batch, so none of it comes from that server).
+Figures: `trl_scale.mismatch`."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from ..logs import get_logger
 from ..mismatch import MismatchFigures, format_figures, mismatch_figures, verdict
@@ -20,6 +24,16 @@ logger = get_logger(__name__)
 PROBE_TOKENS = 32
 
 
+@dataclass
+class _Probe:
+    """The probe under way: the prompts asked, and (main process) the requests' future."""
+
+    prompt_ids: list
+    pool: ThreadPoolExecutor | None
+    future: Future | None
+    start_seconds: float  # the trainer's own time to start it (tokenizing, submitting)
+
+
 class MismatchGate(Feature):
     """Server rollout with `rollout_mismatch_budget` set (the default): the probe before the first batch."""
 
@@ -31,7 +45,9 @@ class MismatchGate(Feature):
         self.text_only = text_only  # image prompts need their images on the server: not probed (said once)
         self.probed = False
         self.figures: list[MismatchFigures] = []  # per server, in the fleet's order at the probe
-        self.seconds = 0.0  # the probe's wall time (sampling and scoring; the sync is TRL's own first one)
+        # the trainer's wait for the probe (starting it, then its samples and their scoring after the first batch
+        # generated: the requests themselves run beside the batch's; the sync is TRL's own first one)
+        self.seconds = 0.0
         self._logged = False
         self.labels: dict[str, int] = {}  # server URL -> its number in the logs (`rollout/mismatch/server<i>/...`)
         self.latest: dict[str, MismatchFigures] = {}  # each server's figures of the newest step that measured it
@@ -46,10 +62,20 @@ class MismatchGate(Feature):
 
     def generate_and_score(self, run, proceed, inputs):
         training = run.trl.model.training
+        probe = None
         if not self.probed and training:
             self.probed = True
-            self._probe(run, inputs)
-        batch = proceed(inputs)
+            probe = self._start_probe(run, inputs)
+            if probe is not None and self.settings.action == "drop":  # a server to drop must not draw the batch
+                self._finish_probe(run, probe)
+                probe = None
+        try:
+            batch = proceed(inputs)
+        finally:
+            if probe is not None and probe.pool is not None:
+                probe.pool.shutdown(wait=False)
+        if probe is not None:  # before the first optimizer step: an error still stops the run before step 1
+            self._finish_probe(run, probe)
         if training:
             self._observe(run, batch)
         return batch
@@ -92,14 +118,16 @@ class MismatchGate(Feature):
         if past:
             self._act(run.trl.vllm_generation.client, past)
 
-    def _probe(self, run, inputs: list) -> None:
+    def _start_probe(self, run, inputs: list) -> _Probe | None:
+        """The probe's requests, sent by the main process while the first batch generates (the servers batch them
+        with it: the probe's wall time hides behind the batch's); None where nothing can be probed."""
         trl = run.trl
         rows = _first_rows(inputs, self.settings.prompts)
         prompts = [row["prompt"] for row in rows]
         if not self.text_only or not prompts:
             why = "its prompts hold images" if not self.text_only else "its rows hold no prompt"
             logger.warning(f"trl-scale: the mismatch probe was not run ({why}); rollout_mismatch_budget is unchecked")
-            return
+            return None
         generation = trl.vllm_generation
         if trl.state.global_step != trl.weights_synced_at_step:  # the sync TRL makes first: measured after it
             generation.sync_weights()
@@ -114,20 +142,30 @@ class MismatchGate(Feature):
             **generation.settings.sampling,
             "max_tokens": min(PROBE_TOKENS, generation.settings.max_completion_length),
         }
-        samples = decide_on_main(
-            lambda: sample_each_server(generation.client, prompt_ids, sampling, generation.syncer.lora_name)
-        )
-        self.figures = self._measured(run, prompt_ids, samples)
+        pool = future = None
+        if trl.accelerator.is_main_process:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="mismatch-probe")
+            client, adapter = generation.client, generation.syncer.lora_name
+            future = pool.submit(sample_each_server, client, prompt_ids, sampling, adapter)
+        return _Probe(prompt_ids, pool, future, time.perf_counter() - started)
+
+    def _finish_probe(self, run, probe: _Probe) -> None:
+        """The probe's samples (every rank gets them), scored by the policy, each server's figures against the
+        budget."""
+        trl = run.trl
+        started = time.perf_counter()
+        samples = decide_on_main(lambda: probe.future.result())
+        self.figures = self._measured(run, probe.prompt_ids, samples)
         for figures in self.figures:
             self._label(figures.server)  # numbered in the fleet's order
-        self.seconds = time.perf_counter() - started
+        self.seconds = probe.start_seconds + time.perf_counter() - started  # what the trainer waited for it
         past = broadcast_from_main(
             {f.server: line for f in self.figures if (line := verdict(f, self.settings.budget)) is not None}
         )
         if trl.accelerator.is_main_process:
             logger.info("trl-scale mismatch probe (before step 1):\n" + format_figures(self.figures))
         if past:
-            self._act(generation.client, past)
+            self._act(trl.vllm_generation.client, past)
 
     def _measured(self, run, prompt_ids: list, samples: dict) -> list[MismatchFigures]:
         """Each server's figures: its samples scored by the policy in one call (and by the base model, LoRA)."""
