@@ -132,6 +132,28 @@ def test_a_server_of_another_revision_stops_the_run_before_step_1_named(mixed_se
     assert trainer.state.global_step == 0
 
 
+def test_a_server_of_a_model_with_another_tokenizer_is_named_before_anything_is_generated(
+    mixed_servers, policy, tmp_path
+):
+    """A server whose model has the policy's shape and vocabulary size but another tokenizer (the toy vocabulary's
+    first word, by the order ids are given, swapped for a new last one: most ids mean another word): the preflight's
+    tokenizer check names it while the trainer is built, before the probe or any generation (the probe could not see
+    it: the tokens go as ids, and the first sync gives the server the policy's weights)."""
+    from trl_scale.toy.tokenizer import TOY_WORDS
+
+    words = [word for word in TOY_WORDS if word != min(TOY_WORDS)] + ["zyzzyva"]
+    other = build_tiny_model(tmp_path / "reversed", family="llama", words=words, **PEAKED)
+    (reversed_server,) = start_servers(other, 1)
+    try:
+        with pytest.raises(ValueError) as raised:
+            server_grpo(policy, tmp_path, [mixed_servers[0].url, reversed_server.url], max_steps=1)
+    finally:
+        reversed_server.stop()
+    message = str(raised.value)
+    assert reversed_server.url in message and "whose tokenizer encodes" in message, message
+    assert mixed_servers[0].url not in message.split("Fix:")[0]
+
+
 def test_the_policys_servers_pass_with_their_figures_in_the_first_log(mixed_servers, policy, tmp_path, caplog):
     urls = [s.url for s in mixed_servers[:2]]
     trainer = server_grpo(policy, tmp_path, urls, max_steps=2)

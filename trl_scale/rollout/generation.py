@@ -136,7 +136,7 @@ class ServerRolloutGeneration(CheckpointNamedWalk, VLLMGeneration):
         """Every server inspected once; all problems raised together (one line each: server, flag, fix), warnings
         logged. Returns the weight-sync mode, the servers' engine backend for "nccl", and the smallest
         `max_model_len`."""
-        from .preflight import RunNeeds, all_problems, check_vocabulary, inspect_all
+        from .preflight import RunNeeds, all_problems, check_tokenizer, check_vocabulary, inspect_all
 
         mode = self.settings.weight_sync
         model = self.accelerator.unwrap_model(self.model)
@@ -160,10 +160,12 @@ class ServerRolloutGeneration(CheckpointNamedWalk, VLLMGeneration):
             self.client.transport.post_url(report.url, "/resume").raise_for_status()
             report.paused = False
         errors, warnings = all_problems(reports, needs)
-        for report in reports:  # the one check that needs the policy: its vocabulary
-            if report.reachable and needs.vocab_size:
-                wrong_model = check_vocabulary(self.client.transport.complete_url, report, needs.vocab_size)
-                errors += [wrong_model] if wrong_model else []
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)  # a processor holds one
+        for report in (r for r in reports if r.reachable):  # the checks that need the policy: vocabulary, tokenizer
+            transport = self.client.transport
+            if needs.vocab_size:
+                errors += [p for p in (check_vocabulary(transport.complete_url, report, needs.vocab_size),) if p]
+            errors += [p for p in (check_tokenizer(transport.prompt_ids_url, report, tokenizer),) if p]
         backends = {r.weight_transfer for r in reports if r.reachable}
         if mode in ("nccl", "auto") and len(backends) > 1:
             errors.append(f"the servers offer different weight-transfer engines {sorted(map(str, backends))}")
