@@ -109,6 +109,7 @@ def test_the_features_of_each_trainer_in_their_order():
         "packed_scoring",
         "decoder_layers",
         "shared_prefill",
+        "router_logits_in_generation",
         "dynamic_sampling",
         "phase_timing",
         "stream_rewards",

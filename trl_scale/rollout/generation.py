@@ -160,7 +160,10 @@ class ServerRolloutGeneration(CheckpointNamedWalk, VLLMGeneration):
             self.client.transport.post_url(report.url, "/resume").raise_for_status()
             report.paused = False
         errors, warnings = all_problems(reports, needs)
-        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)  # a processor holds one
+        from transformers import ProcessorMixin
+
+        tokenizer = self.processing_class  # a processor holds one
+        tokenizer = tokenizer.tokenizer if isinstance(tokenizer, ProcessorMixin) else tokenizer
         for report in (r for r in reports if r.reachable):  # the checks that need the policy: vocabulary, tokenizer
             transport = self.client.transport
             if needs.vocab_size:

@@ -1,6 +1,6 @@
 """The scoring engine: remove-padding packing, the chunked log-prob head, and the forward that joins them."""
 
-from .engine import install_packed_scoring, packed_fused_forward, token_scores
+from .engine import install_packed_scoring, packed_fused_forward
 from .logprob_head import DEFAULT_LOGPROB_CHUNK_SIZE, ChunkedLogProbHead, chunked_logprobs
 from .packing import (
     PackedBatch,
@@ -14,6 +14,7 @@ from .packing import (
 )
 from .settings import PackedScoringConfig, PackingStats, ScoringSettings
 from .support import PackingSupport, packing_support, probe_packing, use_packing
+from .token_scores import token_scores
 
 __all__ = [
     "DEFAULT_LOGPROB_CHUNK_SIZE",

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from .image_packing import image_pieces, packs_images
 from .logprob_head import chunked_logprobs, gathered_lm_head, logit_transform_of
 from .packing import empty_forward_anchor, pack_padded_batch, packed_forward_kwargs, unpack
+from .router_loss import asks_router_logits, with_router_loss
 from .sampler_support import kept_log_mass
 from .sequence_parallel import SequenceParallelGroup, check_same_batch, summed_over_group
 from .settings import PackedScoringConfig, PackingStats, ScoringSettings
@@ -59,14 +60,18 @@ def _packed_on_every_rank(input_ids, attention_mask, token_budget: int | None, r
     return packed
 
 
-def packed_backbone_forward(backbone, input_ids, attention_mask, token_budget: int | None):
+def packed_backbone_forward(
+    backbone, input_ids, attention_mask, token_budget: int | None, router_logits: list | None = None
+):
     """Pack a padded batch and run the backbone on each micro-batch, the same number of forwards on every rank.
 
     The layout follows the backbone's kernels (:func:`.support.uses_one_row`): one row per micro-batch for varlen
     kernels (with its boundaries) and flex attention, rows as wide as the longest sequence for sdpa and eager. Returns
     ``(packed, [(micro_batch, hidden [n, H]), ...], anchor)``. ``anchor`` is a zero that depends on a dummy forward
     run for an empty micro-batch (a rank with fewer sequences than others); add it to an output so that forward
-    takes part in backward, as the collectives of sharded parameters require.
+    takes part in backward, as the collectives of sharded parameters require. ``router_logits`` (a list): an MoE
+    backbone's router logits are asked for, and each micro-batch's, per layer at its real tokens (``[n, experts]``),
+    appended to it.
     """
     support = packing_support(backbone, probe=False)
     varlen = support.varlen
@@ -76,9 +81,16 @@ def packed_backbone_forward(backbone, input_ids, attention_mask, token_budget: i
         if micro_batch.input_ids.numel() == 0:
             anchor = empty_forward_anchor(backbone, input_ids.device)
             continue
+        kwargs = packed_forward_kwargs(micro_batch, varlen, support.mrope)
+        if router_logits is not None:
+            kwargs["output_router_logits"] = True
         with varlen_forward() if varlen else _flex_context(backbone, input_ids.device):
-            hidden = backbone(**packed_forward_kwargs(micro_batch, varlen, support.mrope)).last_hidden_state
-        outputs.append((micro_batch, micro_batch.real_tokens(hidden)))
+            output = backbone(**kwargs)
+        outputs.append((micro_batch, micro_batch.real_tokens(output.last_hidden_state)))
+        if router_logits is not None:  # each layer's [rows * width, experts], filler included: the real tokens'
+            rows, width = micro_batch.input_ids.shape
+            layers = output.router_logits
+            router_logits.append([micro_batch.real_tokens(layer.reshape(rows, width, -1)) for layer in layers])
     return packed, outputs, anchor
 
 
@@ -130,13 +142,22 @@ def _sharding(sp: SequenceParallelGroup | None) -> SequenceParallelGroup | None:
 
 
 def _forward_pieces(
-    backbone, input_ids, attention_mask, settings: ScoringSettings, sp, keep=None, *also_same: torch.Tensor
+    backbone,
+    input_ids,
+    attention_mask,
+    settings: ScoringSettings,
+    sp,
+    keep=None,
+    *also_same: torch.Tensor,
+    router_logits: list | None = None,
 ) -> tuple[list, torch.Tensor | None, dict[str, int]]:
     """The packed backbone forward of a padded batch: as tree rows where :func:`.tree_forward.planned_trees` says
     so (not under sequence parallelism), else packed rows, sharded over the SP group `sp` when there is one (every
     rank of the group holds the same batch, checked with `also_same`, and runs its slice of each packed row).
     Returns ``([(flat index into [B, T], hidden [n, H]), ...], anchor, figures)``; `keep` ([B * T] bool) may
-    leave out positions the caller will not read (tree rows gather only those)."""
+    leave out positions the caller will not read (tree rows gather only those). `router_logits`: see
+    :func:`packed_backbone_forward` (packed rows only: the caller never asks under sequence parallelism, and tree rows
+    are not planned for such a call)."""
     real_tokens = int(attention_mask.sum())
     if sp is not None:
         check_same_batch(sp, input_ids, attention_mask, *also_same)
@@ -146,7 +167,9 @@ def _forward_pieces(
         forwarded = sum(sp.shard(max(1, micro_batch.input_ids.size(1)))[0] for micro_batch in packed.micro_batches)
         figures = {"real": real_tokens, "forwarded": forwarded, "micro_batches": len(packed.micro_batches)}
         return pieces, anchor, figures | {"sizes": [index.numel() for index, _ in pieces]}
-    trees = planned_trees(backbone, input_ids, attention_mask, settings.token_budget, settings.tree_packing)
+    trees = None
+    if router_logits is None:
+        trees = planned_trees(backbone, input_ids, attention_mask, settings.token_budget, settings.tree_packing)
     if trees is not None:
         count = _same_count_on_every_rank(len(trees), input_ids.device)
         trees += [TreeMicroBatch(None, [], []) for _ in range(count - len(trees))]
@@ -154,7 +177,9 @@ def _forward_pieces(
         sizes = [micro_batch.tree.num_tokens for micro_batch in trees if micro_batch.tree is not None]
         figures = {"real": real_tokens, "forwarded": sum(sizes), "micro_batches": count, "tree_tokens": sum(sizes)}
         return pieces, anchor, figures | {"sizes": sizes}
-    packed, outputs, anchor = packed_backbone_forward(backbone, input_ids, attention_mask, settings.token_budget)
+    packed, outputs, anchor = packed_backbone_forward(
+        backbone, input_ids, attention_mask, settings.token_budget, router_logits
+    )
     pieces = [(micro_batch.flat_index, hidden) for micro_batch, hidden in outputs]
     figures = {"real": real_tokens, "forwarded": packed.forwarded_tokens, "micro_batches": len(packed.micro_batches)}
     return pieces, anchor, figures | {"sizes": [index.numel() for index, _ in pieces]}
@@ -166,19 +191,31 @@ def _shifted(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat([labels[:, 1:], labels.new_full((labels.size(0), 1), -100)], dim=1)
 
 
-def packed_fused_forward(model, config: PackedScoringConfig, input_ids, attention_mask, labels, num_items_in_batch):
+def packed_fused_forward(
+    model,
+    config: PackedScoringConfig,
+    input_ids,
+    attention_mask,
+    labels,
+    num_items_in_batch,
+    router_loss: bool = False,
+):
     """The packed equivalent of TRL's ``_fused_forward`` for a padded batch; returns a ``FusedCausalLMOutput``.
     Under sequence parallelism the head's results are summed over the group, so every rank returns the whole
-    batch's fields (the group is one data-parallel rank, see :mod:`trl_scale.sharding.data_parallel`)."""
+    batch's fields (the group is one data-parallel rank, see :mod:`trl_scale.sharding.data_parallel`).
+    `router_loss` (an MoE policy, TRL asking for its router's logits; packed rows, never sharded): the router's
+    load-balancing loss over the real tokens, added as TRL adds it (:mod:`.router_loss`)."""
     sp = _sharding(config.sequence_parallel)
     batch_size, seq_len = input_ids.shape
     shift_labels = _shifted(labels)
     keep = (shift_labels != -100).reshape(-1)
+    routes: list | None = [] if router_loss else None
     pieces, anchor, figures = _forward_pieces(
-        model.base_model, input_ids, attention_mask, config.settings, sp, keep, labels
+        model.base_model, input_ids, attention_mask, config.settings, sp, keep, labels, router_logits=routes
     )
     config.stats.record(batch_size * seq_len, figures)
-    return _scored_output(model, config, pieces, shift_labels, anchor, num_items_in_batch, sp=sp)
+    output = _scored_output(model, config, pieces, shift_labels, anchor, num_items_in_batch, sp=sp)
+    return with_router_loss(model, output, routes) if router_loss else output
 
 
 def padded_fused_forward(
@@ -353,7 +390,11 @@ def _engine_forward(model_class, config: PackedScoringConfig, trl_forward):
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
         input_ids = kwargs.get("input_ids")
         attention_mask = kwargs.get("attention_mask")
-        padded_call = fused_lm_head and not args and _is_padded_call(labels, shift_labels, kwargs)
+        router_loss = asks_router_logits(self.config, kwargs)  # an MoE policy's router loss, as TRL asks it
+        packable = {name: value for name, value in kwargs.items() if name != "output_router_logits"}
+        if sharded or config.settings.tree_packing is True:  # (not taken there: TRL's forward, or the refusal)
+            packable = kwargs if router_loss else packable
+        padded_call = fused_lm_head and not args and _is_padded_call(labels, shift_labels, packable)
         width = input_ids.size(1) if padded_call else 0
         if sharded and fused_lm_head:  # (a plain forward, e.g. generation, runs unsharded: see the trainers)
             if not padded_call:
@@ -363,10 +404,12 @@ def _engine_forward(model_class, config: PackedScoringConfig, trl_forward):
                 )
             return packed_fused_forward(self, config, input_ids, attention_mask, labels, num_items_in_batch)
         if padded_call and use_packing(self.base_model, config.settings.padding_free, probe_now=True, width=width):
-            return packed_fused_forward(self, config, input_ids, attention_mask, labels, num_items_in_batch)
+            return packed_fused_forward(
+                self, config, input_ids, attention_mask, labels, num_items_in_batch, router_loss
+            )
         if padded_call and config.settings.tree_packing is True:
             _refuse_trees_unpacked(self.base_model)
-        if padded_call and on_support:
+        if padded_call and on_support and not router_loss:
             return padded_fused_forward(self, config, input_ids, attention_mask, labels, num_items_in_batch)
         if fused_lm_head and not args and not sharded and _is_padded_call(labels, shift_labels, kwargs, True):
             images = {name: kwargs[name] for name in IMAGE_KWARGS if kwargs.get(name) is not None}
@@ -435,47 +478,3 @@ def _warn_off_support_once() -> None:
         "support, so its importance ratios carry the kept mass. Set logprobs_on_sampler_support=False to silence "
         "this, or sample without truncation"
     )
-
-
-def token_scores(
-    backbone,
-    head,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    settings: ScoringSettings | None = None,
-    multimodal_inputs: dict | None = None,
-    sequence_parallel: SequenceParallelGroup | None = None,
-    **fields,
-) -> torch.Tensor:
-    """Per-token scalar outputs ``head(hidden)`` of a backbone, as ``[B, T]`` (0 at padding): a critic's values.
-
-    Scored as ``settings`` say (or a `ScoringSettings` of ``fields``, e.g. ``tree_packing=False``): where packing is
-    on and exact for this backbone (:func:`.support.use_packing`), the real tokens go through it packed (tree rows
-    as ``tree_packing`` says), in micro-batches of at most ``token_budget`` tokens, the same way the policy is
-    scored; otherwise one padded forward. ``multimodal_inputs`` (``pixel_values``, ``token_type_ids``, ...) go
-    packed where the policy's calls with images would (:mod:`.image_packing`), else to that padded forward.
-    """
-    settings = dataclasses.replace(settings or ScoringSettings(), **fields)
-    batch_size, seq_len = input_ids.shape
-    sp = _sharding(sequence_parallel)
-    if sp is not None and multimodal_inputs:
-        raise ValueError("sequence parallelism scores token rows only: no image inputs. Fix: sp_size=1")
-    if sp is None and packs_images(backbone, multimodal_inputs, settings.padding_free):
-        pieces = image_pieces(backbone, input_ids, attention_mask, multimodal_inputs)
-        flat = torch.cat([head(hidden).squeeze(-1).float() for _, hidden in pieces])
-        return unpack(flat, torch.cat([index for index, _ in pieces]), batch_size, seq_len)
-    padded = sp is None and (
-        multimodal_inputs or not use_packing(backbone, settings.padding_free, probe_now=True, width=seq_len)
-    )
-    if padded:
-        hidden = backbone(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **(multimodal_inputs or {})
-        ).last_hidden_state
-        return head(hidden).squeeze(-1).float() * attention_mask
-    pieces, anchor, _ = _forward_pieces(backbone, input_ids, attention_mask, settings, sp)
-    values = [head(hidden).squeeze(-1).float() for _, hidden in pieces]
-    indices = [flat_index for flat_index, _ in pieces]
-    flat = torch.cat(values) if values else input_ids.new_zeros(0, dtype=torch.float32)
-    scores = unpack(flat, torch.cat(indices) if indices else input_ids.new_zeros(0), batch_size, seq_len)
-    scores = scores if anchor is None else scores + anchor
-    return scores if sp is None else summed_over_group(scores, sp)

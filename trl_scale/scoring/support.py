@@ -136,10 +136,6 @@ def packing_support(backbone: torch.nn.Module, probe: bool = True) -> PackingSup
             rope_length_limit=rope_length_limit(backbone),
             mrope=takes_mrope(backbone),
         )
-        if getattr(config.get_text_config(), "output_router_logits", False):
-            # TRL's padded forward adds the router's load-balancing loss; packed rows would count filler tokens.
-            support.exact = False
-            support.reason = "its MoE router auxiliary loss (output_router_logits) needs TRL's padded forward"
         backbone._trl_scale_packing_support = support
     if support.exact is None and probe and _materialised(backbone):
         support.exact, support.reason = probe_packing(backbone, support.varlen, support.one_row, support.mrope)

@@ -139,16 +139,24 @@ def image_columns(*datasets) -> list[str]:
 def names_vision_language(arguments: dict) -> bool:
     """Whether the trainer's arguments name a vision-language policy: its processing class is a processor, or (none
     given: TRL loads the model's) its config has a vision tower."""
-    from transformers import AutoConfig, ProcessorMixin
+    from transformers import ProcessorMixin
 
     if arguments.get("processing_class") is not None:
         return isinstance(arguments["processing_class"], ProcessorMixin)
+    config = policy_config(arguments)
+    return config is not None and getattr(config, "vision_config", None) is not None
+
+
+def policy_config(arguments: dict):
+    """The policy's config (the model object's, or read from its path), or None where it cannot be read (TRL's
+    constructor then says what is wrong with the model)."""
+    from transformers import AutoConfig
+
     model = arguments.get("model")
     try:
-        config = model.config if hasattr(model, "config") else AutoConfig.from_pretrained(model)
-    except (OSError, ValueError, TypeError):  # TRL's constructor says what is wrong with the model
-        return False
-    return getattr(config, "vision_config", None) is not None
+        return model.config if hasattr(model, "config") else AutoConfig.from_pretrained(model)
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def check_image_inputs(arguments: dict, columns: list[str], vision_language: bool | None) -> None:

@@ -28,6 +28,7 @@ from .packing import PackedScoring
 from .remote_reference import RemoteReference
 from .reward_checks import check_added_reward_funcs, check_environment_resets, checked_reward_funcs
 from .rollout_checks import checked_rollout_func
+from .router_logits import RouterLogitsInGeneration
 from .server_rollout import ServerRollout, close_servers
 from .shared_prefill import SharedPrefill
 from .step_checks import ContextLength, EmptyRewardsWarning
@@ -56,6 +57,7 @@ ONLINE_FEATURES = (
     PackedScoring,  # its sequence-parallel gathers cover dynamic sampling's rounds, which call TRL's reward gathers
     DecoderLayers,  # compiled after packing's probe; checkpointed layers planned by memory
     SharedPrefill,  # inside packing's generation under sequence parallelism (the model's own attention)
+    RouterLogitsInGeneration,  # inside shared prefill: every generate call of a turn asks for no router logits
     DynamicSampling,  # rounds of generation and rewards under it; TRL's step answered from the chosen rows
     PhaseTiming,  # inside dynamic sampling: times the rounds' real work, not the answers served from them
     StreamRewards,  # under dynamic sampling: its rounds read the rewards computed in the stream too

@@ -15,7 +15,7 @@ from ..logs import get_logger
 from ..mismatch import MismatchSettings
 from ..rollout.settings import AsyncRollout
 from ..scoring.sampler_support import SamplerSupport
-from .construction import check_image_inputs, image_columns, names_vision_language
+from .construction import check_image_inputs, image_columns, names_vision_language, policy_config
 from .setting_needs import refuse_unread_settings
 
 if TYPE_CHECKING:
@@ -98,6 +98,8 @@ class RunPlan:
     timeline: bool = False  # rollout_timeline: the run's phases drawn and saved
     ray_backend: bool = False  # backend="ray"
     mismatch: MismatchSettings = MismatchSettings()  # the mismatch gate (server rollout)
+    # an MoE policy whose config asks for its router's logits (read where the trainer generates: `router_logits.py`)
+    router_logits: bool = False
     # the settings that cut a generation's rollout into the steps trained on it, those the family has (name, value)
     generation_window: tuple[tuple[str, int], ...] = ()
 
@@ -143,6 +145,7 @@ class RunPlan:
             ray_backend=getattr(config, "backend", "local") == "ray",
             mismatch=MismatchSettings.from_config(config),
             generation_window=_generation_window(config),
+            router_logits=scoring.local_generation and _asks_router_logits(config, arguments),
         )
 
     def summary(self) -> str:
@@ -160,6 +163,19 @@ class RunPlan:
             if on
         ]
         return "; ".join(parts)
+
+
+def _asks_router_logits(config: TrainingArguments, arguments: dict) -> bool:
+    """Whether the policy's config asks for its MoE router's logits, as the model is loaded: its own config, or
+    `model_init_kwargs` (TRL passes them to `from_pretrained`, which sets config fields)."""
+    init_kwargs = config.model_init_kwargs or {}  # an online config (they generate in the trainer)
+    if "output_router_logits" in init_kwargs:
+        return bool(init_kwargs["output_router_logits"])
+    model_config = policy_config(arguments)
+    if model_config is None:
+        return False
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return bool(getattr(model_config, "output_router_logits", False) or getattr(text, "output_router_logits", False))
 
 
 def _generation_window(config: TrainingArguments) -> tuple[tuple[str, int], ...]:
