@@ -50,12 +50,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def zoo(tmp_path_factory):
     """A tiny model of each family, built on first use and loaded back with `from_pretrained`: ``zoo("qwen3")``
-    (Gemma 2 with eager attention, which it needs; sdpa otherwise)."""
+    (Gemma 2 and GPT-OSS with eager attention, which they need; sdpa otherwise)."""
     paths = {}
 
     def build(family: str) -> str:
         if family not in paths:
-            attn = "eager" if family == "gemma2" else "sdpa"
+            attn = "eager" if family in ("gemma2", "gpt_oss") else "sdpa"  # neither has sdpa
             paths[family] = build_tiny_model(tmp_path_factory.mktemp(family), family, attn_implementation=attn)
         return paths[family]
 

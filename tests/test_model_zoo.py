@@ -22,8 +22,9 @@ from .helpers import cpu_args, max_param_diff, padded_scoring_batch, step_logs, 
 # Packs exactly in transformers 5 (sdpa; Gemma 2 has no sdpa, eager): RoPE, sliding windows, soft-capping, and
 # GPT-2's learned absolute positions (packed positions restart at 0, as for a sequence alone).
 EXACT_FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gpt2"]
-# OPT builds its mask without position_ids; the hybrids' CPU kernels cannot keep sequences apart.
-INEXACT_FAMILIES = ["opt", "lfm2", "nemotron_h", "qwen3_next"]
+# OPT builds its mask without position_ids; the hybrids' CPU kernels cannot keep sequences apart; GPT-OSS's eager
+# attention (with sinks) lets a packed sequence see the one before it.
+INEXACT_FAMILIES = ["opt", "lfm2", "nemotron_h", "qwen3_next", "gpt_oss"]
 # Falcon's mask ignores position_ids before transformers 5.24 and honours them from 5.24 (measured): the probe decides.
 (EXACT_FAMILIES if Version(transformers.__version__) >= Version("5.24") else INEXACT_FAMILIES).append("falcon")
 

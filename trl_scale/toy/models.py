@@ -34,6 +34,10 @@ ModelFamily = Literal[
     "nemotron_h",
     "qwen3_next",
     "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "gpt_oss",
 ]
 
 # Families beyond Llama-style configs, each as (config class, keyword arguments in terms of the common sizes).
@@ -67,6 +71,20 @@ _FAMILIES = {
         "Qwen3MoeConfig",
         {"head_dim": "head_dim", "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
          "decoder_sparse_step": 1, "mlp_only_layers": []},
+    ),
+    # More mixtures of experts: Qwen2-MoE with its shared expert, Mixtral, OLMoE, GPT-OSS (attention sinks, sliding
+    # and full layers)
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+         "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    ),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "gpt_oss": (
+        "GptOssConfig",
+        {"head_dim": "head_dim", "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+         "layer_types": ["sliding_attention", "full_attention"]},
     ),
 }  # fmt: skip
 ModelKind = Literal["causal-lm", "reward"]
