@@ -64,3 +64,16 @@ def test_a_call_that_does_not_ask_has_no_router_loss(zoo):
     input_ids, mask, labels = padded_scoring_batch(AutoTokenizer.from_pretrained(zoo("qwen3_moe")))
     out = packed_model(input_ids=input_ids, attention_mask=mask, labels=labels, fused_lm_head=True)
     assert out.aux_loss is None and config.stats.fallbacks == 0
+
+
+def test_the_docs_moe_figures_are_the_benchmarks():
+    import json
+
+    from .helpers import ROOT
+
+    record = json.loads((ROOT / "benchmarks" / "results" / "moe_cpu.jsonl").read_text().splitlines()[-1])
+    page = " ".join((ROOT / "docs" / "packed-scoring.md").read_text().split())
+    steps = record["step_s"]
+    assert f"a batch of {record['rows']} long-tailed rows ({record['pad_fraction']:.0%} padding)" in page
+    assert f"stock TRL {steps['trl']:.2f} s, trl-scale {steps['trl_scale']:.2f} s ({record['speedup']:.2f}x)" in page
+    assert record["max_logprob_diff"] <= 1e-5 and record["aux_loss_diff"] <= 1e-6
