@@ -269,6 +269,39 @@ def test_the_rollout_client_reaches_into_no_object_s_private_state():
     assert not found, "\n".join(found)
 
 
+# Data objects the generation interface fills in (a preflight report), not collaborators.
+DATA_OBJECTS = {"report"}
+
+
+def collaborator_writes(sources: dict[str, str]) -> list[str]:
+    """Attribute assignments on another object (`self.syncer.mode = ...`, `fleet.on_moved = ...`): a collaborator
+    wired from outside after its construction, where its constructor or one of its methods should take it."""
+    found = []
+    for name, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+                continue
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for element in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if not isinstance(element, ast.Attribute):
+                        continue
+                    owner = element.value
+                    if isinstance(owner, ast.Name) and owner.id in ("self", *DATA_OBJECTS):
+                        continue
+                    found.append(f"{name}:{node.lineno}: {ast.unparse(element)}")
+    return found
+
+
+def test_the_generation_interface_wires_its_collaborators_when_it_builds_them():
+    """The rollout's generation interface and its read-ahead set nothing on their collaborators (the syncer, its
+    mode, the fleet, the client, the read-ahead): the syncer's mode is chosen by its own method, the fleet's callbacks
+    given through `listen`, the sequence-parallel group through the read-ahead's constructor."""
+    files = [PACKAGE / "rollout" / "generation.py", PACKAGE / "rollout" / "ahead.py"]
+    found = collaborator_writes({str(p.relative_to(ROOT)): p.read_text() for p in files})
+    assert not found, "\n".join(found)
+    assert collaborator_writes({"planted.py": "def f(self, fleet):\n    fleet.on_moved = self.move\n"})
+
+
 def test_each_rule_goes_red_on_a_planted_violation():
     """The rules above, on small graphs with one violation planted each: they must see it."""
     assert upward_imports({"trl_scale.scoring.engine": {"trl_scale.trainers.wiring"}})

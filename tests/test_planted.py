@@ -19,7 +19,7 @@ def _generation(sync_count: int):
 
     generation = object.__new__(ServerRolloutGeneration)
     generation.syncer = WeightSyncer(None, "r", None, managed=False)
-    generation.syncer.count, generation.syncer.name = sync_count, "shared_dir"
+    generation.syncer.count, generation.syncer.mode = sync_count, SimpleNamespace(name="shared_dir")
     generation.fleet = None
     generation.seeds = RequestSeeds(None)
     interrupt = SimpleNamespace(interrupt="keep")

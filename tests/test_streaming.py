@@ -353,7 +353,7 @@ def _generation_with_held_sync():
     generation.client, generation.fleet = client, None
     generation.accelerator = SimpleNamespace(is_main_process=True)
     generation.syncer = Held(client, "r", None, managed=False)  # its own locks (its __init__ makes them)
-    generation.syncer.name = "shared_dir"
+    generation.syncer.mode = SimpleNamespace(name="shared_dir")
     generation.seeds = RequestSeeds(None)
     return generation, events
 

@@ -7,6 +7,7 @@ import atexit
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 from ..errors import RolloutError
 from ..logs import get_logger
@@ -34,10 +35,16 @@ class ServerFleet:
         self._watcher: threading.Thread | None = None
         self.on_moved = None  # called (old URL, new URL) when a restarted server comes back at another address
         self.on_restarted = None  # called (URL) once a restarted server answers: bring it to the current weights
+        # (both given by the rollout's generation interface, `listen`)
         # Each server outage seen: (URL it came back at, time.perf_counter() its exit was seen, time it answered
         # again or None if it never did): the rollout timeline's restarts.
         self.outages: list[tuple[str, float, float | None]] = []
         self._down_since: dict[int, float] = {}
+
+    def listen(self, on_moved: Callable[[str, str], None], on_restarted: Callable[[str], None]) -> None:
+        """What the rollout does when a restarted server comes back: at another address (`on_moved(old, new)`), and
+        answering (`on_restarted(url)`: brought to the current weights)."""
+        self.on_moved, self.on_restarted = on_moved, on_restarted
 
     # ---- start ------------------------------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Protocol
 
 from ..ranks import decide_on_leader
@@ -87,9 +86,7 @@ def _streaming(
     """Prompt groups streamed through the servers, each trained once finished, within `staleness` syncs."""
     from .streaming import StreamingRollout
 
-    syncer = generation.syncer
-    if syncer.name == "lora":  # running generations keep their adapter: keep it loaded
-        syncer.mode.settings = replace(syncer.mode.settings, keep_adapters=staleness)
+    # (LoRA: running generations keep their adapter, loaded: the sync settings keep `staleness` adapters)
     return _stream(
         StreamingRollout, generation, staleness, tokenize, groups_per_batch, converse, reward, open_episode, rollout
     )
@@ -121,11 +118,13 @@ class ReadAheadRollout:
     name: "ordered", "streaming"), and an evaluation's requests sent now (`evaluating`). A streamed batch taken
     here answers TRL's calls through the step's state (`StepState.serve`)."""
 
-    def __init__(self, engine: ReadAhead | None, converses: bool, before_take: Callable[[], None], phase):
+    def __init__(
+        self, engine: ReadAhead | None, converses: bool, before_take: Callable[[], None], phase, shared_with=None
+    ):
         self.engine = engine  # None on a sequence-parallel group's other ranks (`share_with`)
         self.takes_groups = engine.takes_groups  # ordered episodes stream too (`_ordered`)
         self.converses = self.takes_groups and converses  # streaming generates a group's later turns too
-        self.shared_with = None  # the sequence-parallel group: its rank 0 reads ahead for it
+        self.shared_with = shared_with  # the sequence-parallel group: its rank 0 reads ahead for it
         self._before_take = before_take  # the fleet checked and the servers' versions refreshed
         self._phase = phase  # the trainer's phase clock, as the generation has it when called
         self.evaluating_now = False  # generate calls are an evaluation's (`evaluating`)

@@ -83,9 +83,8 @@ class ServerRolloutGeneration(CheckpointNamedWalk, VLLMGeneration):
         self.settings = settings
         self.fleet = fleet  # managed servers (main process only): checked before each batch and sync
         self.syncer = WeightSyncer(client, settings.run_id or uuid.uuid4().hex[:8], weight_dir, settings.managed)
-        if fleet is not None:
-            fleet.on_moved = client.replace_url
-            fleet.on_restarted = self.syncer.catch_up
+        if fleet is not None:  # a restarted server: at its new address, brought to the weights served now
+            fleet.listen(on_moved=client.replace_url, on_restarted=self.syncer.catch_up)
         # The sampler's log-probs feed an importance-sampling correction: a choice without them is an error (TRL
         # would turn NaN into a ratio of 1, silently switching the correction off).
         self.require_logprobs = settings.require_logprobs
@@ -119,18 +118,19 @@ class ServerRolloutGeneration(CheckpointNamedWalk, VLLMGeneration):
                 raise ValueError(f"{type(error).__name__}: {error}") from error
 
         fit = decide_on_main(preflight)
-        syncer = self.syncer
-        syncer.name, self.server_max_model_len = fit.weight_sync, fit.max_model_len
-        if syncer.name == "nccl" and syncer.weight_dir is not None:  # "auto" chose a group: no directory needed
-            syncer.weight_dir.release()
+        self.server_max_model_len = fit.max_model_len
+        weight_dir = self.syncer.weight_dir
+        if fit.weight_sync == "nccl" and weight_dir is not None:  # "auto" chose a group: no directory needed
+            weight_dir.release()
         pause_mode = "wait"  # a sync drains the servers, unless streaming, where it freezes or cuts running answers
+        keep_adapters = 0  # LoRA: the adapters running generations may still use stay loaded (streaming)
         if self.settings.streaming:
             pause_mode = "keep" if self.settings.asynchronous.interrupt == "keep" else "abort"
+            keep_adapters = self.settings.asynchronous.staleness
         settings = SyncSettings(
-            self.settings.weight_sync_timeout, syncer.weight_dir, fit.backend, pause_mode, held=fit.held
+            self.settings.weight_sync_timeout, weight_dir, fit.backend, pause_mode, keep_adapters, held=fit.held
         )
-        syncer.mode = weight_sync_for(syncer.name, self.client, settings)
-        self.client.versions.reader = syncer.mode.server_version
+        self.syncer.choose(weight_sync_for(fit.weight_sync, self.client, settings))
 
     def _preflight(self) -> ServersFit:
         """Every server inspected once; all problems raised together (one line each: server, flag, fix), warnings
@@ -326,8 +326,9 @@ class ServerRolloutGeneration(CheckpointNamedWalk, VLLMGeneration):
             self._check_fleet()
             self.client.versions.refresh(self.client.submit, only_unchecked=True)
 
-        self.ahead = ReadAheadRollout(engine, converse is not None, before_take, lambda name: self.phase(name))
-        self.ahead.shared_with = self.shared_with
+        self.ahead = ReadAheadRollout(
+            engine, converse is not None, before_take, lambda name: self.phase(name), self.shared_with
+        )
         return self.ahead
 
     def share_with(self, group, rank: int) -> None:

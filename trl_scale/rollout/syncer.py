@@ -28,14 +28,26 @@ class WeightSyncer:
         self.run_id = run_id  # versions and adapter names never collide across runs or resumes
         self.weight_dir = weight_dir  # where shared_dir / lora syncs write (the main process's; None elsewhere)
         self.managed = managed  # managed servers: a failed sync is tried once more after a restart
-        self.mode: WeightSyncMode | None = None  # chosen by the preflight, from what the servers offer
-        self.name = ""  # the mode's name ("nccl", "shared_dir", "lora"), once chosen
+        self.mode: WeightSyncMode | None = None  # chosen by the preflight, from what the servers offer (`choose`)
         self.count = 0  # syncs done
         self.version: str | None = None  # the weights the servers serve, as the last sync named them
         self.syncing = False  # a sync is under way (streaming: running generations may reach its weights)
         self.lora_served: tuple[str | None, int] = (None, 0)  # (adapter name, its sync count), swapped as one
         self._version_lock = threading.Lock()  # the count and the flag, changed together
         self._sync_lock = threading.Lock()  # a sync and a restarted server's catch-up, one at a time
+
+    @property
+    def name(self) -> str:
+        """The mode's name ("nccl", "shared_dir", "lora"), once chosen; "" before."""
+        return self.mode.name if self.mode is not None else ""
+
+    def choose(self, mode: WeightSyncMode) -> None:
+        """The sync mode the preflight chose, once: the client's version book then reads each server's version as
+        that mode reports it."""
+        if self.mode is not None:
+            raise RuntimeError(f"the weight sync mode is chosen once ({self.mode.name}, then {mode.name})")
+        self.mode = mode
+        self.client.versions.read_with(mode.server_version)
 
     @property
     def lora_name(self) -> str | None:

@@ -19,6 +19,10 @@ class VersionBook:
         self.version: str | None = None  # the weights every server should serve; None until the first sync
         self.reader: Callable[[ServerState], str | None] = reader  # a server's version, as it reports it
 
+    def read_with(self, reader: Callable[[ServerState], str | None]) -> None:
+        """Read each server's version with `reader` from now on (the weight sync mode's: `WeightSyncer.choose`)."""
+        self.reader = reader
+
     def is_current(self, server: ServerState) -> bool:
         """Serves the current weights (as far as we know): before the first sync every server does."""
         return not server.unchecked and (self.version is None or server.version == self.version)
