@@ -551,7 +551,9 @@ def test_a_generation_the_server_aborted_is_sent_again_not_trained_on(servers):
         choices = client.complete([432, 375], n=2, max_tokens=3)
         client.close()
     assert hits(bad).count("/v1/completions") >= 1
-    assert len(choices) == 2 and all(c["finish_reason"] != "abort" and len(c["token_ids"]) == 3 for c in choices)
+    # whole: the 3 tokens asked for, or fewer ended by the model's EOS (a sampled answer may end early)
+    whole = [len(c["token_ids"]) == 3 or c["finish_reason"] == "stop" for c in choices]
+    assert len(choices) == 2 and all(c["finish_reason"] != "abort" for c in choices) and all(whole), choices
 
 
 def test_with_continue_cut_a_cut_answer_is_continued_from_where_it_stopped(servers):

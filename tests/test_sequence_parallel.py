@@ -364,7 +364,8 @@ def test_server_rollout_under_sp_size_2_requests_each_batch_once_per_group(famil
     """GRPO generating on `trl-scale serve` with asynchronous rollout (staleness 1; the ordered prefetch, or the
     stream with syncs that keep running requests), 2 processes with sp_size=2 (one data-parallel rank): rank 0 of
     the group requests, prefetches or streams every batch and hands it to rank 1, so the server generates what it
-    generates for one process (3 steps x 8 completions, and the preflight's one-token probe; not twice that); both
+    generates for one process (3 steps x 8 completions, and the preflight's two one-token probes, of the vocabulary
+    and of the tokenizer; not twice that); both
     ranks train on those rows (the engine refuses a group whose ranks hold different batches), the run learns (a
     gradient), and the processes leave (the rollout client's threads end)."""
     from .helpers import accelerate_launch, run_to_completion, start_servers
@@ -382,7 +383,7 @@ def test_server_rollout_under_sp_size_2_requests_each_batch_once_per_group(famil
         )
         assert "training on 1 data-parallel rank(s) of 2 processes" in output
         # and the mismatch probe's (rank 0 of the world only): 2 completions of each of the first batch's 2 prompts
-        assert _completions_generated(servers[0]) == 3 * 8 + 1 + 2 * 2
+        assert _completions_generated(servers[0]) == 3 * 8 + 2 + 2 * 2
         logged = _logged(sharded)
         assert len(logged) == 3 and any(entry["grad_norm"] > 0 for entry in logged)
     finally:

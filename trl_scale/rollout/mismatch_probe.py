@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import requests
+
 from ..errors import RolloutError
 from .generation import sampler_logprobs
 
@@ -15,10 +17,11 @@ COMPLETIONS_PER_PROMPT = 2
 def sample_each_server(client, prompts: list[list[int]], sampling: dict, model: str | None = None) -> dict:
     """Per server URL: for each prompt, `COMPLETIONS_PER_PROMPT` choices `(completion_ids, sampler_logprobs)` that
     server drew. `sampling`: the run's settings (`max_tokens`, temperature, ...), sent as each request's; `model`:
-    the name to ask for (a LoRA adapter's), else the one each server serves. A server that fails or sends no
-    log-probs is a RolloutError naming it."""
+    the name to ask for (a LoRA adapter's), else the one each server serves. A server that answers with an error or
+    sends no log-probs is a RolloutError naming it; one whose connection fails (a managed server restarting: the
+    fleet's business) gets None, and is measured at the first step it draws tokens in."""
 
-    def drawn(server) -> list[list[tuple[list[int], list[float]]]]:
+    def drawn(server) -> list[list[tuple[list[int], list[float]]]] | None:
         name = model or client.transport.model_name(server)
         payload = {  # every prompt in one request (vLLM answers prompt-major: prompt i's choices i*n .. i*n+n-1)
             **sampling,
@@ -29,7 +32,10 @@ def sample_each_server(client, prompts: list[list[int]], sampling: dict, model: 
             "return_token_ids": True,
             "seed": 0,
         }
-        response = client.transport.completions(server, payload, client.generation_timeout)
+        try:
+            response = client.transport.completions(server, payload, client.generation_timeout)
+        except requests.ConnectionError:
+            return None
         if response.status_code >= 400:
             failed = f"({response.status_code}): {response.text[:200]}"
             missing = model and response.status_code in (400, 404) and "does not exist" in response.text

@@ -138,7 +138,8 @@ class Transport:
     def prompt_ids_url(self, url: str, model: str, text: str) -> list[int] | None:
         """How this server's tokenizer encodes `text` (no special tokens), read from a 1-token completion of it;
         None where the server does not say."""
-        body = {"model": model, "prompt": text, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
+        body = {"model": model, "prompt": [text], "n": 1, "max_tokens": 1, "temperature": 0.0}
+        body["return_token_ids"] = True
         response = self.post_url(url, "/v1/completions", {**body, "add_special_tokens": False})
         response.raise_for_status()
         ids = (response.json().get("choices") or [{}])[0].get("prompt_token_ids")

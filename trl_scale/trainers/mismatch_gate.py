@@ -154,8 +154,15 @@ class MismatchGate(Feature):
         budget."""
         trl = run.trl
         started = time.perf_counter()
-        samples = decide_on_main(lambda: probe.future.result())
-        self.figures = self._measured(run, probe.prompt_ids, samples)
+        answered = decide_on_main(lambda: probe.future.result())
+        samples = {url: drawn for url, drawn in answered.items() if drawn is not None}
+        unanswered = [url for url, drawn in answered.items() if drawn is None]
+        if unanswered and trl.accelerator.is_main_process:
+            logger.warning(
+                f"trl-scale: the mismatch probe could not reach {unanswered} (the connection failed); each is "
+                "measured at the first step it draws tokens in, against the same budget"
+            )
+        self.figures = self._measured(run, probe.prompt_ids, samples) if samples else []
         for figures in self.figures:
             self._label(figures.server)  # numbered in the fleet's order
         self.seconds = probe.start_seconds + time.perf_counter() - started  # what the trainer waited for it
