@@ -154,6 +154,25 @@ def test_a_server_of_a_model_with_another_tokenizer_is_named_before_anything_is_
     assert mixed_servers[0].url not in message.split("Fix:")[0]
 
 
+def test_a_server_that_stops_answering_during_the_probe_is_left_to_the_per_step_check(mixed_servers):
+    """The losing order, forced: one server's connection is refused when the probe asks it (a managed server killed
+    and restarting, as tests/test_fleet.py's dying server is, mid-probe). Its entry is None (measured at the first
+    step it draws tokens in, said by the gate); the others' samples come back."""
+    from trl_scale.net import free_port
+    from trl_scale.rollout.client import RolloutClient
+    from trl_scale.rollout.mismatch_probe import sample_each_server
+
+    gone = f"http://127.0.0.1:{free_port()}"
+    client = RolloutClient([mixed_servers[0].url, gone], request_timeout=30)
+    try:
+        samples = sample_each_server(client, [[432, 375]], {"max_tokens": 3, "temperature": 1.0})
+    finally:
+        client.close()
+    assert samples[gone] is None
+    (choices,) = samples[mixed_servers[0].url]
+    assert len(choices) == 2 and all(len(ids) == len(logprobs) > 0 for ids, logprobs in choices)
+
+
 def test_the_policys_servers_pass_with_their_figures_in_the_first_log(mixed_servers, policy, tmp_path, caplog):
     urls = [s.url for s in mixed_servers[:2]]
     trainer = server_grpo(policy, tmp_path, urls, max_steps=2)

@@ -22,6 +22,12 @@ def sample_each_server(client, prompts: list[list[int]], sampling: dict, model: 
     fleet's business) gets None, and is measured at the first step it draws tokens in."""
 
     def drawn(server) -> list[list[tuple[list[int], list[float]]]] | None:
+        try:
+            return _drawn(server)
+        except requests.ConnectionError:  # (the model's name asked, or the completions)
+            return None
+
+    def _drawn(server) -> list[list[tuple[list[int], list[float]]]]:
         name = model or client.transport.model_name(server)
         payload = {  # every prompt in one request (vLLM answers prompt-major: prompt i's choices i*n .. i*n+n-1)
             **sampling,
@@ -32,10 +38,7 @@ def sample_each_server(client, prompts: list[list[int]], sampling: dict, model: 
             "return_token_ids": True,
             "seed": 0,
         }
-        try:
-            response = client.transport.completions(server, payload, client.generation_timeout)
-        except requests.ConnectionError:
-            return None
+        response = client.transport.completions(server, payload, client.generation_timeout)
         if response.status_code >= 400:
             failed = f"({response.status_code}): {response.text[:200]}"
             missing = model and response.status_code in (400, 404) and "does not exist" in response.text
