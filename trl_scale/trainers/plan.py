@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Literal
 from ..logs import get_logger
 from ..mismatch import MismatchSettings
 from ..rollout.settings import AsyncRollout
+from ..scoring.router_loss import asks_router_logits
 from ..scoring.sampler_support import SamplerSupport
 from .construction import check_image_inputs, image_columns, names_vision_language, policy_config
 from .setting_needs import refuse_unread_settings
@@ -171,11 +172,8 @@ def _asks_router_logits(config: TrainingArguments, arguments: dict) -> bool:
     init_kwargs = config.model_init_kwargs or {}  # an online config (they generate in the trainer)
     if "output_router_logits" in init_kwargs:
         return bool(init_kwargs["output_router_logits"])
-    model_config = policy_config(arguments)
-    if model_config is None:
-        return False
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    return bool(getattr(model_config, "output_router_logits", False) or getattr(text, "output_router_logits", False))
+    model_config = policy_config(arguments)  # read as TRL's scoring reads it (its text config)
+    return model_config is not None and asks_router_logits(model_config, {})
 
 
 def _generation_window(config: TrainingArguments) -> tuple[tuple[str, int], ...]:
