@@ -232,7 +232,7 @@ def test_stale_completions_without_an_off_policy_correction_are_refused(tmp_path
         config_cls(output_dir=str(tmp_path), async_rollout_staleness=1, **server)  # corrected: accepted
     with pytest.raises(ValueError, match="RLOO's loss is per sequence. Fix: 'sequence_mask' or 'sequence_truncate'"):
         trl_scale.RLOOConfig(output_dir=str(tmp_path), vllm_importance_sampling_mode="token_truncate", **server)
-    # a synchronous RLOO run asks the servers for no log-probs and corrects nothing: TRL's numbers
+    # a synchronous RLOO run corrects nothing: TRL's numbers (its servers' log-probs feed the mismatch figures only)
     assert not trl_scale.RLOOConfig(output_dir=str(tmp_path), **server).corrects_sampler_logprobs
 
 

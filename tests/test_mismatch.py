@@ -11,7 +11,7 @@ import random
 import pytest
 
 import trl_scale
-from trl_scale.mismatch import mismatch_figures, verdict
+from trl_scale.mismatch import mismatch_figures, sequence_mismatch_figures, verdict
 from trl_scale.mismatch.figures import likely_cause
 from trl_scale.toy import build_tiny_model
 
@@ -37,6 +37,23 @@ def test_the_kl_figure_estimates_the_kl_from_the_samplers_own_draws():
     sampler = [[math.log(q[t]) for t in draws]]
     policy = [[math.log(p[t]) for t in draws]]
     assert mismatch_figures("http://a", sampler, policy).kl == pytest.approx(exact, rel=0.03)
+
+
+def test_the_sequence_figure_estimates_the_same_kl_per_token_from_sums_alone():
+    """RLOO keeps each completion's summed log-prob: sum(e^D - 1 - D) / tokens over sequences of independent tokens
+    drawn from q converges to the per-token KL(q || p) too (0.0869 here); red if D were averaged per token first."""
+    q, p = [0.5, 0.3, 0.2], [0.3, 0.3, 0.4]
+    exact = sum(qi * math.log(qi / pi) for qi, pi in zip(q, p))
+    rng, length = random.Random(0), 3
+    sequences = [rng.choices(range(3), weights=q, k=length) for _ in range(60_000)]
+    sampler = [sum(math.log(q[t]) for t in seq) for seq in sequences]
+    policy = [sum(math.log(p[t]) for t in seq) for seq in sequences]
+    figures = sequence_mismatch_figures("http://a", sampler, policy, [length] * len(sequences), clip_max=3.0)
+    assert figures.kl == pytest.approx(exact, rel=0.05) and figures.tokens == length * len(sequences)
+    assert figures.mean_abs is None and 0.0 < figures.past_cap < 1.0  # sequences whose ratio passes 3
+    assert "weights other than the policy's" in verdict(figures, 1e-3) and "of completions past" in verdict(figures, 0)
+    same = sequence_mismatch_figures("http://a", sampler[:10], sampler[:10], [length] * 10)
+    assert same.kl == 0.0 and verdict(same, 1e-9) is None
 
 
 @pytest.mark.parametrize(
@@ -174,8 +191,10 @@ def test_a_server_that_stops_answering_during_the_probe_is_left_to_the_per_step_
 
 
 def test_the_policys_servers_pass_with_their_figures_in_the_first_log(mixed_servers, policy, tmp_path, caplog):
+    from trl_scale.timeline import MISMATCH_COUNTER, Timeline
+
     urls = [s.url for s in mixed_servers[:2]]
-    trainer = server_grpo(policy, tmp_path, urls, max_steps=2)
+    trainer = server_grpo(policy, tmp_path, urls, max_steps=2, rollout_timeline=True)
     with caplog.at_level(logging.INFO, logger="trl_scale"):
         trainer.train()
     first, second = [log for log in trainer.state.log_history if "loss" in log][:2]
@@ -187,6 +206,18 @@ def test_the_policys_servers_pass_with_their_figures_in_the_first_log(mixed_serv
         assert measured and all(value < 1e-6 for value in measured), log
     assert not any(key.startswith("rollout/mismatch_probe/") for key in second)
     assert "trl-scale mismatch probe (before step 1)" in caplog.text
+    # the timeline: a counter per server and step, on the server's own track, as logged
+    counters = Timeline.read(str(tmp_path / "timeline" / "trace.json")).counters()
+    drawn = [(group, values["step"]) for group, name, _, values in counters if name == MISMATCH_COUNTER]
+    logged = {(url, log["step"] - 1) for log in (first, second) for url in urls if _logged_for(trainer, log, url)}
+    assert set(drawn) == logged and len(drawn) == len(logged), (drawn, logged)
+
+
+def _logged_for(trainer, log: dict, url: str) -> bool:
+    from trl_scale.trainers.mismatch_gate import MismatchGate
+
+    label = trainer.features.get(MismatchGate).labels.get(url)
+    return label is not None and f"rollout/mismatch/server{label}/kl" in log
 
 
 def test_drop_trains_on_the_servers_that_pass_and_says_so_once(mixed_servers, policy, tmp_path, caplog):
@@ -261,9 +292,13 @@ def test_warn_goes_on_with_every_server_and_says_so_once_per_server(mixed_server
     assert all("rollout/mismatch/server1/kl" in log for log in trainer.state.log_history if "loss" in log)
 
 
-def test_a_server_a_sync_did_not_reach_is_caught_at_the_step_after_it(mixed_servers, policy, tmp_path, monkeypatch):
+@pytest.mark.parametrize("method", ["grpo", "rloo"])
+def test_a_server_a_sync_did_not_reach_is_caught_at_the_step_after_it(
+    mixed_servers, policy, tmp_path, monkeypatch, method
+):
     """One server takes the first sync, then claims each later version without loading it (weights a sync did not
-    reach): the first step after the missed sync in which it draws tokens names it; the steps before trained."""
+    reach): the first step after the missed sync in which it draws tokens names it; the steps before trained. RLOO
+    measures it from each completion's summed log-probs (it keeps no per-token old log-probs)."""
     from trl_scale.rollout.weight_sync.shared_dir import SharedDirSync
     from trl_scale.routing import routing_policy
 
@@ -279,7 +314,11 @@ def test_a_server_a_sync_did_not_reach_is_caught_at_the_step_after_it(mixed_serv
         reload(self, server, path, version)
 
     monkeypatch.setattr(SharedDirSync, "_reload", missing_later_syncs)
-    trainer = server_grpo(policy, tmp_path, [good, stale], max_steps=3, weight_sync="shared_dir", learning_rate=0.05)
+    fields = dict(max_steps=3, weight_sync="shared_dir", learning_rate=0.05)
+    if method == "grpo":
+        trainer = server_grpo(policy, tmp_path, [good, stale], **fields)
+    else:
+        trainer = server_rloo_or_ppo(method, policy, tmp_path, [good, stale], **fields)
     # each step's two requests, sent together, go one to each server (latency routing may keep to the faster one)
     trainer.vllm_generation.client.rotation.policy = routing_policy("least_outstanding")
     with pytest.raises(ValueError) as raised:
@@ -291,8 +330,10 @@ def test_a_server_a_sync_did_not_reach_is_caught_at_the_step_after_it(mixed_serv
     assert step >= 1 and f"at step {step}, weights of sync {step + 1}" in message, message
     logs = [log for log in trainer.state.log_history if "loss" in log]
     assert len(logs) == step and logs[0]["rollout/mismatch_probe/server1/kl"] < 1e-6
-    for log in logs:  # each step before: every server that drew tokens measured clean
+    for log in logs:  # each step before: every server that drew tokens measured clean, on the newest weights
         assert all(v < 1e-6 for k, v in log.items() if k.startswith("rollout/mismatch/") and k.endswith("/kl"))
+        versions = [v for k, v in log.items() if k.startswith("rollout/mismatch/") and k.endswith("/weights_version")]
+        assert versions and all(v == log["step"] for v in versions), log  # sync N drew step N's tokens
 
 
 def test_check_servers_measures_each_server_against_a_local_model(mixed_servers, policy, capsys):

@@ -218,7 +218,8 @@ def test_slow_rewards_in_a_streaming_step_hint_at_stream_rewards_once(monkeypatc
 def test_a_written_timeline_reads_back_with_its_steps(tmp_path):
     """`Timeline.read` gives back what `write` wrote (every span and request, the lanes in order) and
     `recorded_steps` the clock's steps with their phases: a stored run's timeline is drawn again (the docs do)."""
-    from trl_scale.timeline import PhaseClock, Timeline, recorded_steps
+    from trl_scale.timeline import MISMATCH_COUNTER, PhaseClock, Timeline, recorded_steps
+    from trl_scale.timeline.render import render_png
 
     now = [100.0]
     timeline = Timeline()
@@ -232,12 +233,22 @@ def test_a_written_timeline_reads_back_with_its_steps(tmp_path):
         with clock.phase("backward"):
             now[0] += 0.25
         now[0] += 0.1  # other
+        timeline.counter("http://a", MISMATCH_COUNTER, now[0], kl=10.0**-step, step=step, sync=step)
         clock.step_end(step)
     clock.stop()
     back = Timeline.read(timeline.write(str(tmp_path / "trace.json")))
     for got, expected in zip(sorted(back.spans()), sorted(timeline.spans()), strict=True):
         assert got[:3] == expected[:3] and got[5] == expected[5]
         assert abs(got[3] - expected[3]) < 1e-6 and abs(got[4] - expected[4]) < 1e-6
+    # the counters (the mismatch gate's per server and step): a counter track each, the same values back
+    counters = [(g, name, values) for g, name, _, values in back.counters()]
+    assert counters == [
+        ("http://a", MISMATCH_COUNTER, {"kl": 0.1, "step": 1, "sync": 1}),
+        counters[0][:2] + ({"kl": 0.01, "step": 2, "sync": 2},),
+    ]
+    assert not any(name == MISMATCH_COUNTER for _, _, name, *_ in back.spans())  # not a span
+    png = render_png(back, recorded_steps(back), [(1, 0.2), (2, 0.4)], str(tmp_path / "timeline.png"))
+    assert png is not None and (tmp_path / "timeline.png").stat().st_size > 0
     steps = recorded_steps(back)
     assert [s.step for s in steps] == [1, 2]
     for got, expected in zip(steps, clock.steps, strict=True):

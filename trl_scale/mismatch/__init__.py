@@ -2,6 +2,14 @@
 (`figures`), the settings that bound it (`arguments`), and what a figure past its budget most likely means."""
 
 from .arguments import MismatchArguments, MismatchSettings
-from .figures import MismatchFigures, format_figures, mismatch_figures, verdict
+from .figures import MismatchFigures, format_figures, mismatch_figures, sequence_mismatch_figures, verdict
 
-__all__ = ["MismatchArguments", "MismatchFigures", "MismatchSettings", "format_figures", "mismatch_figures", "verdict"]
+__all__ = [
+    "MismatchArguments",
+    "MismatchFigures",
+    "MismatchSettings",
+    "format_figures",
+    "mismatch_figures",
+    "sequence_mismatch_figures",
+    "verdict",
+]

@@ -27,11 +27,11 @@ class MismatchFigures:
 
     server: str
     tokens: int
-    mean_abs: float  # mean |d|
-    p99_abs: float  # the 99th percentile of |d|
+    mean_abs: float | None  # mean |d| (None: only sequence sums were measured, RLOO)
+    p99_abs: float | None  # the 99th percentile of |d|
     kl: float  # the sampler-to-policy KL per token, estimated from the sampler's own draws: mean(e^d - 1 - d)
-    past_cap: float  # the share of tokens whose ratio e^d lies outside the run's correction bounds
-    first_tokens_abs: float  # mean |d| over each completion's first FIRST_TOKENS tokens
+    past_cap: float  # the share of tokens (sequences, RLOO's correction) whose ratio lies outside its bounds
+    first_tokens_abs: float | None  # mean |d| over each completion's first FIRST_TOKENS tokens
     base_kl: float | None = None  # the same KL against the policy's base model (a LoRA run's adapter off)
 
     def as_logs(self, prefix: str) -> dict[str, float]:
@@ -81,6 +81,32 @@ def mismatch_figures(
     )
 
 
+def sequence_mismatch_figures(
+    server: str,
+    sampler: Sequence[float],
+    policy: Sequence[float],
+    lengths: Sequence[int],
+    clip_max: float | None = None,
+    clip_min: float | None = None,
+) -> MismatchFigures:
+    """The figures where only each completion's summed log-probs are at hand (RLOO keeps the sequence's old log-prob):
+    D = log p_policy(y) - log p_sampler(y) per completion. A sequence's KL is the sum of its tokens' (the chain rule),
+    so sum(e^D - 1 - D) / tokens estimates the same KL per token as the per-token figure, from the sampler's draws,
+    with more variance; the per-token shapes (mean, P99, first tokens) are not measured (None). `past_cap`: the share
+    of completions whose ratio e^D lies outside RLOO's sequence-level correction bounds."""
+    diffs = [p - s for s, p in zip(sampler, policy, strict=True)]
+    tokens = sum(lengths)
+    if not diffs or tokens == 0:
+        raise ValueError(f"{server}: no sampled tokens to measure the mismatch on")
+    outside = sum(
+        (clip_max is not None and math.exp(min(d, 700.0)) > clip_max)
+        or (clip_min is not None and math.exp(d) < clip_min)
+        for d in diffs
+    )
+    kl = sum(math.expm1(min(d, 50.0)) - d for d in diffs) / tokens
+    return MismatchFigures(server, tokens, None, None, kl, outside / len(diffs), None)
+
+
 def _paired(sampled: Sequence[float], scored: Sequence[float]) -> list[tuple[float, float]]:
     if len(sampled) != len(scored):
         raise ValueError(f"a completion's sampler log-probs ({len(sampled)}) and policy's ({len(scored)}) differ")
@@ -97,6 +123,8 @@ def likely_cause(figures: MismatchFigures) -> str:
     """What a mismatch past its budget most likely is, told apart by its shape (see the module's docstring)."""
     if figures.base_kl is not None and figures.base_kl < figures.kl / 4:
         return "the LoRA adapter is not loaded on it (its tokens match the policy's base model, adapter off)"
+    if figures.mean_abs is None:  # sequence sums only: the shapes below are not measured
+        return "weights other than the policy's (another model or revision, a sync that did not reach it)"
     rest = figures.mean_abs
     if figures.first_tokens_abs > 4 * max(rest, 1e-6) and figures.first_tokens_abs > 0.5:
         return "another tokenizer or chat template (the mismatch is largest at the completions' first tokens)"
@@ -114,9 +142,17 @@ def verdict(figures: MismatchFigures, budget: float) -> str | None:
         return None
     return (
         f"{figures.server}: its sampler is {figures.kl:.4g} nats/token (KL) from the policy, past "
-        f"rollout_mismatch_budget={budget:g} (mean |d log p| {figures.mean_abs:.3g}, P99 {figures.p99_abs:.3g}, "
-        f"{figures.past_cap:.0%} of tokens past the correction's bounds, over {figures.tokens} tokens). Likely: "
+        f"rollout_mismatch_budget={budget:g} ({_shape(figures)}, over {figures.tokens} tokens). Likely: "
         f"{likely_cause(figures)}"
+    )
+
+
+def _shape(figures: MismatchFigures) -> str:
+    if figures.mean_abs is None:
+        return f"{figures.past_cap:.0%} of completions past the correction's bounds"
+    return (
+        f"mean |d log p| {figures.mean_abs:.3g}, P99 {figures.p99_abs:.3g}, {figures.past_cap:.0%} of tokens past "
+        "the correction's bounds"
     )
 
 

@@ -5,6 +5,14 @@ time; `render_png` draws the last steps beside the reward curve. `TimelineArgume
 
 from .arguments import TimelineArguments
 from .phases import TRAINER, PhaseClock, StepRecord, recorded_steps
-from .recorder import Timeline
+from .recorder import MISMATCH_COUNTER, Timeline
 
-__all__ = ["TRAINER", "PhaseClock", "StepRecord", "Timeline", "TimelineArguments", "recorded_steps"]
+__all__ = [
+    "MISMATCH_COUNTER",
+    "TRAINER",
+    "PhaseClock",
+    "StepRecord",
+    "Timeline",
+    "TimelineArguments",
+    "recorded_steps",
+]

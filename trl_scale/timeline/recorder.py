@@ -2,7 +2,8 @@
 
 A group is a trace process (the trainer, each rollout server), a lane a thread in it. Spans that nest or follow
 each other on one lane are "complete" events; a server's requests overlap one another, so each is an async event
-pair of its own id, which the viewers lay out on as many rows as are in flight at once. Times are
+pair of its own id, which the viewers lay out on as many rows as are in flight at once; a figure measured at a moment
+(a server's mismatch) is a counter event, drawn as a track of its values. Times are
 `time.perf_counter()` seconds, written as microseconds since the timeline began. Appending an event is all the
 recording costs; the JSON is built when written."""
 
@@ -13,6 +14,9 @@ import json
 import os
 import threading
 import time
+
+# the counter the mismatch gate records per server and step (`values`: kl, step, the weights' sync count)
+MISMATCH_COUNTER = "mismatch"
 
 
 class Timeline:
@@ -32,12 +36,24 @@ class Timeline:
         """`name` in `group` from `start` to `end`, alongside others of the group (a server's requests)."""
         self._events.append(("async", group, "", name, start, end, args))
 
+    def counter(self, group: str, name: str, at: float, **values: float) -> None:
+        """`name`'s values in `group` at time `at` (a counter track: a server's mismatch figures at each step)."""
+        self._events.append(("C", group, "", name, at, at, values))
+
+    def counters(self, group: str | None = None) -> list[tuple[str, str, float, dict]]:
+        """The counter values recorded so far as (group, name, time, values), time in seconds since `began`."""
+        return [
+            (g, name, start - self.began, args)
+            for kind, g, _, name, start, _, args in list(self._events)
+            if kind == "C" and (group is None or g == group)
+        ]
+
     def spans(self, group: str | None = None) -> list[tuple[str, str, str, float, float, dict]]:
         """The events recorded so far as (group, lane, name, start, end, args), in seconds since `began`."""
         return [
             (g, lane, name, start - self.began, end - self.began, args)
-            for _, g, lane, name, start, end, args in list(self._events)
-            if group is None or g == group
+            for kind, g, lane, name, start, end, args in list(self._events)
+            if kind != "C" and (group is None or g == group)
         ]
 
     def trace(self) -> dict:
@@ -45,7 +61,9 @@ class Timeline:
         body = []
         for kind, group, lane, name, start, end, args in list(self._events):
             pid, ts = self._pid(group), round((start - self.began) * 1e6, 1)
-            if kind == "async":
+            if kind == "C":
+                body.append({"ph": "C", "name": name, "pid": pid, "ts": ts, "args": args})
+            elif kind == "async":
                 event_id = next(self._ids)
                 common = {"cat": name, "name": name, "id": event_id, "pid": pid, "tid": 0}
                 body.append({**common, "ph": "b", "ts": ts, "args": args})
@@ -85,6 +103,8 @@ class Timeline:
                 timeline.span(
                     groups[event["pid"]], lane, event["name"], start, start + event["dur"] / 1e6, **event["args"]
                 )
+            elif event["ph"] == "C":
+                timeline.counter(groups[event["pid"]], event["name"], event["ts"] / 1e6, **event["args"])
             elif event["ph"] == "b":
                 begun[event["id"]] = event
             elif event["ph"] == "e":

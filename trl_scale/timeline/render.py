@@ -1,10 +1,11 @@
 """The timeline's PNG: the last steps' lanes (each server's requests and sync calls, the trainer's phases) on the
-left, the reward curve of the whole run on the right. matplotlib, without a display."""
+left, the reward curve of the whole run on the right (with each server's mismatch per step, where measured).
+matplotlib, without a display."""
 
 from __future__ import annotations
 
 from .phases import PHASES, STEP_LANE, TRAINER, StepRecord
-from .recorder import Timeline
+from .recorder import MISMATCH_COUNTER, Timeline
 
 COLORS = {
     "wait for groups": "#d62728",
@@ -58,10 +59,26 @@ def render_png(
     right.set_xlabel("step")
     right.set_ylabel("reward")
     right.set_title("reward")
+    _draw_mismatch(right, timeline)
     figure.tight_layout()
     figure.savefig(path, dpi=90)
     plt.close(figure)
     return path
+
+
+def _draw_mismatch(axis, timeline: Timeline) -> None:
+    """Each server's mismatch KL per step (the gate's counter), on the reward panel's second axis."""
+    measured = [(group, values) for group, name, _, values in timeline.counters() if name == MISMATCH_COUNTER]
+    if not measured:
+        return
+    twin = axis.twinx()
+    for group in sorted({group for group, _ in measured}):
+        points = [(values["step"], max(values["kl"], 1e-12)) for g, values in measured if g == group]
+        twin.plot([s for s, _ in points], [k for _, k in points], marker="x", linestyle="--", label=_label(group))
+    twin.set_yscale("log")
+    twin.set_ylabel("mismatch KL/token (per server)")
+    twin.legend(fontsize=7, loc="lower right")
+    axis.set_title("reward; each server's mismatch")
 
 
 def _label(lane: str) -> str:

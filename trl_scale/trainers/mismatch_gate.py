@@ -7,15 +7,17 @@ Figures: `trl_scale.mismatch`."""
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..logs import get_logger
-from ..mismatch import MismatchFigures, format_figures, mismatch_figures, verdict
+from ..mismatch import MismatchFigures, format_figures, mismatch_figures, sequence_mismatch_figures, verdict
 from ..mismatch.arguments import MismatchSettings
 from ..ranks import broadcast_from_main, decide_on_main, gathered
 from ..rollout.record import RECORD_KEY
+from ..timeline import MISMATCH_COUNTER
 from .feature import Feature
 
 logger = get_logger(__name__)
@@ -50,7 +52,8 @@ class MismatchGate(Feature):
         self.seconds = 0.0
         self._logged = False
         self.labels: dict[str, int] = {}  # server URL -> its number in the logs (`rollout/mismatch/server<i>/...`)
-        self.latest: dict[str, MismatchFigures] = {}  # each server's figures of the newest step that measured it
+        # each server's figures of the newest step that measured it, and the sync whose weights drew its tokens
+        self.latest: dict[str, tuple[MismatchFigures, int]] = {}
         self._warned: set[str] = set()  # servers already reported past the budget (by the probe or a step)
 
     @classmethod
@@ -71,6 +74,9 @@ class MismatchGate(Feature):
                 probe = None
         try:
             batch = proceed(inputs)
+        except Exception as failure:
+            _raise_probe_error(probe, failure)
+            raise
         finally:
             if probe is not None and probe.pool is not None:
                 probe.pool.shutdown(wait=False)
@@ -83,38 +89,37 @@ class MismatchGate(Feature):
     def _observe(self, run, batch: dict) -> None:
         """Every step: each server's figures from the tokens it drew with the weights just synced (the sampler's
         log-probs against TRL's old log-probs of the same tokens, both already computed), checked against the
-        budget: a server whose weights a sync did not reach is caught at the step after it."""
-        record = batch.get(RECORD_KEY)
-        sampling, old = batch.get("sampling_per_token_logps"), batch.get("old_per_token_logps")
-        if sampling is None or old is None:
-            return  # not measurable (the same on every rank): RLOO (sequence log-probs), or no correction asked for
-        mask = batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
+        budget: a server whose weights a sync did not reach is caught at the step after it. GRPO and PPO keep the
+        old log-probs per token; RLOO keeps each completion's sum (`sequence_mismatch_figures`)."""
+        if "sampling_per_token_logps" in batch and "old_per_token_logps" in batch:
+            per_token = True
+        elif "old_logps" in batch:
+            per_token = False
+        else:
+            return  # not measurable (the same on every rank): no sampler log-probs asked for
         now = run.trl.vllm_generation.sync_count
-        rows: dict[str, tuple[list, list]] = {}  # empty where this rank's record does not pair (every rank gathers)
-        paired = record is not None and len(record.servers) == sampling.size(0)
-        for i, (url, (first, _)) in enumerate(zip(record.servers, record.version_spans) if paired else ()):
-            if url is None or first != now:  # drawn with older weights: staleness, not the server's mismatch
-                continue
-            kept = mask[i].bool()
-            sampler, policy = rows.setdefault(url, ([], []))
-            sampler.append(sampling[i][kept].float().tolist())
-            policy.append(old[i][kept].float().tolist())
-        merged: dict[str, tuple[list, list]] = {}
-        for per_rank in gathered(rows):
-            for url, (sampler, policy) in per_rank.items():
-                merged.setdefault(url, ([], []))[0].extend(sampler)
-                merged[url][1].extend(policy)
-        args = run.trl.args
+        merged: dict[str, list] = {}
+        for per_rank in gathered(_drawn_at(batch, now, per_token)):
+            for url, drawn in per_rank.items():
+                merged.setdefault(url, []).extend(drawn)
+        args, step = run.trl.args, run.trl.state.global_step
         clip_max, clip_min = args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_clip_min
+        timeline = run.clock.timeline
         past: dict[str, str] = {}  # server URL -> its verdict
-        for url, (sampler, policy) in merged.items():
-            if sum(map(len, sampler)) == 0:
-                continue
-            figures = mismatch_figures(url, sampler, policy, clip_max, clip_min)
-            self.latest[url] = figures
+        for url, drawn in merged.items():
+            if per_token:
+                if sum(len(sampler) for sampler, _ in drawn) == 0:
+                    continue
+                figures = mismatch_figures(url, *zip(*drawn), clip_max, clip_min)
+            else:
+                sampler, policy, lengths = zip(*drawn)
+                figures = sequence_mismatch_figures(url, sampler, policy, lengths, clip_max, clip_min)
+            self.latest[url] = (figures, now)
+            if timeline is not None:
+                timeline.counter(url, MISMATCH_COUNTER, time.perf_counter(), kl=figures.kl, step=step, sync=now)
             line = verdict(figures, self.settings.budget)
             if line is not None and url not in self._warned:
-                past[url] = f"{line} (at step {run.trl.state.global_step}, weights of sync {now})"
+                past[url] = f"{line} (at step {step}, weights of sync {now})"
         if past:
             self._act(run.trl.vllm_generation.client, past)
 
@@ -239,12 +244,55 @@ class MismatchGate(Feature):
             for figures in self.figures:
                 logs.update(figures.as_logs(f"rollout/mismatch_probe/{self._label(figures.server)}"))
             logs["rollout/mismatch_probe/seconds"] = self.seconds
-        for url, figures in self.latest.items():  # the newest step's, per server
-            logs.update(figures.as_logs(f"rollout/mismatch/{self._label(url)}"))
+        for url, (figures, sync) in self.latest.items():  # the newest step's, per server, and the weights it drew with
+            prefix = f"rollout/mismatch/{self._label(url)}"
+            logs.update(figures.as_logs(prefix))
+            logs[f"{prefix}/weights_version"] = float(sync)
         self.latest = {}
 
     def _label(self, url: str) -> str:
         return f"server{self.labels.setdefault(url, len(self.labels))}"
+
+
+def _drawn_at(batch: dict, now: int, per_token: bool) -> dict[str, list]:
+    """Per server URL, this rank's completions drawn whole with the weights of sync `now` (older ones are
+    staleness, not the server's mismatch): (sampler, policy) per-token log-prob lists, or (sampler sum, policy sum,
+    tokens) where only sums are kept. Empty where this rank's record does not pair with its batch."""
+    record = batch.get(RECORD_KEY)
+    mask = batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
+    if record is None or len(record.servers) != mask.size(0):
+        return {}
+    if not per_token and len(record.sampler_logprobs) != mask.size(0):
+        return {}
+    drawn: dict[str, list] = {}
+    for i, (url, (first, _)) in enumerate(zip(record.servers, record.version_spans)):
+        if url is None or first != now:
+            continue
+        kept = mask[i].bool()
+        if per_token:
+            sampler = batch["sampling_per_token_logps"][i][kept].float().tolist()
+            drawn.setdefault(url, []).append((sampler, batch["old_per_token_logps"][i][kept].float().tolist()))
+            continue
+        length = int(kept.sum())
+        sampler = record.sampler_logprobs[i][:length]
+        if length and len(sampler) == length and not any(math.isnan(value) for value in sampler):
+            drawn.setdefault(url, []).append((sum(sampler), float(batch["old_logps"][i]), length))
+    return drawn
+
+
+def _raise_probe_error(probe: _Probe | None, failure: Exception) -> None:
+    """The first batch failed while the probe ran beside it: where the probe failed too, its error names the server
+    and the cause (an adapter not loaded leaves no server to generate on: the batch only says none answered), so it
+    is raised, with the batch's as its context. Main process only, no collective: the batch's failure is the main
+    process's own."""
+    if probe is None or probe.future is None:
+        return
+    try:
+        cause = probe.future.exception()
+    except Exception:  # cancelled
+        return
+    if cause is not None:
+        raise cause from failure
 
 
 def _first_rows(inputs: list, count: int) -> list[dict]:

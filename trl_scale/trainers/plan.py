@@ -42,6 +42,9 @@ class RolloutPlan:
     takes_groups: bool = False  # the stream's engine runs: the step takes finished prompt groups whole
     rewards_in_stream: bool = False  # stream_rewards resolved: each group's rewards computed as it finishes
     stream_rewards_chosen: bool = False  # the user set stream_rewards (None, the default, is resolved here)
+    # the sampler's log-prob of each token it drew is asked for the mismatch gate's per-step figures (RLOO's TRL asks
+    # for none; GRPO's and PPO's always do)
+    mismatch_measured: bool = False
 
     @property
     def server(self) -> bool:
@@ -201,6 +204,7 @@ def _rollout_plan(config, arguments: dict) -> RolloutPlan:
         takes_groups=asynchronous.takes_groups(environments, rollout_func),
         rewards_in_stream=in_stream,
         stream_rewards_chosen=stream_rewards is not None,
+        mismatch_measured=server and MismatchSettings.from_config(config).budget is not None,
     )
 
 

@@ -117,10 +117,11 @@ class ServerRollout(Feature):
                 timeline=clock.timeline,
             )
             # GRPO and PPO: TRL's correction (TRL asks for the log-probs whenever it has one); RLOO: trl-scale's,
-            # for prefetched completions only (a synchronous RLOO run asks for none, as TRL's)
+            # for prefetched completions, and the mismatch gate's per-step figures (TRL's RLOO asks for none: the
+            # sampled token's log-prob changes no number of the run)
             trl_correction = trl.importance_sampling_correction
             correction = self.corrects_sampler_logprobs or bool(trl_correction)
-            asks_logprobs = trl_correction is not None or correction
+            asks_logprobs = trl_correction is not None or correction or self.plan.mismatch_measured
             settings = RolloutSettings.from_config(
                 args,
                 self.plan.asynchronous,
