@@ -24,6 +24,7 @@ from .image_packing import image_pieces, packs_images
 from .logprob_head import chunked_logprobs, gathered_lm_head, logit_transform_of
 from .packing import empty_forward_anchor, pack_padded_batch, packed_forward_kwargs, unpack
 from .router_loss import asks_router_logits, with_router_loss
+from .routing_replay import packed_layout
 from .sampler_support import kept_log_mass
 from .sequence_parallel import SequenceParallelGroup, check_same_batch, summed_over_group
 from .settings import PackedScoringConfig, PackingStats, ScoringSettings
@@ -84,7 +85,7 @@ def packed_backbone_forward(
         kwargs = packed_forward_kwargs(micro_batch, varlen, support.mrope)
         if router_logits is not None:
             kwargs["output_router_logits"] = True
-        with varlen_forward() if varlen else _flex_context(backbone, input_ids.device):
+        with varlen_forward() if varlen else _flex_context(backbone, input_ids.device), packed_layout(micro_batch):
             output = backbone(**kwargs)
         outputs.append((micro_batch, micro_batch.real_tokens(output.last_hidden_state)))
         if router_logits is not None:  # each layer's [rows * width, experts], filler included: the real tokens'

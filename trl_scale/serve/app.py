@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from .multimodal import add_multimodal_routes
+from .routed_experts import check_routes_servable
 from .routes_lora import add_lora_routes
 from .routes_openai import add_openai_routes
 from .routes_rl import add_rl_routes
@@ -23,6 +24,8 @@ def create_app(model_path: str, **options) -> FastAPI:
     if unknown:
         raise TypeError(f"create_app got unknown options {sorted(unknown)}")
     served = ServedModel.load(ServeSettings(model_path=model_path, **options))
+    if served.settings.return_routed_experts:
+        check_routes_servable(served.model.config)
     app = FastAPI(title="trl-scale serve")
     app.state.served = served
     _add_security(app, served.settings)

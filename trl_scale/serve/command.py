@@ -82,6 +82,11 @@ def _parser() -> argparse.ArgumentParser:
         "--max-lora-rank", type=_number(1, whole=True), default=16, help="largest LoRA rank accepted (vLLM's default)"
     )
     parser.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="an MoE model's routes on each choice (routed_experts), as vLLM's flag of the same name",
+    )
+    parser.add_argument(
         "--weight-transfer-timeout",
         type=_number(0, above=True),
         default=300.0,
@@ -119,6 +124,7 @@ def serve(argv: list[str] | None = None) -> int:
         world_size=args.world_size,
         max_lora_rank=args.max_lora_rank,
         weight_transfer_timeout=args.weight_transfer_timeout,
+        return_routed_experts=args.enable_return_routed_experts,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -10,6 +10,7 @@ import torch
 
 from ..generation import shared_prefill_generate
 from .protocol import CompletionRequest, error_response
+from .routed_experts import routed_experts
 from .served import RequestError, ServedModel
 
 
@@ -67,6 +68,11 @@ def complete(served: ServedModel, request: CompletionRequest):
     too_long = beyond_context(served, prompts, request.max_tokens)
     if too_long is not None:
         return too_long
+    start = request.routed_experts_prompt_start
+    if served.settings.return_routed_experts and any(start > len(p) for p in prompts):  # vLLM's input check
+        shortest = min(len(p) for p in prompts)
+        message = f"routed_experts_prompt_start must be between 0 and {shortest} (the prompt's length), got {start}"
+        return error_response(message, "BadRequestError", 400)
     with served.gate.generation():
         answer = generate(served, request, prompts)
     served.completions_generated += len(prompts) * request.n
@@ -92,7 +98,7 @@ def _sampling(request: CompletionRequest, pad: int) -> dict:
 def _run(served: ServedModel, request: CompletionRequest, expanded: list[list[int]], vision: dict | None = None):
     """model.generate on the left-padded prompts (with `vision`: the rows' image inputs, for one prompt's rows),
     under the model's lock and with the request's adapter; returns (completion token rows, their processed
-    log-probs per step)."""
+    log-probs per step, each row's routes where the server returns them, else None)."""
     width = max(len(p) for p in expanded)
     tokenizer, model = served.tokenizer, served.model
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -111,13 +117,30 @@ def _run(served: ServedModel, request: CompletionRequest, expanded: list[list[in
             # a prompt's n rows prefilled once (the same tokens as n prefills: generation/prefill.py)
             sampling = _sampling(request, pad) | (vision or {})
             out = shared_prefill_generate(model.generate, model, input_ids, attention_mask, **sampling)
+        routes = None
+        if served.settings.return_routed_experts:  # with the weights and adapter that generated them
+            completions = _cut_at_eos(served, out.sequences[:, width:].tolist())
+            sequences = [prompt + tokens for prompt, (tokens, _) in zip(expanded, completions)]
+            routes = routed_experts(model, sequences, request.routed_experts_prompt_start)
         if served.settings.token_delay:  # a slower server: fewer tokens per second, with the model held
             time.sleep(served.settings.token_delay * (out.sequences.shape[1] - width) * len(expanded))
     if served.settings.step_delay:  # decoding steps (the longest answer), overlapping other requests' steps
         time.sleep(served.settings.step_delay * (out.sequences.shape[1] - width))
     # Processed log-probs (after temperature/top-k/top-p), as vLLM's `processed_logprobs` mode gives them.
     step_logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)
-    return out.sequences[:, width:].tolist(), step_logprobs
+    return out.sequences[:, width:].tolist(), step_logprobs, routes
+
+
+def _cut_at_eos(served: ServedModel, sequences: list[list[int]]) -> list[tuple[list[int], bool]]:
+    """Each row's tokens up to its first end-of-sequence token (kept), as a choice returns them, and whether it
+    stopped there."""
+    eos_id = served.model.generation_config.eos_token_id
+    eos = set(eos_id if isinstance(eos_id, list) else [eos_id])
+    cut = []
+    for sequence in sequences:
+        stop = next((pos for pos, t in enumerate(sequence) if t in eos), None)
+        cut.append((sequence, False) if stop is None else (sequence[: stop + 1], True))
+    return cut
 
 
 def _logprobs(served: ServedModel, request: CompletionRequest, tokens: list[int], step_logprobs) -> dict:
@@ -142,23 +165,21 @@ def generate(
 ) -> dict:
     """The choices of `prompts` (`vision`: the image inputs of a single prompt's n rows, `multimodal.py`)."""
     expanded = [p for p in prompts for _ in range(request.n)]  # prompt-major, as vLLM orders choices
-    sequences, step_logprobs = _run(served, request, expanded, vision)
-    eos_id = served.model.generation_config.eos_token_id
-    eos = set(eos_id if isinstance(eos_id, list) else [eos_id])
+    sequences, step_logprobs, routes = _run(served, request, expanded, vision)
     choices = []
-    for i, sequence in enumerate(sequences):
-        stop = next((pos for pos, t in enumerate(sequence) if t in eos), None)
-        tokens = sequence if stop is None else sequence[: stop + 1]
+    for i, (tokens, stopped) in enumerate(_cut_at_eos(served, sequences)):
         choice = {
             "index": i,
             "text": served.tokenizer.decode(tokens, skip_special_tokens=True),
             "token_ids": tokens,
             "prompt_token_ids": expanded[i],
-            "finish_reason": "stop" if stop is not None else "length",
+            "finish_reason": "stop" if stopped else "length",
             "logprobs": None,
         }
         if request.logprobs is not None:
             choice["logprobs"] = _logprobs(served, request, tokens, step_logprobs[i, : len(tokens)])
+        if routes is not None:
+            choice["routed_experts"] = routes[i]
         choices.append(choice)
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(len(c["token_ids"]) for c in choices)

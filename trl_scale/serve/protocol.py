@@ -26,6 +26,7 @@ class CompletionRequest(BaseModel):
     return_tokens_as_token_ids: bool = False  # vLLM's default: logprobs.tokens are decoded text
     seed: int | None = None
     stream: bool = False
+    routed_experts_prompt_start: int = Field(0, ge=0)  # vLLM's: the first prompt tokens' routes left out
 
 
 class ChatRequest(BaseModel):

@@ -92,6 +92,7 @@ def server_config(served: ServedModel) -> dict:
         "model_config": {"model": settings.model_path, "dtype": settings.dtype, "logprobs_mode": "processed_logprobs"},
         "lora_config": {"max_lora_rank": settings.max_lora_rank},
         "parallel_config": {"world_size": settings.world_size},
+        "aux_output_config": {"enable_return_routed_experts": settings.return_routed_experts},
         "trl_scale": {
             "prefix_cache_resets": served.prefix_cache_resets,
             "completions_generated": served.completions_generated,

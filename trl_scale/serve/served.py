@@ -40,6 +40,7 @@ class ServeSettings:
     world_size: int = 1  # ranks this server brings to the weight-transfer group (as a TP x DP vLLM server)
     max_lora_rank: int = 16
     weight_transfer_timeout: float = 300.0
+    return_routed_experts: bool = False  # vLLM's --enable-return-routed-experts: each choice carries its routes
 
 
 class PauseGate:

@@ -1,0 +1,171 @@
+"""Routing replay (R3, "Rollout Routing Replay", arXiv 2510.11370) on transformers' MoE blocks: each token's
+experts, as the sampler chose them, taken by the trainer's routers in every forward of that token (old, reference,
+policy); the router still computes its logits, and the gate's weights are the softmax of those logits over the
+replayed experts (normalized where the family normalizes its top-k), so the router keeps its gradient.
+
+Routes are looked up by the sequence's tokens (`RouteBook`): a forward's rows are found whatever order, split or
+chunk TRL scores them in. A top-level forward gets its rows' routes in its padded layout (a forward pre-hook on the
+model); the packed engine lays them out as each micro-batch packs its tokens (`packed_layout`, from the micro-batch's
+own index maps). A token with no route (a prompt's last one, a sequence no server sampled) keeps the router's own
+choice. Each router also counts how often its own top-k set equals the replayed one (`Agreement`)."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# transformers 5's MoE routers that return (logits, scores, indices): class name -> whether the scores are cast to
+# the logits' dtype (Mixtral keeps them in float32 and always normalizes its top-k)
+ROUTERS = {"Qwen3MoeTopKRouter": True, "Qwen2MoeTopKRouter": True, "OlmoeTopKRouter": True, "MixtralTopKRouter": False}
+
+_active = threading.local()  # the replay of the forward running on this thread, and its current layout
+
+
+@dataclass
+class Agreement:
+    """(token, layer) pairs whose replayed experts were compared with the router's own top-k, and how many matched
+    (as sets)."""
+
+    matched: int = 0
+    compared: int = 0
+
+    @property
+    def share(self) -> float | None:
+        return self.matched / self.compared if self.compared else None
+
+
+class RouteBook:
+    """The sampler's routes by sequence: a sequence's token ids -> its routes `[tokens - 1 - start, layers, k]` from
+    token `start` (vLLM's `routed_experts`). Holds the newest `capacity` sequences."""
+
+    def __init__(self, capacity: int = 4096):
+        self.capacity = capacity
+        self._routes: dict[tuple[int, ...], tuple[int, np.ndarray]] = {}
+
+    def add(self, sequence: list[int], routes: np.ndarray, start: int = 0) -> None:
+        if routes.ndim != 3 or routes.shape[0] != len(sequence) - 1 - start:
+            raise ValueError(
+                f"routes of shape {tuple(routes.shape)} for a sequence of {len(sequence)} tokens from token {start}: "
+                f"expected [{len(sequence) - 1 - start}, layers, top_k] (vLLM's routed_experts)"
+            )
+        key = tuple(sequence)
+        self._routes.pop(key, None)
+        self._routes[key] = (start, routes)
+        while len(self._routes) > self.capacity:
+            self._routes.pop(next(iter(self._routes)))
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: int, k: int) -> torch.Tensor:
+        """`[B, T, layers, k]` int64 routes at each row's real tokens (any padding), -1 where none is known."""
+        routes = torch.full((*input_ids.shape, layers, k), -1, dtype=torch.long)
+        ids, mask = input_ids.cpu(), attention_mask.cpu().bool()
+        for row in range(ids.size(0)):
+            positions = mask[row].nonzero().squeeze(1)
+            found = self._routes.get(tuple(ids[row, positions].tolist()))
+            if found is None:
+                continue
+            start, known = found
+            if known.shape[1:] != (layers, k):
+                raise ValueError(
+                    f"the sampler's routes have {known.shape[1]} layers of top-{known.shape[2]}, the policy "
+                    f"{layers} MoE layers of top-{k}: the server does not serve this model"
+                )
+            routes[row, positions[start : start + known.shape[0]]] = torch.from_numpy(known.astype(np.int64))
+        return routes.to(input_ids.device)
+
+
+class RouteReplay:
+    """Installed on a model: while `book` knows a forward's sequences, its routers take their experts."""
+
+    def __init__(self, model: torch.nn.Module, book: RouteBook):
+        self.routers = [m for m in model.modules() if type(m).__name__ in ROUTERS]
+        if not self.routers:
+            families = ", ".join(sorted(ROUTERS))
+            raise ValueError(
+                f"routing_replay=True: {type(model).__name__} has no MoE router routing replay knows ({families}). "
+                "Fix: routing_replay=False, or a model of those families"
+            )
+        self.book = book
+        self.agreement = Agreement()
+        self.k = int(self.routers[0].top_k)
+        self._handles = [model.register_forward_pre_hook(self._begin, with_kwargs=True)]
+        self._handles.append(model.register_forward_hook(self._end))
+        for layer, router in enumerate(self.routers):
+            self._handles.append(router.register_forward_hook(self._replayed(layer)))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _begin(self, module, args, kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        attention_mask = kwargs.get("attention_mask")
+        if input_ids is None or getattr(_active, "replay", None) is not None:
+            return None  # embeddings only, or a nested call (PEFT's wrapper calls the model inside)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        routes = self.book.padded(input_ids, attention_mask, len(self.routers), self.k)
+        _active.replay, _active.routes = self, routes.reshape(-1, len(self.routers), self.k)
+        return None
+
+    def _end(self, module, args, output):
+        if getattr(_active, "replay", None) is self:
+            _active.replay = _active.routes = None
+        return output
+
+    def _replayed(self, layer: int):
+        def hook(router, args, output):
+            if getattr(_active, "replay", None) is not self:
+                return output
+            logits, scores, indices = output
+            routes = _active.routes
+            if routes.size(0) != indices.size(0):
+                raise RuntimeError(
+                    f"routing replay: a router saw {indices.size(0)} tokens where the forward's layout has "
+                    f"{routes.size(0)} (a forward whose token layout replay does not know: tree rows, sequence "
+                    "parallelism)"
+                )
+            replayed = routes[:, layer]
+            known = replayed[:, 0] >= 0
+            if not bool(known.any()):
+                return output
+            own = indices[known].sort(dim=-1).values
+            self.agreement.compared += int(known.sum())
+            self.agreement.matched += int((own == replayed[known].sort(dim=-1).values).all(dim=-1).sum())
+            chosen = torch.where(known[:, None], replayed, indices)
+            probs = F.softmax(logits.float(), dim=-1)
+            weights = probs.gather(1, chosen)
+            if getattr(router, "norm_topk_prob", True):
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            if ROUTERS[type(router).__name__]:
+                weights = weights.to(logits.dtype)
+            return logits, weights, chosen
+
+        return hook
+
+
+@contextmanager
+def packed_layout(micro_batch):
+    """While a packed micro-batch runs (the engine), the active replay's routes laid out as it packs its tokens:
+    `flat_index` (positions in the padded `[B*T]` layout) to `token_index` (positions in its `[R*W]` rows); its
+    filler tokens keep their own routes."""
+    replay = getattr(_active, "replay", None)
+    if replay is None:
+        yield
+        return
+    padded = _active.routes
+    rows, width = micro_batch.input_ids.shape
+    laid = torch.full((rows * width, *padded.shape[1:]), -1, dtype=padded.dtype, device=padded.device)
+    laid[micro_batch.token_index.to(padded.device)] = padded[micro_batch.flat_index.to(padded.device)]
+    _active.routes = laid
+    try:
+        yield
+    finally:
+        _active.routes = padded
