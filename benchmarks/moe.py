@@ -1,7 +1,9 @@
 """MoE policy scoring with the router's load-balancing loss, stock TRL against trl-scale, side by side in one process
 on the same model and batch: GRPO's loss forward (log-probs and TRL's router term, `output_router_logits=True`) and its
 backward. Stock TRL 1.16 forwards the padded [B, T] batch through its fused head; trl-scale packs the real tokens
-(`scoring/router_loss.py`: the router's logits at the real tokens). The batch: left-padded prompts and right-padded
+(`scoring/router_loss.py`: the router's logits at the real tokens); and the same packed forward replaying each
+token's routes (`routing_replay=True`: `scoring/routing_replay.py`, the routes found by sequence in a book, as a
+server returned them; here the model's own, so the numbers match). The batch: left-padded prompts and right-padded
 completions of long-tailed lengths (a group's completions differ in length, as sampled), on a Qwen3-MoE of 8 experts,
 top-2. Runs alternate; the medians and their ratio, and the largest log-prob and router-loss differences.
 
@@ -51,13 +53,29 @@ def _step(model, input_ids, mask, labels) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
+def _models(stock, input_ids, mask) -> tuple[dict, object]:
+    """Stock TRL's model, the packed one, and the packed one replaying each sequence's own routes (as a server
+    returned them: `trl-scale serve`'s reading of the model's routers), with the replay (its agreement)."""
+    from trl_scale.scoring import install_packed_scoring
+    from trl_scale.scoring.routing_replay import RouteBook, RouteReplay, decode_routes
+    from trl_scale.serve.routed_experts import routed_experts
+
+    packed, replayed = copy.deepcopy(stock), copy.deepcopy(stock)
+    assert install_packed_scoring(packed, padding_free=True) is not None
+    assert install_packed_scoring(replayed, padding_free=True) is not None
+    book = RouteBook()
+    sequences = [row[m.bool()].tolist() for row, m in zip(input_ids, mask)]
+    for sequence, encoded in zip(sequences, routed_experts(stock, sequences, 0)):
+        book.add(sequence, decode_routes(encoded))
+    return {"trl": stock, "trl_scale": packed, "trl_scale_replay": replayed}, RouteReplay(replayed, book)
+
+
 def main() -> dict:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from trl_scale.scoring import install_packed_scoring
     from trl_scale.toy import build_tiny_model
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,19 +88,21 @@ def main() -> dict:
     path = build_tiny_model(tempfile.mkdtemp(prefix="moe-bench-"), family="qwen3_moe", **shape)
     stock = AutoModelForCausalLM.from_pretrained(path).train()
     add_fused_lm_head(stock, outputs=("log_probs",))
-    packed = copy.deepcopy(stock)
-    assert install_packed_scoring(packed, padding_free=True) is not None
     input_ids, mask, labels = _batch(stock.config.vocab_size, rows, max_prompt, max_completion, pad=0)
-    times: dict[str, list[float]] = {"trl": [], "trl_scale": []}
-    _step(stock, input_ids, mask, labels), _step(packed, input_ids, mask, labels)  # warm-up
+    models, replay = _models(stock, input_ids, mask)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for model in models.values():  # warm-up
+        _step(model, input_ids, mask, labels)
     for repeat in range(repeats):
-        for name in ("trl", "trl_scale") if repeat % 2 == 0 else ("trl_scale", "trl"):
-            seconds, out = _step(stock if name == "trl" else packed, input_ids, mask, labels)
+        for name in list(models) if repeat % 2 == 0 else list(models)[::-1]:
+            seconds, out = _step(models[name], input_ids, mask, labels)
             times[name].append(seconds)
+    stock, packed, replayed = models.values()
     call = dict(input_ids=input_ids, attention_mask=mask, labels=labels, fused_lm_head=True, output_router_logits=True)
     with torch.no_grad():
-        a, b = stock(**call), packed(**call)
+        a, b, c = stock(**call), packed(**call), replayed(**call)
     trl_s, ours_s = statistics.median(times["trl"]), statistics.median(times["trl_scale"])
+    replay_s = statistics.median(times["trl_scale_replay"])
     real = int(mask.sum())
     record = {
         "benchmark": "moe_scoring",
@@ -90,10 +110,13 @@ def main() -> dict:
         "model": "qwen3_moe, 8 experts, top-2, hidden 128, 4 layers",
         "rows": rows,
         "pad_fraction": 1 - real / mask.numel(),
-        "step_s": {"trl": trl_s, "trl_scale": ours_s},
-        "real_tokens_per_s": {"trl": real / trl_s, "trl_scale": real / ours_s},
+        "step_s": {"trl": trl_s, "trl_scale": ours_s, "trl_scale_replay": replay_s},
+        "real_tokens_per_s": {"trl": real / trl_s, "trl_scale": real / ours_s, "trl_scale_replay": real / replay_s},
         "speedup": trl_s / ours_s,
+        "speedup_with_replay": trl_s / replay_s,
         "max_logprob_diff": float((a.log_probs - b.log_probs)[a.label_mask].abs().max()),
+        "max_logprob_diff_replay": float((a.log_probs - c.log_probs)[a.label_mask].abs().max()),
+        "replay_agreement": replay.agreement.share,
         "aux_loss_diff": float((a.aux_loss - b.aux_loss).abs()),
         "repeats": repeats,
         "date": str(datetime.date.today()),
@@ -102,7 +125,7 @@ def main() -> dict:
     if not args.quick:
         with open(os.path.join(ROOT, "benchmarks", "results", "moe_cpu.jsonl"), "a") as handle:
             handle.write(json.dumps(record) + "\n")
-    print(f"TRL {trl_s:.3f} s, trl-scale {ours_s:.3f} s per forward + backward ({trl_s / ours_s:.2f}x)")
+    print(f"TRL {trl_s:.3f} s, trl-scale {ours_s:.3f} s, with routing replay {replay_s:.3f} s per forward + backward")
     print(json.dumps(record))
     return record
 

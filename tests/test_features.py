@@ -106,6 +106,7 @@ def test_the_features_of_each_trainer_in_their_order():
         "model_card",
         "mismatch_gate",
         "server_rollout",
+        "routing_replay",
         "packed_scoring",
         "decoder_layers",
         "shared_prefill",

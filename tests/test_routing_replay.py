@@ -6,6 +6,8 @@ and two rows' routes swapped, or the routes shifted by one token, give other log
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import requests
@@ -14,10 +16,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl.trainer.utils import add_fused_lm_head
 
 from trl_scale.scoring import install_packed_scoring
-from trl_scale.scoring.routing_replay import RouteBook, RouteReplay
-from trl_scale.serve.routed_experts import decode_routes, routed_experts
+from trl_scale.scoring.routing_replay import RouteBook, RouteReplay, decode_routes
+from trl_scale.serve.routed_experts import routed_experts
+from trl_scale.trainers.routing_replay import RoutingReplay
 
-from .helpers import padded_scoring_batch, start_servers
+from .helpers import padded_scoring_batch, server_grpo, start_servers
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 
@@ -111,6 +114,36 @@ def test_another_samplers_routes_are_taken_and_misplaced_ones_are_not_the_same(z
         assert (wrong - replayed.log_probs)[valid].abs().max().item() > 1e-4, misplaced
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpointed_layer_recomputes_with_the_routes_its_forward_took(zoo, reentrant):
+    """Activation checkpointing (TRL's default) recomputes each layer in backward, after the forward's replay ended:
+    the recomputation takes the routes the forward took (else torch's checkpoint sees other tensors, or the
+    gradients are another routing's). Gradients equal the same replay without checkpointing."""
+    path = zoo("qwen3_moe")
+    input_ids, mask, labels = padded_scoring_batch(AutoTokenizer.from_pretrained(path))
+    sequences = _sequences(input_ids, mask)
+    sampler = _model(path)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in sampler.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                parameter.add_(0.5 * torch.randn_like(parameter) * parameter.std())
+    grads = []
+    for checkpointed in (False, True):
+        model = _model(path, packed=True).train()
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        replay = RouteReplay(model, _book_of(sampler, sequences))
+        out = _scored(model, input_ids, mask, labels)
+        (out.log_probs * out.label_mask).sum().backward()  # (reentrant checkpointing refuses autograd.grad)
+        grads.append([p.grad for p in model.parameters()])
+        assert replay.agreement.share < 1.0
+    for plain, checkpointed in zip(*grads, strict=True):
+        if plain is None:
+            continue
+        assert (plain - checkpointed).abs().max().item() <= 1e-5
+
+
 def test_a_sequence_the_book_does_not_know_keeps_its_own_routes(zoo):
     path = zoo("qwen3_moe")
     input_ids, mask, labels = padded_scoring_batch(AutoTokenizer.from_pretrained(path))
@@ -124,10 +157,15 @@ def test_a_sequence_the_book_does_not_know_keeps_its_own_routes(zoo):
         RouteBook().add([1, 2, 3, 4, 5], np.zeros((3, 2, 2), dtype=np.uint8))
 
 
+ROUTES = "--enable-return-routed-experts"
+
+
 @pytest.fixture(scope="module")
 def moe_servers(zoo):
+    """Routes in fp32, none, and two bf16 servers with routes (a sampler that differs from an fp32 trainer)."""
     path = zoo("qwen3_moe")
-    servers = start_servers(path, 2, ("--enable-return-routed-experts",), ())
+    bf16 = (ROUTES, "--dtype", "bfloat16")
+    servers = start_servers(path, 4, (ROUTES,), (), bf16, bf16)
     yield path, servers
     for server in servers:
         server.stop()
@@ -137,7 +175,7 @@ def test_serve_returns_routes_in_vllms_format(moe_servers):
     """`--enable-return-routed-experts`: each choice's `routed_experts` decodes as vLLM documents it, `[prompt +
     completion - 1 - start, layers, top_k]` uint8, equal to the model's own router top-k over the sequence;
     `routed_experts_prompt_start` drops the prompt's first tokens; without the flag no routes come."""
-    path, (with_routes, without) = moe_servers
+    path, (with_routes, without, *_) = moe_servers
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     config = model.config
     prompt = [5, 9, 14, 3, 8]
@@ -173,3 +211,115 @@ def test_serve_refuses_the_flag_on_a_model_without_a_router(zoo):
 
     with pytest.raises(ValueError, match=r"--enable-return-routed-experts: LlamaConfig is not a mixture-of-experts"):
         create_app(zoo("llama"), return_routed_experts=True)
+
+
+def _replay_run(path, out, urls, replay: bool, steps: int = 2, **fields):
+    return server_grpo(
+        path,
+        out,
+        urls,
+        max_steps=steps,
+        routing_replay=replay,
+        weight_sync="shared_dir",
+        learning_rate=0.0,  # the same weights on both sides: what differs is the sampler's precision and routes
+        generation_kwargs={"seed": 0},
+        **fields,
+    )
+
+
+def test_a_grpo_run_replays_its_bf16_servers_routes_in_the_fp32_trainer(moe_servers, tmp_path, caplog):
+    """Two bf16 `trl-scale serve` servers returning routes, an fp32 trainer: with routing_replay=True every completion
+    token's experts are the sampler's in the old and policy forwards (`routing/agreement`: how often the trainer's
+    own router chose them too); the log-prob gap to the sampler (TRL's `sampling/sampling_logp_difference/mean`),
+    with and without replay, is printed (the figure the docs quote)."""
+    path, (_, _, bf16_a, bf16_b) = moe_servers
+    urls = [bf16_a.url, bf16_b.url]
+    replayed = _replay_run(path, tmp_path / "replay", urls, replay=True)
+    replayed.train()
+    logs = [log for log in replayed.state.log_history if "loss" in log]
+    assert len(logs) == 2 and all(0.0 < log["routing/agreement"] <= 1.0 for log in logs), logs
+    assert all(log["routing/replayed_token_layers"] > 0 for log in logs)
+    feature = replayed.features.get(RoutingReplay)
+    assert len(feature.book) > 0
+    # without replay, a server past the mismatch budget is said with the MoE's likely cause (the budget set below
+    # what bf16 gives)
+    plain = _replay_run(
+        path, tmp_path / "plain", urls, replay=False, rollout_mismatch_budget=1e-9, rollout_mismatch_action="warn"
+    )
+    with caplog.at_level(logging.WARNING, logger="trl_scale"):
+        plain.train()
+    warned = [r.getMessage() for r in caplog.records if "past rollout_mismatch_budget" in r.getMessage()]
+    assert warned and all("the policy is a mixture of experts" in message for message in warned), warned
+    plain_logs = [log for log in plain.state.log_history if "loss" in log]
+    assert not any("routing/agreement" in log for log in plain_logs)
+    gap = "sampling/sampling_logp_difference/mean"
+    print(
+        {
+            "agreement": [log["routing/agreement"] for log in logs],
+            "gap_with_replay": [log[gap] for log in logs],
+            "gap_without_replay": [log[gap] for log in plain_logs],
+        }
+    )
+
+
+def test_routing_replay_is_refused_against_a_server_without_routes(moe_servers, tmp_path):
+    path, (with_routes, without, *_) = moe_servers
+    with pytest.raises(ValueError) as raised:
+        _replay_run(path, tmp_path, [with_routes.url, without.url], replay=True)
+    message = str(raised.value)
+    assert f"{without.url}: returns no expert routes" in message and "--enable-return-routed-experts" in message
+    assert with_routes.url not in message
+    with pytest.raises(ValueError, match=r"routing_replay=True and tree_packing=True"):
+        server_grpo(path, tmp_path / "tree", [with_routes.url], routing_replay=True, tree_packing=True)
+
+
+def test_the_trainer_yaml_and_the_command_line_switch_replay_on(moe_servers, tmp_path, monkeypatch):
+    import trl_scale
+    from trl_scale.cli import main
+
+    from .helpers import ROOT
+
+    path, (with_routes, *_) = moe_servers
+    seen = {}
+
+    def fake_train(self, resume_from_checkpoint=None):
+        seen["plan"], seen["replay"] = self.plan, self.features.get(RoutingReplay)
+
+    monkeypatch.setattr(trl_scale.GRPOTrainer, "train", fake_train)
+    config = tmp_path / "grpo.yaml"
+    config.write_text(
+        (ROOT / "examples" / "grpo_tiny_cpu.yaml").read_text()
+        + f"\nuse_vllm: true\nvllm_mode: server\nvllm_server_base_urls: [{with_routes.url}]\n"
+    )
+    argv = ["grpo", "--config", str(config), "--output_dir", str(tmp_path / "out"), "--model_name_or_path", path]
+    assert main([*argv, "--routing_replay", "true"]) == 0
+    assert seen["plan"].routing_replay and seen["replay"] is not None and seen["replay"].replays
+    assert main(argv) == 0
+    assert not seen["plan"].routing_replay and seen["replay"] is None
+    config.write_text(config.read_text() + "routing_replay: true\n")
+    assert main(argv) == 0
+    assert seen["plan"].routing_replay and seen["replay"] is not None
+
+
+def test_the_moe_page_states_the_benchmarks_numbers():
+    """docs/moe.md quotes the newest lines of benchmarks/results/routing_replay_cpu.jsonl and moe_cpu.jsonl."""
+    import json
+
+    from .helpers import ROOT
+
+    results = ROOT / "benchmarks" / "results"
+    replay = json.loads((results / "routing_replay_cpu.jsonl").read_text().splitlines()[-1])
+    moe = json.loads((results / "moe_cpu.jsonl").read_text().splitlines()[-1])
+    page = " ".join((ROOT / "docs" / "moe.md").read_text().split())
+    assert f"agrees with the sampler's on {replay['agreement_median']:.1%} of (token, layer)" in page
+    gaps = f"is {replay['gap_median_with_replay']:.3f} with replay against {replay['gap_median_without_replay']:.3f}"
+    assert gaps in page
+    kl = (max(replay["mismatch_kl_without_replay"]), max(replay["mismatch_kl_with_replay"]))
+    assert f"drops from up to {kl[0]:.3g} (past the default budget of 0.01) to at most {kl[1]:.2g}" in page
+    assert kl[0] > 0.01 > kl[1] and replay["gap_median_with_replay"] < replay["gap_median_without_replay"]
+    steps = moe["step_s"]
+    assert (
+        f"takes {steps['trl_scale_replay']:.2f} s replayed, {steps['trl_scale']:.2f} s packed, {steps['trl']:.2f} s "
+        f"in stock TRL ({moe['speedup_with_replay']:.2f}x with replay)" in page
+    )
+    assert moe["max_logprob_diff_replay"] <= 1e-5 and moe["replay_agreement"] == 1.0

@@ -111,6 +111,12 @@ class RolloutArguments:
         of an unchanged policy is the kept mass (~0.9 at top_p=0.9) instead of 1. The policy trained is then the
         truncated one that samples. `False`: TRL's whole-vocabulary log-probs. Refused with penalties or logit biases
         that change the logits before truncation (the trainer cannot repeat them).
+    routing_replay (`bool`, defaults to `False`): a mixture-of-experts policy (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE)
+        trained on the experts its servers chose (R3, "Rollout Routing Replay"): each server returns every token's
+        routes (vLLM: `--enable-return-routed-experts`, which needs its V2 model runner; `trl-scale serve` takes the
+        same flag), and every training forward of those tokens (old, reference, policy) takes them, the gate's
+        weights over them keeping the router's gradient. `routing/agreement` logs how often the trainer's own router
+        chose the same experts. Packed rows carry them; tree rows step aside.
 
     vllm_llm_kwargs (`dict` or `None`): with `vllm_mode="colocate"` (TRL's default: vLLM in the trainer), extra
         `vllm.LLM` settings on top of TRL's (e.g. `{"dtype": "bfloat16", "hf_overrides": {...}}`); the engine's dtype
@@ -217,6 +223,13 @@ class RolloutArguments:
             "help": "With top_k/top_p/min_p and the importance-sampling correction: score the trainer on the tokens "
             "vLLM samples from (its log-probs are renormalised there), so an unchanged policy's ratio is 1, not the "
             "kept mass. False: TRL's whole-vocabulary log-probs."
+        },
+    )
+    routing_replay: bool = field(
+        default=False,
+        metadata={
+            "help": "An MoE policy trained on the experts its servers chose for each token (R3): servers started "
+            "with --enable-return-routed-experts return them, every training forward takes them."
         },
     )
     rollout_max_inflight_per_server: int = field(

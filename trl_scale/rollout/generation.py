@@ -28,6 +28,7 @@ from ..checkpoint_names import conversion_model
 from ..logs import get_logger
 from ..ranks import decide_on_leader, decide_on_main, gathered
 from .ahead import CONVERSATION_KEY, READ_AHEAD_ENGINES, Converse, ReadAheadRollout
+from .choices import generate_output, sampled_routes, sampler_logprobs
 from .client import SERVER_KEY, RolloutClient, RolloutError
 from .images import image_keys, image_urls
 from .record import GeneratedBatch
@@ -150,6 +151,7 @@ class ServerRolloutGeneration(CheckpointNamedWalk, VLLMGeneration):
             lora_config=peft_config if mode == "lora" else None,
             vocab_size=model.config.get_text_config().vocab_size,
             streaming=self.settings.streaming,
+            routes=self.settings.routing_replay,
         )
         reports = inspect_all(
             self.client.transport.get_url, self.client.transport.post_url, [s.url for s in self.client.servers]
@@ -254,7 +256,8 @@ class ServerRolloutGeneration(CheckpointNamedWalk, VLLMGeneration):
         # TRL's RLOO drops the log-probs `generate` returns: its trl-scale correction reads them from the record
         servers = tuple(choice.get(SERVER_KEY) for choice in choices)
         if state is not None:
-            state.records.add(GeneratedBatch(tuple(spans), tuple(logprobs), conversations, servers))
+            routes = sampled_routes(choices)
+            state.records.add(GeneratedBatch(tuple(spans), tuple(logprobs), conversations, servers, routes))
         return generate_output(prompts, choices, completion_ids, logprobs)
 
     def turn_outputs(self, choices: list[dict]) -> tuple[list[list[int]], list[list[float]]]:
@@ -473,24 +476,3 @@ def adapter_state_dict(model) -> dict:
                 tensor = tensor.full_tensor()
             whole[name] = tensor.detach().to("cpu", copy=True).contiguous()
     return whole
-
-
-def sampler_logprobs(choice: dict) -> list[float] | None:
-    """The sampled tokens' log-probs of one vLLM choice, one per completion token, or None where the server sent
-    none (or not one per token)."""
-    logprobs = choice.get("logprobs") or {}
-    values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
-    if not isinstance(values, list) or len(values) != len(choice["token_ids"]) or any(v is None for v in values):
-        return None
-    return [float(v) for v in values]
-
-
-def generate_output(prompts, choices: list[dict], completion_ids: list[list[int]], logprobs: list[list[float]]):
-    """TRL's `VLLMGeneration.generate` return for `choices` (their `turn_outputs`): prompt ids, completion ids, and
-    per-token log-probs and token ids, each token's a one-entry list as vLLM's `logprobs=0` gives them."""
-    return (
-        [list(p) for p in prompts],
-        completion_ids,
-        [[[v] for v in row] for row in logprobs],
-        [[[t] for t in choice["token_ids"]] for choice in choices],
-    )

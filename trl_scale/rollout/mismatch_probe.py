@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 
 from ..errors import RolloutError
-from .generation import sampler_logprobs
+from .choices import sampler_logprobs
 
 COMPLETIONS_PER_PROMPT = 2
 

@@ -54,6 +54,7 @@ class ServerReport:
     world_size: int | None = None
     weight_version: str | None = None
     device_type: str | None = None  # vLLM's device_config: "cuda", "cpu"; None: unknown (trl-scale serve)
+    returns_routes: bool | None = None  # started with --enable-return-routed-experts (None: unknown, no dev mode)
     paused: bool | None = None  # paused now (a trainer ended during a weight sync leaves its servers so)
 
     def row(self) -> dict[str, str]:
@@ -90,6 +91,7 @@ class RunNeeds:
     vocab_size: int | None = None
     policy_path: str | None = None
     streaming: bool = False  # syncs meet running requests (async_rollout_mode="streaming")
+    routes: bool = False  # every completion's expert routes (routing_replay)
 
 
 def inspect_server(get: Callable[[str, str], requests.Response], post: Callable, url: str) -> ServerReport:
@@ -119,6 +121,7 @@ def inspect_server(get: Callable[[str, str], requests.Response], post: Callable,
             lora = config.get("lora_config")
             report.lora_enabled = bool(lora)
             report.max_lora_rank = int(lora.get("max_lora_rank", 16)) if lora else None
+            report.returns_routes = bool((config.get("aux_output_config") or {}).get("enable_return_routed_experts"))
             transfer = config.get("weight_transfer_config")
             report.weight_transfer = transfer.get("backend", "nccl") if transfer else None
             world = get(url, "/get_world_size")
@@ -247,6 +250,12 @@ def problems_of(report: ServerReport, needs: RunNeeds) -> tuple[list[str], list[
         errors.append(
             f"{url}: paused (a trainer that ended during a weight sync leaves its servers paused): every request "
             f"waits for /resume. Fix: POST {url}/resume (a trainer started against it resumes it)"
+        )
+    if needs.routes and report.returns_routes is False:
+        errors.append(
+            f"{url}: returns no expert routes (routing_replay=True). Fix: start it with "
+            "--enable-return-routed-experts (vLLM needs its V2 model runner for it: VLLM_USE_V2_MODEL_RUNNER=1; "
+            "trl-scale serve takes the same flag), or routing_replay=False"
         )
     mode = needs.weight_sync
     seed = needs.sampling.get("seed")

@@ -26,6 +26,9 @@ class GeneratedBatch:
     sampler_logprobs: tuple[list[float], ...] = ()  # the sampler's log-prob of each of its tokens (NaN: none asked)
     conversations: tuple | None = None  # a streamed tool-using group's whole conversation, per completion
     servers: tuple[str | None, ...] = ()  # the server that drew each completion (its first turn), where known
+    # the sampler's routes (servers that return them, `routing_replay`): per completion, its prompt and completion
+    # token ids and their routes `[tokens - 1, layers, top_k]` (vLLM's `routed_experts`), or None
+    routes: tuple = ()
 
     @property
     def versions(self) -> list[int]:
@@ -43,7 +46,8 @@ class GeneratedBatch:
         conversations = self.conversations[start:stop] if self.conversations is not None else None
         logprobs = self.sampler_logprobs[start:stop] if self.sampler_logprobs else ()
         servers = self.servers[start:stop] if self.servers else ()
-        return GeneratedBatch(self.version_spans[start:stop], logprobs, conversations, servers)
+        routes = self.routes[start:stop] if self.routes else ()
+        return GeneratedBatch(self.version_spans[start:stop], logprobs, conversations, servers, routes)
 
     @staticmethod
     def joined(records: Sequence[GeneratedBatch]) -> GeneratedBatch:
@@ -53,7 +57,9 @@ class GeneratedBatch:
         logprobs = tuple(row for record in records for row in record.sampler_logprobs) if with_logprobs else ()
         with_servers = all(len(record.servers) == len(record) for record in records)
         servers = tuple(url for record in records for url in record.servers) if with_servers else ()
-        return GeneratedBatch(spans, logprobs, servers=servers)
+        with_routes = all(len(record.routes) == len(record) for record in records)
+        routes = tuple(row for record in records for row in record.routes) if with_routes else ()
+        return GeneratedBatch(spans, logprobs, servers=servers, routes=routes)
 
 
 class BatchRecords:

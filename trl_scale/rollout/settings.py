@@ -147,6 +147,7 @@ class RolloutSettings:
     run_seed: int = 0  # the trainer's seed: with generation_kwargs' seed, the base of each request's (`seeds.py`)
     on_sampler_support: bool = False  # the trainer scores its log-probs on the sampler's truncated support
     asynchronous: AsyncRollout = field(default_factory=AsyncRollout)
+    routing_replay: bool = False  # every server must return each token's routes (vLLM's routed_experts)
 
     @property
     def streaming(self) -> bool:
@@ -202,6 +203,7 @@ class RolloutSettings:
             run_seed=args.seed or 0,
             on_sampler_support=on_sampler_support,
             asynchronous=asynchronous,
+            routing_replay=args.routing_replay,
         )
 
 

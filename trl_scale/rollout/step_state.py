@@ -98,7 +98,7 @@ STEP_FIELDS = (
     ),
     StepField(
         "records",
-        "the rollout's record of each batch generated (versions, sampler log-probs, servers)",
+        "the rollout's record of each batch generated (versions, sampler log-probs, servers, routes)",
         (
             "rollout.generation.ServerRolloutGeneration.generate",
             "trainers.stream_rollout_func.replayed_rollouts",
@@ -109,6 +109,7 @@ STEP_FIELDS = (
             "trainers.server_rollout.ServerRollout.generate_and_score",
             "trainers.server_rollout.ServerRollout.tool_call_loop",
             "trainers.dynamic_sampling.DynamicSampling.candidate_round",
+            "trainers.routing_replay.RoutingReplay.generate",
             "rollout.step_state.StepScope.newest_record",
         ),
     ),

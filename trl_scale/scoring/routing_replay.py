@@ -11,6 +11,8 @@ choice. Each router also counts how often its own top-k set equals the replayed 
 
 from __future__ import annotations
 
+import base64
+import io
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +26,23 @@ import torch.nn.functional as F
 ROUTERS = {"Qwen3MoeTopKRouter": True, "Qwen2MoeTopKRouter": True, "OlmoeTopKRouter": True, "MixtralTopKRouter": False}
 
 _active = threading.local()  # the replay of the forward running on this thread, and its current layout
+
+
+def encode_routes(routes: np.ndarray) -> str:
+    """vLLM's `numpy2base64` (`vllm/utils/serial_utils.py`): the array's `.npy` bytes, base64."""
+    with io.BytesIO() as buffer:
+        np.save(buffer, routes, allow_pickle=False)
+        return base64.b64encode(buffer.getbuffer()).decode("ascii")
+
+
+def decode_routes(text: str) -> np.ndarray:
+    """A choice's `routed_experts` as vLLM documents decoding it: `np.load(io.BytesIO(base64.b64decode(s)))`."""
+    return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+
+
+def replay_active() -> bool:
+    """A replaying forward runs on this thread (tree rows, which lay tokens out otherwise, step aside for it)."""
+    return getattr(_active, "replay", None) is not None
 
 
 @dataclass
@@ -95,6 +114,8 @@ class RouteReplay:
         self.book = book
         self.agreement = Agreement()
         self.k = int(self.routers[0].top_k)
+        # (router, its input's fingerprint) -> the routes a training forward took, for its recomputation in backward
+        self._for_recompute: dict[tuple, torch.Tensor] = {}
         self._handles = [model.register_forward_pre_hook(self._begin, with_kwargs=True)]
         self._handles.append(model.register_forward_hook(self._end))
         for layer, router in enumerate(self.routers):
@@ -113,6 +134,9 @@ class RouteReplay:
             attention_mask = torch.ones_like(input_ids)
         routes = self.book.padded(input_ids, attention_mask, len(self.routers), self.k)
         _active.replay, _active.routes = self, routes.reshape(-1, len(self.routers), self.k)
+        _active.with_grad = torch.is_grad_enabled()
+        if _active.with_grad:  # a new training forward: the last one's backward has recomputed what it kept
+            self._for_recompute.clear()
         return None
 
     def _end(self, module, args, output):
@@ -122,33 +146,51 @@ class RouteReplay:
 
     def _replayed(self, layer: int):
         def hook(router, args, output):
-            if getattr(_active, "replay", None) is not self:
-                return output
-            logits, scores, indices = output
-            routes = _active.routes
-            if routes.size(0) != indices.size(0):
-                raise RuntimeError(
-                    f"routing replay: a router saw {indices.size(0)} tokens where the forward's layout has "
-                    f"{routes.size(0)} (a forward whose token layout replay does not know: tree rows, sequence "
-                    "parallelism)"
-                )
-            replayed = routes[:, layer]
-            known = replayed[:, 0] >= 0
-            if not bool(known.any()):
-                return output
+            if getattr(_active, "replay", None) is self:
+                routes = _active.routes
+                if routes.size(0) != output[2].size(0):
+                    raise RuntimeError(
+                        f"routing replay: a router saw {output[2].size(0)} tokens where the forward's layout has "
+                        f"{routes.size(0)} (a forward whose token layout replay does not know: tree rows, sequence "
+                        "parallelism)"
+                    )
+                replayed = routes[:, layer]
+                if _active.with_grad:  # activation checkpointing recomputes this call in backward, outside the
+                    # forward (reentrant checkpointing runs the forward itself without grad: the model's call decides)
+                    self._for_recompute[(layer, _fingerprint(args[0]))] = replayed
+                return self._take(router, output, replayed, count=True)
+            if self._for_recompute:  # a checkpointed layer recomputed in backward: the routes its forward took
+                replayed = self._for_recompute.pop((layer, _fingerprint(args[0])), None)
+                if replayed is not None:
+                    return self._take(router, output, replayed, count=False)
+            return output
+
+        return hook
+
+    def _take(self, router, output, replayed: torch.Tensor, count: bool):
+        logits, scores, indices = output
+        known = replayed[:, 0] >= 0
+        if not bool(known.any()):
+            return output
+        if count:
             own = indices[known].sort(dim=-1).values
             self.agreement.compared += int(known.sum())
             self.agreement.matched += int((own == replayed[known].sort(dim=-1).values).all(dim=-1).sum())
-            chosen = torch.where(known[:, None], replayed, indices)
-            probs = F.softmax(logits.float(), dim=-1)
-            weights = probs.gather(1, chosen)
-            if getattr(router, "norm_topk_prob", True):
-                weights = weights / weights.sum(dim=-1, keepdim=True)
-            if ROUTERS[type(router).__name__]:
-                weights = weights.to(logits.dtype)
-            return logits, weights, chosen
+        chosen = torch.where(known[:, None], replayed, indices)
+        probs = F.softmax(logits.float(), dim=-1)
+        weights = probs.gather(1, chosen)
+        if getattr(router, "norm_topk_prob", True):
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if ROUTERS[type(router).__name__]:
+            weights = weights.to(logits.dtype)
+        return logits, weights, chosen
 
-        return hook
+
+def _fingerprint(hidden: torch.Tensor) -> tuple:
+    """A router call's input, recognised again when activation checkpointing recomputes it (bit for bit the same
+    hidden states; another call's are not): its shape, sum and first value."""
+    flat = hidden.detach().reshape(-1)
+    return (tuple(hidden.shape), float(flat.double().sum()), float(flat[0]) if flat.numel() else 0.0)
 
 
 @contextmanager

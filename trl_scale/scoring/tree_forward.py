@@ -17,6 +17,7 @@ import torch
 
 from ..logs import get_logger
 from .packing import empty_forward_anchor
+from .routing_replay import replay_active
 from .support import PROBE_TOLERANCES, draws_random_numbers
 from .tree import PrefixTrie, TreeRows, sliding_window_of, why_not_tree
 from .tree_flex import flex_tree_kwargs, static_shapes
@@ -221,7 +222,7 @@ def planned_trees(backbone, input_ids, attention_mask, token_budget: int | None,
     """The tries to forward this call as (each with its rows), or None to pack rows as before: `tree_packing`
     False, a model whose attention cannot take a tree exactly (a warning that names why; an error with True), or,
     with "auto", a call where sharing would not save enough work."""
-    if tree_packing is False:
+    if tree_packing is False or replay_active():  # replayed routes are laid out by packed rows (`routing_replay`)
         return None
     config = backbone.config
     lengths = attention_mask.sum(1).tolist()

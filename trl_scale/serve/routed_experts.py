@@ -7,23 +7,10 @@ choice, with the weights and adapter that generated it): this server's routes, n
 
 from __future__ import annotations
 
-import base64
-import io
-
 import numpy as np
 import torch
 
-
-def encode_routes(routes: np.ndarray) -> str:
-    """vLLM's `numpy2base64`: the array's `.npy` bytes, base64."""
-    with io.BytesIO() as buffer:
-        np.save(buffer, routes, allow_pickle=False)
-        return base64.b64encode(buffer.getbuffer()).decode("ascii")
-
-
-def decode_routes(text: str) -> np.ndarray:
-    """A choice's `routed_experts` as vLLM documents decoding it: `np.load(io.BytesIO(base64.b64decode(s)))`."""
-    return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+from ..scoring.routing_replay import encode_routes
 
 
 def top_k_of(config) -> int:

@@ -121,7 +121,7 @@ class MismatchGate(Feature):
             if line is not None and url not in self._warned:
                 past[url] = f"{line} (at step {step}, weights of sync {now})"
         if past:
-            self._act(run.trl.vllm_generation.client, past)
+            self._act(run.trl.vllm_generation.client, past, _unreplayed_moe(run))
 
     def _start_probe(self, run, inputs: list) -> _Probe | None:
         """The probe's requests, sent by the main process while the first batch generates (the servers batch them
@@ -177,7 +177,7 @@ class MismatchGate(Feature):
         if trl.accelerator.is_main_process:
             logger.info("trl-scale mismatch probe (before step 1):\n" + format_figures(self.figures))
         if past:
-            self._act(trl.vllm_generation.client, past)
+            self._act(trl.vllm_generation.client, past, _unreplayed_moe(run))
 
     def _measured(self, run, prompt_ids: list, samples: dict) -> list[MismatchFigures]:
         """Each server's figures: its samples scored by the policy in one call (and by the base model, LoRA)."""
@@ -216,10 +216,17 @@ class MismatchGate(Feature):
             figures.append(mismatch_figures(url, sampler, scored, clip_max, clip_min, base_scored))
         return figures
 
-    def _act(self, client, past: dict[str, str]) -> None:
-        """`past`: each server past the budget -> its verdict. Each is said (or dropped) once in the run."""
+    def _act(self, client, past: dict[str, str], unreplayed_moe: bool = False) -> None:
+        """`past`: each server past the budget -> its verdict. Each is said (or dropped) once in the run.
+        `unreplayed_moe`: the policy is a mixture of experts whose routes are not replayed."""
         self._warned.update(past)
         action, listed = self.settings.action, "\n  - ".join(past.values())
+        if unreplayed_moe:  # a sampler in another precision routes some tokens elsewhere: a heavy tail on few tokens
+            listed += (
+                "\n  (the policy is a mixture of experts: a sampler in another precision routes some tokens to "
+                "other experts, which gives a small mean with a heavy tail; routing_replay=True trains on the "
+                "sampler's experts)"
+            )
         if action == "error" or (action == "drop" and len(past) >= len(client.servers)):
             left = "" if action == "error" else " (rollout_mismatch_action='drop', and no server would be left)"
             raise ValueError(
@@ -252,6 +259,13 @@ class MismatchGate(Feature):
 
     def _label(self, url: str) -> str:
         return f"server{self.labels.setdefault(url, len(self.labels))}"
+
+
+def _unreplayed_moe(run) -> bool:
+    """The policy routes tokens to experts (its config's `num_experts_per_tok`) and `routing_replay` is off."""
+    config = run.trl.accelerator.unwrap_model(run.trl.model).config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "num_experts_per_tok", None) is not None and not run.plan.routing_replay
 
 
 def _drawn_at(batch: dict, now: int, per_token: bool) -> dict[str, list]:

@@ -29,6 +29,7 @@ from .remote_reference import RemoteReference
 from .reward_checks import check_added_reward_funcs, check_environment_resets, checked_reward_funcs
 from .rollout_checks import checked_rollout_func
 from .router_logits import RouterLogitsInGeneration
+from .routing_replay import RoutingReplay
 from .server_rollout import ServerRollout, close_servers
 from .shared_prefill import SharedPrefill
 from .step_checks import ContextLength, EmptyRewardsWarning
@@ -54,6 +55,7 @@ ONLINE_FEATURES = (
     ModelCard,
     MismatchGate,  # outside the rollout: the first batch's sync and the probe before it is generated or taken
     ServerRollout,  # streaming swaps the batch's rows first; set up before packing (sequence parallelism shares it)
+    RoutingReplay,  # inside the rollout: each generated batch's routes, before TRL scores it
     PackedScoring,  # its sequence-parallel gathers cover dynamic sampling's rounds, which call TRL's reward gathers
     DecoderLayers,  # compiled after packing's probe; checkpointed layers planned by memory
     SharedPrefill,  # inside packing's generation under sequence parallelism (the model's own attention)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal
 
 from ..logs import get_logger
 from ..mismatch import MismatchSettings
+from ..rollout.arguments import RolloutArguments
 from ..rollout.settings import AsyncRollout
 from ..scoring.router_loss import asks_router_logits
 from ..scoring.sampler_support import SamplerSupport
@@ -104,6 +105,7 @@ class RunPlan:
     mismatch: MismatchSettings = MismatchSettings()  # the mismatch gate (server rollout)
     # an MoE policy whose config asks for its router's logits (read where the trainer generates: `router_logits.py`)
     router_logits: bool = False
+    routing_replay: bool = False  # the servers' expert routes replayed in every training forward (R3)
     # the settings that cut a generation's rollout into the steps trained on it, those the family has (name, value)
     generation_window: tuple[tuple[str, int], ...] = ()
 
@@ -135,6 +137,14 @@ class RunPlan:
                 "not be read. Fix: tree_packing='auto' (tree rows where a call has no images) or tree_packing=False"
             )
         rollout = _rollout_plan(config, arguments)
+        replay = isinstance(config, RolloutArguments) and config.routing_replay  # (a rollout config's field)
+        if replay and (scoring.tree_packing is True or sp_size > 1):
+            which = "tree_packing=True" if scoring.tree_packing is True else f"sequence_parallel_size={sp_size}"
+            raise ValueError(
+                f"routing_replay=True and {which}: replayed routes are laid out by packed rows, not by tree rows or "
+                "a sequence shard. Fix: tree_packing='auto' (tree rows step aside while routes are replayed) or "
+                "False, sequence_parallel_size=1; or routing_replay=False"
+            )
         return cls(
             trainer=trainer_name,
             rollout=rollout,
@@ -150,6 +160,7 @@ class RunPlan:
             mismatch=MismatchSettings.from_config(config),
             generation_window=_generation_window(config),
             router_logits=scoring.local_generation and _asks_router_logits(config, arguments),
+            routing_replay=replay,
         )
 
     def summary(self) -> str:

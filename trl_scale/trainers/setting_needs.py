@@ -66,6 +66,7 @@ SETTING_NEEDS: tuple[SettingNeed, ...] = (
             ("weight_load_timeout", 60.0),
             ("rollout_request_timeout", 30.0),
             ("rollout_generation_timeout", 30.0),
+            ("routing_replay", True),
         )
     ),
     *(

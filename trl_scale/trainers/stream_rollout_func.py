@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 from contextlib import contextmanager
 
-from ..rollout.generation import generate_output
+from ..rollout.choices import generate_output
 from ..rollout.images import image_urls, multimodal_prompts, row_images
 from ..rollout.record import GeneratedBatch
 from ..rollout.step_state import StepState

@@ -1,0 +1,68 @@
+"""Routing replay (`routing_replay=True`) as a trainer feature: the routes each completion's server chose (vLLM's
+`routed_experts`, on the batch's record) go into a book by sequence as the batch is generated, before TRL scores it;
+the policy's (and a separate reference model's) MoE routers take them in every forward of those tokens
+(`scoring/routing_replay.py`); `routing/agreement` logs the share of (token, layer) whose trainer-chosen experts
+were the sampler's, over the forwards since the last log."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import RolloutError
+from ..scoring.routing_replay import RouteBook, RouteReplay
+from .feature import Feature
+
+
+class RoutingReplay(Feature):
+    """Server rollout of an MoE policy with `routing_replay=True`."""
+
+    name = "routing_replay"
+
+    def __init__(self):
+        self.book = RouteBook()
+        self.replays: list[RouteReplay] = []
+
+    @classmethod
+    def build(cls, plan) -> RoutingReplay | None:
+        return cls() if plan.routing_replay and plan.rollout.server else None
+
+    def setup(self, run) -> None:
+        from accelerate.utils import is_peft_model
+
+        trl = run.trl
+        policy = trl.accelerator.unwrap_model(trl.model)
+        if is_peft_model(policy):  # the adapter off is the reference: the same routers, the same hooks
+            policy = policy.get_base_model()
+        self.replays.append(RouteReplay(policy, self.book))
+        reference = trl.ref_model
+        if isinstance(reference, torch.nn.Module):  # a Ray group's handle scores elsewhere
+            self.replays.append(RouteReplay(trl.accelerator.unwrap_model(reference), self.book))
+
+    def generate(self, run, proceed, *args, **kwargs):
+        output = proceed(*args, **kwargs)
+        record = run.step.records.newest()
+        if record is None:
+            return output
+        routes = record.routes or (None,) * len(record)
+        servers = record.servers or (None,) * len(record)
+        missing = [url for url, known in zip(servers, routes) if known is None]
+        if missing:
+            servers = sorted({str(url) for url in missing})
+            raise RolloutError(
+                f"routing_replay=True, but {servers} returned no routes for {len(missing)} of the batch's "
+                f"{len(record)} completions. Fix: start each server with --enable-return-routed-experts (vLLM: with "
+                "its V2 model runner, VLLM_USE_V2_MODEL_RUNNER=1; trl-scale serve takes the same flag), or "
+                "routing_replay=False"
+            )
+        for sequence, known in record.routes:
+            self.book.add(list(sequence), known)
+        return output
+
+    def log(self, run, logs: dict[str, float]) -> None:
+        matched = sum(replay.agreement.matched for replay in self.replays)
+        compared = sum(replay.agreement.compared for replay in self.replays)
+        if compared:
+            logs["routing/agreement"] = matched / compared
+            logs["routing/replayed_token_layers"] = float(compared)
+        for replay in self.replays:
+            replay.agreement.matched = replay.agreement.compared = 0
