@@ -19,9 +19,10 @@ from trl_scale.toy import build_tiny_model, counting_prompts
 
 from .helpers import cpu_args, max_param_diff, padded_scoring_batch, step_logs, token_parity_reward
 
-# Packs exactly in transformers 5 (sdpa; Gemma 2 has no sdpa, eager): RoPE, sliding windows, soft-capping, and
-# GPT-2's learned absolute positions (packed positions restart at 0, as for a sequence alone).
-EXACT_FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gpt2"]
+# Packs exactly in transformers 5 (sdpa; Gemma 2 has no sdpa, eager): RoPE, sliding windows, soft-capping, GPT-2's
+# learned absolute positions (packed positions restart at 0, as for a sequence alone), and two mixtures of experts
+# without a router loss in TRL's forward: GraniteMoE's (asked for: below), DeepSeek-V3 (latent attention, none).
+EXACT_FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gpt2", "granitemoe", "deepseek_v3"]
 # OPT builds its mask without position_ids; the hybrids' CPU kernels cannot keep sequences apart; GPT-OSS's eager
 # attention (with sinks) lets a packed sequence see the one before it.
 INEXACT_FAMILIES = ["opt", "lfm2", "nemotron_h", "qwen3_next", "gpt_oss"]

@@ -68,3 +68,16 @@ def test_the_plan_reads_the_models_config_and_its_init_kwargs(router_logits_moe,
     config = trl_scale.GRPOConfig(**cpu_args(tmp_path), **vllm)
     plan = RunPlan.from_arguments("GRPOTrainer", {"model": router_logits_moe, "args": config})
     assert not plan.router_logits  # the servers generate: nothing to turn off in the trainer
+
+
+def test_a_granitemoe_policy_trains_where_stock_trl_stops_at_its_router_loss(tmp_path):
+    """GraniteMoE's config names `num_local_experts`, not the `num_experts` TRL's loss forward reads for the router
+    loss it turns on (`router_aux_loss_coef` 0.001): stock TRL stops at the first loss; trl-scale packs the call and
+    computes the loss with the experts the config names."""
+    granite = build_tiny_model(tmp_path / "granite", family="granitemoe")
+    with pytest.raises(AttributeError, match="num_experts"):
+        _trainer(trl, granite, tmp_path / "trl").train()
+    trainer = _trainer(trl_scale, granite, tmp_path / "ours")
+    trainer.train()
+    losses = [log for log in trainer.state.log_history if "loss" in log]
+    assert trainer.state.global_step == 2 and all(log["aux_loss"] > 0 for log in losses), losses

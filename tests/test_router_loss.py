@@ -17,13 +17,17 @@ from trl_scale.scoring import install_packed_scoring
 from .helpers import padded_scoring_batch
 
 # GPT-OSS (eager attention with sinks) packs inexactly: the engine steps aside for it (tests/test_model_zoo.py)
-MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe"]
 
 
 def _models(path: str, config_asks: bool):
     model = AutoModelForCausalLM.from_pretrained(path, output_router_logits=config_asks).eval()
+    if model.config.model_type == "granitemoe":  # TRL's forward reads `num_experts`, which GraniteMoE's config lacks
+        model.config.num_experts = model.config.num_local_experts  # (the packed copy below reads num_local_experts)
     add_fused_lm_head(model, outputs=("log_probs",))
     packed_model = copy.deepcopy(model)
+    if model.config.model_type == "granitemoe":
+        del packed_model.config.num_experts
     # sdpa: rows as wide as the longest sequence, the shorter ones' ends filled (one token of filler here)
     config = install_packed_scoring(packed_model, padding_free=True)
     assert config is not None
@@ -50,7 +54,7 @@ def test_packed_scoring_with_the_router_loss_equals_trls_padded_forward(zoo, fam
 
     expected = torch.autograd.grad(objective(padded), [p for p in model.parameters()], allow_unused=True)
     got = torch.autograd.grad(objective(packed), [p for p in packed_model.parameters()], allow_unused=True)
-    router = [name for name, _ in model.named_parameters() if "gate" in name and "proj" not in name]
+    router = [n for n, _ in model.named_parameters() if ("gate" in n or "router" in n) and "proj" not in n]
     assert router, "the router's weights are among the parameters compared"
     for (name, _), g, e in zip(model.named_parameters(), got, expected):
         if e is None:

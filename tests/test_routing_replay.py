@@ -16,13 +16,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl.trainer.utils import add_fused_lm_head
 
 from trl_scale.scoring import install_packed_scoring
-from trl_scale.scoring.routing_replay import RouteBook, RouteReplay, decode_routes
+from trl_scale.scoring.routing_replay import RouteBook, RouteReplay, decode_routes, routers_of
 from trl_scale.serve.routed_experts import routed_experts
 from trl_scale.trainers.routing_replay import RoutingReplay
 
 from .helpers import padded_scoring_batch, server_grpo, start_servers
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "deepseek_v3"]
 
 
 def _model(path: str, packed: bool = False):
@@ -70,14 +70,15 @@ def test_replaying_a_models_own_routes_changes_no_log_prob_or_gradient(zoo, fami
     assert replay.agreement.share == 1.0 and replay.agreement.compared > 0
     expected = torch.autograd.grad((own.log_probs * valid).sum(), list(model.parameters()), allow_unused=True)
     grads = torch.autograd.grad((got.log_probs * valid).sum(), list(replayed.parameters()), allow_unused=True)
+    router_weights = {f"{name}.weight" for name, module in model.named_modules() if module in routers_of(model)}
     routers = 0
     for (name, _), g, e in zip(model.named_parameters(), grads, expected):
         if e is None:
             assert g is None or g.abs().max().item() == 0.0, name
             continue
-        routers += name.endswith("mlp.gate.weight")
+        routers += name in router_weights and g.abs().max().item() > 0
         assert (g - e).abs().max().item() <= 1e-5, name
-    assert routers == model.config.num_hidden_layers  # the routers keep their gradient under replay
+    assert routers == len(router_weights) == model.config.num_hidden_layers  # the routers keep their gradient
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
@@ -209,7 +210,7 @@ def test_serve_returns_routes_in_vllms_format(moe_servers):
 def test_serve_refuses_the_flag_on_a_model_without_a_router(zoo):
     from trl_scale.serve.app import create_app
 
-    with pytest.raises(ValueError, match=r"--enable-return-routed-experts: LlamaConfig is not a mixture-of-experts"):
+    with pytest.raises(ValueError, match=r"--enable-return-routed-experts: LlamaConfig has no mixture-of-experts"):
         create_app(zoo("llama"), return_routed_experts=True)
 
 
@@ -323,3 +324,47 @@ def test_the_moe_page_states_the_benchmarks_numbers():
         f"in stock TRL ({moe['speedup_with_replay']:.2f}x with replay)" in page
     )
     assert moe["max_logprob_diff_replay"] <= 1e-5 and moe["replay_agreement"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "method, mode",
+    [("rloo", {}), ("ppo", {}), ("grpo", {"async_rollout_staleness": 1, "async_rollout_mode": "streaming"})],
+    ids=["rloo", "ppo", "grpo-streaming"],
+)
+def test_every_method_and_streaming_replay_the_servers_routes(moe_servers, tmp_path, method, mode):
+    """RLOO, PPO (its policy's forwards; the critic has no routes to take) and streaming GRPO: every step replays."""
+    from .helpers import server_rloo_or_ppo
+
+    path, (_, _, bf16_a, bf16_b) = moe_servers
+    fields = dict(max_steps=2, routing_replay=True, weight_sync="shared_dir", **mode)
+    urls = [bf16_a.url, bf16_b.url]
+    if method == "grpo":
+        trainer = server_grpo(path, tmp_path, urls, **fields)
+    else:
+        trainer = server_rloo_or_ppo(method, path, tmp_path, urls, **fields)
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log or "loss/policy_avg" in log]
+    assert len(logs) == 2, trainer.state.log_history
+    assert all(log["routing/replayed_token_layers"] > 0 and 0.0 < log["routing/agreement"] <= 1.0 for log in logs)
+
+
+def test_a_cut_answer_and_its_continuation_keep_the_routes_of_the_weights_that_drew_each_token():
+    """A partial rollout (a sync cut the answer, `async_rollout_interrupt="partial"`): the joined choice's routes are
+    the cut request's for what it forwarded and the continuation's after; its prompt and tokens match them. Red if
+    the continuation's routes replaced the first part's."""
+    from trl_scale.rollout.client import joined
+    from trl_scale.scoring.routing_replay import encode_routes
+
+    prompt, done, rest = [1, 2, 3], [4, 5], [6, 7, 8]
+    old = np.arange(len(prompt + done) - 1)[:, None, None].repeat(2, 1).repeat(2, 2).astype(np.uint8)  # [4, 2, 2]
+    new = 100 + np.arange(len(prompt + done + rest) - 1)[:, None, None].repeat(2, 1).repeat(2, 2).astype(np.uint8)
+    cut = {"token_ids": done, "prompt_token_ids": prompt, "finish_reason": "abort"}
+    cut["routed_experts"] = encode_routes(old)
+    more = {"token_ids": rest, "prompt_token_ids": prompt + done, "finish_reason": "stop"}
+    whole = joined(cut, {**more, "routed_experts": encode_routes(new)})
+    routes = decode_routes(whole["routed_experts"])
+    assert routes.shape == (len(prompt + done + rest) - 1, 2, 2) and whole["prompt_token_ids"] == prompt
+    assert np.array_equal(routes[: len(old)], old) and np.array_equal(routes[len(old) :], new[len(old) :])
+    book = RouteBook()
+    book.add(whole["prompt_token_ids"] + whole["token_ids"], routes)  # the record's sequence fits the routes
+    assert "routed_experts" not in joined(cut, more)  # a continuation without routes: none (the feature names it)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FutureTimeoutError
 
+import numpy as np
 import requests
 
 from ..errors import RolloutError
@@ -68,7 +69,8 @@ def _check_choices(choices, n: int, cut_allowed: bool = False) -> None:
 
 def joined(cut: dict, rest: dict) -> dict:
     """A cut choice and its continuation as one choice: token ids, text and per-token log-prob fields concatenated;
-    the continuation's finish reason; the cut part's index and prompt."""
+    the continuation's finish reason; the cut part's index and prompt; the routes of the weights that drew each
+    token, where the server returns routes."""
     whole = dict(rest)
     whole["token_ids"] = list(cut["token_ids"]) + list(rest["token_ids"])
     whole["text"] = (cut.get("text") or "") + (rest.get("text") or "")
@@ -82,7 +84,19 @@ def joined(cut: dict, rest: dict) -> dict:
             shift = len(cut.get("text") or "")
             merged["text_offset"] = list(first["text_offset"]) + [o + shift for o in second.get("text_offset") or []]
         whole["logprobs"] = merged
+    if cut.get("routed_experts") and rest.get("routed_experts"):
+        whole["routed_experts"] = joined_routes(cut["routed_experts"], rest["routed_experts"])
     return whole
+
+
+def joined_routes(cut: str, rest: str) -> str:
+    """The routes of a cut choice and its continuation (vLLM's `routed_experts`, from prompt token 0): the cut
+    request's for every token it forwarded (the weights that drew them), the continuation's after (its prefill read
+    the cut part's last token first)."""
+    from ..scoring.routing_replay import decode_routes, encode_routes
+
+    first, second = decode_routes(cut), decode_routes(rest)
+    return encode_routes(np.concatenate([first, second[len(first) :]]))
 
 
 class FleetMembership:

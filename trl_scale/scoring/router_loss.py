@@ -29,13 +29,14 @@ def asks_router_logits(config, kwargs: dict) -> bool:
 
 def router_loss_settings(model) -> tuple[int, int, float]:
     """(experts, experts per token, the loss's coefficient) as TRL's fused forward reads them (GPT-OSS's config under
-    transformers 5.0-5.5 names no `num_experts`: the model's own attribute, as TRL takes it)."""
+    transformers 5.0-5.5 names no `num_experts`: the model's own attribute, as TRL takes it). GraniteMoE's config
+    names only `num_local_experts`, where TRL's forward stops (AttributeError): read there."""
     text = model.config.get_text_config()
     version = Version(transformers.__version__)
     if version < Version("5.0.0") or (text.model_type == "gpt_oss" and version < Version("5.6.0")):
         experts = model.num_experts
     else:
-        experts = text.num_experts
+        experts = getattr(text, "num_experts", None) or text.num_local_experts
     top_k = model.num_experts_per_tok if version < Version("5.0.0") else text.num_experts_per_tok
     return experts, top_k, float(getattr(text, "router_aux_loss_coef", 0.0))
 

@@ -1,7 +1,7 @@
 """Routing replay (R3, "Rollout Routing Replay", arXiv 2510.11370) on transformers' MoE blocks: each token's
 experts, as the sampler chose them, taken by the trainer's routers in every forward of that token (old, reference,
-policy); the router still computes its logits, and the gate's weights are the softmax of those logits over the
-replayed experts (normalized where the family normalizes its top-k), so the router keeps its gradient.
+policy); the router still computes its logits, and the gate's weights are computed from them over the replayed
+experts as the family's router computes them over its own (`ROUTERS`), so the router keeps its gradient.
 
 Routes are looked up by the sequence's tokens (`RouteBook`): a forward's rows are found whatever order, split or
 chunk TRL scores them in. A top-level forward gets its rows' routes in its padded layout (a forward pre-hook on the
@@ -21,9 +21,46 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-# transformers 5's MoE routers that return (logits, scores, indices): class name -> whether the scores are cast to
-# the logits' dtype (Mixtral keeps them in float32 and always normalizes its top-k)
-ROUTERS = {"Qwen3MoeTopKRouter": True, "Qwen2MoeTopKRouter": True, "OlmoeTopKRouter": True, "MixtralTopKRouter": False}
+
+def _softmax_over_all(router, logits, chosen):
+    """Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral: the softmax over every expert at the chosen ones, renormalized where the
+    family normalizes its top-k (Mixtral always does)."""
+    weights = F.softmax(logits.float(), dim=-1).gather(1, chosen)
+    if getattr(router, "norm_topk_prob", True):
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights
+
+
+def _softmax_over_chosen(router, logits, chosen):
+    """GraniteMoE: the softmax over the chosen experts' logits."""
+    return F.softmax(logits.float().gather(1, chosen), dim=-1)
+
+
+def _sigmoid_scaled(router, logits, chosen):
+    """DeepSeek-V3: the sigmoid of the chosen experts' logits (the bias-corrected, group-limited choice is the
+    sampler's), normalized where the family does, times its routed scaling factor."""
+    weights = logits.float().sigmoid().gather(1, chosen)
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * router.routed_scaling_factor
+
+
+# transformers 5's MoE routers, each returning (logits, weights, indices): class name -> the gate's weights over
+# given experts, as its own forward computes them over the experts it chooses
+ROUTERS = {
+    "Qwen3MoeTopKRouter": _softmax_over_all,
+    "Qwen2MoeTopKRouter": _softmax_over_all,
+    "OlmoeTopKRouter": _softmax_over_all,
+    "MixtralTopKRouter": _softmax_over_all,
+    "GraniteMoeTopKRouter": _softmax_over_chosen,
+    "DeepseekV3TopkRouter": _sigmoid_scaled,
+}
+
+
+def routers_of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's MoE routers routing replay knows, in the order the layers run them."""
+    return [module for module in model.modules() if type(module).__name__ in ROUTERS]
+
 
 _active = threading.local()  # the replay of the forward running on this thread, and its current layout
 
@@ -104,7 +141,7 @@ class RouteReplay:
     """Installed on a model: while `book` knows a forward's sequences, its routers take their experts."""
 
     def __init__(self, model: torch.nn.Module, book: RouteBook):
-        self.routers = [m for m in model.modules() if type(m).__name__ in ROUTERS]
+        self.routers = routers_of(model)
         if not self.routers:
             families = ", ".join(sorted(ROUTERS))
             raise ValueError(
@@ -177,13 +214,8 @@ class RouteReplay:
             self.agreement.compared += int(known.sum())
             self.agreement.matched += int((own == replayed[known].sort(dim=-1).values).all(dim=-1).sum())
         chosen = torch.where(known[:, None], replayed, indices)
-        probs = F.softmax(logits.float(), dim=-1)
-        weights = probs.gather(1, chosen)
-        if getattr(router, "norm_topk_prob", True):
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if ROUTERS[type(router).__name__]:
-            weights = weights.to(logits.dtype)
-        return logits, weights, chosen
+        weights = ROUTERS[type(router).__name__](router, logits, chosen)
+        return logits, weights.to(scores.dtype), chosen
 
 
 def _fingerprint(hidden: torch.Tensor) -> tuple:

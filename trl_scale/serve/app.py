@@ -25,7 +25,7 @@ def create_app(model_path: str, **options) -> FastAPI:
         raise TypeError(f"create_app got unknown options {sorted(unknown)}")
     served = ServedModel.load(ServeSettings(model_path=model_path, **options))
     if served.settings.return_routed_experts:
-        check_routes_servable(served.model.config)
+        check_routes_servable(served.model)
     app = FastAPI(title="trl-scale serve")
     app.state.served = served
     _add_security(app, served.settings)

@@ -38,6 +38,8 @@ ModelFamily = Literal[
     "mixtral",
     "olmoe",
     "gpt_oss",
+    "deepseek_v3",
+    "granitemoe",
 ]
 
 # Families beyond Llama-style configs, each as (config class, keyword arguments in terms of the common sizes).
@@ -86,6 +88,15 @@ _FAMILIES = {
         {"head_dim": "head_dim", "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
          "layer_types": ["sliding_attention", "full_attention"]},
     ),
+    # DeepSeek-V3: multi-head latent attention, sigmoid routing limited to groups with a bias correction, a shared
+    # expert; GraniteMoE: a softmax over the chosen experts' logits (its config names no `num_experts`)
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        {"moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+         "first_k_dense_replace": 0, "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8,
+         "qk_nope_head_dim": 8, "v_head_dim": 16, "n_shared_experts": 1, "num_key_value_heads": "num_heads"},
+    ),
+    "granitemoe": ("GraniteMoeConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }  # fmt: skip
 ModelKind = Literal["causal-lm", "reward"]
 
@@ -140,7 +151,8 @@ def tiny_config(
         )
     class_name, extra = _FAMILIES[family]
     head_dim = hidden_size // num_heads
-    extra = {k: head_dim if v == "head_dim" else v for k, v in extra.items()}
+    placeholders = {"head_dim": head_dim, "num_heads": num_heads}  # MLA keeps a key-value head per attention head
+    extra = {k: placeholders.get(v, v) if isinstance(v, str) else v for k, v in extra.items()}
     extra = {k: v for k, v in extra.items() if k != "layer_types" or len(v) == num_layers}
     return getattr(transformers, class_name)(**{**common, **extra, **overrides})
 
