@@ -368,3 +368,19 @@ def test_a_cut_answer_and_its_continuation_keep_the_routes_of_the_weights_that_d
     book = RouteBook()
     book.add(whole["prompt_token_ids"] + whole["token_ids"], routes)  # the record's sequence fits the routes
     assert "routed_experts" not in joined(cut, more)  # a continuation without routes: none (the feature names it)
+
+
+def test_a_deepseek_v3_policy_syncs_and_replays_over_serve(zoo, tmp_path):
+    """DeepSeek-V3 (group-limited, bias-corrected routing; its routing bias a buffer the checkpoint holds, no sync
+    carries and nothing trains): its syncs pass the placement check, the server's routes are its router's own
+    choice, and GRPO replays them, the servers' log-probs of its samples within float noise of the trainer's."""
+    path = zoo("deepseek_v3")
+    (server,) = start_servers(path, 1, (ROUTES,))
+    try:
+        trainer = server_grpo(path, tmp_path, [server.url], max_steps=2, routing_replay=True, weight_sync="shared_dir")
+        trainer.train()
+    finally:
+        server.stop()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logs) == 2 and all(log["routing/agreement"] == 1.0 for log in logs), logs  # fp32 both sides
+    assert all(log["sampling/sampling_logp_difference/mean"] < 1e-4 for log in logs), logs

@@ -35,6 +35,9 @@ class ServerWeights:
 
     shapes: dict[str, tuple[int, ...]]
     source: str  # the checkpoint they were read from
+    # the checkpoint's tensors that are the model's persistent buffers, not parameters (DeepSeek-V3's routing bias):
+    # no optimizer moves them, a sync walks the parameters (as TRL's), so they stay as loaded, alike everywhere
+    buffers: frozenset[str] = frozenset()
 
     def check(self, sent: Iterable[tuple[str, Sequence[int]]], what: str = "weight sync") -> None:
         """Every (name, shape) `sent` lands on a tensor of the same name and shape, and every tensor held is sent;
@@ -54,7 +57,7 @@ class ServerWeights:
                     f"{what}: the trainer's tensor {name!r} has shape {tuple(shape)}, the servers' "
                     f"{tuple(held)} (checkpoint {self.source}). Fix: {PLACEMENT_FIX}"
                 )
-        unsent = [name for name in self.shapes if name not in names]
+        unsent = [name for name in self.shapes if name not in names and name not in self.buffers]
         if unsent:
             raise WeightPlacementError(
                 f"{what}: the servers' weight {unsent[0]!r} ({len(unsent)} in all) gets no tensor from the trainer "
@@ -75,20 +78,32 @@ class ServerWeights:
                 )
 
 
-def server_weights(paths: Iterable[str | None]) -> ServerWeights | None:
+def server_weights(paths: Iterable[str | None], buffers: Iterable[str] = ()) -> ServerWeights | None:
     """The first of `paths` (the servers' model paths, then the policy's) that is a readable checkpoint; None where
-    none is (a server on another machine, a Hub id): the sync is not checked, said once."""
+    none is (a server on another machine, a Hub id): the sync is not checked, said once. `buffers`: the policy's
+    persistent buffers' names (`persistent_buffers`)."""
     tried = [p for p in paths if p]
     for path in tried:
         shapes = read_checkpoint_shapes(path)
         if shapes:
-            return ServerWeights(shapes, path)
+            return ServerWeights(shapes, path, frozenset(buffers))
     logger.warning(
         "the weights a sync sends are not checked against the servers' checkpoint: none of %s is a local directory "
         "with safetensors files",
         tried or "(no model path)",
     )
     return None
+
+
+def persistent_buffers(model) -> set[str]:
+    """The names of `model`'s persistent buffers (those its checkpoint holds), under checkpoint names (read from the
+    modules, not the state dict: nothing is gathered)."""
+    kept = []
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                kept.append((f"{module_name}.{name}" if module_name else name, buffer))
+    return {converted for converted, _ in checkpoint_tensors(model, kept)}
 
 
 class CheckpointNamedWalk:
