@@ -384,3 +384,28 @@ def test_a_deepseek_v3_policy_syncs_and_replays_over_serve(zoo, tmp_path):
     logs = [log for log in trainer.state.log_history if "loss" in log]
     assert len(logs) == 2 and all(log["routing/agreement"] == 1.0 for log in logs), logs  # fp32 both sides
     assert all(log["sampling/sampling_logp_difference/mean"] < 1e-4 for log in logs), logs
+
+
+def test_a_lora_run_on_an_moe_policys_attention_syncs_its_adapter_and_replays(moe_servers, tmp_path):
+    """LoRA on a Qwen3-MoE's attention (`weight_sync="lora"`), routes replayed through PEFT's wrapper: after every
+    sync the fp32 server samples from the policy (the mismatch gate's per-step KL within float noise: the adapter
+    reached it), and its routes are the trainer's own (agreement 1.0)."""
+    from peft import LoraConfig
+
+    path, (fp32, *_) = moe_servers
+    trainer = server_grpo(
+        path,
+        tmp_path,
+        [fp32.url],
+        max_steps=3,
+        routing_replay=True,
+        weight_sync="lora",
+        weight_sync_dir=str(tmp_path / "adapters"),
+        learning_rate=0.05,
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    )
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logs) == 3 and all(log["routing/agreement"] == 1.0 for log in logs), logs
+    assert all(log["rollout/mismatch/server0/kl"] < 1e-6 for log in logs), logs
+    assert logs[-1]["rollout/mismatch/server0/weights_version"] == 3
