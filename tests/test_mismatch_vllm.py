@@ -105,23 +105,16 @@ def test_a_real_server_a_sync_did_not_reach_is_caught_at_the_step_after_it(fp32_
 
 def test_a_real_server_without_the_lora_runs_adapter_is_named(fp32_url, policy, tmp_path, monkeypatch):
     """LoRA on real vLLM: a server that did not load the adapter just synced is named at the probe (vLLM answers the
-    adapter's name with 404); one that did is measured against the policy, and against its base with the adapter
-    off."""
+    adapter's name with 404), though no server is left to generate the first batch."""
     from peft import LoraConfig
 
     from trl_scale.errors import RolloutError
     from trl_scale.rollout.weight_sync.lora import LoraSync
 
-    load = LoraSync._load
     monkeypatch.setattr(LoraSync, "_load", lambda self, server, *args: None)
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     fields = dict(weight_sync="lora", max_steps=1, peft_config=lora)
     trainer = server_grpo(policy, tmp_path / "skipped", [fp32_url], weight_sync_dir=str(tmp_path / "a"), **fields)
     with pytest.raises(RolloutError, match=rf"{fp32_url}: .*the LoRA adapter is not loaded there"):
         trainer.train()
-    monkeypatch.setattr(LoraSync, "_load", load)
-    trainer = server_grpo(policy, tmp_path / "loaded", [fp32_url], weight_sync_dir=str(tmp_path / "b"), **fields)
-    trainer.train()
-    first = next(log for log in trainer.state.log_history if "loss" in log)
-    assert first["rollout/mismatch_probe/server0/kl"] < 1e-6, first
-    assert first["rollout/mismatch_probe/server0/base_kl"] >= 0.0
+    # (a server that loaded it is measured against the policy and its base: tests/test_mismatch.py, over serve)
