@@ -96,14 +96,9 @@ def server_weights(paths: Iterable[str | None], buffers: Iterable[str] = ()) -> 
 
 
 def persistent_buffers(model) -> set[str]:
-    """The names of `model`'s persistent buffers (those its checkpoint holds), under checkpoint names (read from the
-    modules, not the state dict: nothing is gathered)."""
-    kept = []
-    for module_name, module in model.named_modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            if buffer is not None and name not in module._non_persistent_buffers_set:
-                kept.append((f"{module_name}.{name}" if module_name else name, buffer))
-    return {converted for converted, _ in checkpoint_tensors(model, kept)}
+    """The names of `model`'s buffers under checkpoint names: those a checkpoint holds (persistent ones) are exempt
+    from the placement check; the others are in no checkpoint, so the check never waits for them anyway."""
+    return {converted for converted, _ in checkpoint_tensors(model, model.named_buffers())}
 
 
 class CheckpointNamedWalk:
