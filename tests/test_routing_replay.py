@@ -409,3 +409,50 @@ def test_a_lora_run_on_an_moe_policys_attention_syncs_its_adapter_and_replays(mo
     assert len(logs) == 3 and all(log["routing/agreement"] == 1.0 for log in logs), logs
     assert all(log["rollout/mismatch/server0/kl"] < 1e-6 for log in logs), logs
     assert logs[-1]["rollout/mismatch/server0/weights_version"] == 3
+
+
+def test_a_tool_calling_conversation_replays_every_turns_routes(zoo, tmp_path):
+    """Tool calls (TRL's tool loop, synchronous): a conversation's later turn is a request of its own whose prompt is
+    the conversation so far, so its routes cover the sequence TRL scores (booked before the rollout folds the turns'
+    records into the batch's); a conversation TRL cut at max_completion_length is the start of one the book holds.
+    Every training row is replayed (`routing/rows_without_routes` 0: red with the first turn's routes only, 0.375,
+    or without the cut conversations' prefix, 0.125)."""
+    from transformers import AutoTokenizer
+
+    import trl_scale
+    from trl_scale.toy.tools import build_tool_calling_model, tick, tool_prompts
+
+    from .helpers import cpu_args, token_parity_reward
+
+    path = build_tool_calling_model(zoo("qwen3_moe"), str(tmp_path / "tool-moe"))
+    (server,) = start_servers(path, 1, (ROUTES,))
+    try:
+        config = trl_scale.GRPOConfig(
+            **cpu_args(
+                tmp_path / "run",
+                max_steps=2,
+                num_generations=4,
+                max_completion_length=80,
+                max_tool_calling_iterations=1,
+                use_vllm=True,
+                vllm_mode="server",
+                vllm_server_base_urls=[server.url],
+                routing_replay=True,
+            )
+        )
+        trainer = trl_scale.GRPOTrainer(
+            model=path,
+            reward_funcs=token_parity_reward,
+            args=config,
+            train_dataset=tool_prompts(32),
+            processing_class=AutoTokenizer.from_pretrained(path),
+            tools=[tick],
+        )
+        trainer.train()
+    finally:
+        server.stop()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logs) == 2 and any(log["tools/call_frequency"] > 0 for log in logs), logs
+    assert any(log["completions/clipped_ratio"] > 0 for log in logs), logs  # a conversation TRL cut
+    for log in logs:
+        assert log["routing/rows_without_routes"] == 0.0 and log["routing/agreement"] == 1.0, log

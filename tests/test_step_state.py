@@ -12,7 +12,7 @@ from trl_scale.rollout.step_state import SERVE_CALLERS, STEP_FIELDS, StepState
 PACKAGE = Path(__file__).resolve().parent.parent / "trl_scale"
 FIELDS = {field.name for field in STEP_FIELDS}
 WRITES = {"give", "add", "replace_newest", "clear"}
-READS = {"take", "take_if_given", "newest"}
+READS = {"take", "take_if_given", "newest", "all"}
 
 
 def _holder(node: ast.expr, cls: str | None) -> bool:

@@ -76,6 +76,10 @@ class BatchRecords:
     def newest(self) -> GeneratedBatch | None:
         return self._records[-1] if self._records else None
 
+    def all(self) -> list[GeneratedBatch]:
+        """Every record of the build, oldest first (a tool loop's later turns add their own)."""
+        return list(self._records)
+
     def replace_newest(self, record: GeneratedBatch) -> None:
         """A later stage of the same batch (the tool loop's turns widen its version spans)."""
         self._records[-1] = record

@@ -110,6 +110,7 @@ STEP_FIELDS = (
             "trainers.server_rollout.ServerRollout.tool_call_loop",
             "trainers.dynamic_sampling.DynamicSampling.candidate_round",
             "trainers.routing_replay.RoutingReplay.generate",
+            "trainers.routing_replay.RoutingReplay.tool_call_loop",
             "rollout.step_state.StepScope.newest_record",
         ),
     ),

@@ -89,6 +89,9 @@ class Agreement:
 
     matched: int = 0
     compared: int = 0
+    # training forwards' rows (grad on), and those whose sequence no server's routes cover (they keep their own)
+    rows: int = 0
+    rows_without_routes: int = 0
 
     @property
     def share(self) -> float | None:
@@ -118,13 +121,23 @@ class RouteBook:
     def __len__(self) -> int:
         return len(self._routes)
 
+    def _longer(self, sequence: tuple[int, ...]) -> tuple[int, np.ndarray] | None:
+        """The routes of a sequence the book holds only as the start of a longer one (TRL cut a conversation at
+        max_completion_length): a token's route depends on the tokens up to it only, so the longer one's first
+        rows are its. Scanned on a miss only."""
+        for key, (start, known) in reversed(self._routes.items()):
+            if len(key) > len(sequence) and key[: len(sequence)] == sequence and len(sequence) > start:
+                return start, known[: len(sequence) - start]
+        return None
+
     def padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: int, k: int) -> torch.Tensor:
         """`[B, T, layers, k]` int64 routes at each row's real tokens (any padding), -1 where none is known."""
         routes = torch.full((*input_ids.shape, layers, k), -1, dtype=torch.long)
         ids, mask = input_ids.cpu(), attention_mask.cpu().bool()
         for row in range(ids.size(0)):
             positions = mask[row].nonzero().squeeze(1)
-            found = self._routes.get(tuple(ids[row, positions].tolist()))
+            sequence = tuple(ids[row, positions].tolist())
+            found = self._routes.get(sequence) or self._longer(sequence)
             if found is None:
                 continue
             start, known = found
@@ -172,6 +185,9 @@ class RouteReplay:
         routes = self.book.padded(input_ids, attention_mask, len(self.routers), self.k)
         _active.replay, _active.routes = self, routes.reshape(-1, len(self.routers), self.k)
         _active.with_grad = torch.is_grad_enabled()
+        if _active.with_grad:
+            self.agreement.rows += routes.size(0)
+            self.agreement.rows_without_routes += int((routes.reshape(routes.size(0), -1) < 0).all(dim=1).sum())
         if _active.with_grad:  # a new training forward: the last one's backward has recomputed what it kept
             self._for_recompute.clear()
         return None

@@ -40,23 +40,33 @@ class RoutingReplay(Feature):
 
     def generate(self, run, proceed, *args, **kwargs):
         output = proceed(*args, **kwargs)
-        record = run.step.records.newest()
-        if record is None:
-            return output
-        routes = record.routes or (None,) * len(record)
-        servers = record.servers or (None,) * len(record)
-        missing = [url for url, known in zip(servers, routes) if known is None]
-        if missing:
-            servers = sorted({str(url) for url in missing})
-            raise RolloutError(
-                f"routing_replay=True, but {servers} returned no routes for {len(missing)} of the batch's "
-                f"{len(record)} completions. Fix: start each server with --enable-return-routed-experts (vLLM: with "
-                "its V2 model runner, VLLM_USE_V2_MODEL_RUNNER=1; trl-scale serve takes the same flag), or "
-                "routing_replay=False"
-            )
-        for sequence, known in record.routes:
-            self.book.add(list(sequence), known)
+        self._book(run.step.records.all())
         return output
+
+    def tool_call_loop(self, run, proceed, *args, **kwargs):
+        """TRL's tool loop sends a conversation's later turns as requests of their own (each turn's prompt the whole
+        conversation so far, so its routes cover the sequence TRL scores): booked here, before the rollout's own
+        hook folds the loop's records into the batch's first-turn record."""
+        output = proceed(*args, **kwargs)
+        self._book(run.step.records.all())
+        return output
+
+    def _book(self, records: list) -> None:
+        missing, total = set(), 0
+        for record in records:
+            routes = record.routes or (None,) * len(record)
+            servers = record.servers or (None,) * len(record)
+            missing.update(str(url) for url, known in zip(servers, routes) if known is None)
+            total += sum(known is None for known in routes)
+            for known in record.routes:
+                if known is not None:
+                    self.book.add(list(known[0]), known[1])
+        if missing:
+            raise RolloutError(
+                f"routing_replay=True, but {sorted(missing)} returned no routes for {total} completions. Fix: start "
+                "each server with --enable-return-routed-experts (vLLM: with its V2 model runner, "
+                "VLLM_USE_V2_MODEL_RUNNER=1; trl-scale serve takes the same flag), or routing_replay=False"
+            )
 
     def log(self, run, logs: dict[str, float]) -> None:
         matched = sum(replay.agreement.matched for replay in self.replays)
@@ -64,5 +74,8 @@ class RoutingReplay(Feature):
         if compared:
             logs["routing/agreement"] = matched / compared
             logs["routing/replayed_token_layers"] = float(compared)
+        rows = sum(replay.agreement.rows for replay in self.replays)
+        if rows:  # a training row whose sequence no server's routes cover (a truncated conversation) keeps its own
+            logs["routing/rows_without_routes"] = sum(r.agreement.rows_without_routes for r in self.replays) / rows
         for replay in self.replays:
-            replay.agreement.matched = replay.agreement.compared = 0
+            replay.agreement = type(replay.agreement)()
