@@ -53,6 +53,18 @@ def _book_of(sampler, sequences, shift: int = 0, swap: bool = False) -> RouteBoo
     return book
 
 
+def _perturbed_sampler(path: str):
+    """The model with its routers' weights moved (a sampler that routes some tokens elsewhere: a bf16 server's
+    near-ties, exaggerated)."""
+    sampler = _model(path)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in sampler.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                parameter.add_(0.5 * torch.randn_like(parameter) * parameter.std())
+    return sampler
+
+
 def _scored(model, input_ids, mask, labels):
     return model(input_ids=input_ids, attention_mask=mask, labels=labels, fused_lm_head=True)
 
@@ -89,12 +101,7 @@ def test_another_samplers_routes_are_taken_and_misplaced_ones_are_not_the_same(z
     path = zoo("qwen3_moe")
     input_ids, mask, labels = padded_scoring_batch(AutoTokenizer.from_pretrained(path))
     sequences = _sequences(input_ids, mask)
-    sampler = _model(path)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, parameter in sampler.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                parameter.add_(0.5 * torch.randn_like(parameter) * parameter.std())
+    sampler = _perturbed_sampler(path)
     model = _model(path, packed)
     own = _scored(model, input_ids, mask, labels).log_probs
     replay = RouteReplay(model, _book_of(sampler, sequences))
@@ -123,12 +130,7 @@ def test_a_checkpointed_layer_recomputes_with_the_routes_its_forward_took(zoo, r
     path = zoo("qwen3_moe")
     input_ids, mask, labels = padded_scoring_batch(AutoTokenizer.from_pretrained(path))
     sequences = _sequences(input_ids, mask)
-    sampler = _model(path)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, parameter in sampler.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                parameter.add_(0.5 * torch.randn_like(parameter) * parameter.std())
+    sampler = _perturbed_sampler(path)
     grads = []
     for checkpointed in (False, True):
         model = _model(path, packed=True).train()
