@@ -58,23 +58,19 @@ def mismatch_figures(
     first = [
         abs(p - s) for sampled, scored in zip(sampler, policy) for s, p in _paired(sampled, scored)[:FIRST_TOKENS]
     ]
-    outside = sum(
-        (clip_max is not None and math.exp(min(d, 700.0)) > clip_max)
-        or (clip_min is not None and math.exp(d) < clip_min)
-        for d in diffs
-    )
+    outside = _outside_bounds(diffs, clip_max, clip_min)
     base_kl = None
     if base is not None:
         base_diffs = [
             b - s for sampled, scored in zip(sampler, base, strict=True) for s, b in _paired(sampled, scored)
         ]
-        base_kl = _kl(base_diffs)
+        base_kl = _k3_sum(base_diffs) / len(base_diffs)
     return MismatchFigures(
         server=server,
         tokens=len(diffs),
         mean_abs=sum(absolute) / len(absolute),
         p99_abs=absolute[min(len(absolute) - 1, math.ceil(0.99 * len(absolute)) - 1)],
-        kl=_kl(diffs),
+        kl=_k3_sum(diffs) / len(diffs),
         past_cap=outside / len(diffs),
         first_tokens_abs=sum(first) / len(first),
         base_kl=base_kl,
@@ -98,13 +94,8 @@ def sequence_mismatch_figures(
     tokens = sum(lengths)
     if not diffs or tokens == 0:
         raise ValueError(f"{server}: no sampled tokens to measure the mismatch on")
-    outside = sum(
-        (clip_max is not None and math.exp(min(d, 700.0)) > clip_max)
-        or (clip_min is not None and math.exp(d) < clip_min)
-        for d in diffs
-    )
-    kl = sum(math.expm1(min(d, 50.0)) - d for d in diffs) / tokens
-    return MismatchFigures(server, tokens, None, None, kl, outside / len(diffs), None)
+    outside = _outside_bounds(diffs, clip_max, clip_min)
+    return MismatchFigures(server, tokens, None, None, _k3_sum(diffs) / tokens, outside / len(diffs), None)
 
 
 def _paired(sampled: Sequence[float], scored: Sequence[float]) -> list[tuple[float, float]]:
@@ -113,10 +104,19 @@ def _paired(sampled: Sequence[float], scored: Sequence[float]) -> list[tuple[flo
     return list(zip(sampled, scored))
 
 
-def _kl(diffs: list[float]) -> float:
-    # k3 = e^d - 1 - d >= 0, unbiased for KL(sampler || policy) under the sampler's draws; d is clamped so that one
-    # token's overflow cannot make the figure inf (it is then past any budget anyway)
-    return sum(math.expm1(min(d, 50.0)) - d for d in diffs) / len(diffs)
+def _k3_sum(diffs: list[float]) -> float:
+    # k3 = e^d - 1 - d >= 0, unbiased for KL(sampler || policy) under the sampler's draws (per token, or per sequence
+    # with d its sum); d is clamped so that one overflow cannot make the figure inf (it is then past any budget anyway)
+    return sum(math.expm1(min(d, 50.0)) - d for d in diffs)
+
+
+def _outside_bounds(diffs: list[float], clip_max: float | None, clip_min: float | None) -> int:
+    """How many ratios e^d lie outside the correction's bounds (None: unbounded there)."""
+    return sum(
+        (clip_max is not None and math.exp(min(d, 700.0)) > clip_max)
+        or (clip_min is not None and math.exp(d) < clip_min)
+        for d in diffs
+    )
 
 
 def likely_cause(figures: MismatchFigures) -> str:
