@@ -125,9 +125,12 @@ class RouteBook:
         """The routes of a sequence the book holds only as the start of a longer one (TRL cut a conversation at
         max_completion_length): a token's route depends on the tokens up to it only, so the longer one's first
         rows are its. Scanned on a miss only."""
+        n = len(sequence)
         for key, (start, known) in reversed(self._routes.items()):
-            if len(key) > len(sequence) and key[: len(sequence)] == sequence and len(sequence) > start:
-                return start, known[: len(sequence) - start]
+            # the length and the last token first: a sequence the book does not hold (an evaluation's, the probe's)
+            # scans it whole, and slicing every key would cost its length each
+            if len(key) > n > start and key[n - 1] == sequence[-1] and key[:n] == sequence:
+                return start, known[: n - start]
         return None
 
     def padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: int, k: int) -> torch.Tensor:
@@ -185,10 +188,9 @@ class RouteReplay:
         routes = self.book.padded(input_ids, attention_mask, len(self.routers), self.k)
         _active.replay, _active.routes = self, routes.reshape(-1, len(self.routers), self.k)
         _active.with_grad = torch.is_grad_enabled()
-        if _active.with_grad:
+        if _active.with_grad:  # a training forward: its rows counted; the last one's backward recomputed what it kept
             self.agreement.rows += routes.size(0)
             self.agreement.rows_without_routes += int((routes.reshape(routes.size(0), -1) < 0).all(dim=1).sum())
-        if _active.with_grad:  # a new training forward: the last one's backward has recomputed what it kept
             self._for_recompute.clear()
         return None
 

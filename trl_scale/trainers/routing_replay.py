@@ -21,6 +21,9 @@ class RoutingReplay(Feature):
     def __init__(self):
         self.book = RouteBook()
         self.replays: list[RouteReplay] = []
+        # the step state whose records were booked last, and how many of them (a record is booked once: the records
+        # of a build only grow; the tool loop's fold replaces the newest with a first-turn record already booked)
+        self._booked: tuple[object, int] = (None, 0)
 
     @classmethod
     def build(cls, plan) -> RoutingReplay | None:
@@ -40,7 +43,7 @@ class RoutingReplay(Feature):
 
     def generate(self, run, proceed, *args, **kwargs):
         output = proceed(*args, **kwargs)
-        self._book(run.step.records.all())
+        self._book(run.step)
         return output
 
     def tool_call_loop(self, run, proceed, *args, **kwargs):
@@ -48,12 +51,17 @@ class RoutingReplay(Feature):
         conversation so far, so its routes cover the sequence TRL scores): booked here, before the rollout's own
         hook folds the loop's records into the batch's first-turn record."""
         output = proceed(*args, **kwargs)
-        self._book(run.step.records.all())
+        self._book(run.step)
         return output
 
-    def _book(self, records: list) -> None:
+    def _book(self, state) -> None:
+        """The routes of the build's records not booked yet; a record without them names its servers."""
+        records = state.records.all()
+        state_booked, count = self._booked
+        new = records[count:] if state_booked is state else records
+        self._booked = (state, len(records))
         missing, total = set(), 0
-        for record in records:
+        for record in new:
             routes = record.routes or (None,) * len(record)
             servers = record.servers or (None,) * len(record)
             missing.update(str(url) for url, known in zip(servers, routes) if known is None)
@@ -75,7 +83,7 @@ class RoutingReplay(Feature):
             logs["routing/agreement"] = matched / compared
             logs["routing/replayed_token_layers"] = float(compared)
         rows = sum(replay.agreement.rows for replay in self.replays)
-        if rows:  # a training row whose sequence no server's routes cover (a truncated conversation) keeps its own
+        if rows:  # a training row whose sequence no server's routes cover (a streamed tool conversation) keeps its own
             logs["routing/rows_without_routes"] = sum(r.agreement.rows_without_routes for r in self.replays) / rows
         for replay in self.replays:
             replay.agreement = type(replay.agreement)()
