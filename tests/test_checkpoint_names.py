@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from trl_scale.checkpoint_names import checkpoint_tensors, checkpoint_views, read_checkpoint_shapes
-from trl_scale.rollout.weight_names import ServerWeights, WeightPlacementError, persistent_buffers, server_weights
+from trl_scale.rollout.weight_names import ServerWeights, WeightPlacementError, buffer_names, server_weights
 from trl_scale.toy import build_tiny_model
 from trl_scale.toy.models import ModelFamily
 
@@ -40,7 +40,7 @@ def test_every_zoo_familys_walk_under_checkpoint_names_is_its_checkpoint(tmp_pat
     assert sorted(sent) == sorted(saved)
     for name, tensor in sent.items():
         assert torch.equal(tensor, saved[name]), name
-    held = ServerWeights(read_checkpoint_shapes(path), path, frozenset(persistent_buffers(model)))
+    held = ServerWeights(read_checkpoint_shapes(path), path, frozenset(buffer_names(model)))
     held.check((n, t.shape) for n, t in sent.items())
     if buffers:  # red: the buffers not exempted, the check would refuse the family's every sync
         with pytest.raises(WeightPlacementError, match="e_score_correction_bias"):

@@ -37,7 +37,7 @@ from .settings import RolloutSettings
 from .step_state import StepScope
 from .syncer import WeightSyncer
 from .weight_dir import WeightDirectory
-from .weight_names import CheckpointNamedWalk, ServerWeights, persistent_buffers, server_weights
+from .weight_names import CheckpointNamedWalk, ServerWeights, buffer_names, server_weights
 from .weight_sync import PolicyWeights, SyncSettings, choose_mode, weight_sync_for
 
 logger = get_logger(__name__)
@@ -185,7 +185,7 @@ class ServerRolloutGeneration(CheckpointNamedWalk, VLLMGeneration):
         chosen = choose_mode(mode, backend)
         # what a sync must land on: the checkpoint a server loaded where it is readable here, else the policy's own
         paths = [r.model_path for r in reports if r.reachable] + [conversion_model(model).name_or_path]
-        held = server_weights(paths, persistent_buffers(conversion_model(model)))
+        held = server_weights(paths, buffer_names(conversion_model(model)))
         return ServersFit(chosen, backend if chosen == "nccl" else None, min(lengths) if lengths else None, held)
 
     # ---- generation -------------------------------------------------------------------------------------

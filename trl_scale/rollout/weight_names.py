@@ -81,7 +81,7 @@ class ServerWeights:
 def server_weights(paths: Iterable[str | None], buffers: Iterable[str] = ()) -> ServerWeights | None:
     """The first of `paths` (the servers' model paths, then the policy's) that is a readable checkpoint; None where
     none is (a server on another machine, a Hub id): the sync is not checked, said once. `buffers`: the policy's
-    persistent buffers' names (`persistent_buffers`)."""
+    buffers' names under checkpoint names (`buffer_names`: the persistent ones are the checkpoint's)."""
     tried = [p for p in paths if p]
     for path in tried:
         shapes = read_checkpoint_shapes(path)
@@ -95,7 +95,7 @@ def server_weights(paths: Iterable[str | None], buffers: Iterable[str] = ()) -> 
     return None
 
 
-def persistent_buffers(model) -> set[str]:
+def buffer_names(model) -> set[str]:
     """The names of `model`'s buffers under checkpoint names: those a checkpoint holds (persistent ones) are exempt
     from the placement check; the others are in no checkpoint, so the check never waits for them anyway."""
     return {converted for converted, _ in checkpoint_tensors(model, model.named_buffers())}
