@@ -97,8 +97,9 @@ def _sampling(request: CompletionRequest, pad: int) -> dict:
 
 def _run(served: ServedModel, request: CompletionRequest, expanded: list[list[int]], vision: dict | None = None):
     """model.generate on the left-padded prompts (with `vision`: the rows' image inputs, for one prompt's rows),
-    under the model's lock and with the request's adapter; returns (completion token rows, their processed
-    log-probs per step, each row's routes where the server returns them, else None)."""
+    under the model's lock and with the request's adapter; returns (each row's completion cut at its end of
+    sequence, and whether it stopped there; the processed log-probs per step; each row's routes where the server
+    returns them, else None)."""
     width = max(len(p) for p in expanded)
     tokenizer, model = served.tokenizer, served.model
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -117,9 +118,9 @@ def _run(served: ServedModel, request: CompletionRequest, expanded: list[list[in
             # a prompt's n rows prefilled once (the same tokens as n prefills: generation/prefill.py)
             sampling = _sampling(request, pad) | (vision or {})
             out = shared_prefill_generate(model.generate, model, input_ids, attention_mask, **sampling)
+        completions = _cut_at_eos(served, out.sequences[:, width:].tolist())
         routes = None
         if served.settings.return_routed_experts:  # with the weights and adapter that generated them
-            completions = _cut_at_eos(served, out.sequences[:, width:].tolist())
             sequences = [prompt + tokens for prompt, (tokens, _) in zip(expanded, completions)]
             routes = routed_experts(model, sequences, request.routed_experts_prompt_start)
         if served.settings.token_delay:  # a slower server: fewer tokens per second, with the model held
@@ -128,7 +129,7 @@ def _run(served: ServedModel, request: CompletionRequest, expanded: list[list[in
         time.sleep(served.settings.step_delay * (out.sequences.shape[1] - width))
     # Processed log-probs (after temperature/top-k/top-p), as vLLM's `processed_logprobs` mode gives them.
     step_logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)
-    return out.sequences[:, width:].tolist(), step_logprobs, routes
+    return completions, step_logprobs, routes
 
 
 def _cut_at_eos(served: ServedModel, sequences: list[list[int]]) -> list[tuple[list[int], bool]]:
@@ -165,9 +166,9 @@ def generate(
 ) -> dict:
     """The choices of `prompts` (`vision`: the image inputs of a single prompt's n rows, `multimodal.py`)."""
     expanded = [p for p in prompts for _ in range(request.n)]  # prompt-major, as vLLM orders choices
-    sequences, step_logprobs, routes = _run(served, request, expanded, vision)
+    completions, step_logprobs, routes = _run(served, request, expanded, vision)
     choices = []
-    for i, (tokens, stopped) in enumerate(_cut_at_eos(served, sequences)):
+    for i, (tokens, stopped) in enumerate(completions):
         choice = {
             "index": i,
             "text": served.tokenizer.decode(tokens, skip_special_tokens=True),
